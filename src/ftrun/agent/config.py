@@ -1,0 +1,55 @@
+"""The per-node agent's configuration (built by `ftrun.ft_launcher.config` only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+
+
+class Std:
+    """Bit flags for which worker streams are redirected/teed to files (torchrun's values)."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    """How one node runs, watches, stops and restarts its local workers."""
+
+    entrypoint: tuple[str, ...]
+    """The full worker command line (python -u script args, python -m mod args, or no-python)."""
+    nproc_per_node: int = 1
+    role: str = "default"
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    log_dir: Path | None = None
+    """Where events and per-cycle worker logs go; None means a fresh directory under /tmp."""
+    redirects: Mapping[int, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    """local rank -> Std flags of streams written to files only (missing rank: Std.NONE)."""
+    tee: Mapping[int, int] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    """local rank -> Std flags of streams written to files and the console."""
+    local_ranks_filter: frozenset[int] | None = None
+    """Local ranks whose output reaches the console; None means all."""
+    workers_stop_timeout: float = 15.0
+    termination_signal: signal.Signals = signal.SIGTERM
+    signals_to_handle: tuple[signal.Signals, ...] = (
+        signal.SIGTERM,
+        signal.SIGINT,
+        signal.SIGHUP,
+        signal.SIGQUIT,
+    )
+    exit_barrier_timeout: float = 300.0
+    node_name: str | None = None
+    """Names this node in events and logs; None: SLURMD_NODENAME, else host and pid."""
+    gpu_memory_reclaim_timeout: float = 0.0
+    """After a stop, wait up to this long for the dead workers' GPU memory to be freed (0: off)."""
+    gpu_memory_tolerance_mb: float = 512.0
+    """GPU memory still in use (per device) that counts as released."""
+    extra_env: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    """Added to every worker's environment (e.g. OMP_NUM_THREADS)."""

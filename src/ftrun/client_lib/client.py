@@ -1,0 +1,268 @@
+"""RankMonitorClient: the thin in-worker side of the heartbeat path.
+
+Method names match NVIDIA Resiliency Extension's client, so switching is an import change.
+Heartbeats and section marks are fire-and-forget: one non-blocking ZeroMQ send of a frame that
+was encoded once. Only `init_workload_monitoring`, the timeout calculations and
+`load_state_dict` wait for the server (with a timeout).
+
+The launcher sets the environment the client reads (see `ftrun.rank_monitor.config`):
+`FTRUN_MONITOR_ADDR`, `FTRUN_JOB_DIR`, `FTRUN_STACK_SIGNAL` and torchrun's `RANK`.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import zmq
+
+from ftrun.errors import ProtocolError, RankMonitorClientError
+from ftrun.rank_monitor import protocol as wire
+from ftrun.rank_monitor.config import ENV_JOB_DIR, ENV_MONITOR_ADDR, ENV_RANK, ENV_STACK_SIGNAL
+from ftrun.rank_monitor.stacks import stack_file
+
+REQUEST_TIMEOUT_S = float(os.environ.get("FTRUN_MONITOR_REQUEST_TIMEOUT", "30"))
+
+
+class RankMonitorClient:
+    """Reports one rank's progress to its node's RankMonitorServer."""
+
+    def __init__(self) -> None:
+        self._sock: zmq.Socket | None = None
+        self._ctx: zmq.Context | None = None
+        self._heartbeat_frame = wire.encode(wire.Heartbeat())
+        self._end_all_frame = wire.encode(wire.EndAllSections())
+        self._section_frames: dict[str, tuple[bytes, bytes]] = {}
+        self._open_sections: set[str] = set()
+        self._seq = 0
+        self._timeouts: wire.Timeouts | None = None
+        self._calculated: dict[str, Any] = {}
+        self._stack_stream: IO[str] | None = None
+        self.dropped = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def init_workload_monitoring(self) -> None:
+        """Connect to the node's monitor and register this rank; starts its timeouts."""
+        if self._sock is not None:
+            raise RankMonitorClientError("init_workload_monitoring() was already called")
+        address, job_dir, stack_signal, rank = _env()
+        self._register_stack_dump(job_dir, rank, stack_signal)
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.connect(address)
+        self._sock = sock
+        try:
+            reply = self._request(wire.Hello(seq=self._next_seq(), rank=rank, pid=os.getpid()))
+            self._timeouts = wire.Timeouts.from_wire(reply)
+            if self._calculated:
+                self._apply_saved()
+        except BaseException:
+            self._close()
+            raise
+
+    def shutdown_workload_monitoring(self) -> None:
+        """Deregister cleanly; a no-op when not initialized."""
+        if self._sock is None:
+            return
+        self._send(wire.encode(wire.Goodbye()))
+        self._close()
+
+    # ---- the hot path ------------------------------------------------------------------------
+
+    def send_heartbeat(self) -> None:
+        sock = self._sock
+        if sock is None:
+            raise RankMonitorClientError("send_heartbeat() before init_workload_monitoring()")
+        try:
+            sock.send(self._heartbeat_frame, zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1
+
+    def start_section(self, name: str) -> None:
+        frames = self._section_frames.get(name) or self._encode_section(name)
+        if name in self._open_sections:
+            raise RankMonitorClientError(f"section {name!r} is already open")
+        self._send(frames[0])
+        self._open_sections.add(name)
+
+    def end_section(self, name: str) -> None:
+        if name not in self._open_sections:
+            raise RankMonitorClientError(f"end_section({name!r}) but that section is not open")
+        self._send(self._section_frames[name][1])
+        self._open_sections.discard(name)
+
+    def end_all_sections(self) -> None:
+        self._send(self._end_all_frame)
+        self._open_sections.clear()
+
+    # ---- timeouts ----------------------------------------------------------------------------
+
+    def calculate_and_set_hb_timeouts(self, skip_if_not_ready: bool = False) -> bool:
+        """Set heartbeat timeouts to safety_factor x the longest observed interval."""
+        return self._calculate(True, (), False, skip_if_not_ready)
+
+    def calculate_and_set_section_timeouts(
+        self,
+        selected_sections: Iterable[str] | None = None,
+        calc_out_of_section: bool = True,
+        skip_if_not_ready: bool = False,
+    ) -> bool:
+        """Set section (and out-of-section) timeouts from observed durations."""
+        names = None if selected_sections is None else tuple(selected_sections)
+        return self._calculate(False, names, calc_out_of_section, skip_if_not_ready)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The calculated timeouts, to save with a checkpoint (plain JSON-able data)."""
+        return {key: (dict(v) if isinstance(v, dict) else v) for key, v in self._calculated.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore calculated timeouts; applied now if initialized, else at init."""
+        self._calculated = _validated_state(state)
+        if self._sock is not None:
+            self._apply_saved()
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _calculate(
+        self,
+        heartbeat: bool,
+        sections: tuple[str, ...] | None,
+        out_of_section: bool,
+        skip_if_not_ready: bool,
+    ) -> bool:
+        self._require_init("calculating timeouts")
+        request = wire.CalcTimeouts(
+            self._next_seq(), heartbeat, sections, out_of_section, skip_if_not_ready
+        )
+        before = self._timeouts
+        after = wire.Timeouts.from_wire(self._request(request))
+        self._timeouts = after
+        if heartbeat:
+            self._calculated["heartbeat"] = {
+                "initial": after.initial_heartbeat,
+                "subsequent": after.heartbeat,
+            }
+        changed = {n: t for n, t in after.sections.items() if before.sections.get(n) != t}
+        if changed:
+            self._calculated.setdefault("sections", {}).update(changed)
+        if out_of_section and after.out_of_section != before.out_of_section:
+            self._calculated["out_of_section"] = after.out_of_section
+        return after != before
+
+    def _apply_saved(self) -> None:
+        current = self._timeouts
+        assert current is not None
+        saved = self._calculated
+        hb = saved.get("heartbeat", {})
+        merged = wire.Timeouts(
+            initial_heartbeat=hb.get("initial", current.initial_heartbeat),
+            heartbeat=hb.get("subsequent", current.heartbeat),
+            sections={**current.sections, **saved.get("sections", {})},
+            out_of_section=saved.get("out_of_section", current.out_of_section),
+        )
+        reply = self._request(wire.SetTimeouts(self._next_seq(), merged))
+        self._timeouts = wire.Timeouts.from_wire(reply)
+
+    def _encode_section(self, name: str) -> tuple[bytes, bytes]:
+        if not isinstance(name, str) or not 0 < len(name) <= wire.MAX_NAME_LEN:
+            raise RankMonitorClientError(
+                f"a section name must be a string of 1..{wire.MAX_NAME_LEN} characters"
+            )
+        frames = (wire.encode(wire.SectionStart(name)), wire.encode(wire.SectionEnd(name)))
+        self._section_frames[name] = frames
+        return frames
+
+    def _send(self, frame: bytes) -> None:
+        sock = self._require_init("sending to the monitor")
+        try:
+            sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1
+
+    def _request(self, message: wire.Message) -> Any:
+        sock = self._require_init("a monitor request")
+        sock.send(wire.encode(message))
+        seq = message.seq  # type: ignore[union-attr]
+        while sock.poll(int(REQUEST_TIMEOUT_S * 1000)):
+            try:
+                reply = wire.decode(sock.recv())
+            except ProtocolError as exc:
+                raise RankMonitorClientError(f"bad reply from the monitor: {exc}") from None
+            if isinstance(reply, wire.Reply) and reply.seq == seq:
+                if not reply.ok:
+                    raise RankMonitorClientError(f"the monitor refused: {reply.error}")
+                return reply.data
+        raise RankMonitorClientError(f"no answer from the monitor within {REQUEST_TIMEOUT_S}s")
+
+    def _require_init(self, what: str) -> zmq.Socket:
+        if self._sock is None:
+            raise RankMonitorClientError(f"{what} before init_workload_monitoring()")
+        return self._sock
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _register_stack_dump(self, job_dir: Path, rank: int, sig: signal.Signals) -> None:
+        path = stack_file(job_dir, rank, os.getpid())
+        self._stack_stream = path.open("a", encoding="utf-8")
+        # Stays registered after shutdown: a late dump request must not kill the process.
+        faulthandler.register(sig, file=self._stack_stream, all_threads=True, chain=False)
+
+    def _close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        if self._ctx is not None:
+            self._ctx.term()
+        self._sock = self._ctx = None
+        self._open_sections.clear()
+
+
+def _env() -> tuple[str, Path, signal.Signals, int]:
+    values = {}
+    for name in (ENV_MONITOR_ADDR, ENV_JOB_DIR, ENV_RANK):
+        value = os.environ.get(name)
+        if not value:
+            raise RankMonitorClientError(f"{name} is not set: run this worker under ft_launcher")
+        values[name] = value
+    try:
+        rank = int(values[ENV_RANK])
+        stack_signal = signal.Signals(int(os.environ.get(ENV_STACK_SIGNAL, signal.SIGUSR2)))
+    except ValueError as exc:
+        raise RankMonitorClientError(f"bad monitor environment: {exc}") from None
+    return values[ENV_MONITOR_ADDR], Path(values[ENV_JOB_DIR]), stack_signal, rank
+
+
+def _validated_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(state, Mapping) or set(state) - {"heartbeat", "sections", "out_of_section"}:
+        raise RankMonitorClientError("not a RankMonitorClient state_dict")
+    hb = state.get("heartbeat", {})
+    try:
+        timeouts = wire.Timeouts.from_wire(
+            [
+                hb.get("initial"),
+                hb.get("subsequent"),
+                dict(state.get("sections", {})),
+                state.get("out_of_section"),
+            ]
+        )
+    except (ProtocolError, AttributeError, TypeError) as exc:
+        raise RankMonitorClientError(f"invalid RankMonitorClient state_dict: {exc}") from None
+    result: dict[str, Any] = {}
+    if "heartbeat" in state:
+        result["heartbeat"] = {
+            "initial": timeouts.initial_heartbeat,
+            "subsequent": timeouts.heartbeat,
+        }
+    if "sections" in state:
+        result["sections"] = dict(timeouts.sections)
+    if "out_of_section" in state:
+        result["out_of_section"] = timeouts.out_of_section
+    return result

@@ -1,0 +1,64 @@
+"""Exit codes and the exception hierarchy: the contract between ftrun and the scheduler.
+
+Only `main()` functions call `sys.exit`; everything else raises an `FtrunError` subclass that
+carries the exit status it should end the launcher with.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    """How an `ft_launcher` process ends; `slurm/` turns these into relaunch decisions."""
+
+    SUCCESS = 0
+    """Every worker of the job finished successfully."""
+    FAILED = 1
+    """The in-job restart budget is spent (or the job cannot go on); relaunching may help."""
+    USAGE = 2
+    """A bad flag, YAML file or environment value; relaunching will not help."""
+    DO_NOT_RELAUNCH = 3
+    """Retrying is pointless (unhealthy node, non-transient failure): do not relaunch."""
+    PREEMPTED = 75
+    """Stopped by SIGTERM/SIGINT (preemption, time limit): relaunch me (EX_TEMPFAIL)."""
+
+
+class FtrunError(Exception):
+    """Base of every ftrun error; `exit_code` is what the launcher exits with."""
+
+    exit_code: ExitCode = ExitCode.FAILED
+
+
+class ConfigError(FtrunError):
+    """A configuration value is invalid (CLI flag, YAML, environment)."""
+
+    exit_code = ExitCode.USAGE
+
+
+class RankMonitorClientError(FtrunError):
+    """The in-worker client was misused or cannot reach its server."""
+
+
+class ProtocolError(FtrunError):
+    """A monitor message is malformed, oversized or of an unknown type."""
+
+
+class RendezvousFailedError(FtrunError):
+    """The nodes could not meet (timeout, store gone, bad infra rank)."""
+
+
+class NodeUnhealthyError(FtrunError):
+    """A health check failed on this node: it must not run workers."""
+
+    exit_code = ExitCode.DO_NOT_RELAUNCH
+
+
+class RestartBudgetSpentError(FtrunError):
+    """A failure happened after `--max-restarts` in-job restarts."""
+
+
+class PreemptedError(FtrunError):
+    """The launcher was asked to stop (SIGTERM/SIGINT); not a failure of the job."""
+
+    exit_code = ExitCode.PREEMPTED

@@ -1,0 +1,50 @@
+"""The RankMonitorServer's configuration and the environment contract with workers."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from ftrun.rank_monitor.protocol import Timeouts
+
+# Environment variables the launcher sets for every worker; the client reads them.
+ENV_MONITOR_ADDR = "FTRUN_MONITOR_ADDR"
+"""ZeroMQ endpoint of the node's RankMonitorServer (`ipc://<job dir>/monitor.sock`)."""
+ENV_JOB_DIR = "FTRUN_JOB_DIR"
+"""The per-job 0700 directory; stack dumps go to `<job dir>/stacks/`."""
+ENV_STACK_SIGNAL = "FTRUN_STACK_SIGNAL"
+"""Signal number on which the client dumps its Python stacks (faulthandler)."""
+ENV_RANK = "RANK"
+"""The worker's global rank, as torchrun sets it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankMonitorConfig:
+    """Timeouts in seconds (`None` = that check is off) and stack-capture settings."""
+
+    initial_rank_heartbeat_timeout: float | None = 3600.0
+    rank_heartbeat_timeout: float | None = 2700.0
+    rank_section_timeouts: Mapping[str, float | None] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    rank_out_of_section_timeout: float | None = None
+    safety_factor: float = 5.0
+    stack_signal: signal.Signals = signal.SIGUSR2
+    stack_capture_timeout: float = 1.0
+    """How long to wait for a hung rank's stack dump before reporting without it."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "rank_section_timeouts", MappingProxyType(dict(self.rank_section_timeouts))
+        )
+
+    def initial_timeouts(self) -> Timeouts:
+        """The timeouts a rank starts with, before any calculation or loaded state."""
+        return Timeouts(
+            initial_heartbeat=self.initial_rank_heartbeat_timeout,
+            heartbeat=self.rank_heartbeat_timeout,
+            sections=dict(self.rank_section_timeouts),
+            out_of_section=self.rank_out_of_section_timeout,
+        )

@@ -1,0 +1,337 @@
+"""RankMonitorServer: one per node, watches every local rank, reports hangs as verdicts.
+
+One thread owns the ZeroMQ ROUTER socket and the deadline heap; it sleeps exactly until the next
+deadline or message, so a verdict fires within milliseconds of its deadline. The owner (the
+agent, or a test) talks to it through `expect_rank`/`forget_rank` and receives `Verdict`s through
+a callback (default: the `verdicts` queue).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import heapq
+import logging
+import os
+import queue
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import zmq
+
+from ftrun.errors import ProtocolError
+from ftrun.rank_monitor import protocol as wire
+from ftrun.rank_monitor import stacks
+from ftrun.rank_monitor.config import (
+    ENV_JOB_DIR,
+    ENV_MONITOR_ADDR,
+    ENV_STACK_SIGNAL,
+    RankMonitorConfig,
+)
+from ftrun.rank_monitor.tracker import HangKind, NotReadyError, Overdue, RankProgress
+
+log = logging.getLogger("ftrun.rank_monitor")
+
+_MAX_DRAIN = 512  # messages handled per wake-up, so a flooding rank cannot delay deadlines
+_MAX_SLEEP_MS = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """A rank declared hung: who, why, how long it was waited for, and where it was stuck."""
+
+    rank: int
+    pid: int
+    kind: HangKind
+    section: str | None
+    timeout: float
+    waited: float
+    deadline: float
+    detected_at: float
+    stack_file: Path | None
+    stack: str
+
+    def describe(self) -> str:
+        what = f"section {self.section!r}" if self.kind is HangKind.SECTION else self.kind.value
+        return (
+            f"rank {self.rank} (pid {self.pid}) hung: {what} timeout {self.timeout:.3g}s, "
+            f"waited {self.waited:.3f}s; stacks: {self.stack_file or 'not captured'}"
+        )
+
+
+@dataclasses.dataclass
+class _Peer:
+    progress: RankProgress
+    identity: bytes
+
+
+class RankMonitorServer:
+    """Serves all local ranks of one node over `ipc://` in a 0700 per-job directory."""
+
+    def __init__(
+        self,
+        config: RankMonitorConfig,
+        job_dir: Path | None = None,
+        on_verdict: Callable[[Verdict], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.job_dir = Path(job_dir or tempfile.mkdtemp(prefix="ftrun-"))
+        self.job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.job_dir, 0o700)  # mkdir's mode is masked; the socket must stay private
+        (self.job_dir / "stacks").mkdir(mode=0o700, exist_ok=True)
+        self.address = f"ipc://{self.job_dir / 'monitor.sock'}"
+        self.verdicts: queue.SimpleQueue[Verdict] = queue.SimpleQueue()
+        self._on_verdict = on_verdict or self.verdicts.put
+        self._lock = threading.Lock()
+        self._expected: dict[int, int] = {}  # rank -> pid the owner spawned
+        self._peers: dict[bytes, _Peer] = {}  # ZeroMQ identity -> rank state
+        self._heap: list[tuple[float, int, bytes]] = []
+        self._armed: dict[bytes, float] = {}
+        self._ctx = zmq.Context.instance()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.dropped_messages = 0
+
+    # ---- owner API -------------------------------------------------------------------------
+
+    def start(self) -> RankMonitorServer:
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.RCVHWM, 100_000)
+        self._sock.bind(self.address)
+        self._wake_recv = self._ctx.socket(zmq.PAIR)
+        self._wake_send = self._ctx.socket(zmq.PAIR)
+        wake_addr = f"inproc://ftrun-monitor-wake-{id(self)}"
+        self._wake_recv.bind(wake_addr)
+        self._wake_send.connect(wake_addr)
+        self._thread = threading.Thread(target=self._serve, name="rank-monitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._wake_send.send(b"")
+        self._thread.join()
+        self._thread = None
+        for sock in (self._sock, self._wake_recv, self._wake_send):
+            sock.close(linger=0)
+
+    def __enter__(self) -> RankMonitorServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def expect_rank(self, rank: int, pid: int) -> None:
+        """Allow `rank` to register from process `pid` (or a descendant of it)."""
+        with self._lock:
+            self._expected[rank] = pid
+
+    def forget_rank(self, rank: int) -> None:
+        """Stop watching `rank` (its worker was stopped or exited)."""
+        with self._lock:
+            self._expected.pop(rank, None)
+            for identity, peer in list(self._peers.items()):
+                if peer.progress.rank == rank:
+                    del self._peers[identity]
+
+    def forget_all(self) -> None:
+        with self._lock:
+            self._expected.clear()
+            self._peers.clear()
+
+    def worker_env(self) -> dict[str, str]:
+        """The environment variables a worker's RankMonitorClient needs."""
+        return {
+            ENV_MONITOR_ADDR: self.address,
+            ENV_JOB_DIR: str(self.job_dir),
+            ENV_STACK_SIGNAL: str(int(self.config.stack_signal)),
+        }
+
+    # ---- server thread ---------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_recv, zmq.POLLIN)
+        while not self._stopping:
+            events = dict(poller.poll(self._sleep_ms()))
+            if self._sock in events:
+                self._drain()
+            self._fire_due()
+
+    def _sleep_ms(self) -> int:
+        if not self._heap:
+            return _MAX_SLEEP_MS
+        delay = self._heap[0][0] - time.monotonic()
+        # Round up: waking a hair early would only re-arm, waking late costs latency.
+        return max(0, min(_MAX_SLEEP_MS, int(delay * 1000) + 1))
+
+    def _drain(self) -> None:
+        for _ in range(_MAX_DRAIN):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            now = time.monotonic()
+            with self._lock:
+                self._handle(frames, now)
+
+    def _handle(self, frames: list[bytes], now: float) -> None:
+        if len(frames) != 2:
+            self._drop(f"{len(frames)} frames instead of 2")
+            return
+        identity, payload = frames
+        try:
+            message = wire.decode(payload)
+        except ProtocolError as exc:
+            self._drop(str(exc))
+            return
+        if isinstance(message, wire.Hello):
+            self._hello(identity, message, now)
+            return
+        peer = self._peers.get(identity)
+        if peer is None:
+            self._drop(f"{type(message).__name__} from an unregistered peer")
+            if hasattr(message, "seq"):
+                self._reply(identity, message.seq, error="not registered: send HELLO first")
+            return
+        self._dispatch(identity, peer.progress, message, now)
+
+    def _dispatch(
+        self, identity: bytes, progress: RankProgress, message: wire.Message, now: float
+    ) -> None:
+        match message:
+            case wire.Heartbeat():
+                progress.heartbeat(now)
+            case wire.SectionStart(name=name):
+                progress.start_section(name, now)
+            case wire.SectionEnd(name=name):
+                progress.end_section(name, now)
+            case wire.EndAllSections():
+                progress.end_all_sections(now)
+            case wire.CalcTimeouts():
+                self._calculate(identity, progress, message)
+            case wire.SetTimeouts(seq=seq, timeouts=timeouts):
+                progress.timeouts = timeouts
+                self._reply(identity, seq, data=timeouts.to_wire())
+            case wire.Goodbye():
+                del self._peers[identity]
+                return
+            case _:
+                self._drop(f"unexpected {type(message).__name__}")
+                return
+        self._arm(identity, progress)
+
+    def _hello(self, identity: bytes, hello: wire.Hello, now: float) -> None:
+        expected_pid = self._expected.get(hello.rank)
+        if expected_pid is None or not _is_self_or_descendant(hello.pid, expected_pid):
+            self._drop(f"HELLO from rank {hello.rank} pid {hello.pid}, which was not spawned here")
+            self._reply(identity, hello.seq, error=f"rank {hello.rank} is not expected here")
+            return
+        for other, peer in list(self._peers.items()):
+            if peer.progress.rank == hello.rank:
+                del self._peers[other]  # a re-registration replaces the old connection
+        progress = RankProgress(hello.rank, hello.pid, now, self.config.initial_timeouts())
+        self._peers[identity] = _Peer(progress, identity)
+        self._reply(identity, hello.seq, data=progress.timeouts.to_wire())
+        self._arm(identity, progress)
+
+    def _calculate(self, identity: bytes, progress: RankProgress, req: wire.CalcTimeouts) -> None:
+        try:
+            progress.timeouts = progress.calculated_timeouts(
+                self.config.safety_factor,
+                req.heartbeat,
+                req.sections,
+                req.out_of_section,
+                req.skip_if_not_ready,
+            )
+        except NotReadyError as exc:
+            self._reply(identity, req.seq, error=str(exc))
+            return
+        self._reply(identity, req.seq, data=progress.timeouts.to_wire())
+
+    def _reply(self, identity: bytes, seq: int, error: str = "", data: object = None) -> None:
+        frame = wire.encode(wire.Reply(seq=seq, ok=not error, error=error, data=data))
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.send_multipart([identity, frame], zmq.NOBLOCK)
+
+    def _drop(self, why: str) -> None:
+        self.dropped_messages += 1
+        log.warning("dropped a monitor message: %s", why)
+
+    # ---- deadlines -------------------------------------------------------------------------
+
+    def _arm(self, identity: bytes, progress: RankProgress) -> None:
+        """Push the rank's earliest deadline if it is earlier than the one already armed.
+
+        Later deadlines are not pushed: when the armed one pops, `_fire_due` re-checks the
+        rank and re-arms, so a heartbeat costs no heap operation.
+        """
+        overdue = progress.next_overdue()
+        if overdue is None:
+            return
+        armed = self._armed.get(identity)
+        if armed is None or overdue.deadline < armed:
+            self._armed[identity] = overdue.deadline
+            heapq.heappush(self._heap, (overdue.deadline, progress.rank, identity))
+
+    def _fire_due(self) -> None:
+        hung: list[tuple[RankProgress, Overdue, float]] = []
+        with self._lock:
+            while self._heap and self._heap[0][0] <= time.monotonic():
+                deadline, _, identity = heapq.heappop(self._heap)
+                if self._armed.get(identity) != deadline:
+                    continue  # superseded by an earlier deadline for the same peer
+                del self._armed[identity]
+                peer = self._peers.get(identity)
+                if peer is None:
+                    continue
+                now = time.monotonic()
+                overdue = peer.progress.next_overdue()
+                if overdue is not None and overdue.deadline <= now:
+                    del self._peers[identity]  # one verdict per registration
+                    hung.append((peer.progress, overdue, now))
+                else:
+                    self._arm(identity, peer.progress)
+        if hung:
+            self._report(hung)
+
+    def _report(self, hung: list[tuple[RankProgress, Overdue, float]]) -> None:
+        files = [stacks.stack_file(self.job_dir, p.rank, p.pid) for p, _, _ in hung]
+        offsets = stacks.request_dumps(
+            [(p.pid, f) for (p, _, _), f in zip(hung, files, strict=True)],
+            self.config.stack_signal,
+        )
+        dumps = stacks.collect_dumps(offsets, self.config.stack_capture_timeout)
+        for (progress, overdue, detected_at), path in zip(hung, files, strict=True):
+            verdict = Verdict(
+                rank=progress.rank,
+                pid=progress.pid,
+                kind=overdue.kind,
+                section=overdue.section,
+                timeout=overdue.deadline - overdue.since,
+                waited=detected_at - overdue.since,
+                deadline=overdue.deadline,
+                detected_at=detected_at,
+                stack_file=path if dumps[path] else None,
+                stack=dumps[path],
+            )
+            log.error("%s", verdict.describe())
+            self._on_verdict(verdict)
+
+
+def _is_self_or_descendant(pid: int, ancestor: int) -> bool:
+    if pid == ancestor:
+        return True
+    try:
+        return any(parent.pid == ancestor for parent in psutil.Process(pid).parents())
+    except psutil.Error:
+        return False

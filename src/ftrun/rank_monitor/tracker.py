@@ -1,0 +1,150 @@
+"""Per-rank progress state: what a rank did, when, and when it is next overdue.
+
+Pure logic with an explicit clock (`now` arguments): the server feeds it received messages and
+asks for deadlines; tests drive it without processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from ftrun.rank_monitor.protocol import Timeouts
+
+
+class HangKind(str, enum.Enum):
+    """Why a rank was declared hung."""
+
+    NO_FIRST_HEARTBEAT = "no first heartbeat"
+    HEARTBEAT = "heartbeat"
+    SECTION = "section"
+    OUT_OF_SECTION = "out of section"
+
+
+@dataclasses.dataclass(frozen=True)
+class Overdue:
+    """The next moment a rank becomes hung, and why."""
+
+    deadline: float
+    kind: HangKind
+    since: float
+    """When the awaited interval started (the deadline minus the timeout)."""
+    section: str | None = None
+
+
+class NotReadyError(ValueError):
+    """Timeouts were requested for something that has not been observed yet."""
+
+
+@dataclasses.dataclass
+class RankProgress:
+    """One rank's observed progress. Out-of-section time counts only after its first section."""
+
+    rank: int
+    pid: int
+    registered_at: float
+    timeouts: Timeouts
+    last_heartbeat: float | None = None
+    first_heartbeat_delay: float | None = None
+    open_sections: dict[str, float] = dataclasses.field(default_factory=dict)
+    out_of_section_since: float | None = None
+    longest_heartbeat_interval: float | None = None
+    longest_section: dict[str, float] = dataclasses.field(default_factory=dict)
+    longest_out_of_section: float | None = None
+
+    def heartbeat(self, now: float) -> None:
+        if self.last_heartbeat is None:
+            self.first_heartbeat_delay = now - self.registered_at
+        else:
+            self.longest_heartbeat_interval = _longest(
+                self.longest_heartbeat_interval, now - self.last_heartbeat
+            )
+        self.last_heartbeat = now
+
+    def start_section(self, name: str, now: float) -> None:
+        if not self.open_sections and self.out_of_section_since is not None:
+            self.longest_out_of_section = _longest(
+                self.longest_out_of_section, now - self.out_of_section_since
+            )
+        self.out_of_section_since = None
+        self.open_sections.setdefault(name, now)
+
+    def end_section(self, name: str, now: float) -> None:
+        started = self.open_sections.pop(name, None)
+        if started is None:
+            return  # the client validates; a stray end must not break monitoring
+        self.longest_section[name] = _longest(self.longest_section.get(name), now - started)
+        if not self.open_sections:
+            self.out_of_section_since = now
+
+    def end_all_sections(self, now: float) -> None:
+        for name in list(self.open_sections):
+            self.end_section(name, now)
+
+    def next_overdue(self) -> Overdue | None:
+        """The earliest deadline among the enabled checks, or None if nothing is watched."""
+        candidates = [c for c in self._candidates() if c is not None]
+        return min(candidates, key=lambda c: c.deadline, default=None)
+
+    def _candidates(self) -> list[Overdue | None]:
+        t = self.timeouts
+        found: list[Overdue | None] = []
+        if self.last_heartbeat is None:
+            found.append(
+                _overdue(HangKind.NO_FIRST_HEARTBEAT, self.registered_at, t.initial_heartbeat)
+            )
+        else:
+            found.append(_overdue(HangKind.HEARTBEAT, self.last_heartbeat, t.heartbeat))
+        for name, started in self.open_sections.items():
+            found.append(_overdue(HangKind.SECTION, started, t.sections.get(name), name))
+        if self.out_of_section_since is not None:
+            found.append(
+                _overdue(HangKind.OUT_OF_SECTION, self.out_of_section_since, t.out_of_section)
+            )
+        return found
+
+    def calculated_timeouts(
+        self,
+        safety_factor: float,
+        heartbeat: bool,
+        sections: tuple[str, ...] | None,
+        out_of_section: bool,
+        skip_if_not_ready: bool,
+    ) -> Timeouts:
+        """New timeouts = safety_factor x the longest observed interval, per check."""
+        t = self.timeouts
+        initial, hb, out = t.initial_heartbeat, t.heartbeat, t.out_of_section
+        section_timeouts = dict(t.sections)
+        missing: list[str] = []
+        if heartbeat:
+            if self.longest_heartbeat_interval is None or self.first_heartbeat_delay is None:
+                missing.append("heartbeat intervals (need >= 2 heartbeats)")
+            else:
+                hb = safety_factor * self.longest_heartbeat_interval
+                initial = max(hb, safety_factor * self.first_heartbeat_delay)
+        names = tuple(self.longest_section) if sections is None else sections
+        for name in names:
+            if name in self.longest_section:
+                section_timeouts[name] = safety_factor * self.longest_section[name]
+            else:
+                missing.append(f"section {name!r} (never completed)")
+        if out_of_section:
+            if self.longest_out_of_section is None:
+                missing.append("out-of-section intervals (need a section after a section)")
+            else:
+                out = safety_factor * self.longest_out_of_section
+        if missing and not skip_if_not_ready:
+            raise NotReadyError("not observed yet: " + ", ".join(missing))
+        return Timeouts(initial, hb, section_timeouts, out)
+
+
+def _longest(previous: float | None, interval: float) -> float:
+    return interval if previous is None else max(previous, interval)
+
+
+def _overdue(
+    kind: HangKind, since: float, timeout: float | None, section: str | None = None
+) -> Overdue | None:
+    if timeout is None:
+        return None
+    return Overdue(deadline=since + timeout, kind=kind, since=since, section=section)

@@ -1,0 +1,53 @@
+"""Rendezvous configuration (built by `ftrun.ft_launcher.config` only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from types import MappingProxyType
+
+
+class RendezvousImpl(str, enum.Enum):
+    """Which rendezvous algorithm the agents use."""
+
+    BARRIER = "barrier"
+    DYNAMIC = "dynamic"
+
+
+@dataclasses.dataclass(frozen=True)
+class RendezvousConfig:
+    """Where and how the nodes of one job meet."""
+
+    endpoint: str
+    """host:port of the c10d TCPStore; the agent on that host serves it."""
+    run_id: str
+    min_nodes: int = 1
+    max_nodes: int = 1
+    impl: RendezvousImpl = RendezvousImpl.BARRIER
+    backend: str = "c10d"
+    """torchrun's --rdzv-backend value, kept for compatibility (static, c10d, etcd...)."""
+    join_timeout: float = 600.0
+    last_call_timeout: float = 30.0
+    close_timeout: float = 30.0
+    is_host: bool | None = None
+    """Serve the store here (None: when the endpoint host is this machine and its port is free)."""
+    use_infra_group_rank: bool = False
+    node_rank: int | None = None
+    """--node-rank (static rendezvous): the group rank to take when infra ranks are used."""
+    local_addr: str | None = None
+    conf: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    """The remaining --rdzv-conf key=value pairs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HealthCheckConfig:
+    """Checks a node passes before every rendezvous round."""
+
+    gpu: bool = True
+    """Check GPUs through NVML when present (skipped, with a log line, when there are none)."""
+    storage_paths: tuple[str, ...] = ()
+    storage_timeout: float = 10.0
+    command: str | None = None
+    """An external command; exit 0 means healthy."""
+    command_timeout: float = 60.0
