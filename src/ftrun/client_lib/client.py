@@ -16,7 +16,7 @@ import os
 import signal
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import zmq
 
@@ -41,7 +41,6 @@ class RankMonitorClient:
         self._seq = 0
         self._timeouts: wire.Timeouts | None = None
         self._calculated: dict[str, Any] = {}
-        self._stack_stream: IO[str] | None = None
         self.dropped = 0
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -212,9 +211,10 @@ class RankMonitorClient:
 
     def _register_stack_dump(self, job_dir: Path, rank: int, sig: signal.Signals) -> None:
         path = stack_file(job_dir, rank, os.getpid())
-        self._stack_stream = path.open("a", encoding="utf-8")
-        # Stays registered after shutdown: a late dump request must not kill the process.
-        faulthandler.register(sig, file=self._stack_stream, all_threads=True, chain=False)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # A raw descriptor, left open and registered after shutdown on purpose: a late dump
+        # request must neither kill the process nor write into a reused descriptor.
+        faulthandler.register(sig, file=fd, all_threads=True, chain=False)
 
     def _close(self) -> None:
         if self._sock is not None:

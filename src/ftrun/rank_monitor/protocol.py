@@ -168,9 +168,7 @@ def decode(frame: bytes) -> Message:
     if len(frame) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
-        raw = msgpack.unpackb(
-            frame, raw=False, strict_map_key=True, max_buffer_size=MAX_MESSAGE_BYTES
-        )
+        raw = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises a zoo of types for bad input
         raise ProtocolError(f"undecodable message: {type(exc).__name__}") from None
     if not isinstance(raw, list) or len(raw) < 2:

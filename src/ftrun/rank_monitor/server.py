@@ -265,7 +265,9 @@ class RankMonitorServer:
 
     def _drop(self, why: str) -> None:
         self.dropped_messages += 1
-        log.warning("dropped a monitor message: %s", why)
+        # A flooding peer must not flood the launcher log too: the first few, then a sample.
+        if self.dropped_messages <= 10 or self.dropped_messages % 1000 == 0:
+            log.warning("dropped monitor message #%d: %s", self.dropped_messages, why)
 
     # ---- deadlines -------------------------------------------------------------------------
 

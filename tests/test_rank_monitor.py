@@ -1,0 +1,189 @@
+"""Process-level tests of the heartbeat path: real ranks, a real server, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ftrun.client_lib import RankMonitorClient, RankMonitorClientError
+from ftrun.rank_monitor import HangKind, RankMonitorConfig, RankMonitorServer, Verdict
+from support import python_cmd
+
+VERDICT_SLACK_S = 0.05  # the contract: a verdict within 50 ms of its deadline
+CI_MARGIN_S = 0.25  # extra allowance for a loaded 2-core CI machine on the arrival side
+
+
+@pytest.fixture
+def make_server(tmp_path: Path) -> Iterator:
+    servers: list[RankMonitorServer] = []
+
+    def make(**timeouts: object) -> RankMonitorServer:
+        config = RankMonitorConfig(
+            **{"initial_rank_heartbeat_timeout": 60.0, "rank_heartbeat_timeout": 60.0, **timeouts}
+        )
+        server = RankMonitorServer(config, job_dir=tmp_path / f"job{len(servers)}").start()
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+def spawn_rank(server: RankMonitorServer, rank: int, *args: str) -> subprocess.Popen[str]:
+    env = {**server.worker_env(), "RANK": str(rank), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.Popen(
+        python_cmd("monitor_worker.py", *args), env=env, stdout=subprocess.PIPE, text=True
+    )
+    server.expect_rank(rank, proc.pid)
+    return proc
+
+
+def await_verdict(server: RankMonitorServer, proc: subprocess.Popen[str]) -> tuple[Verdict, float]:
+    with proc:
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "stuck"
+            verdict = server.verdicts.get(timeout=10)
+            return verdict, time.monotonic()
+        finally:
+            proc.kill()
+
+
+def check_timing(verdict: Verdict, arrived: float, timeout: float) -> None:
+    assert verdict.timeout == pytest.approx(timeout)
+    assert 0 <= verdict.detected_at - verdict.deadline <= VERDICT_SLACK_S
+    assert 0 <= arrived - verdict.deadline <= VERDICT_SLACK_S + CI_MARGIN_S
+    assert verdict.waited >= timeout
+
+
+@pytest.mark.parametrize(
+    ("mode", "timeouts", "kind", "section", "timeout"),
+    [
+        (
+            "never_sends_first_heartbeat",
+            {"initial_rank_heartbeat_timeout": 0.4},
+            HangKind.NO_FIRST_HEARTBEAT,
+            None,
+            0.4,
+        ),
+        ("stops_heartbeating", {"rank_heartbeat_timeout": 0.3}, HangKind.HEARTBEAT, None, 0.3),
+        (
+            "stuck_in_section",
+            {"initial_rank_heartbeat_timeout": None, "rank_section_timeouts": {"step": 0.3}},
+            HangKind.SECTION,
+            "step",
+            0.3,
+        ),
+        (
+            "too_long_out_of_section",
+            {"initial_rank_heartbeat_timeout": None, "rank_out_of_section_timeout": 0.3},
+            HangKind.OUT_OF_SECTION,
+            None,
+            0.3,
+        ),
+    ],
+)
+def test_hang_verdict_on_time_with_stack(make_server, mode, timeouts, kind, section, timeout):
+    server = make_server(**timeouts)
+    proc = spawn_rank(server, 3, mode)
+    verdict, arrived = await_verdict(server, proc)
+    assert (verdict.rank, verdict.pid, verdict.kind, verdict.section) == (
+        3,
+        proc.pid,
+        kind,
+        section,
+    )
+    check_timing(verdict, arrived, timeout)
+    assert f"in {mode}" in verdict.stack, verdict.stack
+    assert verdict.stack_file is not None
+    assert mode in verdict.stack_file.read_text()
+    assert f"rank 3 (pid {proc.pid}) hung" in verdict.describe()
+
+
+def test_calculated_timeouts_survive_a_new_process(make_server, tmp_path: Path):
+    server = make_server()
+    state_file = tmp_path / "state.json"
+    with spawn_rank(server, 0, "calculate", str(state_file)) as first:
+        assert first.communicate(timeout=30)[0].strip() == "done"
+    saved = json.loads(state_file.read_text())
+    hb = saved["heartbeat"]["subsequent"]
+    assert 5 * 0.04 <= hb < 5 * 0.04 + 1.0  # 5x the ~40 ms heartbeat interval
+    assert 5 * 0.03 <= saved["sections"]["step"] < 5 * 0.03 + 1.0
+    assert saved["out_of_section"] >= 5 * 0.01
+
+    with spawn_rank(server, 0, "restore", str(state_file)) as second:
+        out, _ = second.communicate(timeout=30)
+    assert second.returncode == 0
+    assert json.loads(out) == saved
+
+
+def test_restored_timeouts_are_enforced_by_the_server(make_server, monkeypatch):
+    server = make_server(rank_heartbeat_timeout=60.0)
+    for key, value in {**server.worker_env(), "RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    server.expect_rank(0, os.getpid())
+    client = RankMonitorClient()
+    client.load_state_dict({"heartbeat": {"initial": 60.0, "subsequent": 0.3}})
+    client.init_workload_monitoring()
+    try:
+        client.send_heartbeat()
+        verdict = server.verdicts.get(timeout=10)  # the 60 s default would never fire here
+        arrived = time.monotonic()
+    finally:
+        client.shutdown_workload_monitoring()
+    assert verdict.kind is HangKind.HEARTBEAT
+    check_timing(verdict, arrived, 0.3)
+
+
+def test_goodbye_ends_monitoring(make_server, monkeypatch):
+    server = make_server(rank_heartbeat_timeout=0.2)
+    for key, value in {**server.worker_env(), "RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    server.expect_rank(0, os.getpid())
+    client = RankMonitorClient()
+    client.init_workload_monitoring()
+    client.send_heartbeat()
+    client.shutdown_workload_monitoring()
+    with pytest.raises(queue.Empty):
+        server.verdicts.get(timeout=0.6)
+
+
+def test_client_misuse_raises_clear_errors(make_server, monkeypatch):
+    client = RankMonitorClient()
+    with pytest.raises(RankMonitorClientError, match="before init_workload_monitoring"):
+        client.send_heartbeat()
+    with pytest.raises(RankMonitorClientError, match="FTRUN_MONITOR_ADDR is not set"):
+        monkeypatch.delenv("FTRUN_MONITOR_ADDR", raising=False)
+        client.init_workload_monitoring()
+    server = make_server()
+    for key, value in {**server.worker_env(), "RANK": "7"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(RankMonitorClientError, match="rank 7 is not expected here"):
+        client.init_workload_monitoring()
+    server.expect_rank(7, os.getpid())
+    client.init_workload_monitoring()
+    try:
+        with pytest.raises(
+            RankMonitorClientError, match=r"end_section\('step'\) but that section is not open"
+        ):
+            client.end_section("step")
+        client.start_section("step")
+        with pytest.raises(RankMonitorClientError, match="already open"):
+            client.start_section("step")
+        with pytest.raises(RankMonitorClientError, match="not observed yet"):
+            client.calculate_and_set_hb_timeouts()
+        assert client.calculate_and_set_hb_timeouts(skip_if_not_ready=True) is False
+        with pytest.raises(RankMonitorClientError, match="already called"):
+            client.init_workload_monitoring()
+        with pytest.raises(RankMonitorClientError, match="not a RankMonitorClient state_dict"):
+            client.load_state_dict({"bogus": 1})
+    finally:
+        client.shutdown_workload_monitoring()
