@@ -53,3 +53,11 @@ class AgentConfig:
     """GPU memory still in use (per device) that counts as released."""
     extra_env: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     """Added to every worker's environment (e.g. OMP_NUM_THREADS)."""
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    """torchrun's --duplicate-stdout-filters: stdout lines containing any of these are copied."""
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    """torchrun's --duplicate-stderr-filters: stderr lines containing any of these are copied."""
+    numa_binding: str | None = None
+    """torchrun's --numa-binding mode (node, socket, exclusive, core-complex); None: no binding."""
+    virtual_local_rank: bool = False
+    """torchrun's --virtual-local-rank: LOCAL_RANK=0 and one visible GPU per worker."""

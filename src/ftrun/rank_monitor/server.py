@@ -326,7 +326,7 @@ class RankMonitorServer:
                 stack_file=path if dumps[path] else None,
                 stack=dumps[path],
             )
-            log.error("%s", verdict.describe())
+            log.info("%s", verdict.describe())
             self._on_verdict(verdict)
 
 

@@ -1,0 +1,145 @@
+"""A small real DDP training (gloo) that uses every part of ftrun's worker-side API.
+
+Run it under `ft_launcher` (see README). It:
+- reports progress to the rank monitor: a "step" section around each step and a heartbeat after,
+- checkpoints every --save-every steps (rank 0 writes, atomically), on SIGTERM, and at the end,
+  saving the monitor's calculated timeouts with the model,
+- resumes from the latest checkpoint, so a restart or a relaunch never goes back past it,
+- appends "<cycle> <step> <time>" to <ckpt-dir>/progress-rank<R>.txt after every step,
+- writes <ckpt-dir>/FINISHED when training is complete: the Slurm wiring reads it to decide
+  not to relaunch a finished job.
+
+Faults for demos and tests (each fires once, in the given cycle): --crash CYCLE:RANK:STEP exits
+with code 1; --hang CYCLE:RANK:STEP stops inside the "step" section (sleeps);
+--hang-collective CYCLE:RANK:STEP sleeps before all_reduce so the others block inside gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ftrun.client_lib import RankMonitorClient
+
+CYCLE = int(os.environ.get("FTRUN_CYCLE", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+RANK = int(os.environ.get("RANK", "0"))
+_stop_requested = False
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--ckpt-dir", type=Path, required=True)
+    parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--step-time", type=float, default=0.02, help="extra seconds per step")
+    parser.add_argument("--crash", default="", metavar="CYCLE:RANK:STEP")
+    parser.add_argument("--hang", default="", metavar="CYCLE:RANK:STEP")
+    parser.add_argument("--hang-collective", default="", metavar="CYCLE:RANK:STEP")
+    parser.add_argument("--calc-timeouts-at", type=int, default=0, help="step; 0 = never")
+    return parser.parse_args()
+
+
+def fault_here(spec: str, step: int) -> bool:
+    if not spec:
+        return False
+    cycle, rank, at = (int(x) for x in spec.split(":"))
+    return (cycle, rank, at) == (CYCLE, RANK, step)
+
+
+def hang_in_step() -> None:
+    time.sleep(3600)
+
+
+def sleep_before_all_reduce() -> None:
+    time.sleep(3600)
+
+
+def on_sigterm(_signum: int, _frame: object) -> None:
+    global _stop_requested
+    _stop_requested = True
+
+
+def save(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # atomic: a crash mid-save never leaves a torn checkpoint
+
+
+def main() -> int:
+    args = parse_args()
+    signal.signal(signal.SIGTERM, on_sigterm)
+    args.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = args.ckpt_dir / "checkpoint.pt"
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Linear(16, 1))
+    optim = torch.optim.SGD(model.parameters(), lr=0.01)
+    client = RankMonitorClient()
+    start = 0
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=True)
+        model.module.load_state_dict(state["model"])
+        optim.load_state_dict(state["optim"])
+        client.load_state_dict(state["monitor"])
+        start = state["step"]
+    client.init_workload_monitoring()
+    progress = (args.ckpt_dir / f"progress-rank{RANK}.txt").open("a")
+
+    def checkpoint(step: int) -> None:
+        if RANK == 0:
+            save(ckpt, {"model": model.module.state_dict(), "optim": optim.state_dict(),
+                        "step": step, "monitor": client.state_dict()})
+        dist.barrier()
+
+    step = start
+    for step in range(start + 1, args.steps + 1):
+        client.start_section("step")
+        if fault_here(args.crash, step):
+            print(f"rank {RANK}: injected crash at step {step}", flush=True)
+            os._exit(1)
+        if fault_here(args.hang, step):
+            print(f"rank {RANK}: injected hang at step {step}", flush=True)
+            hang_in_step()
+        x = torch.randn(32, 16)
+        loss = model(x).pow(2).mean()
+        optim.zero_grad()
+        if fault_here(args.hang_collective, step):
+            sleep_before_all_reduce()
+        loss.backward()  # DDP's all_reduce happens here
+        optim.step()
+        time.sleep(args.step_time)
+        client.end_section("step")
+        client.send_heartbeat()
+        progress.write(f"{CYCLE} {step} {time.time():.6f}\n")
+        progress.flush()
+        if step == args.calc_timeouts_at:
+            client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
+            client.calculate_and_set_section_timeouts(skip_if_not_ready=True)
+        stop = torch.tensor([1 if _stop_requested else 0])
+        dist.all_reduce(stop)  # everyone agrees to stop at the same step
+        if stop.item() or step % args.save_every == 0:
+            checkpoint(step)
+        if stop.item():
+            print(f"rank {RANK}: stopping on request at step {step}, checkpoint saved", flush=True)
+            break
+    else:
+        checkpoint(step)
+        if RANK == 0:
+            (args.ckpt_dir / "FINISHED").write_text(f"{step}\n")
+        print(f"rank {RANK}: training finished at step {step}", flush=True)
+    client.shutdown_workload_monitoring()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

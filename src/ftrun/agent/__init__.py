@@ -1,0 +1,27 @@
+"""The per-node agent: rendezvous, start, watch, stop, restart or exit."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from ftrun.errors import ExitCode, FtrunError
+
+if TYPE_CHECKING:
+    from ftrun.ft_launcher.config import LaunchConfig
+
+log = logging.getLogger("ftrun.agent")
+
+
+def run_node(config: LaunchConfig) -> ExitCode:
+    """Run this node's part of the job to the end; returns the launcher's exit code."""
+    from ftrun.agent.node import NodeAgent
+    from ftrun.agent.runtime import open_runtime
+
+    try:
+        with open_runtime(config, os.environ) as runtime:
+            return NodeAgent(runtime).run()
+    except FtrunError as exc:
+        log.error("%s", exc)
+        return exc.exit_code

@@ -1,0 +1,386 @@
+"""NodeAgent: one per node; runs the lifecycle in `state.py` until the job ends.
+
+Everything that happens to a running cycle arrives on one queue: worker exits (from watcher
+threads), hang verdicts (from the RankMonitorServer thread) and signals (from handlers that
+only enqueue). The main loop takes them one at a time; between them, every `monitor_interval`,
+it asks the store whether another node ended the cycle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import queue
+import signal
+import time
+from pathlib import Path
+
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
+
+from ftrun.agent.runtime import AgentRuntime
+from ftrun.agent.state import AgentState, check_transition
+from ftrun.agent.termination import become_subreaper, stop_process_groups
+from ftrun.agent.workers import WorkerExited, WorkerGroup, worker_env
+from ftrun.errors import ExitCode, FtrunError, NodeUnhealthyError
+from ftrun.rank_monitor import Verdict
+from ftrun.rendezvous.barrier import JoinInterruptedError
+from ftrun.rendezvous.ranks import Round
+
+log = logging.getLogger("ftrun.agent")
+
+_SCALE_CHECK_S = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SignalReceived:
+    signum: int
+
+
+class NodeAgent:
+    """Runs the local workers of every cycle of one job on this node."""
+
+    def __init__(self, runtime: AgentRuntime) -> None:
+        self.rt = runtime
+        self.cfg = runtime.config.agent
+        self.events = runtime.events
+        self._inbox: queue.SimpleQueue[object] = runtime.inbox
+        self.state = AgentState.HEALTH_CHECK
+        self._round: Round | None = None
+        self._group: WorkerGroup | None = None
+        self._exit_code = ExitCode.FAILED
+        self._then_exit: ExitCode | None = None
+        """Set when stopping: exit with this code afterwards; None means restart."""
+        self._stop_signal = self.cfg.termination_signal
+        self._signalled: int | None = None
+        self._handlers = {
+            AgentState.HEALTH_CHECK: self._health_check,
+            AgentState.RENDEZVOUS: self._rendezvous,
+            AgentState.STARTING: self._start,
+            AgentState.RUNNING: self._monitor,
+            AgentState.STOPPING: self._stop,
+            AgentState.SUCCEEDED: self._await_others,
+            AgentState.EXITING: self._exit,
+        }
+
+    def run(self) -> ExitCode:
+        for sig in self.cfg.signals_to_handle:
+            signal.signal(sig, self._on_signal)
+        become_subreaper()
+        try:
+            while self.state is not AgentState.EXITED:
+                self.state = check_transition(self.state, self._handlers[self.state]())
+        finally:
+            if self._group is not None:  # only on a bug: never leave workers behind
+                self._stop_workers()
+        self.events.emit("exit", code=int(self._exit_code), reason=self._exit_code.name)
+        return self._exit_code
+
+    # ---- signals: handlers only record and enqueue -------------------------------------------
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._signalled = signum
+        self._inbox.put(SignalReceived(signum))
+
+    # ---- states --------------------------------------------------------------------------
+
+    def _health_check(self) -> AgentState:
+        try:
+            self.rt.check_health()
+        except NodeUnhealthyError as exc:
+            return self._exit_with(exc.exit_code, f"node unhealthy: {exc}")
+        return AgentState.RENDEZVOUS
+
+    def _rendezvous(self) -> AgentState:
+        control = self.rt.control
+        shutdown = control.shutdown_requested()
+        if shutdown is not None:
+            return self._exit_with(shutdown.code, shutdown.reason)
+        failures = control.failures()
+        if failures > self.cfg.max_restarts:
+            budget = self.cfg.max_restarts
+            reason = f"restart budget spent ({failures} failures, --max-restarts={budget})"
+            control.shutdown(ExitCode.FAILED, reason, control.cycle())
+            return self._exit_with(ExitCode.FAILED, reason)
+        started = time.monotonic()
+        try:
+            self._round = self.rt.rendezvous.join(lambda: self._signalled is not None)
+        except JoinInterruptedError:
+            return self._preempt_before_start()
+        except RendezvousClosedError:
+            shutdown = control.shutdown_requested()
+            code, reason = (
+                (shutdown.code, shutdown.reason) if shutdown else (ExitCode.FAILED, "closed")
+            )
+            return self._exit_with(code, reason)
+        except (RendezvousTimeoutError, RendezvousError) as exc:
+            return self._exit_with(ExitCode.FAILED, f"rendezvous failed: {exc}")
+        except FtrunError as exc:
+            return self._exit_with(exc.exit_code, str(exc))
+        rnd = self._round
+        self.events.cycle = rnd.number
+        self.events.emit(
+            "rendezvous_done",
+            duration=round(time.monotonic() - started, 6),
+            group_rank=rnd.group_rank,
+            nodes=[n.node for n in rnd.nodes],
+            world_size=rnd.world_size,
+        )
+        log.info(
+            "cycle %d: group rank %d of %d nodes, world size %d",
+            rnd.number,
+            rnd.group_rank,
+            len(rnd.nodes),
+            rnd.world_size,
+        )
+        return AgentState.STARTING
+
+    def _start(self) -> AgentState:
+        rnd = self._round
+        assert rnd is not None
+        cycle_dir = self.rt.node_log_dir / f"cycle{rnd.number}"
+        group = WorkerGroup(self.cfg, self._inbox)
+        self._group = group
+        first = rnd.first_global_rank
+        envs = [
+            worker_env(
+                self.rt.base_worker_env(rnd), self._error_file(cycle_dir, first + i), i, first + i
+            )
+            for i in range(rnd.me.local_world_size)
+        ]
+        try:
+            group.start(first, envs, cycle_dir)
+        except OSError as exc:
+            self._then_exit = None
+            self.rt.control.request_restart(rnd.number, f"spawn failed on {self.rt.node}: {exc}")
+            return AgentState.STOPPING
+        for worker in group.workers:
+            self.rt.monitor.expect_rank(worker.rank, worker.proc.pid)
+        self.events.emit("workers_started", ranks=[w.rank for w in group.workers], pids=group.pids)
+        return AgentState.RUNNING
+
+    def _monitor(self) -> AgentState:
+        rnd, group = self._round, self._group
+        assert rnd is not None and group is not None
+        running = {w.proc.pid for w in group.workers}
+        next_scale_check = time.monotonic() + _SCALE_CHECK_S
+        while True:
+            try:
+                item = self._inbox.get(timeout=self.cfg.monitor_interval)
+            except queue.Empty:
+                item = None
+            try:
+                if item is not None:
+                    next_state = self._on_item(item, running)
+                elif self.rt.control.restart_requested(rnd.number):
+                    next_state = self._follow_restart(rnd.number)
+                else:
+                    next_state = None
+                    if time.monotonic() >= next_scale_check:
+                        next_scale_check = time.monotonic() + _SCALE_CHECK_S
+                        self._maybe_scale_up(rnd)
+            except RuntimeError as exc:  # the store is gone: its host node died
+                first_line = str(exc).splitlines()[0] if str(exc) else repr(exc)
+                log.error("lost the rendezvous store: %s", first_line)
+                self.events.emit("store_lost", error=first_line)
+                self._then_exit, self._exit_reason = ExitCode.FAILED, "rendezvous store lost"
+                return AgentState.STOPPING
+            if next_state is not None:
+                return next_state
+
+    def _on_item(self, item: object, running: set[int]) -> AgentState | None:
+        """React to one inbox item while workers run; None means keep watching."""
+        if isinstance(item, WorkerExited) and item.pid in running:
+            running.discard(item.pid)
+            self._record_exit(item)
+            if item.returncode != 0:
+                return self._fail(
+                    f"rank {item.rank} on {self.rt.node} {_exit_text(item.returncode)}"
+                )
+            return None if running else AgentState.SUCCEEDED
+        if isinstance(item, Verdict):
+            return self._handle_hangs(item)
+        if isinstance(item, SignalReceived):
+            return self._preempt(item.signum)
+        return None
+
+    def _stop(self) -> AgentState:
+        result = self._stop_workers()
+        self.events.emit(
+            "stop_done",
+            duration=round(result.duration, 6),
+            killed=result.killed,
+            survivors=result.survivors,
+        )
+        if self._then_exit is not None:
+            return self._exit_with(self._then_exit, self._exit_reason or self._then_exit.name)
+        self.events.emit("restart")
+        return AgentState.HEALTH_CHECK
+
+    def _await_others(self) -> AgentState:
+        rnd = self._round
+        assert rnd is not None
+        self._group = None
+        control = self.rt.control
+        control.arrive(rnd.number, "succeeded")
+        deadline = time.monotonic() + self.cfg.exit_barrier_timeout
+        while control.count(rnd.number, "succeeded") < len(rnd.nodes):
+            if control.restart_requested(rnd.number):
+                shutdown = control.shutdown_requested()
+                if shutdown is not None:
+                    return self._exit_with(shutdown.code, shutdown.reason)
+                self.events.emit("restart", cause="another node failed after this one finished")
+                return AgentState.HEALTH_CHECK
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(self.cfg.monitor_interval)  # polled: c10d logs every timed-out wait
+        return self._exit_with(ExitCode.SUCCESS, "all workers finished")
+
+    def _exit(self) -> AgentState:
+        self.rt.leave(self._round, self.cfg.workers_stop_timeout + 5.0)
+        return AgentState.EXITED
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    _exit_reason: str | None = None
+
+    def _exit_with(self, code: ExitCode, reason: str) -> AgentState:
+        self._exit_code = code
+        self._exit_reason = reason
+        level = logging.INFO if code is ExitCode.SUCCESS else logging.ERROR
+        log.log(level, "exiting with %d (%s): %s", int(code), code.name, reason)
+        return AgentState.EXITING
+
+    def _fail(self, cause: str) -> AgentState:
+        rnd = self._round
+        assert rnd is not None
+        log.error("cycle %d failed: %s", rnd.number, cause)
+        self.rt.control.request_restart(rnd.number, cause)
+        self._then_exit = None
+        return AgentState.STOPPING
+
+    def _follow_restart(self, cycle: int) -> AgentState:
+        shutdown = self.rt.control.shutdown_requested()
+        if shutdown is not None:
+            self._then_exit, self._exit_reason = shutdown.code, shutdown.reason
+            if shutdown.code is ExitCode.PREEMPTED:
+                self._stop_signal = self.cfg.termination_signal
+        else:
+            self._then_exit = None
+            log.info("cycle %d ended elsewhere: %s", cycle, self.rt.control.restart_cause(cycle))
+        return AgentState.STOPPING
+
+    def _preempt(self, signum: int) -> AgentState:
+        rnd = self._round
+        assert rnd is not None
+        name = signal.Signals(signum).name
+        reason = f"{name} on node {self.rt.node}"
+        self.events.emit("signal", signal=name)
+        shutdown = self.rt.control.shutdown(ExitCode.PREEMPTED, reason, rnd.number)
+        self._then_exit, self._exit_reason = shutdown.code, shutdown.reason
+        self._stop_signal = signal.Signals(signum)  # forwarded: workers may checkpoint
+        return AgentState.STOPPING
+
+    def _preempt_before_start(self) -> AgentState:
+        signum = self._signalled or signal.SIGTERM
+        reason = f"{signal.Signals(signum).name} on node {self.rt.node}"
+        self.rt.control.shutdown(ExitCode.PREEMPTED, reason, self.rt.control.cycle())
+        return self._exit_with(ExitCode.PREEMPTED, reason)
+
+    def _maybe_scale_up(self, rnd: Round) -> None:
+        max_nodes = self.rt.config.rendezvous.max_nodes
+        if len(rnd.nodes) < max_nodes and self.rt.rendezvous.num_nodes_waiting() > 0:
+            self.rt.control.request_restart(rnd.number, "a new node is waiting", failure=False)
+
+    def _stop_workers(self):
+        group = self._group
+        self._group = None
+        assert group is not None
+        result = stop_process_groups(group.pids, self._stop_signal, self.cfg.workers_stop_timeout)
+        group.join_threads()
+        self.rt.monitor.forget_all()
+        self._drain_stale()
+        return result
+
+    def _drain_stale(self) -> None:
+        """Drop exits and verdicts of stopped workers; keep signals."""
+        for item in self._take_queued(object):
+            if isinstance(item, SignalReceived):
+                self._inbox.put(item)
+
+    def _record_exit(self, item: WorkerExited) -> None:
+        fields = {
+            "rank": item.rank,
+            "local_rank": item.local_rank,
+            "pid": item.pid,
+            "code": item.returncode,
+        }
+        if item.returncode < 0:
+            fields["signal"] = signal.Signals(-item.returncode).name
+        self.events.emit("worker_exited", **fields)
+
+    def _handle_hangs(self, first: Verdict) -> AgentState:
+        """Kill every rank judged hung in this batch at once (a hung rank cannot be asked to
+        stop, and its stacks are already captured), record each, then fail the cycle."""
+        verdicts = [first, *self._take_queued(Verdict)]
+        for verdict in verdicts:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(verdict.pid, signal.SIGKILL)
+            self._record_hang(verdict)
+        ranks = ", ".join(str(v.rank) for v in verdicts)
+        return self._fail(f"rank(s) {ranks} on {self.rt.node} hung ({first.kind.value})")
+
+    def _take_queued(self, kind: type) -> list:
+        """Remove and return queued items of `kind`, keeping the rest in order."""
+        taken, kept = [], []
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            (taken if isinstance(item, kind) else kept).append(item)
+        for item in kept:
+            self._inbox.put(item)
+        return taken
+
+    def _record_hang(self, verdict: Verdict) -> None:
+        rnd = self._round
+        assert rnd is not None
+        dump = self.rt.node_log_dir / f"cycle{rnd.number}" / f"stack-rank{verdict.rank}.txt"
+        dump.write_text(verdict.stack or "(the rank did not dump its stacks)\n")
+        where = f"in section {verdict.section!r}" if verdict.section else f"({verdict.kind.value})"
+        log.error(
+            "HANG: rank %d on node %s %s: no progress for %.3fs (timeout %.3gs); stacks: %s",
+            verdict.rank,
+            self.rt.node,
+            where,
+            verdict.waited,
+            verdict.timeout,
+            dump,
+        )
+        self.events.emit(
+            "hang",
+            rank=verdict.rank,
+            pid=verdict.pid,
+            kind=verdict.kind.value,
+            section=verdict.section,
+            timeout=verdict.timeout,
+            waited=round(verdict.waited, 6),
+            detection_latency=round(verdict.detected_at - verdict.deadline, 6),
+            stack_file=str(dump),
+        )
+
+    @staticmethod
+    def _error_file(cycle_dir: Path, rank: int) -> dict[str, str]:
+        return {"TORCHELASTIC_ERROR_FILE": str(cycle_dir / f"rank{rank}" / "error.json")}
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"

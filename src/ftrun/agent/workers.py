@@ -1,0 +1,140 @@
+"""Spawning one cycle's local workers, relaying their output, and noticing their exits.
+
+Each worker leads its own process group (so a stop reaches its whole tree) and dies with the
+agent (PR_SET_PDEATHSIG). A thread per worker blocks in `wait()` and posts `WorkerExited` to the
+agent's queue the moment the worker ends: no polling. Output goes to per-cycle log files and,
+as torchrun's --redirects/--tee/--local-ranks-filter say, to the console with a rank prefix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO
+
+from ftrun.agent.config import AgentConfig, Std
+from ftrun.agent.termination import die_with_parent
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerExited:
+    """A worker process ended; `returncode` < 0 means killed by that signal."""
+
+    local_rank: int
+    rank: int
+    pid: int
+    returncode: int
+
+
+@dataclasses.dataclass
+class Worker:
+    local_rank: int
+    rank: int
+    proc: subprocess.Popen[bytes]
+    log_dir: Path
+
+
+class WorkerGroup:
+    """The local workers of one cycle."""
+
+    def __init__(self, config: AgentConfig, events: queue.SimpleQueue[object]) -> None:
+        self._config = config
+        self._events = events
+        self.workers: list[Worker] = []
+        self._threads: list[threading.Thread] = []
+
+    def start(self, first_rank: int, envs: list[Mapping[str, str]], log_dir: Path) -> None:
+        """Spawn one worker per env (local rank = index); ranks start at `first_rank`."""
+        for local_rank, env in enumerate(envs):
+            worker_dir = log_dir / f"rank{first_rank + local_rank}"
+            worker_dir.mkdir(parents=True, exist_ok=True)
+            proc = subprocess.Popen(
+                list(self._config.entrypoint),
+                env=dict(env),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                # Only a prctl() through a preloaded libc: nothing that takes a lock after fork.
+                preexec_fn=die_with_parent,  # noqa: PLW1509
+            )
+            worker = Worker(local_rank, first_rank + local_rank, proc, worker_dir)
+            self.workers.append(worker)
+            self._relay(worker)
+            self._watch(worker)
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self.workers]
+
+    def join_threads(self, timeout: float = 5.0) -> None:
+        """Wait for the relay/watch threads of exited workers (bounded)."""
+        for thread in self._threads:
+            thread.join(timeout)
+
+    def _watch(self, worker: Worker) -> None:
+        def wait() -> None:
+            code = worker.proc.wait()
+            self._events.put(WorkerExited(worker.local_rank, worker.rank, worker.proc.pid, code))
+
+        self._start_thread(wait, f"watch-rank{worker.rank}")
+
+    def _relay(self, worker: Worker) -> None:
+        for stream, flag, name, console in (
+            (worker.proc.stdout, Std.OUT, "stdout", sys.stdout),
+            (worker.proc.stderr, Std.ERR, "stderr", sys.stderr),
+        ):
+            assert stream is not None
+            show = self._shows(worker.local_rank, flag)
+            prefix = f"[{self._config.role}{worker.rank}]:".encode()
+            target = worker.log_dir / f"{name}.log"
+            self._start_thread(
+                lambda s=stream, t=target, c=console, show=show, p=prefix: _pump(s, t, c, show, p),
+                f"relay-{name}-rank{worker.rank}",
+            )
+
+    def _shows(self, local_rank: int, flag: int) -> bool:
+        """Whether this stream reaches the console (it always reaches the log file)."""
+        ranks_filter = self._config.local_ranks_filter
+        if ranks_filter is not None and local_rank not in ranks_filter:
+            return False
+        redirected = self._config.redirects.get(local_rank, Std.NONE) & flag
+        teed = self._config.tee.get(local_rank, Std.NONE) & flag
+        return bool(teed or not redirected)
+
+    def _start_thread(self, target: object, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)  # type: ignore[arg-type]
+        thread.start()
+        self._threads.append(thread)
+
+
+def _pump(stream: IO[bytes], path: Path, console: IO[str], show: bool, prefix: bytes) -> None:
+    out = console.buffer if show else None
+    with path.open("ab") as log_file, stream:
+        for line in iter(stream.readline, b""):
+            log_file.write(line)
+            log_file.flush()
+            if out is not None:
+                try:
+                    out.write(prefix + line)
+                    out.flush()
+                except (OSError, ValueError):
+                    out = None  # the console went away; keep the file
+
+
+def worker_env(
+    base: Mapping[str, str], extra: Mapping[str, str], local_rank: int, rank: int
+) -> dict[str, str]:
+    """One worker's environment: the shared part plus its own ranks."""
+    return {
+        **base,
+        **extra,
+        "LOCAL_RANK": str(local_rank),
+        "RANK": str(rank),
+        "ROLE_RANK": str(rank),
+    }

@@ -1,0 +1,319 @@
+"""Every `ft_launcher` option, declared once; the click command, YAML keys and docs derive from it.
+
+An `Option` names its flags (both `--dash-case` and torchrun's `--underscore_case` spellings), the
+environment variable (`PET_<NAME>` for torchrun's options, as torchrun reads them), the key in the
+YAML `fault_tolerance:` section (fault-tolerance options), its default, its value parser and its
+help. Precedence, highest first: command line, environment, YAML, default (`resolve`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import click
+from click.core import ParameterSource
+
+from ftrun.agent.config import AgentConfig
+from ftrun.errors import ConfigError
+from ftrun.ft_launcher import values as v
+from ftrun.rank_monitor.config import RankMonitorConfig
+from ftrun.rendezvous.config import HealthCheckConfig, RendezvousConfig, RendezvousImpl
+
+PROG = "ft_launcher"
+YAML_SECTION = "fault_tolerance"
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One launcher option and all the ways to set it."""
+
+    name: str
+    """Key of the parsed value in `Resolved.values` (torchrun's `dest`; ft options lose `ft_`)."""
+    flags: tuple[str, ...]
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    env: str | None = None
+    yaml_key: str | None = None
+    is_flag: bool = False
+    off_flags: tuple[str, ...] = ()
+    """For an on/off pair: the flags that set it to False."""
+    metavar: str = "VALUE"
+
+    @property
+    def label(self) -> str:
+        """The flag that names this option in messages (the first long one)."""
+        return next(flag for flag in self.flags if flag.startswith("--"))
+
+
+def _spellings(prefix: str, name: str) -> tuple[str, ...]:
+    dashed = "--" + f"{prefix}{name}".replace("_", "-")
+    underscored = "--" + f"{prefix}{name}".replace("-", "_")
+    return (dashed,) if dashed == underscored else (dashed, underscored)
+
+
+def _torchrun(name: str, default: Any, parse: Callable[[Any], Any], help: str, **kw: Any) -> Option:
+    """A torchrun option: same flags, `PET_<NAME>` env var (unless `env=None`), no YAML key."""
+    short = kw.pop("short", ())
+    env = kw.pop("env", f"PET_{name.upper()}")
+    return Option(name, (*short, *_spellings("", name)), parse, default, help, env=env, **kw)
+
+
+def _ft(name: str, default: Any, parse: Callable[[Any], Any], help: str, **kw: Any) -> Option:
+    """A fault-tolerance option: `--ft-<name>` flags and the YAML key `<name>`."""
+    prefix = kw.pop("prefix", "ft_")
+    yaml_key = name if kw.pop("in_yaml", True) else None
+    kw["off_flags"] = _spellings(f"{prefix}no_", name) if kw.get("off_flags") else ()
+    return Option(name, _spellings(prefix, name), parse, default, help, yaml_key=yaml_key, **kw)
+
+
+def _default(cls: type, field: str) -> Any:
+    """A dataclass field's default, so that the config classes stay the one source of it."""
+    for f in dataclasses.fields(cls):
+        if f.name == field:
+            return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+    raise KeyError(field)
+
+
+_ON = {"is_flag": True, "metavar": ""}
+_SECS = {"metavar": "SECONDS|none"}
+_STD = "0 none, 1 stdout, 2 stderr, 3 both; or LOCAL_RANK:N,... per local rank"
+_COMPAT = "Accepted for torchrun compatibility; "
+_RANKS = {"metavar": "N|RANK:N,..."}
+_MONITOR, _AGENT, _HEALTH = RankMonitorConfig, AgentConfig, HealthCheckConfig
+
+# fmt: off
+TORCHRUN_OPTIONS: tuple[Option, ...] = (
+    _torchrun("nnodes", "1:1", v.nnodes, "Number of nodes, or MIN:MAX.", metavar="N|MIN:MAX"),
+    _torchrun("nproc_per_node", "1", v.nproc, "Workers per node: N, auto, cpu, gpu or xpu."),
+    _torchrun("rdzv_backend", "static", v.choice("static", "c10d"), "Rendezvous backend."),
+    _torchrun("rdzv_endpoint", "", v.text, "Rendezvous store HOST[:PORT].", metavar="HOST:PORT"),
+    _torchrun("rdzv_id", "none", v.text, "User-defined job id, the same on every node.",
+              metavar="ID"),
+    _torchrun("rdzv_conf", "", v.rdzv_conf, "Rendezvous K=V,...: join_timeout, "
+              "last_call_timeout, close_timeout, is_host; others are kept.", metavar="K=V,..."),
+    _torchrun("standalone", False, v.boolean, "One node, a local store on a free port, a random "
+              "run id (--rdzv-backend/-endpoint/-id are ignored).", **_ON),
+    _torchrun("max_restarts", 0, v.non_negative_int, "In-job restarts before giving up.",
+              metavar="N"),
+    _torchrun("monitor_interval", 0.1, v.positive_number, "Seconds between worker checks.",
+              metavar="SECONDS"),
+    _torchrun("start_method", "spawn", v.choice("spawn", "fork", "forkserver"),
+              _COMPAT + "workers are always separate processes running the command."),
+    _torchrun("event_log_handler", "null", v.text, _COMPAT + "ftrun writes its own events."),
+    _torchrun("role", "default", v.text, "User-defined role of the workers.", metavar="NAME"),
+    _torchrun("module", False, v.boolean, "Run SCRIPT as a module (python -m).",
+              short=("-m",), **_ON),
+    _torchrun("no_python", False, v.boolean, "Run SCRIPT directly, not with python.", **_ON),
+    _torchrun("run_path", False, v.boolean, "Run SCRIPT with python (beats --no-python).", **_ON),
+    _torchrun("log_dir", None, v.optional_text, "Directory for events and worker logs.",
+              metavar="DIR"),
+    _torchrun("redirects", "0", v.std_spec, f"Streams to log files only: {_STD}.",
+              short=("-r",), **_RANKS),
+    _torchrun("tee", "0", v.std_spec, f"Streams to log files and console: {_STD}.",
+              short=("-t",), **_RANKS),
+    _torchrun("local_ranks_filter", "", v.rank_set, "Local ranks shown on the console (0,1).",
+              metavar="RANKS"),
+    _torchrun("duplicate_stdout_filters", "", v.comma_list,
+              "Copy stdout lines with any of A,B (',,' is a comma) to a file.", metavar="A,B"),
+    _torchrun("duplicate_stderr_filters", "", v.comma_list,
+              "Copy stderr lines with any of A,B (',,' is a comma) to a file.", metavar="A,B"),
+    _torchrun("node_rank", 0, v.non_negative_int, "This node's rank (static rendezvous).",
+              metavar="N"),
+    _torchrun("master_addr", "127.0.0.1", v.text, "Store host, static rendezvous.", metavar="HOST"),
+    _torchrun("master_port", None, v.optional_port, "Store port, static rendezvous (29500).",
+              metavar="PORT"),
+    _torchrun("local_addr", None, v.optional_text, "This node's address as others reach it.",
+              metavar="HOST"),
+    _torchrun("logs_specs", None, v.optional_text, "torchrun LogsSpecs plugin: unsupported.",
+              env=None, metavar="NAME"),
+    _torchrun("numa_binding", None, v.optional(v.choice("node", "socket", "exclusive",
+              "core-complex")), "Bind workers to CPUs near their GPU.", env=None),
+    _torchrun("signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT", v.signal_list,
+              "Signals caught and forwarded to the workers.", metavar="SIG,..."),
+    _torchrun("shutdown_timeout", None, v.optional_non_negative_int,
+              "torchrun's name for --workers-stop-timeout.", metavar="SECONDS"),
+    _torchrun("virtual_local_rank", False, v.boolean,
+              "LOCAL_RANK=0 and one visible GPU per worker.", **_ON),
+)
+
+FT_OPTIONS: tuple[Option, ...] = (
+    _ft("cfg_path", None, v.optional_text, "YAML file with a fault_tolerance: section.",
+        metavar="FILE", in_yaml=False),
+    _ft("initial_rank_heartbeat_timeout", _default(_MONITOR, "initial_rank_heartbeat_timeout"),
+        v.timeout, "Seconds from a rank's start to its first heartbeat.", **_SECS),
+    _ft("rank_heartbeat_timeout", _default(_MONITOR, "rank_heartbeat_timeout"),
+        v.timeout, "Seconds allowed between heartbeats.", **_SECS),
+    _ft("rank_section_timeouts", _default(_MONITOR, "rank_section_timeouts"),
+        v.section_timeouts, "Per-section timeouts.", metavar="NAME:SECONDS,..."),
+    _ft("rank_out_of_section_timeout", _default(_MONITOR, "rank_out_of_section_timeout"),
+        v.timeout, "Seconds allowed outside any section.", **_SECS),
+    _ft("safety_factor", _default(_MONITOR, "safety_factor"), v.positive_number,
+        "Calculated timeout = factor x longest observed interval.", metavar="X"),
+    _ft("rank_termination_signal", _default(_AGENT, "termination_signal"), v.signal_value,
+        "Signal that stops workers (SIGTERM, TERM or 15).", metavar="SIGNAL"),
+    _ft("workers_stop_timeout", _default(_AGENT, "workers_stop_timeout"), v.non_negative_number,
+        "Seconds from the termination signal to SIGKILL.", prefix="", metavar="SECONDS"),
+    _ft("rdzv_impl", RendezvousImpl.BARRIER.value,
+        v.choice(*(impl.value for impl in RendezvousImpl), aliases={"legacy": "dynamic"}),
+        "Rendezvous algorithm: barrier, or dynamic (alias legacy)."),
+    _ft("use_infra_group_rank", _default(RendezvousConfig, "use_infra_group_rank"), v.boolean,
+        "Rank nodes by SLURM_PROCID/GROUP_RANK, not arrival.", **_ON),
+    _ft("log_level", "INFO", v.log_level, "Launcher log level.", metavar="LEVEL"),
+    _ft("node_health_check_cmd", _default(_HEALTH, "command"), v.optional_text,
+        "Command that must exit 0 before each rendezvous.", metavar="CMD"),
+    _ft("storage_health_check_path", _default(_HEALTH, "storage_paths"), v.path_list,
+        "Paths that must be readable before each rendezvous.", metavar="PATH,..."),
+    _ft("gpu_health_check", _default(_HEALTH, "gpu"), v.boolean,
+        "Check GPUs through NVML before each rendezvous.", off_flags=True, **_ON),
+    _ft("gpu_memory_reclaim_timeout", _default(_AGENT, "gpu_memory_reclaim_timeout"),
+        v.non_negative_number, "Seconds to wait for dead workers' GPU memory (0: off).",
+        metavar="SECONDS"),
+    _ft("gpu_memory_tolerance_mb", _default(_AGENT, "gpu_memory_tolerance_mb"),
+        v.non_negative_number, "GPU memory (MB) still in use that counts as released.",
+        metavar="MB"),
+)
+# fmt: on
+
+OPTIONS: tuple[Option, ...] = TORCHRUN_OPTIONS + FT_OPTIONS
+BY_NAME: Mapping[str, Option] = {opt.name: opt for opt in OPTIONS}
+YAML_KEYS: frozenset[str] = frozenset(opt.yaml_key for opt in OPTIONS if opt.yaml_key)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommandLine:
+    """What the command line itself says, before the environment, YAML and defaults."""
+
+    given: Mapping[str, Any]
+    """Raw values of the options present on the command line, by `Option.name`."""
+    script: str | None
+    script_args: tuple[str, ...]
+    help: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """Every option's parsed value and where it came from ('cli', 'env', 'yaml' or 'default')."""
+
+    values: Mapping[str, Any]
+    sources: Mapping[str, str]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
+    def is_set(self, name: str) -> bool:
+        """Whether the value was given somewhere rather than defaulted."""
+        return self.sources[name] != "default"
+
+
+def _help_line(opt: Option) -> str:
+    where = [f"env {opt.env}"] if opt.env else []
+    where += [f"YAML {opt.yaml_key}"] if opt.yaml_key else []
+    default = opt.default
+    if not (default is None or default is False or default in ("", (), {})):
+        where.append(f"default {getattr(default, 'name', default)}")
+    return f"{opt.help} [{'; '.join(where)}]" if where else opt.help
+
+
+def _click_param(opt: Option) -> click.Option:
+    if opt.off_flags:
+        pairs = [f"{on}/{off}" for on, off in zip(opt.flags, opt.off_flags, strict=True)]
+        return click.Option([opt.name, *pairs], default=None, help=_help_line(opt))
+    if opt.is_flag:
+        return click.Option([opt.name, *opt.flags], is_flag=True, help=_help_line(opt))
+    choices = getattr(opt.parse, "choices", None)
+    metavar = "[" + "|".join(choices) + "]" if choices else opt.metavar
+    return click.Option([opt.name, *opt.flags], type=str, metavar=metavar, help=_help_line(opt))
+
+
+@functools.cache
+def command() -> click.Command:
+    """The click command derived from `OPTIONS` (parsing only; it runs nothing)."""
+    params: list[click.Parameter] = [_click_param(opt) for opt in OPTIONS]
+    params.append(click.Option(["help", "-h", "--help"], is_flag=True, help="Show this and exit."))
+    params.append(click.Argument(["training_script"], required=False, metavar="SCRIPT"))
+    params.append(
+        click.Argument(
+            ["training_script_args"], nargs=-1, type=click.UNPROCESSED, metavar="[SCRIPT_ARGS]..."
+        )
+    )
+    return click.Command(
+        PROG,
+        params=params,
+        add_help_option=False,
+        # Stop at the script: everything after it belongs to the script, as with torchrun.
+        context_settings={"allow_interspersed_args": False, "max_content_width": 100},
+        help="Fault-tolerant drop-in for torchrun: run SCRIPT on every node, restart on failures.",
+    )
+
+
+def parse_argv(argv: Sequence[str]) -> CommandLine:
+    """Split the command line into given option values, the script and its arguments."""
+    try:
+        ctx = command().make_context(PROG, list(argv))
+    except click.ClickException as err:
+        raise ConfigError(" ".join(err.format_message().split())) from None
+    given = {
+        opt.name: ctx.params[opt.name]
+        for opt in OPTIONS
+        if ctx.get_parameter_source(opt.name) == ParameterSource.COMMANDLINE
+    }
+    return CommandLine(
+        given=given,
+        script=ctx.params["training_script"],
+        script_args=tuple(ctx.params["training_script_args"]),
+        help=bool(ctx.params["help"]),
+    )
+
+
+def help_text() -> str:
+    """`ft_launcher --help`."""
+    cmd = command()
+    return cmd.get_help(click.Context(cmd, info_name=PROG))
+
+
+def _pick(
+    opt: Option, line: CommandLine, environ: Mapping[str, str], yaml: Mapping[str, Any], origin: str
+) -> tuple[Any, str, str]:
+    """(raw value, source, label for messages) by precedence: CLI, env, YAML, default."""
+    if opt.name in line.given:
+        return line.given[opt.name], "cli", opt.label
+    if opt.env and environ.get(opt.env, ""):
+        return environ[opt.env], "env", opt.env
+    if opt.yaml_key and opt.yaml_key in yaml:
+        return yaml[opt.yaml_key], "yaml", f"{origin}: {YAML_SECTION}.{opt.yaml_key}"
+    return opt.default, "default", f"default of {opt.label}"
+
+
+def resolve(
+    line: CommandLine,
+    environ: Mapping[str, str],
+    yaml: Mapping[str, Any] | None = None,
+    origin: str = "YAML",
+) -> Resolved:
+    """Parse every option from its highest-precedence source; a bad value is a `ConfigError`."""
+    parsed: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for opt in OPTIONS:
+        raw, source, label = _pick(opt, line, environ, yaml or {}, origin)
+        try:
+            parsed[opt.name] = opt.parse(raw)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"{label}: {err}") from None
+        sources[opt.name] = source
+    return Resolved(values=parsed, sources=sources)
+
+
+def reference_markdown() -> str:
+    """A Markdown table of every option (for the README), derived from `OPTIONS`."""
+    rows = ["| flags | env | YAML key | default | meaning |", "|---|---|---|---|---|"]
+    for opt in OPTIONS:
+        flags = ", ".join(f"`{flag}`" for flag in (*opt.flags, *opt.off_flags))
+        default = getattr(opt.default, "name", opt.default)
+        rows.append(
+            f"| {flags} | {opt.env or ''} | {opt.yaml_key or ''} | `{default!r}` | {opt.help} |"
+        )
+    return "\n".join(rows) + "\n"

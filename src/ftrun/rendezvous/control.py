@@ -1,0 +1,111 @@
+"""Job-wide signalling through the store: the cycle number, restarts, shutdown, exit barriers.
+
+One cycle number for the whole job: a restart is a compare-and-set from `c` to `c + 1`, so when
+several nodes fail at once exactly one bump (and one failure count) happens. Every agent watches
+`c<c>/next` with one cheap `check` per monitor interval. Shared by both rendezvous
+implementations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import time
+from collections.abc import Callable
+
+from torch.distributed import Store
+
+from ftrun.errors import ExitCode
+
+
+@dataclasses.dataclass(frozen=True)
+class Shutdown:
+    """The job is ending: every agent exits with `code`."""
+
+    code: ExitCode
+    reason: str
+
+
+class JobControl:
+    """Typed access to the job's control keys under `prefix`."""
+
+    def __init__(self, store: Store, prefix: str) -> None:
+        self._store = store
+        self._prefix = prefix
+        self._store.compare_set(self._key("cycle"), "", "0")
+
+    def _key(self, name: str) -> str:
+        return f"{self._prefix}/{name}"
+
+    def cycle(self) -> int:
+        return int(self._store.get(self._key("cycle")))
+
+    def failures(self) -> int:
+        """Failure restarts so far (scale-up restarts do not count against the budget)."""
+        return self._store.add(self._key("failures"), 0)
+
+    def request_restart(self, cycle: int, cause: str, failure: bool = True) -> bool:
+        """Move the job from `cycle` to the next; True if this call made the move."""
+        old, new = str(cycle), str(cycle + 1)
+        won = self._store.compare_set(self._key("cycle"), old, new).decode() == new
+        if won:
+            if failure:
+                self._store.add(self._key("failures"), 1)
+            self._store.set(self._key(f"c{cycle}/cause"), cause)
+            self._store.set(self._key(f"c{cycle}/next"), "1")
+        return won
+
+    def restart_requested(self, cycle: int) -> bool:
+        return self._store.check([self._key(f"c{cycle}/next")])
+
+    def restart_cause(self, cycle: int) -> str:
+        return self._store.get(self._key(f"c{cycle}/cause")).decode()
+
+    def wait_restart(self, cycle: int, timeout: float) -> bool:
+        """Block until `cycle` ends or `timeout` passes; True if it ended."""
+        return wait_for_key(self._store, self._key(f"c{cycle}/next"), timeout)
+
+    def shutdown(self, code: ExitCode, reason: str, cycle: int) -> Shutdown:
+        """Ask every agent to exit; the first request wins. Returns the one in force."""
+        blob = json.dumps({"code": int(code), "reason": reason})
+        self._store.compare_set(self._key("shutdown"), "", blob)
+        self.request_restart(cycle, reason, failure=False)
+        current = self.shutdown_requested()
+        assert current is not None
+        return current
+
+    def shutdown_requested(self) -> Shutdown | None:
+        if not self._store.check([self._key("shutdown")]):
+            return None
+        raw = json.loads(self._store.get(self._key("shutdown")))
+        return Shutdown(ExitCode(raw["code"]), raw["reason"])
+
+    def arrive(self, cycle: int, barrier: str) -> int:
+        """Count this node into a per-cycle barrier (`succeeded`, `left`); returns the count."""
+        return self._store.add(self._key(f"c{cycle}/{barrier}"), 1)
+
+    def count(self, cycle: int, barrier: str) -> int:
+        return self._store.add(self._key(f"c{cycle}/{barrier}"), 0)
+
+
+def wait_for_key(store: Store, key: str, timeout: float) -> bool:
+    """Block until `key` exists or `timeout` passes; True if it exists."""
+    if timeout <= 0:
+        return store.check([key])
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout))
+    except RuntimeError:
+        # A timeout and a lost store look alike here; `check` tells them apart by raising.
+        return store.check([key])
+    return True
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float) -> bool:
+    """Poll `predicate` until true or `timeout`; for counts the store cannot wait on."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+    return True

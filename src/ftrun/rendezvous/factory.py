@@ -1,0 +1,31 @@
+"""Building the configured rendezvous implementation, and the interface the agent uses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from torch.distributed import Store
+
+from ftrun.rendezvous.barrier import BarrierRendezvousHandler
+from ftrun.rendezvous.config import RendezvousConfig, RendezvousImpl
+from ftrun.rendezvous.control import JobControl
+from ftrun.rendezvous.ranks import NodeDescriptor, Round
+
+
+class NodeRendezvous(Protocol):
+    """What the agent needs from a rendezvous implementation beyond torch's handler API."""
+
+    control: JobControl
+
+    def join(self, interrupted: Callable[[], bool]) -> Round: ...
+
+    def num_nodes_waiting(self) -> int: ...
+
+
+def create_rendezvous(
+    config: RendezvousConfig, store: Store, descriptor: Callable[[], NodeDescriptor]
+) -> NodeRendezvous:
+    if config.impl is RendezvousImpl.BARRIER:
+        return BarrierRendezvousHandler(config, store, descriptor)
+    raise NotImplementedError(f"rendezvous implementation {config.impl.value!r}")

@@ -1,0 +1,76 @@
+"""The job's c10d TCPStore: served by the agent on the endpoint host, reached by the others."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import logging
+import socket
+
+from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from ftrun.errors import RendezvousFailedError
+from ftrun.rendezvous.config import RendezvousConfig
+
+log = logging.getLogger("ftrun.rendezvous")
+
+DEFAULT_PORT = 29400
+# Store errors (timeouts, lost connections) surface as these; DistStoreError is a RuntimeError.
+STORE_ERRORS = (RuntimeError, TimeoutError, ValueError)
+
+
+def connect_store(config: RendezvousConfig) -> tuple[TCPStore, bool]:
+    """Serve the store if this machine is the endpoint host and the port is free, else connect.
+
+    Several agents on one machine (tests, or one node running several launchers) race for the
+    port: the first one serves, the others fall back to being clients, as torchrun does.
+    """
+    host, port = parse_rendezvous_endpoint(config.endpoint, default_port=DEFAULT_PORT)
+    try_host = config.is_host if config.is_host is not None else is_local_host(host)
+    timeout = datetime.timedelta(seconds=float(config.conf.get("read_timeout", 60)))
+    attempts = [True, False] if try_host else [False]
+    if config.is_host:
+        attempts = [True]
+    last_error: Exception | None = None
+    for serve in attempts:
+        try:
+            store = TCPStore(
+                host,
+                port,
+                is_master=serve,
+                multi_tenant=True,
+                timeout=timeout,
+                wait_for_workers=False,
+                use_libuv=True,
+            )
+        except STORE_ERRORS as exc:
+            last_error = exc
+            continue
+        if serve:
+            log.info("serving the rendezvous store on %s:%d", host, store.port)
+        return store, serve
+    raise RendezvousFailedError(
+        f"cannot reach the rendezvous store at {host}:{port}: {_one_line(last_error)}"
+    )
+
+
+def is_local_host(host: str) -> bool:
+    """True when `host` names this machine (a loopback address or one of its own)."""
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return True
+    except ValueError:
+        pass
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        local = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        return False
+    return any(ipaddress.ip_address(a).is_loopback for a in addresses) or bool(addresses & local)
+
+
+def _one_line(error: Exception | None) -> str:
+    return str(error).strip().splitlines()[0] if error and str(error).strip() else repr(error)
