@@ -51,6 +51,10 @@ class AgentConfig:
     """After a stop, wait up to this long for the dead workers' GPU memory to be freed (0: off)."""
     gpu_memory_tolerance_mb: float = 512.0
     """GPU memory still in use (per device) that counts as released."""
+    prewarm_modules: tuple[str, ...] = ("torch", "torch.distributed", "torch._dynamo")
+    """Modules spare workers import ahead of a restart; empty disables spares."""
+    spare_delay: float = 2.0
+    """Seconds after a cycle starts before its spares are started (they compete for CPU)."""
     extra_env: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     """Added to every worker's environment (e.g. OMP_NUM_THREADS)."""
     duplicate_stdout_filters: tuple[str, ...] = ()

@@ -130,6 +130,7 @@ class NodeAgent:
             group_rank=rnd.group_rank,
             nodes=[n.node for n in rnd.nodes],
             world_size=rnd.world_size,
+            store_host=self.rt.is_store_host,
         )
         log.info(
             "cycle %d: group rank %d of %d nodes, world size %d",
@@ -154,7 +155,7 @@ class NodeAgent:
             for i in range(rnd.me.local_world_size)
         ]
         try:
-            group.start(first, envs, cycle_dir)
+            group.start(first, envs, cycle_dir, self.rt.spares)
         except OSError as exc:
             self._then_exit = None
             self.rt.control.request_restart(rnd.number, f"spawn failed on {self.rt.node}: {exc}")
@@ -169,6 +170,7 @@ class NodeAgent:
         assert rnd is not None and group is not None
         running = {w.proc.pid for w in group.workers}
         next_scale_check = time.monotonic() + _SCALE_CHECK_S
+        spares_due = time.monotonic() + self.cfg.spare_delay
         while True:
             try:
                 item = self._inbox.get(timeout=self.cfg.monitor_interval)
@@ -181,6 +183,9 @@ class NodeAgent:
                     next_state = self._follow_restart(rnd.number)
                 else:
                     next_state = None
+                    if self.rt.spares is not None and time.monotonic() >= spares_due:
+                        spares_due = float("inf")
+                        self.rt.spares.fill(rnd.me.local_world_size)
                     if time.monotonic() >= next_scale_check:
                         next_scale_check = time.monotonic() + _SCALE_CHECK_S
                         self._maybe_scale_up(rnd)
@@ -301,7 +306,10 @@ class NodeAgent:
         group = self._group
         self._group = None
         assert group is not None
-        result = stop_process_groups(group.pids, self._stop_signal, self.cfg.workers_stop_timeout)
+        spares = frozenset(self.rt.spares.pids) if self.rt.spares else frozenset()
+        result = stop_process_groups(
+            group.pids, self._stop_signal, self.cfg.workers_stop_timeout, keep=spares
+        )
         group.join_threads()
         self.rt.monitor.forget_all()
         self._drain_stale()

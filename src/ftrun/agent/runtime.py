@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from ftrun.agent.events import EventLog
 from ftrun.agent.health import check_node
+from ftrun.agent.spare_pool import SparePool, python_target
 from ftrun.rank_monitor import RankMonitorServer
 from ftrun.rendezvous.control import JobControl, wait_until
 from ftrun.rendezvous.factory import NodeRendezvous, create_rendezvous
@@ -52,6 +53,12 @@ class AgentRuntime:
         self.infra_rank = infra_rank_from_env(environ, rdzv.node_rank)
         self.rendezvous: NodeRendezvous = create_rendezvous(rdzv, self.store, self.descriptor)
         self.control: JobControl = self.rendezvous.control
+        target = python_target(config.agent.entrypoint)
+        self.spares = (
+            SparePool(target, config.agent.prewarm_modules, self.environ)
+            if target is not None and config.agent.prewarm_modules
+            else None
+        )
         self.monitor = RankMonitorServer(
             config.monitor,
             job_dir=Path(tempfile.mkdtemp(prefix="ftrun-job-")),
@@ -111,6 +118,8 @@ class AgentRuntime:
                 )
 
     def close(self) -> None:
+        if self.spares is not None:
+            self.spares.close()
         self.monitor.stop()
         shutil.rmtree(self.monitor.job_dir, ignore_errors=True)
         self.events.close()

@@ -46,11 +46,11 @@ class StopResult:
 
 
 def stop_process_groups(
-    leaders: list[int], sig: signal.Signals, timeout: float, keep: int | None = None
+    leaders: list[int], sig: signal.Signals, timeout: float, keep: frozenset[int] = frozenset()
 ) -> StopResult:
     """Stop every process in the groups led by `leaders`, and every stray descendant.
 
-    `keep` is a pid never to signal (the agent itself, when leaders are its children).
+    `keep` holds pids never to signal: the agent's spare workers (`spare_pool`).
     """
     started = time.monotonic()
     targets = _targets(leaders, keep)
@@ -85,7 +85,7 @@ def reap_orphans() -> None:
 _ORPHANS: set[int] = set()
 
 
-def _targets(leaders: list[int], keep: int | None) -> list[psutil.Process]:
+def _targets(leaders: list[int], keep: frozenset[int]) -> list[psutil.Process]:
     found: dict[int, psutil.Process] = {}
     for pid in leaders:
         with contextlib.suppress(psutil.Error):
@@ -98,11 +98,10 @@ def _targets(leaders: list[int], keep: int | None) -> list[psutil.Process]:
         with contextlib.suppress(psutil.Error):
             if os.getpgid(proc.pid) in groups:
                 found[proc.pid] = proc
-            if proc.ppid() == os.getpid() and proc.pid not in leaders:
+            if proc.ppid() == os.getpid() and proc.pid not in leaders and proc.pid not in keep:
                 _ORPHANS.add(proc.pid)
                 found[proc.pid] = proc
-    found.pop(keep or os.getpid(), None)
-    return list(found.values())
+    return [proc for pid, proc in found.items() if pid not in keep and pid != os.getpid()]
 
 
 def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from ftrun.agent.config import AgentConfig, Std
-from ftrun.agent.termination import die_with_parent
+from ftrun.agent.spare_pool import SparePool, spawn_process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,21 +48,24 @@ class WorkerGroup:
         self.workers: list[Worker] = []
         self._threads: list[threading.Thread] = []
 
-    def start(self, first_rank: int, envs: list[Mapping[str, str]], log_dir: Path) -> None:
-        """Spawn one worker per env (local rank = index); ranks start at `first_rank`."""
+    def start(
+        self,
+        first_rank: int,
+        envs: list[Mapping[str, str]],
+        log_dir: Path,
+        spares: SparePool | None,
+    ) -> None:
+        """Spawn one worker per env (local rank = index); ranks start at `first_rank`.
+
+        Python workers start from `spares` (pre-imported) when there is a pool.
+        """
         for local_rank, env in enumerate(envs):
             worker_dir = log_dir / f"rank{first_rank + local_rank}"
             worker_dir.mkdir(parents=True, exist_ok=True)
-            proc = subprocess.Popen(
-                list(self._config.entrypoint),
-                env=dict(env),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-                # Only a prctl() through a preloaded libc: nothing that takes a lock after fork.
-                preexec_fn=die_with_parent,  # noqa: PLW1509
-            )
+            if spares is not None:
+                proc = spares.start(local_rank, env)
+            else:
+                proc = spawn_process(self._config.entrypoint, env, subprocess.DEVNULL)
             worker = Worker(local_rank, first_rank + local_rank, proc, worker_dir)
             self.workers.append(worker)
             self._relay(worker)

@@ -175,6 +175,9 @@ FT_OPTIONS: tuple[Option, ...] = (
     _ft("gpu_memory_tolerance_mb", _default(_AGENT, "gpu_memory_tolerance_mb"),
         v.non_negative_number, "GPU memory (MB) still in use that counts as released.",
         metavar="MB"),
+    _ft("prewarm_modules", _default(_AGENT, "prewarm_modules"), v.module_list,
+        "Modules that spare workers import before a restart (none: no spares).",
+        metavar="MOD,..."),
 )
 # fmt: on
 
@@ -196,10 +199,12 @@ class CommandLine:
 
 @dataclasses.dataclass(frozen=True)
 class Resolved:
-    """Every option's parsed value and where it came from ('cli', 'env', 'yaml' or 'default')."""
+    """Every option's parsed value, its source ('cli', 'env', 'yaml', 'default') and its label."""
 
     values: Mapping[str, Any]
     sources: Mapping[str, str]
+    labels: Mapping[str, str]
+    """How to name where the value came from in a message (flag, env var or YAML key)."""
 
     def __getitem__(self, name: str) -> Any:
         return self.values[name]
@@ -285,7 +290,7 @@ def _pick(
         return environ[opt.env], "env", opt.env
     if opt.yaml_key and opt.yaml_key in yaml:
         return yaml[opt.yaml_key], "yaml", f"{origin}: {YAML_SECTION}.{opt.yaml_key}"
-    return opt.default, "default", f"default of {opt.label}"
+    return opt.default, "default", opt.label
 
 
 def resolve(
@@ -297,14 +302,14 @@ def resolve(
     """Parse every option from its highest-precedence source; a bad value is a `ConfigError`."""
     parsed: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    labels: dict[str, str] = {}
     for opt in OPTIONS:
-        raw, source, label = _pick(opt, line, environ, yaml or {}, origin)
+        raw, sources[opt.name], labels[opt.name] = _pick(opt, line, environ, yaml or {}, origin)
         try:
             parsed[opt.name] = opt.parse(raw)
         except (ValueError, TypeError) as err:
-            raise ConfigError(f"{label}: {err}") from None
-        sources[opt.name] = source
-    return Resolved(values=parsed, sources=sources)
+            raise ConfigError(f"{labels[opt.name]}: {err}") from None
+    return Resolved(values=parsed, sources=sources, labels=labels)
 
 
 def reference_markdown() -> str:

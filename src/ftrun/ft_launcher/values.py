@@ -197,6 +197,21 @@ def path_list(raw: Any) -> tuple[str, ...]:
     return tuple(p for p in (text(item).strip() for item in items) if p)
 
 
+def module_list(raw: Any) -> tuple[str, ...]:
+    """`a,b.c` or a YAML list of importable module names; `none` means no modules."""
+    if (
+        text(raw).strip().lower() in ("none", "null", "")
+        if not isinstance(raw, (list, tuple))
+        else False
+    ):
+        return ()
+    names = path_list(raw)
+    bad = [n for n in names if not all(part.isidentifier() for part in n.split("."))]
+    if bad:
+        raise ValueError(f"not a module name: {bad[0]!r}")
+    return names
+
+
 def rdzv_conf(raw: Any) -> dict[str, str]:
     """`k=v,k=v` (torchrun's `_parse_rendezvous_config`: every key needs a value)."""
     result: dict[str, str] = {}

@@ -1,0 +1,10 @@
+"""The `ft_launcher` command line: torchrun's options plus fault tolerance, into one config.
+
+`cli.main` is the console script; it is not imported here so that `python -m
+ftrun.ft_launcher.cli` runs without a double-import warning.
+"""
+
+from ftrun.ft_launcher.config import LaunchConfig, build_config, load_ft_yaml
+from ftrun.ft_launcher.options import OPTIONS, Option
+
+__all__ = ["OPTIONS", "LaunchConfig", "Option", "build_config", "load_ft_yaml"]

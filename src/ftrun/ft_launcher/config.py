@@ -1,0 +1,375 @@
+"""Build the launcher's one frozen `LaunchConfig` from argv, the environment and the YAML file.
+
+`build_config` is a pure function of its arguments (plus reading the `--ft-cfg-path` file and,
+for `--nproc-per-node=auto|gpu|xpu`, counting devices): it starts nothing and logs nothing; what
+deserves a warning goes into `LaunchConfig.warnings` for `main` to log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+import yaml
+
+from ftrun.agent.config import AgentConfig
+from ftrun.errors import ConfigError
+from ftrun.ft_launcher import values as v
+from ftrun.ft_launcher.options import (
+    YAML_KEYS,
+    YAML_SECTION,
+    CommandLine,
+    Resolved,
+    parse_argv,
+    resolve,
+)
+from ftrun.rank_monitor.config import RankMonitorConfig
+from ftrun.rendezvous.config import HealthCheckConfig, RendezvousConfig, RendezvousImpl
+
+MASTER_PORT = 29500
+"""torchrun's --master-port default (static rendezvous)."""
+C10D_PORT = 29400
+"""torchrun's c10d rendezvous port when --rdzv-endpoint names none."""
+LOCAL_STORE = "127.0.0.1:0"
+"""--standalone: a store on this host, on a port the OS picks."""
+_CONF_TIMEOUTS = ("join_timeout", "last_call_timeout", "close_timeout")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Everything one `ft_launcher` process needs, validated; handed to `ftrun.agent.run_node`."""
+
+    agent: AgentConfig
+    rendezvous: RendezvousConfig
+    monitor: RankMonitorConfig
+    health: HealthCheckConfig
+    log_level: str = "INFO"
+    warnings: tuple[str, ...] = ()
+    """Settings worth a warning (ignored flags, OMP_NUM_THREADS); `main` logs them."""
+
+
+DeviceCounter = Callable[[str], int]
+"""Counts the local devices for `--nproc-per-node` auto/cpu/gpu/xpu; `ValueError` if none."""
+
+
+def count_devices(kind: str) -> int:
+    """torchrun's `determine_local_world_size` for a device word (imports torch lazily)."""
+    if kind == "cpu":
+        return _cpu_count()
+    import torch
+
+    if kind == "gpu":
+        if not torch.cuda.is_available():
+            raise ValueError("CUDA is not available")
+        return torch.cuda.device_count()
+    if kind == "xpu":
+        if not torch.xpu.is_available():
+            raise ValueError("XPU is not available")
+        return torch.xpu.device_count()
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    if accelerator is not None and accelerator.is_available():
+        return accelerator.device_count()
+    return _cpu_count()
+
+
+def _cpu_count() -> int:
+    """CPUs this process may use (the affinity mask, like torch's `cpu_count`)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def build_config(
+    argv: Sequence[str],
+    environ: Mapping[str, str],
+    *,
+    devices: DeviceCounter = count_devices,
+) -> LaunchConfig:
+    """The launch configuration for `ft_launcher ARGV` in `environ`; `ConfigError` if invalid."""
+    return config_from(parse_argv(argv), environ, devices=devices)
+
+
+def config_from(
+    line: CommandLine,
+    environ: Mapping[str, str],
+    *,
+    devices: DeviceCounter = count_devices,
+) -> LaunchConfig:
+    """`build_config` for an already parsed command line."""
+    if not line.script:
+        raise ConfigError("missing SCRIPT (usage: ft_launcher [OPTIONS] SCRIPT [SCRIPT_ARGS]...)")
+    path = line.given.get("cfg_path")
+    section = load_ft_yaml(path) if path else {}
+    opts = resolve(line, environ, section, origin=path or "YAML")
+    notes: list[str] = []
+    return LaunchConfig(
+        agent=_agent(opts, line, environ, devices, notes),
+        rendezvous=_rendezvous(opts, notes),
+        monitor=RankMonitorConfig(
+            initial_rank_heartbeat_timeout=opts["initial_rank_heartbeat_timeout"],
+            rank_heartbeat_timeout=opts["rank_heartbeat_timeout"],
+            rank_section_timeouts=opts["rank_section_timeouts"],
+            rank_out_of_section_timeout=opts["rank_out_of_section_timeout"],
+            safety_factor=opts["safety_factor"],
+        ),
+        health=HealthCheckConfig(
+            gpu=opts["gpu_health_check"],
+            storage_paths=opts["storage_health_check_path"],
+            command=opts["node_health_check_cmd"],
+        ),
+        log_level=opts["log_level"],
+        warnings=tuple(notes),
+    )
+
+
+# --- YAML -------------------------------------------------------------------------------------
+
+
+def load_ft_yaml(path: str) -> dict[str, Any]:
+    """The `fault_tolerance:` mapping of a YAML file, wherever it sits; unknown keys are errors."""
+    try:
+        with open(path, encoding="utf-8") as stream:
+            document = yaml.safe_load(stream)
+    except OSError as err:
+        raise ConfigError(f"--ft-cfg-path {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"--ft-cfg-path {path}: not UTF-8 text ({err.reason})") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--ft-cfg-path {path}: bad YAML: {_yaml_problem(err)}") from None
+    found = _find_sections(document)
+    if not found:
+        raise ConfigError(f"--ft-cfg-path {path}: no '{YAML_SECTION}:' mapping in the file")
+    if len(found) > 1:
+        where = ", ".join(location for location, _ in found)
+        raise ConfigError(f"--ft-cfg-path {path}: several '{YAML_SECTION}:' sections ({where})")
+    section = found[0][1] or {}
+    for key in section:
+        if key not in YAML_KEYS:
+            hint = difflib.get_close_matches(str(key), sorted(YAML_KEYS), n=1)
+            guess = f" (did you mean {hint[0]}?)" if hint else ""
+            raise ConfigError(f"{path}: unknown key {YAML_SECTION}.{key}{guess}")
+    return dict(section)
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's multi-line message as one line: the problem and where."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return " ".join(f"{problem}{where}".split())
+
+
+def _find_sections(document: Any) -> list[tuple[str, Mapping[str, Any] | None]]:
+    """Every `fault_tolerance:` key holding a mapping (or nothing), at any depth, in order."""
+    found: list[tuple[str, Mapping[str, Any] | None]] = []
+    found_ids: set[int] = set()  # one section reached twice through a YAML alias counts once
+    visited: set[int] = set()  # aliases can also make cycles
+    stack: list[tuple[str, Any]] = [("", document)]
+    while stack:
+        location, node = stack.pop()
+        if id(node) in visited or not isinstance(node, (dict, list)):
+            continue
+        visited.add(id(node))
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        children = []
+        for key, child in items:
+            where = f"{location}[{key}]" if isinstance(node, list) else f"{location}.{key}"
+            if not _is_section(node, key, child):
+                children.append((where, child))
+            elif child is None or id(child) not in found_ids:
+                found.append((where.lstrip("."), child))
+                found_ids.add(id(child))
+        stack.extend(reversed(children))
+    return found
+
+
+def _is_section(parent: dict[Any, Any] | list[Any], key: Any, child: Any) -> bool:
+    return (
+        isinstance(parent, dict)
+        and key == YAML_SECTION
+        and (child is None or isinstance(child, dict))
+    )
+
+
+# --- rendezvous -------------------------------------------------------------------------------
+
+
+class _Meeting(NamedTuple):
+    backend: str
+    endpoint: str
+    run_id: str
+    node_rank: int | None
+    local: bool
+    """A store on this host on a free port (--standalone, or torchrun's one-node default)."""
+
+
+def _rendezvous(opts: Resolved, notes: list[str]) -> RendezvousConfig:
+    min_nodes, max_nodes = opts["nnodes"]
+    meeting = _meeting_point(opts, max_nodes, notes)
+    if meeting.local:
+        min_nodes = max_nodes = 1
+    conf = dict(opts["rdzv_conf"])
+    label = opts.labels["rdzv_conf"]
+    timeouts = {key: _conf_value(conf, key, v.positive_number, label) for key in _CONF_TIMEOUTS}
+    is_host = _conf_value(conf, "is_host", v.boolean, label)
+    return RendezvousConfig(
+        endpoint=meeting.endpoint,
+        run_id=meeting.run_id,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        impl=RendezvousImpl(opts["rdzv_impl"]),
+        backend=meeting.backend,
+        is_host=True if meeting.local else is_host,
+        use_infra_group_rank=opts["use_infra_group_rank"],
+        node_rank=meeting.node_rank,
+        local_addr=opts["local_addr"],
+        conf=MappingProxyType(conf),
+        **{key: value for key, value in timeouts.items() if value is not None},
+    )
+
+
+def _conf_value(conf: dict[str, str], key: str, parse: Callable[[Any], Any], label: str) -> Any:
+    """Take `key` out of the --rdzv-conf pairs, parsed; None when absent."""
+    if key not in conf:
+        return None
+    try:
+        return parse(conf.pop(key))
+    except ValueError as err:
+        raise ConfigError(f"{label} {key}: {err}") from None
+
+
+def _meeting_point(opts: Resolved, max_nodes: int, notes: list[str]) -> _Meeting:
+    """Backend, store endpoint, run id and node rank, decided the way torchrun decides them."""
+    local = _Meeting("c10d", LOCAL_STORE, str(uuid.uuid4()), None, local=True)
+    if opts["standalone"]:
+        if max_nodes > 1:
+            raise ConfigError(
+                f"--standalone runs one node, but {opts.labels['nnodes']} asks for more"
+            )
+        return local
+    backend, endpoint = opts["rdzv_backend"], opts["rdzv_endpoint"]
+    if backend == "static" and not endpoint and not opts.is_set("master_port") and max_nodes == 1:
+        return local  # torchrun >= 2.5 does the same: one static node needs no fixed port
+    if not opts["rdzv_id"]:
+        raise ConfigError(f"{opts.labels['rdzv_id']}: must not be empty")
+    if backend == "static":
+        label = opts.labels["rdzv_endpoint"] if endpoint else "--master-addr/--master-port"
+        port = opts["master_port"] if opts["master_port"] is not None else MASTER_PORT
+        address = _endpoint(endpoint or v.format_endpoint(opts["master_addr"], port), None, label)
+        if opts["node_rank"] >= max_nodes:
+            raise ConfigError(
+                f"{opts.labels['node_rank']}: {opts['node_rank']} is not below the node count"
+                f" ({max_nodes})"
+            )
+        return _Meeting(backend, address, opts["rdzv_id"], opts["node_rank"], local=False)
+    for name in ("node_rank", "master_addr", "master_port"):
+        if opts.is_set(name):
+            notes.append(f"{opts.labels[name]} is only used with --rdzv-backend=static; ignored")
+    address = _endpoint(endpoint or "localhost", C10D_PORT, opts.labels["rdzv_endpoint"])
+    return _Meeting(backend, address, opts["rdzv_id"], None, local=False)
+
+
+def _endpoint(raw: str, default_port: int | None, label: str) -> str:
+    try:
+        return v.format_endpoint(*v.endpoint(raw, default_port))
+    except ValueError as err:
+        raise ConfigError(f"{label}: {err}") from None
+
+
+# --- agent ------------------------------------------------------------------------------------
+
+
+def _agent(
+    opts: Resolved,
+    line: CommandLine,
+    environ: Mapping[str, str],
+    devices: DeviceCounter,
+    notes: list[str],
+) -> AgentConfig:
+    if opts["logs_specs"] is not None:
+        raise ConfigError(
+            f"{opts.labels['logs_specs']}: torchrun LogsSpecs plugins are not supported "
+            "(ftrun writes its own per-cycle logs under --log-dir)"
+        )
+    nproc = _local_world_size(opts, devices)
+    extra_env: dict[str, str] = {}
+    if nproc > 1 and "OMP_NUM_THREADS" not in environ:
+        extra_env["OMP_NUM_THREADS"] = "1"  # torchrun's default, to avoid oversubscription
+        notes.append("OMP_NUM_THREADS=1 for every worker (torchrun's default); tune it if needed")
+    return AgentConfig(
+        entrypoint=_entrypoint(opts, line, environ),
+        nproc_per_node=nproc,
+        role=opts["role"],
+        max_restarts=opts["max_restarts"],
+        monitor_interval=opts["monitor_interval"],
+        log_dir=Path(opts["log_dir"]) if opts["log_dir"] else None,
+        redirects=_per_rank(opts["redirects"], nproc),
+        tee=_per_rank(opts["tee"], nproc),
+        local_ranks_filter=opts["local_ranks_filter"],
+        workers_stop_timeout=_stop_timeout(opts),
+        termination_signal=opts["rank_termination_signal"],
+        signals_to_handle=opts["signals_to_handle"],
+        gpu_memory_reclaim_timeout=opts["gpu_memory_reclaim_timeout"],
+        gpu_memory_tolerance_mb=opts["gpu_memory_tolerance_mb"],
+        prewarm_modules=opts["prewarm_modules"],
+        extra_env=MappingProxyType(extra_env),
+        duplicate_stdout_filters=opts["duplicate_stdout_filters"],
+        duplicate_stderr_filters=opts["duplicate_stderr_filters"],
+        numa_binding=opts["numa_binding"],
+        virtual_local_rank=opts["virtual_local_rank"],
+    )
+
+
+def _local_world_size(opts: Resolved, devices: DeviceCounter) -> int:
+    value = opts["nproc_per_node"]
+    if isinstance(value, int):
+        return value
+    try:
+        count = devices(value)
+    except ValueError as err:
+        raise ConfigError(f"{opts.labels['nproc_per_node']}={value}: {err}") from None
+    if count < 1:
+        raise ConfigError(f"{opts.labels['nproc_per_node']}={value}: no such devices found")
+    return count
+
+
+def _entrypoint(opts: Resolved, line: CommandLine, environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The worker command, built like torchrun builds it (PYTHON_EXEC overrides the python)."""
+    script, args = str(line.script), line.script_args
+    python = environ.get("PYTHON_EXEC") or sys.executable
+    if opts["module"] and (opts["no_python"] or opts["run_path"]):
+        other = "--no-python" if opts["no_python"] else "--run-path"
+        raise ConfigError(f"{other} and --module cannot be used together")
+    if opts["run_path"]:
+        return (python, "-u", script, *args)
+    if opts["no_python"]:
+        return (script, *args)
+    if opts["module"]:
+        return (python, "-u", "-m", script, *args)
+    return (python, "-u", script, *args)
+
+
+def _per_rank(spec: int | Mapping[int, int], nproc: int) -> Mapping[int, int]:
+    """torchrun's redirect/tee value as local rank -> Std flags (ranks with none are left out)."""
+    pairs = spec.items() if isinstance(spec, Mapping) else ((rank, spec) for rank in range(nproc))
+    return MappingProxyType({rank: flags for rank, flags in pairs if flags})
+
+
+def _stop_timeout(opts: Resolved) -> float:
+    """--workers-stop-timeout, or torchrun's --shutdown-timeout for the same thing."""
+    ours, theirs = opts["workers_stop_timeout"], opts["shutdown_timeout"]
+    if not opts.is_set("shutdown_timeout"):
+        return ours
+    if opts.is_set("workers_stop_timeout") and float(theirs) != ours:
+        raise ConfigError(
+            f"{opts.labels['shutdown_timeout']}={theirs} and "
+            f"{opts.labels['workers_stop_timeout']}={ours} disagree; give one"
+        )
+    return float(theirs)

@@ -1,0 +1,131 @@
+"""Running several `ft_launcher` "nodes" on 127.0.0.1 for process-level tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from support import wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "train_ddp.py"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Node:
+    index: int
+    proc: subprocess.Popen[bytes]
+    output: Path
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")
+
+
+@dataclasses.dataclass
+class Job:
+    """Launchers of one job; `log_dir` holds their events and worker logs."""
+
+    tmp: Path
+    nodes: list[Node]
+    log_dir: Path
+    ckpt_dir: Path
+
+    def wait(self, timeout: float) -> list[int]:
+        deadline = time.monotonic() + timeout
+        codes = []
+        for node in self.nodes:
+            try:
+                codes.append(node.proc.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise AssertionError(
+                    f"launcher {node.index} still running after {timeout}s:\n{node.text()[-3000:]}"
+                ) from None
+        return codes
+
+    def kill(self) -> None:
+        for node in self.nodes:
+            if node.proc.poll() is None:
+                os.killpg(node.proc.pid, signal.SIGKILL)
+                node.proc.wait()
+
+    def events(self, name: str | None = None) -> list[dict]:
+        found = []
+        for path in sorted(self.log_dir.glob("events-*.jsonl")):
+            found += [json.loads(line) for line in path.read_text().splitlines()]
+        return [e for e in found if name is None or e["event"] == name]
+
+    def wait_event(self, name: str, count: int = 1, timeout: float = 60) -> list[dict]:
+        return wait_for(
+            lambda: (found := self.events(name)) and len(found) >= count and found,
+            timeout,
+            f"{count} {name!r} event(s)",
+        )
+
+    def progress(self, rank: int) -> list[tuple[int, int]]:
+        path = self.ckpt_dir / f"progress-rank{rank}.txt"
+        if not path.exists():
+            return []
+        rows = [line.split() for line in path.read_text().splitlines()]
+        return [(int(cycle), int(step)) for cycle, step, _ in rows]
+
+
+def start_job(
+    tmp: Path,
+    nodes: int,
+    launcher_args: Sequence[str],
+    script_args: Sequence[str] = (),
+    script: Path = EXAMPLE,
+    nproc: int = 1,
+    node_env: Sequence[dict[str, str]] | None = None,
+    order: Sequence[int] | None = None,
+) -> Job:
+    """Start `nodes` launchers (in `order`) for one job on a fresh rendezvous port."""
+    log_dir, ckpt_dir = tmp / "logs", tmp / "ckpt"
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = [
+        f"--nnodes={nodes}",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id=test-{tmp.name}",
+        f"--log-dir={log_dir}",
+        "--monitor-interval=0.1",
+        *launcher_args,
+    ]
+    argv_tail = [str(script), "--ckpt-dir", str(ckpt_dir), *script_args]
+    started = []
+    for index in order or range(nodes):
+        env = {**os.environ, **(node_env[index] if node_env else {}), "PYTHONUNBUFFERED": "1"}
+        output = tmp / f"launcher{index}.log"
+        with output.open("wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ftrun.ft_launcher.cli", *common, *argv_tail],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        started.append(Node(index, proc, output))
+    return Job(tmp, sorted(started, key=lambda n: n.index), log_dir, ckpt_dir)
+
+
+def running(job: Job) -> Iterator[Job]:
+    try:
+        yield job
+    finally:
+        job.kill()

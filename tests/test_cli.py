@@ -1,0 +1,479 @@
+"""ft_launcher's options, config building and error path (pure, except one subprocess test)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import types
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ftrun.agent.config import AgentConfig
+from ftrun.errors import ConfigError, ExitCode, RestartBudgetSpentError
+from ftrun.ft_launcher import cli
+from ftrun.ft_launcher.config import LaunchConfig, build_config
+from ftrun.ft_launcher.options import BY_NAME, OPTIONS, YAML_KEYS, parse_argv, reference_markdown
+from ftrun.rank_monitor.config import RankMonitorConfig
+from ftrun.rendezvous.config import HealthCheckConfig, RendezvousImpl
+
+PY = sys.executable
+NVRX_YAML_KEYS = {
+    "initial_rank_heartbeat_timeout",
+    "rank_heartbeat_timeout",
+    "rank_section_timeouts",
+    "rank_out_of_section_timeout",
+    "safety_factor",
+    "rank_termination_signal",
+    "workers_stop_timeout",
+    "rdzv_impl",
+    "use_infra_group_rank",
+    "log_level",
+    "node_health_check_cmd",
+    "storage_health_check_path",
+    "gpu_health_check",
+    "gpu_memory_reclaim_timeout",
+    "gpu_memory_tolerance_mb",
+}
+
+
+def build(*argv: str, env: Mapping[str, str] | None = None, **kw: Any) -> LaunchConfig:
+    return build_config(argv, env or {}, **kw)
+
+
+def config_error(*argv: str, env: Mapping[str, str] | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        build(*argv, env=env)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def write_yaml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "ft.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+# --- torchrun compatibility ------------------------------------------------------------------
+
+
+@pytest.fixture
+def torchrun_actions(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    import os
+
+    import torch.distributed.run as torchrun
+
+    for name in [key for key in os.environ if key.startswith("PET_")]:
+        monkeypatch.delenv(name)
+    parser = torchrun.get_args_parser()
+    return [a for a in parser._actions if a.option_strings and a.dest != "help"]
+
+
+def test_every_torchrun_option_with_its_flags_env_and_default(torchrun_actions: list[Any]) -> None:
+    for action in torchrun_actions:
+        ours = BY_NAME[action.dest]
+        assert set(ours.flags) == set(action.option_strings), action.dest
+        reads_env = type(action).__name__ in ("env", "check_env")
+        assert ours.env == (f"PET_{action.dest.upper()}" if reads_env else None), action.dest
+        if action.default is None:
+            assert ours.default is None, action.dest
+        else:
+            assert ours.parse(ours.default) == ours.parse(action.default), action.dest
+        if action.choices:
+            assert tuple(ours.parse.choices) == tuple(action.choices), action.dest  # type: ignore[attr-defined]
+
+
+def test_defaults() -> None:
+    config = build("train.py")
+    assert config.agent == AgentConfig(entrypoint=(PY, "-u", "train.py"))
+    assert config.monitor == RankMonitorConfig()
+    assert config.health == HealthCheckConfig()
+    assert config.log_level == "INFO"
+    assert config.warnings == ()
+    rdzv = config.rendezvous
+    # torchrun: one static node without --master-port gets a local store on a free port.
+    assert (rdzv.backend, rdzv.endpoint, rdzv.is_host) == ("c10d", "127.0.0.1:0", True)
+    assert (rdzv.min_nodes, rdzv.max_nodes, rdzv.impl) == (1, 1, RendezvousImpl.BARRIER)
+    uuid.UUID(rdzv.run_id)
+    agent = config.agent
+    assert (agent.nproc_per_node, agent.max_restarts, agent.monitor_interval) == (1, 0, 0.1)
+    assert agent.signals_to_handle == (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    assert agent.workers_stop_timeout == 15.0
+
+
+@pytest.mark.parametrize("opt", OPTIONS, ids=lambda opt: opt.name)
+def test_every_spelling_sets_its_option(opt: Any) -> None:
+    for flag in (*opt.flags, *opt.off_flags):
+        argv = [flag] if opt.is_flag else [flag, "1"]
+        line = parse_argv([*argv, "train.py"])
+        assert opt.name in line.given, flag
+        assert line.script == "train.py"
+    assert all(flag in reference_markdown() for flag in opt.flags)
+
+
+def test_both_spellings_give_the_same_config() -> None:
+    dashed = build("--nproc-per-node=2", "--max-restarts=3", "--ft-rank-heartbeat-timeout=9", "x")
+    underscored = build(
+        "--nproc_per_node", "2", "--max_restarts=3", "--ft_rank_heartbeat_timeout=9", "x"
+    )
+    assert dashed.agent == underscored.agent
+    assert dashed.monitor == underscored.monitor
+    assert build("--ft_no_gpu_health_check", "x").health.gpu is False
+    assert build("--workers_stop_timeout=2.5", "x").agent.workers_stop_timeout == 2.5
+
+
+def test_nnodes_min_max() -> None:
+    rdzv = build("--nnodes=2:4", "--rdzv-backend=c10d", "--rdzv-endpoint=h:1", "x").rendezvous
+    assert (rdzv.min_nodes, rdzv.max_nodes) == (2, 4)
+    rdzv = build("--nnodes", "3", "--master-addr=h", "x").rendezvous
+    assert (rdzv.min_nodes, rdzv.max_nodes) == (3, 3)
+    for bad in ("0", "3:2", "a", "1:2:3", "0:2", ""):
+        assert "--nnodes" in config_error(f"--nnodes={bad}", "x")
+
+
+# --- rendezvous ------------------------------------------------------------------------------
+
+
+def test_static_rendezvous_uses_master_addr_port_and_node_rank() -> None:
+    rdzv = build("--nnodes=2", "--node-rank=1", "--master-addr=node0", "x").rendezvous
+    assert (rdzv.backend, rdzv.endpoint, rdzv.node_rank, rdzv.run_id) == (
+        "static",
+        "node0:29500",
+        1,
+        "none",
+    )
+    assert build("--nnodes=2", "--master_port=1234", "x").rendezvous.endpoint == "127.0.0.1:1234"
+    assert build("--master-port=7", "x").rendezvous.endpoint == "127.0.0.1:7"  # no local store
+    rdzv = build("--nnodes=2", "--rdzv-endpoint=[::1]:77", "--master-addr=ignored", "x").rendezvous
+    assert rdzv.endpoint == "[::1]:77"
+    assert "--node-rank" in config_error("--nnodes=2", "--node-rank=2", "x")
+    assert "no port" in config_error("--nnodes=2", "--rdzv-endpoint=node0", "x")
+
+
+def test_c10d_rendezvous_and_rdzv_conf() -> None:
+    config = build(
+        "--nnodes=1:2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=node0",
+        "--rdzv-id=job7",
+        "--rdzv-conf=join_timeout=60,last_call_timeout=5,is_host=false,foo=bar",
+        "--node-rank=1",
+        "x",
+    )
+    rdzv = config.rendezvous
+    assert (rdzv.endpoint, rdzv.run_id, rdzv.node_rank) == ("node0:29400", "job7", None)
+    assert (rdzv.join_timeout, rdzv.last_call_timeout, rdzv.close_timeout) == (60.0, 5.0, 30.0)
+    assert rdzv.is_host is False
+    assert dict(rdzv.conf) == {"foo": "bar"}
+    assert any("--node-rank" in note for note in config.warnings)
+    assert build("--rdzv-backend=c10d", "x").rendezvous.endpoint == "localhost:29400"
+    assert "join_timeout" in config_error("--rdzv-conf=join_timeout=-1", "x")
+    assert "--rdzv-conf" in config_error("--rdzv-conf=novalue", "x")
+    assert "65535" in config_error("--rdzv-backend=c10d", "--rdzv-endpoint=h:70000", "x")
+    assert "--rdzv-backend" in config_error("--rdzv-backend=etcd", "x")
+
+
+def test_standalone_ignores_rendezvous_flags() -> None:
+    rdzv = build(
+        "--standalone", "--rdzv-endpoint=far:1", "--rdzv-id=mine", "--nproc-per-node=2", "x"
+    ).rendezvous
+    assert (rdzv.backend, rdzv.endpoint, rdzv.is_host) == ("c10d", "127.0.0.1:0", True)
+    assert (rdzv.min_nodes, rdzv.max_nodes) == (1, 1)
+    assert rdzv.run_id != build("--standalone", "x").rendezvous.run_id
+    uuid.UUID(rdzv.run_id)
+    assert "--standalone" in config_error("--standalone", "--nnodes=2", "x")
+
+
+def test_rdzv_impl_and_its_legacy_alias() -> None:
+    assert build("x").rendezvous.impl is RendezvousImpl.BARRIER
+    assert build("--ft-rdzv-impl=legacy", "x").rendezvous.impl is RendezvousImpl.DYNAMIC
+    assert build("--ft_rdzv_impl", "dynamic", "x").rendezvous.impl is RendezvousImpl.DYNAMIC
+    assert "barrier, dynamic" in config_error("--ft-rdzv-impl=v3", "x")
+    assert build("--ft-use-infra-group-rank", "x").rendezvous.use_infra_group_rank is True
+
+
+# --- entrypoint and workers ------------------------------------------------------------------
+
+
+def test_script_arguments_pass_through_untouched() -> None:
+    args = ("--nnodes=5", "-m", "--", "--help", "--ft-rank-heartbeat-timeout=abc", "-r", "9")
+    config = build("--nproc-per-node=2", "train.py", *args)
+    assert config.agent.entrypoint == (PY, "-u", "train.py", *args)
+    assert config.agent.nproc_per_node == 2
+    assert build("--", "train.py", "a").agent.entrypoint == (PY, "-u", "train.py", "a")
+
+
+def test_module_no_python_and_run_path_entrypoints() -> None:
+    assert build("-m", "pkg.train", "--lr=1").agent.entrypoint == (
+        PY,
+        "-u",
+        "-m",
+        "pkg.train",
+        "--lr=1",
+    )
+    assert build("--no-python", "./run.sh", "a").agent.entrypoint == ("./run.sh", "a")
+    assert build("--run-path", "--no_python", "/a/t.py").agent.entrypoint == (PY, "-u", "/a/t.py")
+    assert "--module" in config_error("--no-python", "--module", "x")
+    assert build("x", env={"PYTHON_EXEC": "/opt/py"}).agent.entrypoint == ("/opt/py", "-u", "x")
+    assert "missing SCRIPT" in config_error("--nnodes=1")
+
+
+def test_nproc_device_words_and_omp_threads() -> None:
+    config = build("--nproc-per-node=gpu", "x", devices=lambda kind: {"gpu": 8}[kind])
+    assert config.agent.nproc_per_node == 8
+    assert dict(config.agent.extra_env) == {"OMP_NUM_THREADS": "1"}
+    assert build("--nproc-per-node=cpu", "x").agent.nproc_per_node >= 1
+    config = build("--nproc-per-node=4", "x", env={"OMP_NUM_THREADS": "8"})
+    assert dict(config.agent.extra_env) == {}
+
+    def no_cuda(kind: str) -> int:
+        raise ValueError("CUDA is not available")
+
+    with pytest.raises(ConfigError, match="gpu: CUDA is not available"):
+        build("--nproc-per-node=gpu", "x", devices=no_cuda)
+    for bad in ("0", "-1", "tpu", "1.5"):
+        assert "--nproc-per-node" in config_error(f"--nproc-per-node={bad}", "x")
+
+
+def test_redirects_tee_and_rank_filters() -> None:
+    agent = build("--nproc-per-node=2", "-r", "3", "-t0:1,1:2", "--local-ranks-filter=0", "x").agent
+    assert dict(agent.redirects) == {0: 3, 1: 3}
+    assert dict(agent.tee) == {0: 1, 1: 2}
+    assert agent.local_ranks_filter == frozenset({0})
+    agent = build("--duplicate-stdout-filters=a,,b,c", "--numa-binding=socket", "x").agent
+    assert agent.duplicate_stdout_filters == ("a,b", "c")
+    assert agent.numa_binding == "socket"
+    assert "--redirects" in config_error("--redirects=4", "x")
+    assert "--tee" in config_error("--tee=0:1,x", "x")
+    assert "--local-ranks-filter" in config_error("--local-ranks-filter=0,a", "x")
+    assert "--numa-binding" in config_error("--numa-binding=all", "x")
+    assert "--logs-specs" in config_error("--logs-specs=mine", "x")
+
+
+def test_signals_and_stop_timeouts() -> None:
+    for spelling in ("SIGUSR1", "usr1", str(int(signal.SIGUSR1))):
+        agent = build(f"--ft-rank-termination-signal={spelling}", "x").agent
+        assert agent.termination_signal is signal.SIGUSR1
+    assert "unknown signal" in config_error("--ft-rank-termination-signal=SIGNOPE", "x")
+    assert build("--signals-to-handle=TERM,USR2", "x").agent.signals_to_handle == (
+        signal.SIGTERM,
+        signal.SIGUSR2,
+    )
+    assert "SIGKILL" in config_error("--signals-to-handle=SIGTERM,SIGKILL", "x")
+    assert build("--shutdown-timeout=7", "x").agent.workers_stop_timeout == 7.0
+    assert "disagree" in config_error("--shutdown-timeout=7", "--workers-stop-timeout=3", "x")
+    assert "--workers-stop-timeout" in config_error("--workers-stop-timeout=-1", "x")
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--max-restarts=-1"], "--max-restarts"),
+        (["--monitor-interval=0"], "--monitor-interval"),
+        (["--ft-safety-factor=0"], "--ft-safety-factor"),
+        (["--ft-rank-heartbeat-timeout=0"], "--ft-rank-heartbeat-timeout"),
+        (["--ft-initial-rank-heartbeat-timeout=-3"], "--ft-initial-rank-heartbeat-timeout"),
+        (["--ft-gpu-memory-tolerance-mb=lots"], "--ft-gpu-memory-tolerance-mb"),
+        (["--ft-log-level=chatty"], "--ft-log-level"),
+        (["--master-port=65536", "--nnodes=2"], "--master-port"),
+        (["--start-method=thread"], "--start-method"),
+    ],
+)
+def test_bad_values_name_their_flag(argv: list[str], flag: str) -> None:
+    assert config_error(*argv, "x").startswith(flag)
+
+
+def test_click_usage_errors_are_config_errors() -> None:
+    assert "--bogus" in config_error("--bogus", "x")
+    assert "--nnodes" in config_error("--nnodes")
+
+
+# --- fault-tolerance options -----------------------------------------------------------------
+
+
+def test_timeouts_and_section_timeouts() -> None:
+    monitor = build(
+        "--ft-rank-section-timeouts=step:30,ckpt:none, eval : 2.5",
+        "--ft-rank-out-of-section-timeout=600",
+        "--ft-rank-heartbeat-timeout=NULL",
+        "x",
+    ).monitor
+    assert dict(monitor.rank_section_timeouts) == {"step": 30.0, "ckpt": None, "eval": 2.5}
+    assert monitor.rank_out_of_section_timeout == 600.0
+    assert monitor.rank_heartbeat_timeout is None
+    for bad in ("step", "step:abc", ":3", "step:0"):
+        assert "--ft-rank-section-timeouts" in config_error(
+            f"--ft-rank-section-timeouts={bad}", "x"
+        )
+
+
+def test_yaml_keys_are_nvrx_names() -> None:
+    assert YAML_KEYS == NVRX_YAML_KEYS
+
+
+def test_yaml_nested_section_with_cli_override(tmp_path: Path) -> None:
+    path = write_yaml(
+        tmp_path,
+        """
+model: {layers: 2}
+training:
+  - name: first
+    settings:
+      fault_tolerance:
+        rank_heartbeat_timeout: 30
+        initial_rank_heartbeat_timeout: null
+        rank_section_timeouts: {step: 10, ckpt: null}
+        rdzv_impl: legacy
+        workers_stop_timeout: 5
+        gpu_health_check: false
+        storage_health_check_path: [/a, /b]
+        rank_termination_signal: SIGINT
+        log_level: debug
+        use_infra_group_rank: true
+""",
+    )
+    config = build(f"--ft-cfg-path={path}", "--ft-rank-heartbeat-timeout=60", "x")
+    assert config.monitor.rank_heartbeat_timeout == 60.0  # CLI beats YAML
+    assert config.monitor.initial_rank_heartbeat_timeout is None
+    assert dict(config.monitor.rank_section_timeouts) == {"step": 10.0, "ckpt": None}
+    assert config.rendezvous.impl is RendezvousImpl.DYNAMIC
+    assert config.rendezvous.use_infra_group_rank is True
+    assert config.agent.workers_stop_timeout == 5.0
+    assert config.agent.termination_signal is signal.SIGINT
+    assert config.health == HealthCheckConfig(gpu=False, storage_paths=("/a", "/b"))
+    assert config.log_level == "DEBUG"
+    assert build(f"--ft_cfg_path={path}", "--ft-gpu-health-check", "x").health.gpu is True
+
+
+def test_yaml_errors_are_one_line(tmp_path: Path) -> None:
+    bad_key = write_yaml(tmp_path, "fault_tolerance:\n  rank_heartbeat_timout: 3\n")
+    message = config_error(f"--ft-cfg-path={bad_key}", "x")
+    assert "rank_heartbeat_timout" in message
+    assert "did you mean rank_heartbeat_timeout" in message
+    bad_value = write_yaml(tmp_path, "a:\n  fault_tolerance:\n    safety_factor: -1\n")
+    assert "fault_tolerance.safety_factor" in config_error(f"--ft-cfg-path={bad_value}", "x")
+    missing = str(tmp_path / "absent.yaml")
+    assert "absent.yaml" in config_error(f"--ft-cfg-path={missing}", "x")
+    broken = write_yaml(tmp_path, "fault_tolerance: [unclosed\n")
+    assert "bad YAML" in config_error(f"--ft-cfg-path={broken}", "x")
+    nothing = write_yaml(tmp_path, "training: {fault_tolerance: true}\n")
+    assert "no 'fault_tolerance:'" in config_error(f"--ft-cfg-path={nothing}", "x")
+    two = write_yaml(tmp_path, "a: {fault_tolerance: {}}\nb: {fault_tolerance: {}}\n")
+    assert "several" in config_error(f"--ft-cfg-path={two}", "x")
+
+
+def test_yaml_alias_to_one_section_counts_once(tmp_path: Path) -> None:
+    path = write_yaml(
+        tmp_path,
+        "base: &ft {safety_factor: 2}\nfault_tolerance: *ft\nloop: &l [*l]\n",
+    )
+    assert build(f"--ft-cfg-path={path}", "x").monitor.safety_factor == 2.0
+
+
+# --- environment -----------------------------------------------------------------------------
+
+
+def test_pet_environment_sits_between_cli_and_defaults() -> None:
+    env = {
+        "PET_NPROC_PER_NODE": "3",
+        "PET_MAX_RESTARTS": "2",
+        "PET_NNODES": "2",
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_RDZV_ENDPOINT": "node0:5",
+        "PET_MODULE": "1",
+        "PET_STANDALONE": "0",
+        "PET_ROLE": "",  # empty means unset
+    }
+    config = build("--max-restarts=5", "pkg", env=env)
+    assert (config.agent.nproc_per_node, config.agent.max_restarts) == (3, 5)
+    assert config.agent.entrypoint == (PY, "-u", "-m", "pkg")
+    assert config.agent.role == "default"
+    assert (config.rendezvous.max_nodes, config.rendezvous.endpoint) == (2, "node0:5")
+    assert build("x", env={"PET_STANDALONE": "1"}).rendezvous.endpoint == "127.0.0.1:0"
+    assert config_error("x", env={"PET_MAX_RESTARTS": "many"}).startswith("PET_MAX_RESTARTS")
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def fake_agent(monkeypatch: pytest.MonkeyPatch, run_node: Any) -> None:
+    monkeypatch.setitem(sys.modules, "ftrun.agent", types.SimpleNamespace(run_node=run_node))
+
+
+def test_main_runs_the_node_with_the_config(
+    monkeypatch: pytest.MonkeyPatch, restore_logging: None
+) -> None:
+    seen: list[LaunchConfig] = []
+    fake_agent(monkeypatch, lambda config: seen.append(config) or ExitCode.PREEMPTED)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--ft-log-level=warning", "train.py", "a"])
+    assert info.value.code == ExitCode.PREEMPTED
+    assert seen[0].agent.entrypoint == (PY, "-u", "train.py", "a")
+    assert logging.getLogger().level == logging.WARNING
+
+
+def test_main_turns_ftrun_errors_into_their_exit_code(
+    monkeypatch: pytest.MonkeyPatch, restore_logging: None
+) -> None:
+    def run_node(config: LaunchConfig) -> ExitCode:
+        raise RestartBudgetSpentError("spent")
+
+    fake_agent(monkeypatch, run_node)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["x"])
+    assert info.value.code == ExitCode.FAILED
+
+
+def test_main_help_and_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    assert info.value.code == 0
+    assert "--ft-rank-section-timeouts" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--nnodes=0", "x"])
+    assert info.value.code == ExitCode.USAGE
+    assert (
+        capsys.readouterr().err == "ft_launcher: error: --nnodes: need 1 <= MIN <= MAX, got '0'\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--ft-rank-heartbeat-timeout=abc", "x.py"],
+        ["--ft-cfg-path=BAD", "x.py"],
+        ["--no-such-flag", "x.py"],
+    ],
+    ids=["bad-value", "bad-yaml", "unknown-flag"],
+)
+def test_usage_errors_exit_2_with_one_line(tmp_path: Path, argv: Sequence[str]) -> None:
+    bad_yaml = write_yaml(tmp_path, "fault_tolerance:\n  safety_factor: [1\n")
+    argv = [arg.replace("BAD", bad_yaml) for arg in argv]
+    done = subprocess.run(
+        [PY, "-m", "ftrun.ft_launcher.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("ft_launcher: error: ")
+    assert "Traceback" not in done.stderr
