@@ -25,7 +25,7 @@ def test_crash_of_one_rank_restarts_in_job_and_resumes(tmp_path: Path):
         (n, 1) for n in {e["node"] for e in job.events("rendezvous_done")}
     }
     steps = job.progress(0)
-    assert [s for c, s in steps if c == 1][0] == 6  # resumed after the step-5 checkpoint
+    assert next(s for c, s in steps if c == 1) == 6  # resumed after the step-5 checkpoint
     assert steps[-1] == (1, 20)
     assert (job.ckpt_dir / "FINISHED").exists()
     assert {e["code"] for e in job.events("exit")} == {0}

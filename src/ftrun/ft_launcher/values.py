@@ -199,11 +199,7 @@ def path_list(raw: Any) -> tuple[str, ...]:
 
 def module_list(raw: Any) -> tuple[str, ...]:
     """`a,b.c` or a YAML list of importable module names; `none` means no modules."""
-    if (
-        text(raw).strip().lower() in ("none", "null", "")
-        if not isinstance(raw, (list, tuple))
-        else False
-    ):
+    if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("none", "null", "")):
         return ()
     names = path_list(raw)
     bad = [n for n in names if not all(part.isidentifier() for part in n.split("."))]
