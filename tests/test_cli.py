@@ -36,6 +36,7 @@ NVRX_YAML_KEYS = {
     "log_level",
     "node_health_check_cmd",
     "storage_health_check_path",
+    "prewarm_modules",
     "gpu_health_check",
     "gpu_memory_reclaim_timeout",
     "gpu_memory_tolerance_mb",
