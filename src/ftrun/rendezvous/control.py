@@ -1,7 +1,8 @@
 """Job-wide signalling through the store: the cycle number, restarts, shutdown, exit barriers.
 
-One cycle number for the whole job: a restart is a compare-and-set from `c` to `c + 1`, so when
-several nodes fail at once exactly one bump (and one failure count) happens. Every agent watches
+One cycle number for the whole job: a restart is a vote on cycle `c`; the first voter moves the
+job to `c + 1`, so when several nodes fail at once exactly one bump (and one failure count)
+happens. Every agent watches
 `c<c>/next` with one cheap `check` per monitor interval. Shared by both rendezvous
 implementations.
 """
@@ -47,12 +48,14 @@ class JobControl:
 
     def request_restart(self, cycle: int, cause: str, failure: bool = True) -> bool:
         """Move the job from `cycle` to the next; True if this call made the move."""
-        old, new = str(cycle), str(cycle + 1)
-        won = self._store.compare_set(self._key("cycle"), old, new).decode() == new
+        # The first vote wins; a compare-and-set on the cycle cannot tell its winner apart from
+        # a loser that finds the value it wanted to write.
+        won = self._store.add(self._key(f"c{cycle}/votes"), 1) == 1
         if won:
             if failure:
                 self._store.add(self._key("failures"), 1)
             self._store.set(self._key(f"c{cycle}/cause"), cause)
+            self._store.set(self._key("cycle"), str(cycle + 1))
             self._store.set(self._key(f"c{cycle}/next"), "1")
         return won
 
