@@ -35,6 +35,9 @@ from ftrun.rendezvous.ranks import Round
 log = logging.getLogger("ftrun.agent")
 
 _SCALE_CHECK_S = 1.0
+# Peers need the store only to read why the job ends (they poll every monitor interval, or
+# every second while joining): a few seconds cover them, a dead peer must not hold us long.
+_STORE_LINGER_S = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +250,7 @@ class NodeAgent:
         return self._exit_with(ExitCode.SUCCESS, "all workers finished")
 
     def _exit(self) -> AgentState:
-        self.rt.leave(self._round, self.cfg.workers_stop_timeout + 5.0)
+        self.rt.leave(self._round, _STORE_LINGER_S)
         return AgentState.EXITED
 
     # ---- helpers -------------------------------------------------------------------------
