@@ -20,6 +20,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hang", default="", metavar="CYCLE:RANK:STEP")
     parser.add_argument("--hang-collective", default="", metavar="CYCLE:RANK:STEP")
     parser.add_argument("--calc-timeouts-at", type=int, default=0, help="step; 0 = never")
+    parser.add_argument("--sigterm-grace", type=float, default=3.0, help="seconds to checkpoint")
     return parser.parse_args()
 
 
@@ -63,9 +65,41 @@ def sleep_before_all_reduce() -> None:
     time.sleep(3600)
 
 
-def on_sigterm(_signum: int, _frame: object) -> None:
-    global _stop_requested
-    _stop_requested = True
+def watch_sigterm(grace: float) -> None:
+    """SIGTERM asks for a checkpoint at the next step; if none comes within `grace`, exit.
+
+    The signal is taken by a thread (sigwait), not a Python handler: a handler would only run
+    once the main thread leaves C++, and a rank blocked in a collective whose peer died never
+    does. Then no checkpoint is possible and holding on only delays the restart.
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # inherited by torch's threads
+
+    def wait_for_term() -> None:
+        global _stop_requested
+        signal.sigwait({signal.SIGTERM})
+        _stop_requested = True
+        time.sleep(grace)
+        os._exit(143)
+
+    threading.Thread(target=wait_for_term, name="sigterm", daemon=True).start()
+
+
+def train_step(
+    model: nn.Module, optim: torch.optim.Optimizer, args: argparse.Namespace, step: int
+) -> None:
+    if fault_here(args.crash, step):
+        print(f"rank {RANK}: injected crash at step {step}", flush=True)
+        os._exit(1)
+    if fault_here(args.hang, step):
+        print(f"rank {RANK}: injected hang at step {step}", flush=True)
+        hang_in_step()
+    loss = model(torch.randn(32, 16)).pow(2).mean()
+    optim.zero_grad()
+    if fault_here(args.hang_collective, step):
+        sleep_before_all_reduce()
+    loss.backward()  # DDP's all_reduce happens here
+    optim.step()
+    time.sleep(args.step_time)
 
 
 def save(path: Path, state: dict) -> None:
@@ -76,7 +110,7 @@ def save(path: Path, state: dict) -> None:
 
 def main() -> int:
     args = parse_args()
-    signal.signal(signal.SIGTERM, on_sigterm)
+    watch_sigterm(args.sigterm_grace)
     args.ckpt_dir.mkdir(parents=True, exist_ok=True)
     ckpt = args.ckpt_dir / "checkpoint.pt"
     dist.init_process_group("gloo")
@@ -96,27 +130,21 @@ def main() -> int:
 
     def checkpoint(step: int) -> None:
         if RANK == 0:
-            save(ckpt, {"model": model.module.state_dict(), "optim": optim.state_dict(),
-                        "step": step, "monitor": client.state_dict()})
+            save(
+                ckpt,
+                {
+                    "model": model.module.state_dict(),
+                    "optim": optim.state_dict(),
+                    "step": step,
+                    "monitor": client.state_dict(),
+                },
+            )
         dist.barrier()
 
     step = start
     for step in range(start + 1, args.steps + 1):
         client.start_section("step")
-        if fault_here(args.crash, step):
-            print(f"rank {RANK}: injected crash at step {step}", flush=True)
-            os._exit(1)
-        if fault_here(args.hang, step):
-            print(f"rank {RANK}: injected hang at step {step}", flush=True)
-            hang_in_step()
-        x = torch.randn(32, 16)
-        loss = model(x).pow(2).mean()
-        optim.zero_grad()
-        if fault_here(args.hang_collective, step):
-            sleep_before_all_reduce()
-        loss.backward()  # DDP's all_reduce happens here
-        optim.step()
-        time.sleep(args.step_time)
+        train_step(model, optim, args, step)
         client.end_section("step")
         client.send_heartbeat()
         progress.write(f"{CYCLE} {step} {time.time():.6f}\n")

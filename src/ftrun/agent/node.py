@@ -38,6 +38,7 @@ _SCALE_CHECK_S = 1.0
 # Peers need the store only to read why the job ends (they poll every monitor interval, or
 # every second while joining): a few seconds cover them, a dead peer must not hold us long.
 _STORE_LINGER_S = 5.0
+_VERDICT_WINDOW_S = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,6 +339,7 @@ class NodeAgent:
     def _handle_hangs(self, first: Verdict) -> AgentState:
         """Kill every rank judged hung in this batch at once (a hung rank cannot be asked to
         stop, and its stacks are already captured), record each, then fail the cycle."""
+        time.sleep(_VERDICT_WINDOW_S)  # ranks blocked behind the hung one are judged ms later
         verdicts = [first, *self._take_queued(Verdict)]
         for verdict in verdicts:
             with contextlib.suppress(ProcessLookupError, PermissionError):
