@@ -38,6 +38,7 @@ NVRX_YAML_KEYS = {
     "storage_health_check_path",
     "prewarm_modules",
     "gpu_health_check",
+    "gpu_health_check_nvlink",
     "gpu_memory_reclaim_timeout",
     "gpu_memory_tolerance_mb",
 }

@@ -16,8 +16,13 @@ TRAIN = ["--steps", "20", "--save-every", "5", "--step-time", "0.02"]
 FAILED, PREEMPTED = 1, 75
 
 
-def test_crash_of_one_rank_restarts_in_job_and_resumes(tmp_path: Path):
-    job = start_job(tmp_path, 2, ["--max-restarts=2"], [*TRAIN, "--crash", "0:1:8"])
+IMPLS = pytest.mark.parametrize("impl", ["barrier", "dynamic"])
+
+
+@IMPLS
+def test_crash_of_one_rank_restarts_in_job_and_resumes(tmp_path: Path, impl: str):
+    args = ["--max-restarts=2", f"--ft-rdzv-impl={impl}"]
+    job = start_job(tmp_path, 2, args, [*TRAIN, "--crash", "0:1:8"])
     assert job.wait(120) == [0, 0], job.nodes[0].text()[-2000:]
     crash = job.events("worker_exited")
     assert any(e["rank"] == 1 and e["code"] == 1 and e["cycle"] == 0 for e in crash)
@@ -31,8 +36,9 @@ def test_crash_of_one_rank_restarts_in_job_and_resumes(tmp_path: Path):
     assert {e["code"] for e in job.events("exit")} == {0}
 
 
-def test_heartbeat_hang_is_detected_with_its_stack_and_recovered(tmp_path: Path):
-    args = ["--max-restarts=2", "--ft-rank-heartbeat-timeout=1.5"]
+@IMPLS
+def test_heartbeat_hang_is_detected_with_its_stack_and_recovered(tmp_path: Path, impl: str):
+    args = ["--max-restarts=2", "--ft-rank-heartbeat-timeout=1.5", f"--ft-rdzv-impl={impl}"]
     job = start_job(tmp_path, 2, args, [*TRAIN, "--hang", "0:1:8"])
     assert job.wait(120) == [0, 0], job.nodes[1].text()[-2000:]
     hangs = [e for e in job.events("hang") if e["rank"] == 1]
@@ -97,9 +103,10 @@ def test_sigkilled_agent_does_not_leave_the_others_hanging(tmp_path: Path):
     victim.proc.wait()
 
 
-def test_infra_group_rank_follows_slurm_procid_across_restarts(tmp_path: Path):
+@IMPLS
+def test_infra_group_rank_follows_slurm_procid_across_restarts(tmp_path: Path, impl: str):
     envs = [{"SLURM_PROCID": str(i), "SLURMD_NODENAME": f"n{i}"} for i in range(2)]
-    args = ["--max-restarts=1", "--ft-use-infra-group-rank"]
+    args = ["--max-restarts=1", "--ft-use-infra-group-rank", f"--ft-rdzv-impl={impl}"]
     job = start_job(tmp_path, 2, args, [*TRAIN, "--crash", "0:0:3"], node_env=envs, order=[1, 0])
     assert job.wait(120) == [0, 0]
     seen = {(e["node"], e["cycle"]): e["group_rank"] for e in job.events("rendezvous_done")}

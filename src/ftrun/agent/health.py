@@ -1,15 +1,155 @@
-"""Node health checks run before every rendezvous round (GPU via NVML, storage, a command)."""
+"""Node health checks run before every rendezvous round: GPUs (NVML), storage, a command.
+
+`pynvml` (from nvidia-ml-py) is imported here and only here, lazily: dev machines have no GPU,
+and tests replace the module at this boundary with a fake.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import threading
+from collections.abc import Callable
 from typing import Any
 
+from ftrun.errors import NodeUnhealthyError
 from ftrun.rendezvous.config import HealthCheckConfig
 
 log = logging.getLogger("ftrun.agent")
+_gpu_skip_logged = False
 
 
 def check_node(config: HealthCheckConfig) -> dict[str, Any]:
-    """Raise NodeUnhealthyError when the node must not run workers; else a report for events."""
-    return {"checks": []}
+    """Raise NodeUnhealthyError when this node must not run workers; else a report for events."""
+    report: dict[str, Any] = {}
+    if config.gpu:
+        report["gpus"] = check_gpus(config.nvlink)
+    for path in config.storage_paths:
+        _within(config.storage_timeout, f"storage {path}", lambda p=path: _read_path(p))
+    report["storage_paths"] = len(config.storage_paths)
+    if config.command:
+        _run_command(config.command, config.command_timeout)
+        report["command"] = "ok"
+    return report
+
+
+def check_gpus(nvlink: bool = False) -> int:
+    """Every GPU NVML sees must answer and report no pending page retirement, row remapping
+    failure or uncorrected (XID-class) ECC errors. Returns the GPU count (0: skipped)."""
+    pynvml = _load_nvml()
+    if pynvml is None:
+        return 0
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        for index in range(count):
+            _check_device(pynvml, index, nvlink)
+    except pynvml.NVMLError as exc:
+        raise NodeUnhealthyError(f"NVML query failed: {exc}") from None
+    finally:
+        pynvml.nvmlShutdown()
+    return count
+
+
+def _load_nvml() -> Any:
+    global _gpu_skip_logged
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception as exc:  # ImportError, library missing, no driver: a node without GPUs
+        if not _gpu_skip_logged:
+            log.info("GPU health check skipped: NVML unavailable (%s)", exc)
+            _gpu_skip_logged = True
+        return None
+
+
+def _check_device(pynvml: Any, index: int, nvlink: bool) -> None:
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    problems = []
+    if _supported(pynvml, lambda: pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle)):
+        problems.append("retired pages pending")
+    remapped = _supported(pynvml, lambda: pynvml.nvmlDeviceGetRemappedRows(handle))
+    if remapped and (remapped[2] or remapped[3]):  # (correctable, uncorrectable, pending, failure)
+        problems.append("row remapping pending or failed")
+    ecc = _supported(
+        pynvml,
+        lambda: pynvml.nvmlDeviceGetTotalEccErrors(
+            handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC
+        ),
+    )
+    if ecc:
+        problems.append(f"{ecc} uncorrected ECC errors")
+    if nvlink:
+        problems += _nvlink_problems(pynvml, handle)
+    if problems:
+        raise NodeUnhealthyError(f"GPU {index}: {', '.join(problems)}")
+
+
+def _nvlink_problems(pynvml: Any, handle: Any) -> list[str]:
+    down = []
+    for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+        state = _supported(pynvml, lambda lk=link: pynvml.nvmlDeviceGetNvLinkState(handle, lk))
+        if state is not None and state != pynvml.NVML_FEATURE_ENABLED:
+            down.append(link)
+    return [f"NVLink(s) {down} down"] if down else []
+
+
+def _supported(pynvml: Any, query: Callable[[], Any]) -> Any:
+    """The query's answer, or None where the device does not support it."""
+    try:
+        return query()
+    except pynvml.NVMLError_NotSupported:
+        return None
+    except pynvml.NVMLError as exc:
+        if getattr(exc, "value", None) == getattr(pynvml, "NVML_ERROR_INVALID_ARGUMENT", -1):
+            return None  # e.g. an NVLink index beyond what this device has
+        raise
+
+
+def _read_path(path: str) -> None:
+    if os.path.isdir(path):
+        os.listdir(path)
+    else:
+        with open(path, "rb") as f:
+            f.read(1)
+
+
+def _within(timeout: float, what: str, check: Callable[[], None]) -> None:
+    """Run `check` in a thread: a hung network filesystem must not hang the agent."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            check()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name=f"health-{what}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise NodeUnhealthyError(f"{what}: no answer within {timeout:g}s")
+    if errors:
+        raise NodeUnhealthyError(f"{what}: {errors[0]}")
+
+
+def _run_command(command: str, timeout: float) -> None:
+    with subprocess.Popen(
+        command,
+        shell=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # so a timeout takes the command's children too
+    ) as proc:
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+            raise NodeUnhealthyError(f"health command timed out after {timeout:g}s") from None
+    if proc.returncode != 0:
+        tail = output.strip().splitlines()[-1:] or [""]
+        raise NodeUnhealthyError(f"health command exited {proc.returncode}: {tail[0]}")

@@ -97,6 +97,8 @@ class NodeAgent:
         try:
             self.rt.check_health()
         except NodeUnhealthyError as exc:
+            self.events.emit("unhealthy", reason=str(exc))
+            self.rt.control.report_unhealthy(self.rt.control.cycle(), self.rt.node, str(exc))
             return self._exit_with(exc.exit_code, f"node unhealthy: {exc}")
         return AgentState.RENDEZVOUS
 

@@ -121,6 +121,7 @@ def config_from(
         ),
         health=HealthCheckConfig(
             gpu=opts["gpu_health_check"],
+            nvlink=opts["gpu_health_check_nvlink"],
             storage_paths=opts["storage_health_check_path"],
             command=opts["node_health_check_cmd"],
         ),

@@ -169,6 +169,8 @@ FT_OPTIONS: tuple[Option, ...] = (
         "Paths that must be readable before each rendezvous.", metavar="PATH,..."),
     _ft("gpu_health_check", _default(_HEALTH, "gpu"), v.boolean,
         "Check GPUs through NVML before each rendezvous.", off_flags=True, **_ON),
+    _ft("gpu_health_check_nvlink", _default(_HEALTH, "nvlink"), v.boolean,
+        "Also require every NVLink to be up.", **_ON),
     _ft("gpu_memory_reclaim_timeout", _default(_AGENT, "gpu_memory_reclaim_timeout"),
         v.non_negative_number, "Seconds to wait for dead workers' GPU memory (0: off).",
         metavar="SECONDS"),

@@ -24,7 +24,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from ftrun.errors import ExitCode
+from ftrun.errors import ExitCode, RendezvousFailedError
 from ftrun.rendezvous.config import RendezvousConfig
 from ftrun.rendezvous.control import JobControl, wait_for_key
 from ftrun.rendezvous.ranks import NodeDescriptor, Round, order_nodes
@@ -122,13 +122,17 @@ class BarrierRendezvousHandler(RendezvousHandler):
         min_reached_at: float | None = None
         while not wait_for_key(self._store, closed, _WAIT_CHUNK_S):
             self._check_waiting(deadline, interrupted)
-            if self._config.min_nodes == self._config.max_nodes:
-                continue
+            possible = self._config.max_nodes - self.control.unhealthy(cycle)
+            if possible < self._config.min_nodes:
+                raise RendezvousFailedError(
+                    f"at most {possible} healthy node(s) can join, {self._config.min_nodes} "
+                    "needed (see the unhealthy node's log)"
+                )
             arrived = self._store.add(self._key(cycle, "arrivals"), 0)
             now = time.monotonic()
             if arrived >= self._config.min_nodes:
                 min_reached_at = min_reached_at or now
-                if now - min_reached_at >= self._config.last_call_timeout:
+                if arrived >= possible or now - min_reached_at >= self._config.last_call_timeout:
                     self._close(cycle, arrived)
         return int(self._store.get(closed))
 

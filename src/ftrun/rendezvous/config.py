@@ -46,6 +46,8 @@ class HealthCheckConfig:
 
     gpu: bool = True
     """Check GPUs through NVML when present (skipped, with a log line, when there are none)."""
+    nvlink: bool = False
+    """Also require every NVLink the GPUs report to be up."""
     storage_paths: tuple[str, ...] = ()
     storage_timeout: float = 10.0
     command: str | None = None

@@ -84,6 +84,14 @@ class JobControl:
         raw = json.loads(self._store.get(self._key("shutdown")))
         return Shutdown(ExitCode(raw["code"]), raw["reason"])
 
+    def report_unhealthy(self, cycle: int, node: str, reason: str) -> None:
+        """This node will not join `cycle`; the others stop waiting for it."""
+        self._store.set(self._key(f"c{cycle}/unhealthy/{node}"), reason)
+        self._store.add(self._key(f"c{cycle}/unhealthy"), 1)
+
+    def unhealthy(self, cycle: int) -> int:
+        return self._store.add(self._key(f"c{cycle}/unhealthy"), 0)
+
     def arrive(self, cycle: int, barrier: str) -> int:
         """Count this node into a per-cycle barrier (`succeeded`, `left`); returns the count."""
         return self._store.add(self._key(f"c{cycle}/{barrier}"), 1)

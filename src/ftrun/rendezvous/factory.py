@@ -10,6 +10,7 @@ from torch.distributed import Store
 from ftrun.rendezvous.barrier import BarrierRendezvousHandler
 from ftrun.rendezvous.config import RendezvousConfig, RendezvousImpl
 from ftrun.rendezvous.control import JobControl
+from ftrun.rendezvous.dynamic import DynamicRendezvous
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
 
 
@@ -28,4 +29,4 @@ def create_rendezvous(
 ) -> NodeRendezvous:
     if config.impl is RendezvousImpl.BARRIER:
         return BarrierRendezvousHandler(config, store, descriptor)
-    raise NotImplementedError(f"rendezvous implementation {config.impl.value!r}")
+    return DynamicRendezvous(config, store, descriptor)

@@ -1,0 +1,5 @@
+"""Rendezvous: barrier (v2, default) and dynamic (v1), plus job-wide control via the store."""
+
+from ftrun.rendezvous.registry import register
+
+register()

@@ -1,0 +1,110 @@
+"""Dynamic rendezvous (v1): torch's DynamicRendezvousHandler on the c10d backend, extended.
+
+torch decides who is in a round and in which order; we add what the barrier rendezvous has:
+the node descriptors (exchanged once per cycle through the store), infra-group-rank ordering,
+health gating (stop waiting when too many nodes reported themselves unhealthy), and the
+job-wide cycle/restart signalling of `control.JobControl`. Kept for users of NVRx's first
+rendezvous and of torchrun; the barrier one is the default and scales better.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Callable
+
+from torch.distributed import Store
+from torch.distributed.elastic.rendezvous import RendezvousInfo
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousTimeout,
+)
+
+from ftrun.errors import RendezvousFailedError
+from ftrun.rendezvous.barrier import JoinInterruptedError
+from ftrun.rendezvous.config import RendezvousConfig
+from ftrun.rendezvous.control import JobControl
+from ftrun.rendezvous.ranks import NodeDescriptor, Round, order_nodes
+
+BACKEND = "ftrun-dynamic"
+_POLL_S = 0.1
+
+
+class DynamicRendezvous:
+    """torch's dynamic handler plus descriptors, infra ranks, health gating and job control."""
+
+    def __init__(
+        self,
+        config: RendezvousConfig,
+        store: Store,
+        descriptor: Callable[[], NodeDescriptor],
+    ) -> None:
+        self._config = config
+        self._store = store
+        self._prefix = f"ftrun/{config.run_id}"
+        self.control = JobControl(store, self._prefix)
+        self._descriptor = descriptor
+        self.handler = DynamicRendezvousHandler.from_backend(
+            run_id=config.run_id,
+            store=store,
+            backend=C10dRendezvousBackend(store, config.run_id),
+            min_nodes=config.min_nodes,
+            max_nodes=config.max_nodes,
+            local_addr=config.local_addr,
+            timeout=RendezvousTimeout(
+                join=_seconds(config.join_timeout),
+                last_call=_seconds(config.last_call_timeout),
+                close=_seconds(config.close_timeout),
+            ),
+        )
+
+    def join(self, interrupted: Callable[[], bool]) -> Round:
+        """One torch round, then the descriptor exchange for the job's current cycle."""
+        cycle_at_start = self.control.cycle()
+        info = self._next_rendezvous(interrupted, cycle_at_start)
+        cycle = self.control.cycle()
+        mine = self._descriptor()
+        self._store.set(self._key(cycle, f"node/{info.rank}"), mine.to_json())
+        keys = [self._key(cycle, f"node/{rank}") for rank in range(info.world_size)]
+        arrivals = [NodeDescriptor.from_json(raw) for raw in self._store.multi_get(keys)]
+        nodes = order_nodes(arrivals, self._config.use_infra_group_rank)
+        return Round(cycle, nodes, nodes.index(arrivals[info.rank]))
+
+    def num_nodes_waiting(self) -> int:
+        return self.handler.num_nodes_waiting()
+
+    def _next_rendezvous(self, interrupted: Callable[[], bool], cycle: int) -> RendezvousInfo:
+        """torch's call blocks until its own deadline; run it aside so that signals and
+        unhealthy peers can end the wait early."""
+        result: list[RendezvousInfo] = []
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                result.append(self.handler.next_rendezvous())
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=run, name="dynamic-rendezvous", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(_POLL_S)
+            if interrupted():
+                raise JoinInterruptedError
+            possible = self._config.max_nodes - self.control.unhealthy(cycle)
+            if possible < self._config.min_nodes:
+                raise RendezvousFailedError(
+                    f"at most {possible} healthy node(s) can join, {self._config.min_nodes} "
+                    "needed (see the unhealthy node's log)"
+                )
+        if errors:
+            raise errors[0]
+        return result[0]
+
+    def _key(self, cycle: int, name: str) -> str:
+        return f"{self._prefix}/dyn/c{cycle}/{name}"
+
+
+def _seconds(value: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=value)

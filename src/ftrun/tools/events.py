@@ -1,0 +1,175 @@
+"""Reading `<log-dir>/events-<node>.jsonl` files into validated, immutable events.
+
+The files are written by `ftrun.agent.events.EventLog`, one JSON object per line. A node that
+was killed mid-write leaves a truncated last line, and logs get concatenated or hand-edited, so
+a bad line is skipped and counted, never fatal: a report of a bad night must still come out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+EVENTS_GLOB = "events-*.jsonl"
+
+_NUM = "number"
+_INT = "integer"
+_STR = "string"
+_LIST = "list"
+
+# Only the fields the report relies on: a line without them cannot be placed on the timeline
+# or explained, so it counts as malformed. Other fields are optional and read with defaults.
+_REQUIRED: dict[str, dict[str, str]] = {
+    "health_check": {"duration": _NUM},
+    "rendezvous_done": {"duration": _NUM, "group_rank": _INT, "nodes": _LIST},
+    "workers_started": {"ranks": _LIST, "pids": _LIST},
+    "worker_exited": {"rank": _INT, "code": _INT},
+    "hang": {"rank": _INT, "kind": _STR, "waited": _NUM},
+    "signal": {"signal": _STR},
+    "store_lost": {},
+    "stop_done": {"duration": _NUM},
+    "restart": {},
+    "exit": {"code": _INT},
+}
+_COMMON = {"event": _STR, "ts": _NUM, "mono": _NUM, "node": _STR, "cycle": _INT}
+
+
+class ReportInputError(Exception):
+    """The log directory cannot be reported on; the message is the one line a person sees."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One line of an events file. `ts` orders events across nodes; `mono` only within one."""
+
+    event: str
+    ts: float
+    mono: float
+    node: str
+    cycle: int
+    fields: Mapping[str, Any]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+    def num(self, key: str, default: float = 0.0) -> float:
+        value = self.fields.get(key)
+        return float(value) if _has_type(value, _NUM) else default
+
+
+@dataclasses.dataclass(frozen=True)
+class EventSet:
+    """Every node's events in the order its launcher wrote them, plus what was skipped."""
+
+    log_dir: Path
+    nodes: Mapping[str, tuple[Event, ...]]
+    warnings: tuple[str, ...]
+
+
+def load_events(log_dir: Path) -> EventSet:
+    """Parse every events file under `log_dir`; raise ReportInputError when nothing usable."""
+    if not log_dir.exists():
+        raise ReportInputError(f"no such directory: {log_dir}")
+    if not log_dir.is_dir():
+        raise ReportInputError(f"not a directory: {log_dir}")
+    files = sorted(log_dir.glob(EVENTS_GLOB))
+    if not files:
+        raise ReportInputError(f"no {EVENTS_GLOB} files in {log_dir} (is it a --log-dir?)")
+    warnings: list[str] = []
+    by_node: dict[str, list[Event]] = {}
+    for path in files:
+        events, bad, first_bad = _read_file(path)
+        if bad:
+            warnings.append(
+                f"skipped {bad} malformed line(s) in {path.name} (first at line {first_bad})"
+            )
+        for event in events:
+            by_node.setdefault(event.node, []).append(event)
+    if not by_node:
+        raise ReportInputError(f"no valid events in {log_dir} ({len(files)} file(s) read)")
+    nodes = {}
+    for node, events in sorted(by_node.items()):
+        nodes[node], dropped = _last_run(events)
+        if dropped:
+            warnings.append(
+                f"{node}: events of {dropped} earlier launcher run(s) in the same file ignored"
+            )
+    return EventSet(log_dir, types.MappingProxyType(nodes), tuple(warnings))
+
+
+def _read_file(path: Path) -> tuple[list[Event], int, int]:
+    """Events of one file, the number of malformed lines and the first one's line number."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise ReportInputError(f"cannot read {path}: {exc.strerror or exc}") from None
+    events: list[Event] = []
+    bad, first_bad = 0, 0
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        event = parse_line(line)
+        if event is None:
+            bad += 1
+            first_bad = first_bad or number
+        else:
+            events.append(event)
+    return events, bad, first_bad
+
+
+def parse_line(line: str) -> Event | None:
+    """One validated event, or None when the line is not one the report can use."""
+    try:
+        record = json.loads(line)
+    except ValueError:  # JSONDecodeError, and UnicodeDecodeError-like oddities
+        return None
+    if not isinstance(record, dict) or not _valid(record, _COMMON):
+        return None
+    required = _REQUIRED.get(record["event"], {})  # unknown events are kept, for later tools
+    if not _valid(record, required):
+        return None
+    fields = {k: v for k, v in record.items() if k not in _COMMON}
+    return Event(
+        event=record["event"],
+        ts=float(record["ts"]),
+        mono=float(record["mono"]),
+        node=record["node"],
+        cycle=record["cycle"],
+        fields=types.MappingProxyType(fields),
+    )
+
+
+def _valid(record: Mapping[str, Any], schema: Mapping[str, str]) -> bool:
+    return all(_has_type(record.get(key), kind) for key, kind in schema.items())
+
+
+def _has_type(value: Any, kind: str) -> bool:
+    if isinstance(value, bool):  # JSON true is not a number here
+        return False
+    if kind == _NUM:
+        return isinstance(value, (int, float))
+    if kind == _INT:
+        return isinstance(value, int)
+    if kind == _STR:
+        return isinstance(value, str)
+    return isinstance(value, list)
+
+
+def _last_run(events: Iterable[Event]) -> tuple[tuple[Event, ...], int]:
+    """The events after the last-but-final `exit`, and how many runs came before.
+
+    The launcher appends to its file, so a relaunch on the same node name (a Slurm requeue)
+    continues an old file with cycles counted from 0 again: mixing runs would corrupt every
+    number, and the latest run is the one a person asks about.
+    """
+    runs: list[list[Event]] = [[]]
+    for event in events:
+        runs[-1].append(event)
+        if event.event == "exit":
+            runs.append([])
+    runs = [run for run in runs if run]
+    return tuple(runs[-1]), len(runs) - 1
