@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from support import wait_for
@@ -43,6 +43,13 @@ class Job:
     nodes: list[Node]
     log_dir: Path
     ckpt_dir: Path
+    argv: list[str]
+
+    def add_node(self, index: int, env: dict[str, str] | None = None) -> Node:
+        """Start one more launcher of this job (a replacement node joining later)."""
+        node = _start_launcher(self.tmp, index, self.argv, env or {})
+        self.nodes.append(node)
+        return node
 
     def wait(self, timeout: float) -> list[int]:
         deadline = time.monotonic() + timeout
@@ -107,25 +114,28 @@ def start_job(
         "--monitor-interval=0.1",
         *launcher_args,
     ]
-    argv_tail = [str(script), "--ckpt-dir", str(ckpt_dir), *script_args]
-    started = []
-    for index in order or range(nodes):
-        env = {**os.environ, **(node_env[index] if node_env else {}), "PYTHONUNBUFFERED": "1"}
-        output = tmp / f"launcher{index}.log"
-        with output.open("wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "ftrun.ft_launcher.cli", *common, *argv_tail],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-        started.append(Node(index, proc, output))
-    return Job(tmp, sorted(started, key=lambda n: n.index), log_dir, ckpt_dir)
+    argv = [*common, str(script), "--ckpt-dir", str(ckpt_dir), *script_args]
+    started = [
+        _start_launcher(tmp, index, argv, node_env[index] if node_env else {})
+        for index in (order or range(nodes))
+    ]
+    return Job(tmp, sorted(started, key=lambda n: n.index), log_dir, ckpt_dir, argv)
 
 
-def running(job: Job) -> Iterator[Job]:
-    try:
-        yield job
-    finally:
-        job.kill()
+def _start_launcher(tmp: Path, index: int, argv: list[str], extra_env: dict[str, str]) -> Node:
+    env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1"}
+    output = tmp / f"launcher{index}.log"
+    with output.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ftrun.ft_launcher.cli", *argv],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    return Node(index, proc, output)
+
+
+def node_of(job: Job, event_node: str) -> Node:
+    """The launcher whose events carry `event_node` (named host-pid when not under Slurm)."""
+    return next(n for n in job.nodes if event_node.endswith(f"-{n.proc.pid}"))

@@ -17,6 +17,7 @@ import signal
 import time
 from pathlib import Path
 
+from torch.distributed import DistError
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousError,
@@ -78,7 +79,11 @@ class NodeAgent:
         become_subreaper()
         try:
             while self.state is not AgentState.EXITED:
-                self.state = check_transition(self.state, self._handlers[self.state]())
+                try:
+                    next_state = self._handlers[self.state]()
+                except DistError as exc:  # the store's host node died, or its network did
+                    next_state = self._store_lost(exc)
+                self.state = check_transition(self.state, next_state)
         finally:
             if self._group is not None:  # only on a bug: never leave workers behind
                 self._stop_workers()
@@ -182,27 +187,29 @@ class NodeAgent:
                 item = self._inbox.get(timeout=self.cfg.monitor_interval)
             except queue.Empty:
                 item = None
-            try:
-                if item is not None:
-                    next_state = self._on_item(item, running)
-                elif self.rt.control.restart_requested(rnd.number):
-                    next_state = self._follow_restart(rnd.number)
-                else:
-                    next_state = None
-                    if self.rt.spares is not None and time.monotonic() >= spares_due:
-                        spares_due = float("inf")
-                        self.rt.spares.fill(rnd.me.local_world_size)
-                    if time.monotonic() >= next_scale_check:
-                        next_scale_check = time.monotonic() + _SCALE_CHECK_S
-                        self._maybe_scale_up(rnd)
-            except RuntimeError as exc:  # the store is gone: its host node died
-                first_line = str(exc).splitlines()[0] if str(exc) else repr(exc)
-                log.error("lost the rendezvous store: %s", first_line)
-                self.events.emit("store_lost", error=first_line)
-                self._then_exit, self._exit_reason = ExitCode.FAILED, "rendezvous store lost"
-                return AgentState.STOPPING
+            if item is not None:
+                next_state = self._on_item(item, running)
+            elif self.rt.control.restart_requested(rnd.number):
+                next_state = self._follow_restart(rnd.number)
+            else:
+                next_state = None
+                if self.rt.spares is not None and time.monotonic() >= spares_due:
+                    spares_due = float("inf")
+                    self.rt.spares.fill(rnd.me.local_world_size)
+                if time.monotonic() >= next_scale_check:
+                    next_scale_check = time.monotonic() + _SCALE_CHECK_S
+                    self._maybe_scale_up(rnd)
             if next_state is not None:
                 return next_state
+
+    def _store_lost(self, error: DistError) -> AgentState:
+        first_line = (str(error).strip().splitlines() or [repr(error)])[0]
+        log.error("lost the rendezvous store: %s", first_line)
+        self.events.emit("store_lost", error=first_line)
+        if self._group is not None:
+            self._then_exit, self._exit_reason = ExitCode.FAILED, "rendezvous store lost"
+            return AgentState.STOPPING
+        return self._exit_with(ExitCode.FAILED, "rendezvous store lost")
 
     def _on_item(self, item: object, running: set[int]) -> AgentState | None:
         """React to one inbox item while workers run; None means keep watching."""

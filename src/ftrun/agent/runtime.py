@@ -16,11 +16,12 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ftrun.agent.events import EventLog
 from ftrun.agent.health import check_node
 from ftrun.agent.spare_pool import SparePool, python_target
+from ftrun.errors import NodeUnhealthyError
 from ftrun.rank_monitor import RankMonitorServer
 from ftrun.rendezvous.control import JobControl, wait_until
 from ftrun.rendezvous.factory import NodeRendezvous, create_rendezvous
@@ -49,7 +50,10 @@ class AgentRuntime:
         self.node_log_dir.mkdir(parents=True, exist_ok=True)
         self.events = EventLog(log_dir, self.node)
         self.inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self.store, self.is_store_host = connect_store(rdzv)
+        # A node that starts unhealthy must not host the store: it is about to leave.
+        self._first_health = self._health_report()
+        may_host = not isinstance(self._first_health, NodeUnhealthyError)
+        self.store, self.is_store_host = connect_store(rdzv, may_host)
         self.infra_rank = infra_rank_from_env(environ, rdzv.node_rank)
         self.rendezvous: NodeRendezvous = create_rendezvous(rdzv, self.store, self.descriptor)
         self.control: JobControl = self.rendezvous.control
@@ -75,9 +79,19 @@ class AgentRuntime:
         )
 
     def check_health(self) -> None:
+        """Raise NodeUnhealthyError if this node must not join; the first answer is cached."""
+        result, self._first_health = self._first_health or self._health_report(), None
+        if isinstance(result, NodeUnhealthyError):
+            raise result
+        self.events.emit("health_check", **result)
+
+    def _health_report(self) -> dict[str, Any] | NodeUnhealthyError:
         started = time.monotonic()
-        report = check_node(self.config.health)
-        self.events.emit("health_check", duration=round(time.monotonic() - started, 6), **report)
+        try:
+            report = check_node(self.config.health)
+        except NodeUnhealthyError as exc:
+            return exc
+        return {**report, "duration": round(time.monotonic() - started, 6)}
 
     def base_worker_env(self, rnd: Round) -> dict[str, str]:
         """Everything but the per-rank variables, as torchrun sets it, plus the monitor's."""

@@ -20,17 +20,17 @@ DEFAULT_PORT = 29400
 STORE_ERRORS = (RuntimeError, TimeoutError, ValueError)
 
 
-def connect_store(config: RendezvousConfig) -> tuple[TCPStore, bool]:
+def connect_store(config: RendezvousConfig, may_host: bool = True) -> tuple[TCPStore, bool]:
     """Serve the store if this machine is the endpoint host and the port is free, else connect.
 
     Several agents on one machine (tests, or one node running several launchers) race for the
     port: the first one serves, the others fall back to being clients, as torchrun does.
     """
     host, port = parse_rendezvous_endpoint(config.endpoint, default_port=DEFAULT_PORT)
-    try_host = config.is_host if config.is_host is not None else is_local_host(host)
+    try_host = may_host and (config.is_host if config.is_host is not None else is_local_host(host))
     timeout = datetime.timedelta(seconds=float(config.conf.get("read_timeout", 60)))
     attempts = [True, False] if try_host else [False]
-    if config.is_host:
+    if config.is_host and may_host:
         attempts = [True]
     last_error: Exception | None = None
     for serve in attempts:

@@ -1,0 +1,115 @@
+"""Health gating and elastic membership: who may join a round, and who replaces whom."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from ftrun.agent.health import check_node
+from ftrun.errors import NodeUnhealthyError
+from ftrun.rendezvous.config import HealthCheckConfig
+from launch import ROOT, node_of, start_job
+from support import wait_for
+
+FAKES = ROOT / "tests" / "fakes"
+TRAIN = ["--steps", "20", "--save-every", "5", "--step-time", "0.02"]
+HEALTHY = json.dumps({"devices": 2})
+BROKEN = json.dumps({"devices": 2, "faults": {"1": ["retired_pages"]}})
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch):
+    spec = importlib.util.spec_from_file_location("pynvml", FAKES / "pynvml.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    return monkeypatch
+
+
+@pytest.mark.parametrize(
+    ("faults", "message"),
+    [
+        (["retired_pages"], "GPU 1: retired pages pending"),
+        (["remapped_rows"], "GPU 1: row remapping pending or failed"),
+        (["ecc"], "GPU 1: 3 uncorrected ECC errors"),
+        (["unreachable"], "NVML query failed"),
+    ],
+)
+def test_gpu_faults_make_the_node_unhealthy(fake_nvml, faults, message):
+    fake_nvml.setenv("FAKE_NVML", json.dumps({"devices": 2, "faults": {"1": faults}}))
+    with pytest.raises(NodeUnhealthyError, match=message):
+        check_node(HealthCheckConfig())
+
+
+def test_nvlink_is_checked_only_when_asked(fake_nvml):
+    fake_nvml.setenv("FAKE_NVML", json.dumps({"devices": 1, "faults": {"0": ["nvlink"]}}))
+    assert check_node(HealthCheckConfig())["gpus"] == 1
+    with pytest.raises(NodeUnhealthyError, match=r"NVLink\(s\) \[0, 1\] down"):
+        check_node(HealthCheckConfig(nvlink=True))
+
+
+def test_no_driver_skips_the_gpu_check(fake_nvml):
+    fake_nvml.delenv("FAKE_NVML", raising=False)
+    assert check_node(HealthCheckConfig())["gpus"] == 0
+
+
+def test_storage_and_command_checks(tmp_path: Path):
+    assert check_node(HealthCheckConfig(gpu=False, storage_paths=(str(tmp_path),)))
+    with pytest.raises(NodeUnhealthyError, match="storage /nonexistent"):
+        check_node(HealthCheckConfig(gpu=False, storage_paths=("/nonexistent",)))
+    with pytest.raises(NodeUnhealthyError, match="health command exited 1: sick"):
+        check_node(HealthCheckConfig(gpu=False, command="echo sick; exit 1"))
+    with pytest.raises(NodeUnhealthyError, match=r"timed out after 0\.3s"):
+        check_node(HealthCheckConfig(gpu=False, command="sleep 30", command_timeout=0.3))
+
+
+def nvml_env(specs: list[str]) -> list[dict[str, str]]:
+    return [{"PYTHONPATH": str(FAKES), "FAKE_NVML": spec} for spec in specs]
+
+
+def test_broken_gpu_node_never_runs_workers_and_the_rest_finish(tmp_path: Path):
+    args = ["--nnodes=2:3", "--rdzv-conf=last_call_timeout=1"]
+    envs = nvml_env([HEALTHY, HEALTHY, BROKEN])
+    job = start_job(tmp_path, 3, args, TRAIN, node_env=envs)
+    assert job.wait(120) == [0, 0, 3]
+    sick = job.events("unhealthy")
+    assert len(sick) == 1 and "retired pages pending" in sick[0]["reason"]
+    assert sick[0]["node"] not in {e["node"] for e in job.events("workers_started")}
+    assert (job.ckpt_dir / "FINISHED").exists()
+
+
+def test_without_room_every_launcher_exits_with_a_clear_message(tmp_path: Path):
+    job = start_job(tmp_path, 2, [], TRAIN, node_env=nvml_env([HEALTHY, BROKEN]))
+    assert job.wait(60) == [1, 3]
+    assert "at most 1 healthy node(s) can join, 2 needed" in job.nodes[0].text()
+    assert "node unhealthy: GPU 1: retired pages pending" in job.nodes[1].text()
+    assert not job.events("workers_started")
+
+
+def test_elastic_job_continues_without_a_dead_node_and_takes_a_new_one(tmp_path: Path):
+    args = ["--nnodes=2:3", "--max-restarts=3", "--rdzv-conf=last_call_timeout=1"]
+    job = start_job(tmp_path, 3, args, ["--steps", "400", "--step-time", "0.05"])
+    wait_for(lambda: len(job.progress(0)) >= 3, 90, "training on 3 nodes")
+    first = job.events("rendezvous_done")
+    assert {len(e["nodes"]) for e in first} == {3}
+    guest = next(e["node"] for e in first if not e["store_host"])
+    node_of(job, guest).proc.kill()
+    wait_for(
+        lambda: any(len(e["nodes"]) == 2 for e in job.events("rendezvous_done")),
+        60,
+        "a round of 2 nodes",
+    )
+    job.add_node(3)
+    wait_for(
+        lambda: any(len(e["nodes"]) == 3 and e["cycle"] > 1 for e in job.events("rendezvous_done")),
+        90,
+        "the new node to join",
+    )
+    codes = [n.proc.wait(timeout=180) for n in job.nodes]
+    assert codes.count(0) == 3  # two survivors and the newcomer; the killed one was SIGKILLed
+    assert (job.ckpt_dir / "FINISHED").exists()
