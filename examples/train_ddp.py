@@ -46,6 +46,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hang", default="", metavar="CYCLE:RANK:STEP")
     parser.add_argument("--hang-collective", default="", metavar="CYCLE:RANK:STEP")
     parser.add_argument("--calc-timeouts-at", type=int, default=0, help="step; 0 = never")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL")
+    parser.add_argument("--ballast-mb", type=int, default=0, help="extra device memory to hold")
     parser.add_argument("--sigterm-grace", type=float, default=3.0, help="seconds to checkpoint")
     return parser.parse_args()
 
@@ -84,8 +86,23 @@ def watch_sigterm(grace: float) -> None:
     threading.Thread(target=wait_for_term, name="sigterm", daemon=True).start()
 
 
+def setup_device(kind: str) -> torch.device:
+    """gloo on the CPU, or NCCL with one GPU per local rank."""
+    if kind == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        return device
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
 def train_step(
-    model: nn.Module, optim: torch.optim.Optimizer, args: argparse.Namespace, step: int
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    args: argparse.Namespace,
+    step: int,
+    device: torch.device,
 ) -> None:
     if fault_here(args.crash, step):
         print(f"rank {RANK}: injected crash at step {step}", flush=True)
@@ -93,7 +110,7 @@ def train_step(
     if fault_here(args.hang, step):
         print(f"rank {RANK}: injected hang at step {step}", flush=True)
         hang_in_step()
-    loss = model(torch.randn(32, 16)).pow(2).mean()
+    loss = model(torch.randn(32, 16, device=device)).pow(2).mean()
     optim.zero_grad()
     if fault_here(args.hang_collective, step):
         sleep_before_all_reduce()
@@ -113,14 +130,16 @@ def main() -> int:
     watch_sigterm(args.sigterm_grace)
     args.ckpt_dir.mkdir(parents=True, exist_ok=True)
     ckpt = args.ckpt_dir / "checkpoint.pt"
-    dist.init_process_group("gloo")
+    device = setup_device(args.device)
     torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Linear(16, 1))
+    ids = [device.index] if device.type == "cuda" else None
+    model = DistributedDataParallel(nn.Linear(16, 1).to(device), device_ids=ids)
     optim = torch.optim.SGD(model.parameters(), lr=0.01)
+    ballast = torch.empty(args.ballast_mb * 2**20, dtype=torch.uint8, device=device)  # noqa: F841
     client = RankMonitorClient()
     start = 0
     if ckpt.exists():
-        state = torch.load(ckpt, weights_only=True)
+        state = torch.load(ckpt, weights_only=True, map_location=device)
         model.module.load_state_dict(state["model"])
         optim.load_state_dict(state["optim"])
         client.load_state_dict(state["monitor"])
@@ -144,7 +163,7 @@ def main() -> int:
     step = start
     for step in range(start + 1, args.steps + 1):
         client.start_section("step")
-        train_step(model, optim, args, step)
+        train_step(model, optim, args, step, device)
         client.end_section("step")
         client.send_heartbeat()
         progress.write(f"{CYCLE} {step} {time.time():.6f}\n")
@@ -152,7 +171,7 @@ def main() -> int:
         if step == args.calc_timeouts_at:
             client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
             client.calculate_and_set_section_timeouts(skip_if_not_ready=True)
-        stop = torch.tensor([1 if _stop_requested else 0])
+        stop = torch.tensor([1 if _stop_requested else 0], device=device)
         dist.all_reduce(stop)  # everyone agrees to stop at the same step
         if stop.item() or step % args.save_every == 0:
             checkpoint(step)

@@ -24,6 +24,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
+from ftrun.agent.gpu_memory import wait_until_released
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.state import AgentState, check_transition
 from ftrun.agent.termination import become_subreaper, stop_process_groups
@@ -228,6 +229,7 @@ class NodeAgent:
         return None
 
     def _stop(self) -> AgentState:
+        pids = self._group.pids if self._group else []
         result = self._stop_workers()
         self.events.emit(
             "stop_done",
@@ -237,8 +239,30 @@ class NodeAgent:
         )
         if self._then_exit is not None:
             return self._exit_with(self._then_exit, self._exit_reason or self._then_exit.name)
+        self._await_gpu_memory(pids)
         self.events.emit("restart")
         return AgentState.HEALTH_CHECK
+
+    def _await_gpu_memory(self, pids: list[int]) -> None:
+        baseline = self.rt.gpu_baseline
+        if baseline is None or self.cfg.gpu_memory_reclaim_timeout <= 0:
+            return
+        timeout, tolerance = self.cfg.gpu_memory_reclaim_timeout, self.cfg.gpu_memory_tolerance_mb
+        reclaim = wait_until_released(baseline, pids, timeout, tolerance)
+        self.events.emit(
+            "gpu_memory_reclaimed",
+            duration=round(reclaim.duration, 6),
+            released=reclaim.released,
+            excess_mb=round(reclaim.excess_mb, 1),
+        )
+        if reclaim.released:
+            log.info("GPU memory of the stopped workers released in %.3fs", reclaim.duration)
+        else:
+            log.warning(
+                "GPU memory still %.0f MB above its baseline after %.1fs; starting anyway",
+                reclaim.excess_mb,
+                reclaim.duration,
+            )
 
     def _await_others(self) -> AgentState:
         rnd = self._round

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ftrun.agent.events import EventLog
+from ftrun.agent.gpu_memory import memory_baseline
 from ftrun.agent.health import check_node
 from ftrun.agent.spare_pool import SparePool, python_target
 from ftrun.errors import NodeUnhealthyError
@@ -58,6 +59,9 @@ class AgentRuntime:
         self.rendezvous: NodeRendezvous = create_rendezvous(rdzv, self.store, self.descriptor)
         self.control: JobControl = self.rendezvous.control
         target = python_target(config.agent.entrypoint)
+        self.gpu_baseline = (
+            memory_baseline() if config.agent.gpu_memory_reclaim_timeout > 0 else None
+        )
         self.spares = (
             SparePool(target, config.agent.prewarm_modules, self.environ)
             if target is not None and config.agent.prewarm_modules
