@@ -24,7 +24,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from ftrun.agent.gpu_memory import wait_until_released
+from ftrun.agent.reporting import CycleReport
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.state import AgentState, check_transition
 from ftrun.agent.termination import become_subreaper, stop_process_groups
@@ -55,6 +55,7 @@ class NodeAgent:
         self.rt = runtime
         self.cfg = runtime.config.agent
         self.events = runtime.events
+        self.report = CycleReport(runtime)
         self._inbox: queue.SimpleQueue[object] = runtime.inbox
         self.state = AgentState.HEALTH_CHECK
         self._round: Round | None = None
@@ -216,7 +217,7 @@ class NodeAgent:
         """React to one inbox item while workers run; None means keep watching."""
         if isinstance(item, WorkerExited) and item.pid in running:
             running.discard(item.pid)
-            self._record_exit(item)
+            self.report.worker_exit(item)
             if item.returncode != 0:
                 return self._fail(
                     f"rank {item.rank} on {self.rt.node} {_exit_text(item.returncode)}"
@@ -239,30 +240,9 @@ class NodeAgent:
         )
         if self._then_exit is not None:
             return self._exit_with(self._then_exit, self._exit_reason or self._then_exit.name)
-        self._await_gpu_memory(pids)
+        self.report.gpu_memory_reclaim(pids)
         self.events.emit("restart")
         return AgentState.HEALTH_CHECK
-
-    def _await_gpu_memory(self, pids: list[int]) -> None:
-        baseline = self.rt.gpu_baseline
-        if baseline is None or self.cfg.gpu_memory_reclaim_timeout <= 0:
-            return
-        timeout, tolerance = self.cfg.gpu_memory_reclaim_timeout, self.cfg.gpu_memory_tolerance_mb
-        reclaim = wait_until_released(baseline, pids, timeout, tolerance)
-        self.events.emit(
-            "gpu_memory_reclaimed",
-            duration=round(reclaim.duration, 6),
-            released=reclaim.released,
-            excess_mb=round(reclaim.excess_mb, 1),
-        )
-        if reclaim.released:
-            log.info("GPU memory of the stopped workers released in %.3fs", reclaim.duration)
-        else:
-            log.warning(
-                "GPU memory still %.0f MB above its baseline after %.1fs; starting anyway",
-                reclaim.excess_mb,
-                reclaim.duration,
-            )
 
     def _await_others(self) -> AgentState:
         rnd = self._round
@@ -358,17 +338,6 @@ class NodeAgent:
             if isinstance(item, SignalReceived):
                 self._inbox.put(item)
 
-    def _record_exit(self, item: WorkerExited) -> None:
-        fields = {
-            "rank": item.rank,
-            "local_rank": item.local_rank,
-            "pid": item.pid,
-            "code": item.returncode,
-        }
-        if item.returncode < 0:
-            fields["signal"] = signal.Signals(-item.returncode).name
-        self.events.emit("worker_exited", **fields)
-
     def _handle_hangs(self, first: Verdict) -> AgentState:
         """Kill every rank judged hung in this batch at once (a hung rank cannot be asked to
         stop, and its stacks are already captured), record each, then fail the cycle."""
@@ -377,7 +346,7 @@ class NodeAgent:
         for verdict in verdicts:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(verdict.pid, signal.SIGKILL)
-            self._record_hang(verdict)
+            self.report.hang(verdict, self._round)
         ranks = ", ".join(str(v.rank) for v in verdicts)
         return self._fail(f"rank(s) {ranks} on {self.rt.node} hung ({first.kind.value})")
 
@@ -393,33 +362,6 @@ class NodeAgent:
         for item in kept:
             self._inbox.put(item)
         return taken
-
-    def _record_hang(self, verdict: Verdict) -> None:
-        rnd = self._round
-        assert rnd is not None
-        dump = self.rt.node_log_dir / f"cycle{rnd.number}" / f"stack-rank{verdict.rank}.txt"
-        dump.write_text(verdict.stack or "(the rank did not dump its stacks)\n")
-        where = f"in section {verdict.section!r}" if verdict.section else f"({verdict.kind.value})"
-        log.error(
-            "HANG: rank %d on node %s %s: no progress for %.3fs (timeout %.3gs); stacks: %s",
-            verdict.rank,
-            self.rt.node,
-            where,
-            verdict.waited,
-            verdict.timeout,
-            dump,
-        )
-        self.events.emit(
-            "hang",
-            rank=verdict.rank,
-            pid=verdict.pid,
-            kind=verdict.kind.value,
-            section=verdict.section,
-            timeout=verdict.timeout,
-            waited=round(verdict.waited, 6),
-            detection_latency=round(verdict.detected_at - verdict.deadline, 6),
-            stack_file=str(dump),
-        )
 
     @staticmethod
     def _error_file(cycle_dir: Path, rank: int) -> dict[str, str]:
