@@ -1,0 +1,139 @@
+"""Rendezvous behaviour on a real TCPStore, agents as threads: shared by both implementations."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import itertools
+from collections.abc import Iterator
+
+import pytest
+from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous import RendezvousClosedError
+
+from ftrun.agent.state import AgentState, IllegalTransitionError, check_transition
+from ftrun.errors import ExitCode, RendezvousFailedError
+from ftrun.rendezvous.config import RendezvousConfig, RendezvousImpl
+from ftrun.rendezvous.control import JobControl
+from ftrun.rendezvous.factory import create_rendezvous
+from ftrun.rendezvous.ranks import InfraRankError, NodeDescriptor, order_nodes
+
+IMPLS = pytest.mark.parametrize("impl", list(RendezvousImpl))
+_ids = itertools.count()
+
+
+@pytest.fixture
+def store() -> Iterator[TCPStore]:
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    yield server
+
+
+def client(server: TCPStore) -> TCPStore:
+    return TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(30))
+
+
+def node(name: str, infra: int | None = None) -> NodeDescriptor:
+    return NodeDescriptor(node=name, host="127.0.0.1", local_world_size=2, master_port=1,
+                          infra_rank=infra)  # fmt: skip
+
+
+def join_all(server, impl, nodes, run_id=None, **conf):
+    config = RendezvousConfig(
+        endpoint=f"127.0.0.1:{server.port}",
+        run_id=run_id or f"run{next(_ids)}",
+        min_nodes=conf.pop("min_nodes", len(nodes)),
+        max_nodes=conf.pop("max_nodes", len(nodes)),
+        impl=impl,
+        join_timeout=conf.pop("join_timeout", 30),
+        **conf,
+    )
+    handlers = [create_rendezvous(config, client(server), lambda d=d: d) for d in nodes]
+    with concurrent.futures.ThreadPoolExecutor(len(nodes)) as pool:
+        rounds = list(pool.map(lambda h: h.join(lambda: False), handlers))
+    return rounds, handlers
+
+
+@IMPLS
+def test_every_node_sees_the_same_round(store, impl):
+    rounds, _ = join_all(store, impl, [node("a"), node("b"), node("c")])
+    assert len({r.nodes for r in rounds}) == 1
+    assert sorted(r.group_rank for r in rounds) == [0, 1, 2]
+    assert all(r.world_size == 6 and r.number == 0 for r in rounds)
+    assert [r.first_global_rank for r in sorted(rounds, key=lambda r: r.group_rank)] == [0, 2, 4]
+
+
+@IMPLS
+def test_infra_group_rank_orders_nodes(store, impl):
+    rounds, _ = join_all(
+        store, impl, [node("x", 2), node("y", 0), node("z", 1)], use_infra_group_rank=True
+    )
+    assert {r.me.node: r.group_rank for r in rounds} == {"y": 0, "z": 1, "x": 2}
+
+
+@IMPLS
+def test_too_many_unhealthy_nodes_end_the_wait_with_a_clear_error(store, impl):
+    run_id = f"sick{next(_ids)}"
+    JobControl(client(store), f"ftrun/{run_id}").report_unhealthy(0, "bad", "GPU 0: ECC")
+    with pytest.raises(RendezvousFailedError, match="at most 1 healthy node"):
+        join_all(store, impl, [node("a")], run_id=run_id, max_nodes=2, min_nodes=2)
+
+
+def test_barrier_last_call_closes_a_partial_round(store):
+    rounds, _ = join_all(
+        store, RendezvousImpl.BARRIER, [node("a"), node("b")],
+        min_nodes=2, max_nodes=3, last_call_timeout=0.2,
+    )  # fmt: skip
+    assert {len(r.nodes) for r in rounds} == {2}
+
+
+def test_barrier_late_node_waits_and_joins_the_next_cycle(store):
+    _, handlers = join_all(
+        store, RendezvousImpl.BARRIER, [node("a"), node("b")],
+        min_nodes=2, max_nodes=3, last_call_timeout=0.2,
+    )  # fmt: skip
+    control = handlers[0].control
+    late = create_rendezvous(handlers[0]._config, client(store), lambda: node("late"))
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        pending = pool.submit(late.join, lambda: False)
+        assert not concurrent.futures.wait([pending], timeout=0.5).done  # round 0 is full
+        assert handlers[0].num_nodes_waiting() == 1
+        assert control.request_restart(0, "scale up", failure=False)
+        again = [pool.submit(h.join, lambda: False) for h in handlers]
+        joined = [f.result(timeout=30) for f in (pending, *again)]
+    assert {r.number for r in joined} == {1} and {len(r.nodes) for r in joined} == {3}
+    assert control.failures() == 0
+
+
+def test_shutdown_closes_the_rendezvous_for_everyone(store):
+    _, handlers = join_all(store, RendezvousImpl.BARRIER, [node("a")])
+    handlers[0].control.shutdown(ExitCode.PREEMPTED, "SIGTERM on node a", 0)
+    with pytest.raises(RendezvousClosedError, match="SIGTERM on node a"):
+        handlers[0].join(lambda: False)
+
+
+def test_simultaneous_failures_make_one_restart_and_one_failure(store):
+    controls = [JobControl(client(store), "ftrun/votes") for _ in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        winners = list(pool.map(lambda c: c.request_restart(0, "crash"), controls))
+    assert winners.count(True) == 1
+    assert (controls[0].cycle(), controls[0].failures()) == (1, 1)
+    assert controls[3].restart_requested(0) and not controls[3].restart_requested(1)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "error"),
+    [
+        ([node("a", 0), node("b")], "node.s. b have no infra rank"),
+        ([node("a", 1), node("b", 1)], "nodes a and b both have infra rank 1"),
+    ],
+)
+def test_missing_or_duplicate_infra_rank_is_a_usage_error(nodes, error):
+    with pytest.raises(InfraRankError, match=error) as caught:
+        order_nodes(nodes, use_infra_group_rank=True)
+    assert caught.value.exit_code is ExitCode.USAGE
+
+
+def test_agent_lifecycle_refuses_illegal_moves():
+    assert check_transition(AgentState.RUNNING, AgentState.STOPPING) is AgentState.STOPPING
+    with pytest.raises(IllegalTransitionError, match="from running to rendezvous"):
+        check_transition(AgentState.RUNNING, AgentState.RENDEZVOUS)
