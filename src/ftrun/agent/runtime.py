@@ -22,7 +22,7 @@ from ftrun.agent.events import EventLog
 from ftrun.agent.gpu_memory import memory_baseline
 from ftrun.agent.health import check_node
 from ftrun.agent.spare_pool import SparePool, python_target
-from ftrun.errors import NodeUnhealthyError
+from ftrun.errors import ConfigError, NodeUnhealthyError
 from ftrun.rank_monitor import RankMonitorServer
 from ftrun.rendezvous.control import JobControl, wait_until
 from ftrun.rendezvous.factory import NodeRendezvous, create_rendezvous
@@ -44,12 +44,13 @@ class AgentRuntime:
         rdzv = config.rendezvous
         self.host = _advertised_host(rdzv.endpoint, rdzv.local_addr)
         self.node = config.agent.node_name or default_node_name(environ, self.host)
-        log_dir = config.agent.log_dir or Path(tempfile.mkdtemp(prefix="ftrun-logs-"))
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_dir = log_dir
-        self.node_log_dir = log_dir / self.node
-        self.node_log_dir.mkdir(parents=True, exist_ok=True)
-        self.events = EventLog(log_dir, self.node)
+        self.log_dir = config.agent.log_dir or Path(tempfile.mkdtemp(prefix="ftrun-logs-"))
+        self.node_log_dir = self.log_dir / self.node
+        try:
+            self.node_log_dir.mkdir(parents=True, exist_ok=True)
+            self.events = EventLog(self.log_dir, self.node)
+        except OSError as exc:
+            raise ConfigError(f"--log-dir {self.log_dir}: {exc.strerror or exc}") from None
         self.inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         # A node that starts unhealthy must not host the store: it is about to leave.
         self._first_health = self._health_report()

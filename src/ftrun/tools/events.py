@@ -32,6 +32,8 @@ _REQUIRED: dict[str, dict[str, str]] = {
     "signal": {"signal": _STR},
     "store_lost": {},
     "stop_done": {"duration": _NUM},
+    "gpu_memory_reclaimed": {"duration": _NUM},
+    "unhealthy": {"reason": _STR},
     "restart": {},
     "exit": {"code": _INT},
 }

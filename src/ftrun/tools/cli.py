@@ -1,0 +1,67 @@
+"""`ftrun`: tools around the launcher. `ftrun report LOG_DIR` explains what a job went through.
+
+Errors a person can fix (a wrong directory, files that are not events) end with one line on
+stderr and exit status 2, never a traceback: this runs after a bad night, on a bad log.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+import click
+
+from ftrun.tools.events import ReportInputError, load_events
+from ftrun.tools.report import build_report
+from ftrun.tools.summary import to_json, to_text
+
+EXIT_BAD_INPUT = 2
+EXIT_NO_TIMELINE = 1
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Tools for jobs run by ft_launcher."""
+
+
+@main.command()
+@click.argument("log_dir", type=click.Path(path_type=Path, file_okay=True, dir_okay=True))
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Timeline PNG to write [default: LOG_DIR/timeline.png].",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+@click.option("--no-timeline", is_flag=True, help="Do not draw the timeline PNG.")
+def report(log_dir: Path, out: Path | None, as_json: bool, no_timeline: bool) -> None:
+    """Summarise a job from the events files in LOG_DIR (ft_launcher --log-dir)."""
+    try:
+        events = load_events(log_dir)
+    except ReportInputError as exc:
+        _fail(str(exc), EXIT_BAD_INPUT)
+    for warning in events.warnings:  # also in the report; stderr so `--json | jq` sees them
+        click.echo(f"ftrun report: warning: {warning}", err=True)
+    result = build_report(events)
+    timeline: str | None = None
+    error: str | None = None
+    if not no_timeline:
+        target = out or log_dir / "timeline.png"
+        try:
+            from ftrun.tools.timeline import draw_timeline  # matplotlib: optional, slow import
+
+            draw_timeline(result, target)
+            timeline = str(target)
+        except ImportError as exc:  # the summary is still worth printing
+            error = f"the timeline needs matplotlib ({exc}): pip install 'ftrun[report]'"
+        except OSError as exc:
+            error = f"cannot write the timeline {target}: {exc.strerror or exc}"
+    click.echo(to_json(result, timeline) if as_json else to_text(result, timeline), nl=False)
+    if error:
+        _fail(error, EXIT_NO_TIMELINE)
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    click.echo(f"ftrun report: error: {message}", err=True)
+    sys.exit(code)

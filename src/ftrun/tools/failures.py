@@ -1,0 +1,250 @@
+"""Failures: what ended each cycle, which ranks and nodes, and what it cost.
+
+A failed cycle usually leaves several failure events: the cause, then its consequences (peers
+that crash on a closed socket, every rank blocked behind a hung one). The first event by wall
+clock is the cause; a cycle's hangs are one incident because the monitor flags all the blocked
+ranks in the same window. Costs: detection (a crash is seen at once, a hang after `waited`),
+recovery (failure to the next cycle running on every node) and time lost (last healthy moment
+to running again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+from ftrun.tools.events import Event
+
+CRASH, HANG, SIGNAL, STORE_LOST, RESTART = "crash", "hang", "signal", "store lost", "restart"
+_FAILURE_EVENTS = ("worker_exited", "hang", "signal", "store_lost")
+_HANG_TEXT = {
+    "no first heartbeat": "no first heartbeat",
+    "heartbeat": "no heartbeat",
+    "out of section": "stuck outside any section",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class HangInfo:
+    kind: str
+    section: str | None
+    timeout: float | None
+    waited: float
+    detection_latency: float | None
+    stack_files: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """What ended a cycle, where, and what it cost. `kind` "restart": no failure event at all."""
+
+    number: int
+    cycle: int
+    kind: str
+    ts: float
+    nodes: tuple[str, ...]
+    ranks: tuple[int, ...]
+    cause: str
+    exit_code: int | None
+    signal: str | None
+    hang: HangInfo | None
+    detection_s: float
+    last_healthy: float
+    recovered_at: float | None
+    recovery_s: float | None
+    lost_s: float
+    secondary: tuple[str, ...]
+    notes: tuple[str, ...]
+
+
+def _is_failure(event: Event) -> bool:
+    if event.event == "worker_exited":
+        return event.get("code") != 0
+    return event.event in _FAILURE_EVENTS
+
+
+def find_failures(
+    events: Sequence[Event],
+    cycles: Sequence[int],
+    running_at: dict[int, float | None],
+    job_end: float,
+) -> tuple[Failure, ...]:
+    """One failure per cycle that did not end the job cleanly, numbered from 1."""
+    failures: list[Failure] = []
+    for i, cycle in enumerate(cycles):
+        in_cycle = [e for e in events if e.cycle == cycle and _is_failure(e)]
+        if not in_cycle and i + 1 == len(cycles):
+            continue  # the last cycle ended without a failure: success or a clean exit
+        later = [running_at[c] for c in cycles[i + 1 :] if running_at[c] is not None]
+        timing = _Timing(running_at[cycle], later[0] if later else None, job_end)
+        number = len(failures) + 1
+        if in_cycle:
+            failure = _from_events(number, cycle, in_cycle, events, timing)
+        else:
+            failure = _restart_without_failure(number, cycle, events, timing)
+        failures.append(failure)
+    return tuple(failures)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Timing:
+    """The moments a failure's costs are measured between."""
+
+    running_at: float | None  # the failed cycle ran on every node from then (None: never)
+    recovered_at: float | None  # the next cycle ran on every node from then (None: never)
+    job_end: float
+
+    def last_healthy(self, failed_at: float, detection: float) -> float:
+        """A hang stopped progress `detection` seconds before the verdict, but not before the
+        cycle's workers started: a verdict on left-over workers must not reach back further."""
+        if self.running_at is None:
+            return failed_at
+        return min(max(failed_at - detection, self.running_at), failed_at)
+
+    def recovery(self, failed_at: float) -> float | None:
+        return None if self.recovered_at is None else self.recovered_at - failed_at
+
+    def lost(self, last_healthy: float) -> float:
+        back = self.recovered_at if self.recovered_at is not None else self.job_end
+        return max(back - last_healthy, 0.0)
+
+
+def _from_events(
+    number: int,
+    cycle: int,
+    in_cycle: Sequence[Event],
+    events: Sequence[Event],
+    timing: _Timing,
+) -> Failure:
+    """The first failure event is the cause; hangs of one cycle are one incident (the monitor
+    flags every rank blocked behind the culprit at once); later events are consequences."""
+    first = in_cycle[0]
+    group = [e for e in in_cycle if e.event == "hang"] if first.event == "hang" else [first]
+    grouped = {id(e) for e in group}
+    rest = [e for e in in_cycle if id(e) not in grouped]
+    hang = _hang_info(group) if first.event == "hang" else None
+    detection = hang.waited if hang else 0.0
+    last_healthy = timing.last_healthy(first.ts, detection)
+    return Failure(
+        number=number,
+        cycle=cycle,
+        kind=_kind(first),
+        ts=first.ts,
+        nodes=tuple(dict.fromkeys(e.node for e in group)),
+        ranks=tuple(sorted({e.get("rank") for e in group if isinstance(e.get("rank"), int)})),
+        cause=describe(group, hang),
+        exit_code=first.get("code") if first.event == "worker_exited" else None,
+        signal=first.get("signal"),
+        hang=hang,
+        detection_s=detection,
+        last_healthy=last_healthy,
+        recovered_at=timing.recovered_at,
+        recovery_s=timing.recovery(first.ts),
+        lost_s=timing.lost(last_healthy),
+        secondary=tuple(f"{describe([e], None)} (+{e.ts - first.ts:.2f}s)" for e in rest),
+        notes=tuple(_stale_hang_notes(group, events)),
+    )
+
+
+def _restart_without_failure(
+    number: int, cycle: int, events: Sequence[Event], timing: _Timing
+) -> Failure:
+    """A cycle that restarted with no failure on record: a scale-up, or a spawn failure."""
+    restarts = [e for e in events if e.event == "restart" and e.cycle == cycle]
+    stops = [
+        e.ts - e.num("duration") for e in events if e.event == "stop_done" and e.cycle == cycle
+    ]
+    causes = [e.get("cause") for e in restarts if e.get("cause")]
+    ts = min(stops) if stops else (restarts[0].ts if restarts else timing.job_end)
+    cause = causes[0] if causes else "restart with no failure event (scale-up or spawn failure)"
+    return Failure(
+        number=number,
+        cycle=cycle,
+        kind=RESTART,
+        ts=ts,
+        nodes=tuple(dict.fromkeys(e.node for e in restarts)),
+        ranks=(),
+        cause=cause,
+        exit_code=None,
+        signal=None,
+        hang=None,
+        detection_s=0.0,
+        last_healthy=ts,
+        recovered_at=timing.recovered_at,
+        recovery_s=timing.recovery(ts),
+        lost_s=timing.lost(ts),
+        secondary=(),
+        notes=(),
+    )
+
+
+def _kind(event: Event) -> str:
+    return {"worker_exited": CRASH, "hang": HANG, "signal": SIGNAL}.get(event.event, STORE_LOST)
+
+
+def _hang_info(hangs: Sequence[Event]) -> HangInfo:
+    first = hangs[0]
+    timeout = first.get("timeout")
+    latencies = [e.num("detection_latency") for e in hangs if "detection_latency" in e.fields]
+    return HangInfo(
+        kind=first.get("kind"),
+        section=first.get("section"),
+        timeout=float(timeout) if isinstance(timeout, (int, float)) else None,
+        waited=max(e.num("waited") for e in hangs),
+        detection_latency=max(latencies) if latencies else None,
+        stack_files=tuple(str(e.get("stack_file")) for e in hangs if e.get("stack_file")),
+    )
+
+
+def describe(group: Sequence[Event], hang: HangInfo | None) -> str:
+    """One line saying what failed, where, and how."""
+    first = group[0]
+    if first.event == "worker_exited":
+        sig = first.get("signal")
+        how = f"killed by {sig}" if sig else f"exit code {first.get('code')}"
+        return f"rank {first.get('rank')} on {first.node} crashed: {how}"
+    if first.event == "signal":
+        return f"{first.get('signal')} on {first.node} (preemption or cancel)"
+    if first.event == "store_lost":
+        return f"{first.node} lost the rendezvous store: {first.get('error', '?')}"
+    hang = hang or _hang_info(group)
+    where = ", ".join(
+        f"{ranks_text([e.get('rank') for e in group if e.node == node])} on {node}"
+        for node in dict.fromkeys(e.node for e in group)
+    )
+    what = _HANG_TEXT.get(hang.kind, hang.kind)
+    if hang.kind == "section":
+        what = f"stuck in section {hang.section!r}"
+    plural = "s" if len(group) > 1 else ""
+    limit = f" (timeout {hang.timeout:g}s)" if hang.timeout is not None else ""
+    return f"rank{plural} {where} hung: {what} for {hang.waited:.2f}s{limit}"
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """0,1,2,3,7 -> '0-3,7': whole nodes of ranks stay short."""
+    runs: list[list[int]] = []
+    for rank in sorted(set(ranks)):
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def _stale_hang_notes(group: Sequence[Event], events: Sequence[Event]) -> list[str]:
+    """A verdict for a pid this cycle never started is a left-over from an earlier cycle: the
+    restart it caused was spurious, which a person must know before blaming the code."""
+    notes = []
+    for hang in group:
+        started = [
+            e
+            for e in events
+            if e.event == "workers_started" and e.node == hang.node and e.cycle == hang.cycle
+        ]
+        pids = {p for e in started for p in e.get("pids", [])}
+        if started and hang.get("pid") is not None and hang.get("pid") not in pids:
+            notes.append(
+                f"rank {hang.get('rank')} pid {hang.get('pid')} on {hang.node} is not a worker "
+                f"of cycle {hang.cycle}: stale verdict from an earlier cycle (launcher bug?)"
+            )
+    return notes

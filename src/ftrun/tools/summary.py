@@ -1,0 +1,180 @@
+"""The report as text for a person, or as JSON for machines; both render a `Report` only.
+
+The text is ordered the way a post-mortem reads: did the job make it, how much time it wasted,
+then each cycle, then each failure with where to look next (stack files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+from ftrun.tools.failures import Failure, ranks_text
+from ftrun.tools.report import Cycle, NodeInfo, Report
+
+JSON_SCHEMA_VERSION = 1
+
+
+def to_json(report: Report, timeline: str | None) -> str:
+    """Every field of the report, times as epoch seconds; `timeline` is the PNG, if written."""
+    data: dict[str, Any] = {"schema": JSON_SCHEMA_VERSION, **dataclasses.asdict(report)}
+    data["timeline"] = timeline
+    return json.dumps(data, indent=2)
+
+
+def to_text(report: Report, timeline: str | None) -> str:
+    return "\n".join(_lines(report, timeline)) + "\n"
+
+
+def _lines(report: Report, timeline: str | None) -> Iterator[str]:
+    clock = _Clock(report.start, report.end)
+    yield f"ftrun report: {report.log_dir}"
+    yield f"Outcome    {report.outcome}: {_exit_summary(report.nodes)}"
+    yield (
+        f"Wall time  {duration_text(report.wall_s)}  "
+        f"({clock.full(report.start)} -> {clock.full(report.end)})"
+    )
+    useful, running = duration_text(report.effective_s), duration_text(report.running_s)
+    yield (
+        f"Training   {report.effective_ratio:.1%} effective: {useful} useful of "
+        f"{duration_text(report.wall_s)} (all workers running {running})"
+    )
+    kinds = Counter(f.kind for f in report.failures)
+    what = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+    yield (
+        f"Restarts   {len(report.cycles)} cycle(s), {len(report.failures)} failure(s)"
+        + (f": {what}" if what else "")
+    )
+    yield from _node_lines(report.nodes)
+    yield from _cycle_lines(report.cycles, clock)
+    yield from _failure_lines(report.failures, clock)
+    if timeline:
+        yield ""
+        yield f"Timeline   {timeline}"
+
+
+def _exit_summary(nodes: tuple[NodeInfo, ...]) -> str:
+    """Nodes grouped by how they ended: a 64-node job must still fit on one line."""
+    groups: dict[str, list[str]] = {}
+    for node in nodes:
+        if node.exit_code is None:
+            key = "no exit event (killed?)"
+        else:
+            key = f"exit {node.exit_code} {node.exit_reason or ''}".rstrip()
+        groups.setdefault(key, []).append(node.name)
+    parts = []
+    for key, names in groups.items():
+        shown = ", ".join(names[:4]) + (f" +{len(names) - 4} more" if len(names) > 4 else "")
+        parts.append(f"{key} on {len(names)} node(s) ({shown})")
+    return "; ".join(parts)
+
+
+def _node_lines(nodes: tuple[NodeInfo, ...]) -> Iterator[str]:
+    yield ""
+    yield f"Nodes ({len(nodes)})"
+    width = max(len(n.name) for n in nodes)
+    for node in nodes:
+        group = "-" if node.group_rank is None else str(node.group_rank)
+        ranks = ranks_text(node.ranks) or "-"
+        host = "store host" if node.store_host else ""
+        ending = "no exit event" if node.exit_code is None else f"exit {node.exit_code}"
+        if node.unhealthy:
+            ending += f"; UNHEALTHY: {node.unhealthy}"
+        yield f"  {node.name:<{width}}  group rank {group:<3} ranks {ranks:<9} {host:<10}  {ending}"
+
+
+def _cycle_lines(cycles: tuple[Cycle, ...], clock: _Clock) -> Iterator[str]:
+    yield ""
+    if not cycles:
+        yield "Cycles: none (no rendezvous completed)"
+        return
+    yield f"Cycles ({len(cycles)})"
+    width = max([len(clock.short(c.start)) for c in cycles] + [5])
+    yield f"  cycle  {'start':<{width}}  rendezvous  all running        stop  ended"
+    for cycle in cycles:
+        running = "-" if cycle.running_at is None else duration_text(cycle.end - cycle.running_at)
+        stop = "-" if cycle.stop_s is None else duration_text(cycle.stop_s)
+        killed = f"; {cycle.killed} worker(s) SIGKILLed at the stop timeout" if cycle.killed else ""
+        yield (
+            f"  {cycle.number:>5}  {clock.short(cycle.start):<{width}}  "
+            f"{duration_text(cycle.rendezvous_s):>10}  {running:>11}  {stop:>10}  "
+            f"{cycle.ended}{killed}"
+        )
+
+
+def _failure_lines(failures: tuple[Failure, ...], clock: _Clock) -> Iterator[str]:
+    if not failures:
+        return
+    yield ""
+    yield f"Failures ({len(failures)})"
+    for failure in failures:
+        yield (
+            f"  #{failure.number} cycle {failure.cycle} at {clock.short(failure.ts)}  "
+            f"{failure.kind.upper()}: {failure.cause}"
+        )
+        recovery = (
+            "not recovered (job ended)"
+            if failure.recovery_s is None
+            else f"recovery {duration_text(failure.recovery_s)}"
+        )
+        yield (
+            f"     detection {_detection(failure)} | {recovery} | "
+            f"time lost {duration_text(failure.lost_s)}"
+        )
+        if failure.hang and failure.hang.stack_files:
+            yield f"     stacks: {failure.hang.stack_files[0]}"
+            for path in failure.hang.stack_files[1:]:
+                yield f"             {path}"
+        for line in failure.secondary:
+            yield f"     then: {line}"
+        for note in failure.notes:
+            yield f"     NOTE: {note}"
+
+
+def _detection(failure: Failure) -> str:
+    """A crash is seen when the process exits; a hang only when its timeout runs out."""
+    hang = failure.hang
+    if hang is None:
+        return "0s (immediate)"
+    parts = [f"{duration_text(hang.waited)} without progress"]
+    if hang.timeout is not None:
+        parts.append(f"timeout {hang.timeout:g}s")
+    if hang.detection_latency is not None:
+        parts.append(f"verdict {hang.detection_latency * 1000:.1f}ms after the deadline")
+    return f"{parts[0]} ({', '.join(parts[1:])})" if len(parts) > 1 else parts[0]
+
+
+def duration_text(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.2f}s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s"
+
+
+class _Clock:
+    """Local wall-clock times; the date only where a job crosses midnight needs it."""
+
+    def __init__(self, start: float, end: float) -> None:
+        self._multi_day = _local(start).date() != _local(end).date()
+
+    def full(self, ts: float) -> str:
+        return _local(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+    def short(self, ts: float) -> str:
+        return _local(ts).strftime("%m-%d %H:%M:%S" if self._multi_day else "%H:%M:%S")
+
+
+def _local(ts: float) -> datetime.datetime:
+    return datetime.datetime.fromtimestamp(ts).astimezone()
+
+
+def clock_text(ts: float) -> str:
+    """A local date and time, for titles."""
+    return _local(ts).strftime("%Y-%m-%d %H:%M:%S")
