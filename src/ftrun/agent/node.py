@@ -223,7 +223,7 @@ class NodeAgent:
                     f"rank {item.rank} on {self.rt.node} {_exit_text(item.returncode)}"
                 )
             return None if running else AgentState.SUCCEEDED
-        if isinstance(item, Verdict):
+        if isinstance(item, Verdict) and item.worker_pid in running:
             return self._handle_hangs(item)
         if isinstance(item, SignalReceived):
             return self._preempt(item.signum)
@@ -342,10 +342,11 @@ class NodeAgent:
         """Kill every rank judged hung in this batch at once (a hung rank cannot be asked to
         stop, and its stacks are already captured), record each, then fail the cycle."""
         time.sleep(_VERDICT_WINDOW_S)  # ranks blocked behind the hung one are judged ms later
-        verdicts = [first, *self._take_queued(Verdict)]
+        current = set(self._group.pids) if self._group else set()
+        verdicts = [first, *(v for v in self._take_queued(Verdict) if v.worker_pid in current)]
         for verdict in verdicts:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(verdict.pid, signal.SIGKILL)
+                os.killpg(verdict.worker_pid, signal.SIGKILL)
             self.report.hang(verdict, self._round)
         ranks = ", ".join(str(v.rank) for v in verdicts)
         return self._fail(f"rank(s) {ranks} on {self.rt.node} hung ({first.kind.value})")

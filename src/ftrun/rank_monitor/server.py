@@ -46,6 +46,9 @@ class Verdict:
 
     rank: int
     pid: int
+    """The process that registered (may be a descendant of the spawned worker)."""
+    worker_pid: int
+    """The pid the owner registered with `expect_rank`: the worker's process group leader."""
     kind: HangKind
     section: str | None
     timeout: float
@@ -67,6 +70,8 @@ class Verdict:
 class _Peer:
     progress: RankProgress
     identity: bytes
+    spawned_pid: int
+    """The pid the owner registered (the HELLO may come from a descendant of it)."""
 
 
 class RankMonitorServer:
@@ -240,7 +245,7 @@ class RankMonitorServer:
             if peer.progress.rank == hello.rank:
                 del self._peers[other]  # a re-registration replaces the old connection
         progress = RankProgress(hello.rank, hello.pid, now, self.config.initial_timeouts())
-        self._peers[identity] = _Peer(progress, identity)
+        self._peers[identity] = _Peer(progress, identity, expected_pid)
         self._reply(identity, hello.seq, data=progress.timeouts.to_wire())
         self._arm(identity, progress)
 
@@ -286,7 +291,7 @@ class RankMonitorServer:
             heapq.heappush(self._heap, (overdue.deadline, progress.rank, identity))
 
     def _fire_due(self) -> None:
-        hung: list[tuple[RankProgress, Overdue, float]] = []
+        hung: list[tuple[_Peer, Overdue, float]] = []
         with self._lock:
             while self._heap and self._heap[0][0] <= time.monotonic():
                 deadline, _, identity = heapq.heappop(self._heap)
@@ -300,23 +305,29 @@ class RankMonitorServer:
                 overdue = peer.progress.next_overdue()
                 if overdue is not None and overdue.deadline <= now:
                     del self._peers[identity]  # one verdict per registration
-                    hung.append((peer.progress, overdue, now))
+                    hung.append((peer, overdue, now))
                 else:
                     self._arm(identity, peer.progress)
         if hung:
             self._report(hung)
 
-    def _report(self, hung: list[tuple[RankProgress, Overdue, float]]) -> None:
-        files = [stacks.stack_file(self.job_dir, p.rank, p.pid) for p, _, _ in hung]
+    def _report(self, hung: list[tuple[_Peer, Overdue, float]]) -> None:
+        progresses = [peer.progress for peer, _, _ in hung]
+        files = [stacks.stack_file(self.job_dir, p.rank, p.pid) for p in progresses]
         offsets = stacks.request_dumps(
-            [(p.pid, f) for (p, _, _), f in zip(hung, files, strict=True)],
-            self.config.stack_signal,
+            [(p.pid, f) for p, f in zip(progresses, files, strict=True)], self.config.stack_signal
         )
         dumps = stacks.collect_dumps(offsets, self.config.stack_capture_timeout)
-        for (progress, overdue, detected_at), path in zip(hung, files, strict=True):
+        for (peer, overdue, detected_at), path in zip(hung, files, strict=True):
+            progress = peer.progress
+            with self._lock:
+                forgotten = self._expected.get(progress.rank) != peer.spawned_pid
+            if forgotten:  # the owner stopped this worker while its stacks were collected
+                continue
             verdict = Verdict(
                 rank=progress.rank,
                 pid=progress.pid,
+                worker_pid=peer.spawned_pid,
                 kind=overdue.kind,
                 section=overdue.section,
                 timeout=overdue.deadline - overdue.since,

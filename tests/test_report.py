@@ -1,0 +1,413 @@
+"""`ftrun report`: events parsing, the numbers of the summary, the timeline PNG, bad input.
+
+The fixtures under tests/data/report are trimmed events files of real two-node runs of
+examples/train_ddp.py (crash in cycle 0, hang in cycle 1, success in cycle 2):
+- crash_hang: the hang as intended (rank 2 sleeps; every rank misses its heartbeat),
+- stale_hang: cycle 1 was failed at once by a verdict about cycle 0's (dead) workers.
+Synthetic files cover what a real run cannot cheaply produce (preemption, lost nodes).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from ftrun.tools.cli import main
+from ftrun.tools.events import ReportInputError, load_events, parse_line
+from ftrun.tools.failures import CRASH, HANG, RESTART, SIGNAL, ranks_text
+from ftrun.tools.report import Report, build_report
+
+DATA = Path(__file__).parent / "data" / "report"
+CRASH_HANG = DATA / "crash_hang"
+STALE_HANG = DATA / "stale_hang"
+NODE_A, NODE_B = "127.0.0.1-32172", "127.0.0.1-32171"  # group ranks 0 and 1 in crash_hang
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def report_of(log_dir: Path) -> Report:
+    return build_report(load_events(log_dir))
+
+
+def run_cli(*args: str) -> Any:
+    return CliRunner().invoke(main, ["report", *args])
+
+
+# ---- the real run: cycles, failures and their costs ------------------------------------------
+
+
+def test_fixture_cycles_and_outcome() -> None:
+    report = report_of(CRASH_HANG)
+    assert report.outcome == "SUCCESS"
+    assert {n.name: n.exit_code for n in report.nodes} == {NODE_A: 0, NODE_B: 0}
+    assert [c.number for c in report.cycles] == [0, 1, 2]
+    assert [c.outcome for c in report.cycles] == ["failed", "failed", "succeeded"]
+    assert [c.failure for c in report.cycles] == [1, 2, None]
+    assert all(c.nodes == (NODE_A, NODE_B) and c.world_size == 4 for c in report.cycles)
+    assert report.cycles[0].rendezvous_s == pytest.approx(0.010324)
+    assert report.cycles[0].stop_s == pytest.approx(0.145195)  # the slower node's stop
+    assert report.cycles[2].stop_s is None and report.cycles[2].killed == 0
+    assert report.wall_s == pytest.approx(1795385739.664539 - 1795385712.363316, abs=1e-5)
+
+
+def test_fixture_crash_is_the_cause_with_its_costs() -> None:
+    crash = report_of(CRASH_HANG).failures[0]
+    assert (crash.kind, crash.cycle, crash.nodes, crash.ranks) == (CRASH, 0, (NODE_A,), (1,))
+    assert crash.exit_code == 1 and crash.signal is None
+    assert "rank 1 on 127.0.0.1-32172 crashed: exit code 1" in crash.cause
+    assert crash.detection_s == 0.0
+    # from the crash to the last workers_started of cycle 1, on either node
+    assert crash.recovery_s == pytest.approx(1795385723.415697 - 1795385723.211799)
+    assert crash.lost_s == pytest.approx(crash.recovery_s)
+
+
+def test_fixture_hangs_of_one_cycle_are_one_failure() -> None:
+    hang = report_of(CRASH_HANG).failures[1]
+    assert (hang.kind, hang.cycle, hang.ranks) == (HANG, 1, (0, 1, 2, 3))
+    assert set(hang.nodes) == {NODE_A, NODE_B}
+    assert hang.hang is not None
+    assert (hang.hang.kind, hang.hang.section, hang.hang.timeout) == ("heartbeat", None, 2.0)
+    assert hang.hang.waited == pytest.approx(2.001069)
+    assert hang.hang.detection_latency == pytest.approx(0.001069)
+    assert len(hang.hang.stack_files) == 4
+    assert hang.detection_s == pytest.approx(2.001069)
+    assert hang.recovery_s == pytest.approx(1795385727.970397 - 1795385727.834305)
+    # lost: from the last progress (verdict minus waited) to running again
+    assert hang.lost_s == pytest.approx(hang.recovery_s + 2.001069)
+    assert hang.secondary == () and hang.notes == ()
+
+
+def test_fixture_effective_time_excludes_the_hang() -> None:
+    report = report_of(CRASH_HANG)
+    running = sum(c.end - c.running_at for c in report.cycles if c.running_at is not None)
+    assert report.running_s == pytest.approx(running)
+    assert report.effective_s == pytest.approx(running - 2.001069)
+    assert report.effective_ratio == pytest.approx(report.effective_s / report.wall_s)
+    assert 0.85 < report.effective_ratio < 0.95
+
+
+def test_fixture_lanes_cover_every_state() -> None:
+    spans = report_of(CRASH_HANG).spans
+    for node in (NODE_A, NODE_B):
+        states = [s.state for s in spans if s.node == node]
+        assert states == ["rendezvous", "running", "stopping"] * 2 + [
+            "rendezvous",
+            "running",
+            "finished",
+        ]
+    assert all(s.end >= s.start for s in spans)
+
+
+def test_stale_verdict_is_flagged() -> None:
+    report = report_of(STALE_HANG)
+    hang = report.failures[1]
+    assert hang.kind == HANG and hang.ranks == (0, 1)
+    assert len(hang.notes) == 2 and all("stale verdict" in n for n in hang.notes)
+    assert report.cycles[1].killed == 1  # one worker outlived the stop timeout
+    # the verdict reaches back before cycle 1 started: time lost starts at the cycle's start
+    assert hang.last_healthy == pytest.approx(report.cycles[1].running_at)
+
+
+# ---- the command -----------------------------------------------------------------------------
+
+
+def test_cli_prints_summary_and_writes_png(tmp_path: Path) -> None:
+    out = tmp_path / "timeline.png"
+    result = run_cli(str(CRASH_HANG), "--out", str(out))
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    for expected in (
+        "Outcome    SUCCESS",
+        "3 cycle(s), 2 failure(s): 1 crash, 1 hang",
+        "CRASH: rank 1 on 127.0.0.1-32172 crashed: exit code 1",
+        "HANG: ranks 0-1 on 127.0.0.1-32172, 2-3 on 127.0.0.1-32171 hung: no heartbeat",
+        "recovery 0.20s",
+        "stacks: ",
+        f"Timeline   {out}",
+    ):
+        assert expected in text
+    assert result.stderr == ""
+    data = out.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 20_000  # a drawing, not an empty canvas
+
+
+def test_cli_json(tmp_path: Path) -> None:
+    result = run_cli(str(CRASH_HANG), "--json", "--out", str(tmp_path / "t.png"))
+    assert result.exit_code == 0
+    data = json.loads(result.stdout)
+    assert data["schema"] == 1 and data["outcome"] == "SUCCESS"
+    assert data["timeline"] == str(tmp_path / "t.png")
+    assert [f["kind"] for f in data["failures"]] == [CRASH, HANG]
+    assert data["failures"][1]["hang"]["waited"] == pytest.approx(2.001069)
+    assert [c["outcome"] for c in data["cycles"]] == ["failed", "failed", "succeeded"]
+
+
+def test_cli_no_timeline_skips_matplotlib(tmp_path: Path) -> None:
+    log_dir = copy_fixture(tmp_path)
+    result = run_cli(str(log_dir), "--no-timeline")
+    assert result.exit_code == 0
+    assert not (log_dir / "timeline.png").exists()
+    assert "Timeline" not in result.stdout
+
+
+def test_default_png_goes_to_the_log_dir(tmp_path: Path) -> None:
+    log_dir = copy_fixture(tmp_path)
+    assert run_cli(str(log_dir)).exit_code == 0
+    assert (log_dir / "timeline.png").read_bytes().startswith(PNG_MAGIC)
+
+
+# ---- bad input: one line, exit 2, no traceback -----------------------------------------------
+
+
+@pytest.fixture
+def bad_dirs(tmp_path: Path) -> Iterator[dict[str, Path]]:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "events-x.jsonl").write_text('not json\n{"event": "exit"}\n[1, 2]\n')
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("hello")
+    yield {"missing": tmp_path / "nope", "empty": empty, "garbage": garbage, "file": a_file}
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing", "no such directory"),
+        ("empty", "no events-*.jsonl files"),
+        ("garbage", "no valid events"),
+        ("file", "not a directory"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(
+    bad_dirs: dict[str, Path], case: str, message: str
+) -> None:
+    result = run_cli(str(bad_dirs[case]))
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ftrun report: error: ") and message in lines[0]
+
+
+def test_bad_input_from_the_real_process(tmp_path: Path) -> None:
+    """The exit status and stderr as a shell sees them: no traceback from any layer."""
+    cmd = [sys.executable, "-c", "from ftrun.tools.cli import main; main()", "report"]
+    proc = subprocess.run(
+        [*cmd, str(tmp_path / "nope")], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+
+
+def test_malformed_lines_are_skipped_and_counted(tmp_path: Path) -> None:
+    log_dir = copy_fixture(tmp_path)
+    path = log_dir / f"events-{NODE_B}.jsonl"
+    lines = path.read_text().splitlines()
+    lines.insert(3, '{"event": "hang", "ts": 1, "mono": 1, "node": "x", "cycle": 1}')  # no rank
+    lines.append('{"event": "exit", "ts": 17953857')  # killed mid-write
+    path.write_text("\n".join(lines) + "\n")
+    result = run_cli(str(log_dir), "--no-timeline")
+    assert result.exit_code == 0
+    assert result.stderr.strip() == (
+        f"ftrun report: warning: skipped 2 malformed line(s) in events-{NODE_B}.jsonl "
+        "(first at line 4)"
+    )
+    assert report_of(log_dir).failures == report_of(CRASH_HANG).failures
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "",
+        "null",
+        '{"event": "exit", "ts": "x", "mono": 1, "node": "n", "cycle": 0, "code": 0}',
+        '{"event": "exit", "ts": 1, "mono": 1, "node": "n", "cycle": true, "code": 0}',
+        '{"event": "worker_exited", "ts": 1, "mono": 1, "node": "n", "cycle": 0, "rank": 1}',
+    ],
+)
+def test_parse_line_rejects(line: str) -> None:
+    assert parse_line(line) is None
+
+
+def test_unknown_events_are_kept() -> None:
+    event = parse_line('{"event": "progress", "ts": 1, "mono": 2, "node": "n", "cycle": 3}')
+    assert event is not None and event.event == "progress" and dict(event.fields) == {}
+
+
+# ---- synthetic jobs: what real runs rarely show ----------------------------------------------
+
+
+class Job:
+    """Writes events files like the launcher does; `t` is seconds from an arbitrary epoch."""
+
+    def __init__(self, log_dir: Path, nodes: list[str]) -> None:
+        self.log_dir, self.nodes = log_dir, nodes
+        self.lines: dict[str, list[str]] = {n: [] for n in nodes}
+
+    def emit(self, node: str, t: float, event: str, cycle: int, **fields: Any) -> None:
+        record = {"event": event, "ts": 1e9 + t, "mono": t, "node": node, "cycle": cycle}
+        self.lines[node].append(json.dumps({**record, **fields}))
+
+    def cycle(self, number: int, t: float, nodes: list[str] | None = None) -> None:
+        """Health check at t, rendezvous done at t+1, workers at t+2 on every node."""
+        for i, node in enumerate(nodes or self.nodes):
+            self.emit(node, t, "health_check", max(number - 1, 0), duration=0.0, checks=[])
+            self.emit(
+                node, t + 1, "rendezvous_done", number, duration=1.0, group_rank=i,
+                nodes=nodes or self.nodes, world_size=2 * len(self.nodes), store_host=i == 0,
+            )  # fmt: skip
+            self.emit(node, t + 2, "workers_started", number, ranks=[2 * i, 2 * i + 1], pids=[i])
+
+    def stop(self, cycle: int, t: float, restart: bool = True) -> None:
+        for node in self.nodes:
+            self.emit(node, t + 1, "stop_done", cycle, duration=1.0, killed=0, survivors=0)
+            if restart:
+                self.emit(node, t + 1, "restart", cycle)
+
+    def write(self) -> Path:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for node, lines in self.lines.items():
+            (self.log_dir / f"events-{node}.jsonl").write_text("\n".join(lines) + "\n")
+        return self.log_dir
+
+
+def test_preempted_job(tmp_path: Path) -> None:
+    job = Job(tmp_path / "logs", ["a", "b"])
+    job.cycle(0, 0)
+    job.emit("b", 100, "signal", 0, signal="SIGTERM")
+    job.stop(0, 100, restart=False)
+    for node in job.nodes:
+        job.emit(node, 102, "exit", 0, code=75, reason="PREEMPTED")
+    report = report_of(job.write())
+    assert report.outcome == "PREEMPTED"
+    (failure,) = report.failures
+    assert (failure.kind, failure.signal, failure.nodes) == (SIGNAL, "SIGTERM", ("b",))
+    assert failure.recovery_s is None and failure.lost_s == pytest.approx(2.0)
+    assert report.cycles[0].ended == "signal (failure #1) -> job ended"
+    assert report.effective_s == pytest.approx(98.0)
+
+
+def test_budget_spent_and_signal_deaths(tmp_path: Path) -> None:
+    job = Job(tmp_path / "logs", ["a", "b"])
+    job.cycle(0, 0)
+    job.emit("a", 10, "worker_exited", 0, rank=1, local_rank=1, pid=1, code=-9, signal="SIGKILL")
+    job.emit("b", 10.5, "worker_exited", 0, rank=2, local_rank=0, pid=2, code=1)
+    job.stop(0, 11)
+    for node in job.nodes:  # --max-restarts=0: the next rendezvous gives up
+        job.emit(node, 13, "health_check", 0, duration=0.0, checks=[])
+        job.emit(node, 13.5, "exit", 0, code=1, reason="FAILED")
+    report = report_of(job.write())
+    assert report.outcome == "FAILED"
+    (failure,) = report.failures
+    assert failure.cause == "rank 1 on a crashed: killed by SIGKILL"
+    assert failure.secondary == ("rank 2 on b crashed: exit code 1 (+0.50s)",)
+    assert failure.recovery_s is None
+    assert report.spans[-1].state == "rendezvous"  # the last rendezvous never formed a cycle
+
+
+def test_lost_node_and_restart_without_failure(tmp_path: Path) -> None:
+    job = Job(tmp_path / "logs", ["a", "b"])
+    job.cycle(0, 0)
+    job.stop(0, 50)  # a scale-up: nobody failed
+    job.cycle(1, 52)
+    job.emit("a", 60, "store_lost", 1, error="Broken pipe")  # b died without a word
+    job.emit("a", 61, "stop_done", 1, duration=1.0, killed=0, survivors=0)
+    job.emit("a", 62, "exit", 1, code=1, reason="FAILED")
+    report = report_of(job.write())
+    assert report.outcome == "INCOMPLETE"
+    assert [f.kind for f in report.failures] == [RESTART, "store lost"]
+    assert report.failures[0].recovery_s == pytest.approx(54 - 50)
+    assert "Broken pipe" in report.failures[1].cause
+    result = run_cli(str(job.log_dir), "--no-timeline")
+    assert "b: no exit event" not in result.stdout  # grouped, not one entry per node
+    assert "no exit event (killed?) on 1 node(s) (b)" in result.stdout
+
+
+def test_earlier_runs_in_the_same_file_are_ignored(tmp_path: Path) -> None:
+    job = Job(tmp_path / "logs", ["a"])
+    job.cycle(0, 0)
+    job.emit("a", 5, "exit", 0, code=75, reason="PREEMPTED")
+    job.cycle(0, 1000)  # Slurm relaunched the job step on the same node: cycles from 0 again
+    job.emit("a", 1010, "worker_exited", 0, rank=0, local_rank=0, pid=0, code=0)
+    job.emit("a", 1010, "worker_exited", 0, rank=1, local_rank=1, pid=0, code=0)
+    job.emit("a", 1011, "exit", 0, code=0, reason="SUCCESS")
+    events = load_events(job.write())
+    assert events.warnings == ("a: events of 1 earlier launcher run(s) in the same file ignored",)
+    report = build_report(events)
+    assert (report.outcome, report.wall_s, len(report.cycles)) == ("SUCCESS", 11.0, 1)
+
+
+def test_timeline_of_a_many_node_night(tmp_path: Path) -> None:
+    nodes = [f"node-{i:02d}" for i in range(16)]
+    job = Job(tmp_path / "logs", nodes)
+    job.cycle(0, 0)
+    job.emit("node-07", 3600, "hang", 0, rank=14, pid=7, kind="section", section="step",
+             timeout=600.0, waited=600.2, detection_latency=0.2, stack_file="s.txt")  # fmt: skip
+    job.stop(0, 3600)
+    job.cycle(1, 3602)
+    job.emit("node-03", 7200, "signal", 1, signal="SIGTERM")
+    job.stop(1, 7200, restart=False)
+    report = report_of(job.write())
+    assert report.failures[0].cause.startswith("rank 14 on node-07 hung: stuck in section 'step'")
+    out = tmp_path / "night.png"
+    result = run_cli(str(job.log_dir), "--out", str(out))
+    assert result.exit_code == 0
+    assert out.stat().st_size > 20_000
+
+
+def test_unhealthy_node_and_gpu_memory_wait(tmp_path: Path) -> None:
+    job = Job(tmp_path / "logs", ["a", "b"])
+    job.cycle(0, 0)
+    job.emit("a", 10, "worker_exited", 0, rank=0, local_rank=0, pid=0, code=1)
+    job.stop(0, 10)  # stop_done at 11 on both
+    job.emit("a", 14, "gpu_memory_reclaimed", 0, duration=3.0, released=True, excess_mb=0.0)
+    job.emit("b", 11, "unhealthy", 0, reason="GPU 3: row remapping pending or failed")
+    job.emit("b", 11, "exit", 0, code=3, reason="DO_NOT_RELAUNCH")
+    job.emit("a", 14, "health_check", 0, duration=0.0, checks=[])
+    job.emit("a", 20, "exit", 0, code=1, reason="FAILED")
+    report = report_of(job.write())
+    assert report.outcome == "FAILED"  # node a's code comes first in rank order
+    node_b = next(n for n in report.nodes if n.name == "b")
+    assert (node_b.unhealthy, node_b.unhealthy_at) == (
+        "GPU 3: row remapping pending or failed",
+        1e9 + 11,
+    )
+    stopping = [(s.start, s.end) for s in report.spans if s.node == "a" and s.state == "stopping"]
+    assert stopping == [(1e9 + 10, 1e9 + 11), (1e9 + 11, 1e9 + 14)]
+    result = run_cli(str(job.log_dir), "--out", str(tmp_path / "t.png"))
+    assert "exit 3; UNHEALTHY: GPU 3: row remapping pending or failed" in result.stdout
+    assert (tmp_path / "t.png").stat().st_size > 20_000
+
+
+def test_unhealthy_node_never_forms_a_cycle(tmp_path: Path) -> None:
+    job = Job(tmp_path / "logs", ["a"])
+    job.emit("a", 0, "health_check", 0, duration=0.5, checks=["gpu"])
+    job.emit("a", 1, "exit", 0, code=3, reason="DO_NOT_RELAUNCH")
+    report = report_of(job.write())
+    assert (report.outcome, report.cycles, report.failures) == ("DO_NOT_RELAUNCH", (), ())
+    result = run_cli(str(job.log_dir), "--out", str(tmp_path / "t.png"))
+    assert result.exit_code == 0 and "Cycles: none" in result.stdout
+
+
+def test_ranks_text() -> None:
+    assert ranks_text([3, 0, 1, 2, 7, 9, 10]) == "0-3,7,9-10"
+    assert ranks_text([]) == ""
+
+
+def test_load_events_error_type(tmp_path: Path) -> None:
+    with pytest.raises(ReportInputError, match="no such directory"):
+        load_events(tmp_path / "nope")
+
+
+def copy_fixture(tmp_path: Path) -> Path:
+    target = tmp_path / "logs"
+    shutil.copytree(CRASH_HANG, target)
+    return target
