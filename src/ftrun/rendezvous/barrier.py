@@ -24,7 +24,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from ftrun.errors import ExitCode, RendezvousFailedError
+from ftrun.errors import ExitCode
 from ftrun.rendezvous.config import RendezvousConfig
 from ftrun.rendezvous.control import JobControl, wait_for_key
 from ftrun.rendezvous.ranks import NodeDescriptor, Round, order_nodes
@@ -53,7 +53,6 @@ class BarrierRendezvousHandler(RendezvousHandler):
         self._store = store
         self.control = JobControl(store, self._prefix)
         self._descriptor = descriptor
-        self._last: Round | None = None
 
     # ---- torch's RendezvousHandler -------------------------------------------------------
 
@@ -114,20 +113,16 @@ class BarrierRendezvousHandler(RendezvousHandler):
         arrivals = [NodeDescriptor.from_json(raw) for raw in self._store.multi_get(keys)]
         nodes = order_nodes(arrivals, self._config.use_infra_group_rank)
         me = arrivals[index]
-        self._last = Round(cycle, nodes, nodes.index(me))
-        return self._last
+        return Round(cycle, nodes, nodes.index(me))
 
     def _await_close(self, cycle: int, deadline: float, interrupted: Callable[[], bool]) -> int:
         closed = self._key(cycle, "closed")
         min_reached_at: float | None = None
         while not wait_for_key(self._store, closed, _WAIT_CHUNK_S):
             self._check_waiting(deadline, interrupted)
-            possible = self._config.max_nodes - self.control.unhealthy(cycle)
-            if possible < self._config.min_nodes:
-                raise RendezvousFailedError(
-                    f"at most {possible} healthy node(s) can join, {self._config.min_nodes} "
-                    "needed (see the unhealthy node's log)"
-                )
+            possible = self.control.healthy_capacity(
+                cycle, self._config.min_nodes, self._config.max_nodes
+            )
             arrived = self._store.add(self._key(cycle, "arrivals"), 0)
             now = time.monotonic()
             if arrived >= self._config.min_nodes:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from torch.distributed import Store
 
-from ftrun.errors import ExitCode
+from ftrun.errors import ExitCode, RendezvousFailedError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +89,15 @@ class JobControl:
         self._store.set(self._key(f"c{cycle}/unhealthy/{node}"), reason)
         self._store.add(self._key(f"c{cycle}/unhealthy"), 1)
 
-    def unhealthy(self, cycle: int) -> int:
-        return self._store.add(self._key(f"c{cycle}/unhealthy"), 0)
+    def healthy_capacity(self, cycle: int, min_nodes: int, max_nodes: int) -> int:
+        """How many nodes can still join `cycle`; raises once that is fewer than `min_nodes`."""
+        possible = max_nodes - self._store.add(self._key(f"c{cycle}/unhealthy"), 0)
+        if possible < min_nodes:
+            raise RendezvousFailedError(
+                f"at most {possible} healthy node(s) can join, {min_nodes} needed "
+                "(see the unhealthy node's log)"
+            )
+        return possible
 
     def arrive(self, cycle: int, barrier: str) -> int:
         """Count this node into a per-cycle barrier (`succeeded`, `left`); returns the count."""

@@ -21,7 +21,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
-from ftrun.errors import RendezvousFailedError
 from ftrun.rendezvous.barrier import JoinInterruptedError
 from ftrun.rendezvous.config import RendezvousConfig
 from ftrun.rendezvous.control import JobControl
@@ -92,12 +91,7 @@ class DynamicRendezvous:
             thread.join(_POLL_S)
             if interrupted():
                 raise JoinInterruptedError
-            possible = self._config.max_nodes - self.control.unhealthy(cycle)
-            if possible < self._config.min_nodes:
-                raise RendezvousFailedError(
-                    f"at most {possible} healthy node(s) can join, {self._config.min_nodes} "
-                    "needed (see the unhealthy node's log)"
-                )
+            self.control.healthy_capacity(cycle, self._config.min_nodes, self._config.max_nodes)
         if errors:
             raise errors[0]
         return result[0]
