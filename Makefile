@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff check src tests bench examples slurm
 
 test: $(STAMP) lint
 	$(VPY) -m pytest -q
@@ -28,9 +28,12 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(VPY) bench/heartbeat.py
+	$(VPY) bench/restart.py --runs $(or $(BENCH_RUNS),5)
+	$(VPY) bench/compare.py --runs $(or $(BENCH_RUNS),5)
+	$(VPY) bench/rendezvous_scale.py --repeats $(or $(BENCH_RUNS),3)
 
 faults: $(STAMP)
-	$(VPY) -m pytest -q tests/faults --count-repeats=$(FAULT_REPEATS)
+	$(VPY) tests/faults/run_matrix.py --repeats $(FAULT_REPEATS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

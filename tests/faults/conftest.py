@@ -1,0 +1,249 @@
+"""The fault matrix's shared parts: the `fault` fixture, job helpers and the outcome report.
+
+Every case takes the `fault` fixture (a `Fault`): it starts jobs in the case's tmp dir, checks
+the documented outcome, and records the case's time and the pids it saw. At teardown the
+recorded pids must be gone (the suite-wide fixture in tests/conftest.py then checks that no
+process at all is left).
+
+With FTRUN_FAULTS_REPORT=<file>, one JSON line per case is appended to that file: `case` (the
+test id), `outcome` (passed, failed, error, xfailed, skipped), `expect` (the documented outcome,
+e.g. "recovered" or "exit 1"), `seconds` (see `Fault.time`), `what` (what `seconds`
+measures), `stepping` (recovered cases: detection -> every rank stepping again) and `wall` (the
+whole case). `run_matrix.py` aggregates these over repeated runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import psutil
+import pytest
+
+from launch import ROOT, Job, start_job
+from support import wait_for
+
+FAULT_WORKER = ROOT / "tests" / "workers" / "fault_worker.py"
+# Light (torch-free) cases: heartbeat 1 s, stop timeout 1 s, spares that import only the client.
+LIGHT_ARGS = (
+    "--max-restarts=2",
+    "--workers-stop-timeout=1",
+    "--ft-rank-heartbeat-timeout=1",
+    "--ft-prewarm-modules=ftrun.client_lib",
+)
+# Cycle 0 is long enough that the healthy rank is still running when a fault is detected;
+# the cycle after a restart is short.
+LIGHT_STEPS = ("--steps", "15", "--first-cycle-steps", "250")
+REPORT_ENV = "FTRUN_FAULTS_REPORT"
+
+
+@dataclasses.dataclass
+class Fault:
+    """One case of the matrix: its jobs, its documented outcome and its measured time."""
+
+    tmp: Path
+    expect: str = ""
+    seconds: float | None = None
+    what: str = ""
+    stepping: float | None = None
+    """Recovered cases: detection -> every rank has made a step in the new cycle."""
+    pids: set[int] = dataclasses.field(default_factory=set)
+    jobs: list[Job] = dataclasses.field(default_factory=list)
+
+    # ---- starting ----------------------------------------------------------------------
+
+    def light(
+        self,
+        script_args: Sequence[str],
+        launcher_args: Sequence[str] = (),
+        steps: Sequence[str] = LIGHT_STEPS,
+        nodes: int = 2,
+    ) -> Job:
+        """2 nodes x 1 torch-free `fault_worker.py` rank."""
+        args = [*LIGHT_ARGS, *launcher_args]
+        return self.start(nodes, args, [*steps, *script_args], script=FAULT_WORKER)
+
+    def start(self, nodes: int, launcher_args: Sequence[str], script_args: Sequence[str], **kw):
+        job = start_job(self.tmp, nodes, launcher_args, script_args, **kw)
+        self.jobs.append(job)
+        return job
+
+    def run_launcher(self, argv: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess:
+        """Run one launcher in the foreground (output captured); its run time is recorded."""
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "ftrun.ft_launcher.cli", *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            start_new_session=True,
+        )
+        self.time(time.monotonic() - started, "launcher start to exit")
+        return done
+
+    # ---- outcomes ----------------------------------------------------------------------
+
+    def time(self, seconds: float, what: str) -> None:
+        self.seconds, self.what = round(seconds, 3), what
+
+    def recovered(self, job: Job, timeout: float = 90, cycles: int = 2) -> list[dict]:
+        """All launchers exit 0, every rank finished in the last cycle, the failure of cycle 0
+        was handled by a restart; records detection -> all workers running again.
+
+        Returns the failure events (worker_exited with a non-zero code, and hangs) of cycle 0.
+        """
+        self.expect = "recovered"
+        codes = job.wait(timeout)
+        self.track(job)
+        assert codes == [0] * len(job.nodes), _tails(job)
+        rounds = job.events("rendezvous_done")
+        last = max(e["cycle"] for e in rounds)
+        assert last == cycles - 1, f"expected {cycles} cycles, saw rounds {rounds}"
+        assert {e["code"] for e in job.events("exit")} == {0}
+        if script_of(job) == FAULT_WORKER:
+            for rank in range(rounds[-1]["world_size"]):
+                done = job.ckpt_dir / f"done-rank{rank}"
+                assert done.exists() and int(done.read_text()) == last, f"rank {rank} unfinished"
+        else:
+            assert (job.ckpt_dir / "FINISHED").exists(), "training did not finish"
+        failures = [e for e in failure_events(job) if e["cycle"] == 0]
+        assert failures, "no failure was recorded in cycle 0"
+        detected = min(e["ts"] for e in failures)
+        running = max(e["ts"] for e in job.events("workers_started") if e["cycle"] == 1)
+        self.time(running - detected, "detection to all workers running again")
+        stepped = [first_step(job, rank, 1) for rank in range(rounds[-1]["world_size"])]
+        self.stepping = round(max(stepped) - detected, 3)
+        return failures
+
+    def exited(
+        self,
+        job: Job,
+        codes: Sequence[int],
+        since: float | None = None,
+        what: str = "last failure detected to every launcher exited",
+        timeout: float = 60,
+    ) -> None:
+        """Every launcher exits with its documented code; records `since` (default: the last
+        failure event) -> the last exit event."""
+        self.expect = "exit " + "/".join(sorted({str(c) for c in codes}))
+        got = job.wait(timeout)
+        self.track(job)
+        assert got == list(codes), _tails(job)
+        exits = job.events("exit")
+        assert sorted(e["code"] for e in exits) == sorted(codes)
+        if since is None:
+            since = max(e["ts"] for e in failure_events(job))
+        self.time(max(e["ts"] for e in exits) - since, what)
+
+    def track(self, job: Job) -> None:
+        """Remember every worker pid of `job` (they must be gone at the end)."""
+        for event in job.events("workers_started"):
+            self.pids.update(event["pids"])
+
+    @staticmethod
+    def worker_pids(job: Job, node: str) -> list[int]:
+        return [p for e in job.events("workers_started") if e["node"] == node for p in e["pids"]]
+
+    @staticmethod
+    def alive(pid: int) -> bool:
+        return alive(pid)
+
+    @staticmethod
+    def first_line_with(text: str, needle: str) -> str:
+        return next((line for line in text.splitlines() if needle in line), "")
+
+
+def failure_events(job: Job) -> list[dict]:
+    """Hang verdicts and non-zero worker exits, in file order."""
+    return [
+        e
+        for e in job.events()
+        if e["event"] == "hang" or (e["event"] == "worker_exited" and e["code"] != 0)
+    ]
+
+
+def first_step(job: Job, rank: int, cycle: int) -> float:
+    """Wall time of the first step `rank` made in `cycle` (its progress file)."""
+    rows = (job.ckpt_dir / f"progress-rank{rank}.txt").read_text().splitlines()
+    return min(float(t) for c, _, t in (row.split() for row in rows) if int(c) == cycle)
+
+
+def script_of(job: Job) -> Path:
+    return Path(job.argv[job.argv.index("--ckpt-dir") - 1])
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _tails(job: Job) -> str:
+    return "\n".join(f"--- launcher {n.index}:\n{n.text()[-2500:]}" for n in job.nodes)
+
+
+# ---- fixtures and the report ---------------------------------------------------------------
+
+_CASES: dict[str, Fault] = {}
+_PHASES: dict[str, list[pytest.TestReport]] = {}
+
+
+@pytest.fixture
+def fault(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch) -> Iterator[Fault]:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 2 cores: keep gloo workers from oversubscribing
+    case = Fault(tmp_path)
+    _CASES[request.node.nodeid] = case
+    yield case
+    for job in case.jobs:
+        case.track(job)
+        job.kill()  # only launchers still running after a failed assertion
+    stray = wait_for_gone(case.pids)
+    assert not stray, f"pids of this case still alive: {stray}"
+
+
+def wait_for_gone(pids: set[int], timeout: float = 10) -> list[int]:
+    try:
+        wait_for(lambda: not [p for p in pids if alive(p)], timeout, "the case's pids to exit")
+    except AssertionError:
+        return [p for p in pids if alive(p)]
+    return []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = os.environ.get(REPORT_ENV)
+    if not path:
+        return
+    _PHASES.setdefault(report.nodeid, []).append(report)
+    if report.when != "teardown":
+        return
+    phases = _PHASES.pop(report.nodeid)
+    case = _CASES.pop(report.nodeid, None)
+    record = {
+        "case": report.nodeid.split("::", 1)[-1],
+        "outcome": _outcome(phases),
+        "expect": case.expect if case else "",
+        "seconds": case.seconds if case else None,
+        "what": case.what if case else "",
+        "stepping": case.stepping if case else None,
+        "wall": round(sum(r.duration for r in phases), 3),
+    }
+    with open(path, "a", encoding="utf-8") as out:
+        out.write(json.dumps(record) + "\n")
+
+
+def _outcome(phases: list[pytest.TestReport]) -> str:
+    for report in phases:
+        if report.failed:
+            return "failed" if report.when == "call" else "error"
+    for report in phases:
+        if report.skipped:
+            return "xfailed" if hasattr(report, "wasxfail") else "skipped"
+    return "passed"

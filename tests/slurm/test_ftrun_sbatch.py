@@ -1,0 +1,252 @@
+"""slurm/ftrun.sbatch on the local cluster: in-job restarts, job relaunches, preemption, stops.
+
+Each test runs a 2-node job (one ft_launcher per node, one worker each) in its own tmp dir with
+its own rendezvous port, waits on the job dir's history and Slurm's job states with deadlines,
+and checks that no process of any of its jobs is left on any node.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from ftrun_jobs import (
+    EXAMPLE,
+    TRAIN_FIRST_RUN_FAULTS,
+    Chain,
+    job_env,
+    submit_chain,
+    train_args,
+)
+
+# Upper bounds, not expectations: one run takes ~10-25 s here (2 cores shared with other test
+# sessions; every worker imports torch), a requeued job waits ~11 s more (cred_expire=10).
+ONE_RUN_S = 150
+TWO_RUNS_S = 240
+# Quick launchers for the decision paths: no training, no spare workers importing torch.
+QUICK = ["--ft-prewarm-modules=none", "--max-restarts=0", "--no-python"]
+
+
+def split_at_resume(steps: list[int]) -> tuple[list[int], list[int]]:
+    """Steps of the first run and of the run after it: the second starts where steps go back."""
+    for i in range(1, len(steps)):
+        if steps[i] <= steps[i - 1]:
+            return steps[:i], steps[i:]
+    return steps, []
+
+
+def steps_of(chain: Chain, rank: int = 0) -> list[int]:
+    return [step for _cycle, step in chain.progress(rank)]
+
+
+@pytest.mark.slurm
+def test_crash_restarts_in_job_and_finishes_in_one_job(slurm_cluster, tmp_path: Path):
+    job_dir = tmp_path / "job"
+    train = train_args(job_dir, "--steps", "8", "--save-every", "3", "--crash", "0:1:5")
+    chain = submit_chain(
+        slurm_cluster,
+        tmp_path,
+        ["--max-restarts=1", str(EXAMPLE), *train],
+        template_args=("--ft-max-job-relaunches=2",),
+    )
+
+    history = chain.wait_stopped(ONE_RUN_S)
+
+    assert [r["decision"] for r in history] == ["stop"], chain.describe()
+    assert history[0]["reason"].startswith("training finished"), chain.describe()
+    assert history[0]["codes"] == [0, 0]
+    assert chain.job_ids() == [chain.first_job]  # exactly one job ran
+    assert chain.state(chain.first_job) == ("COMPLETED", "0:0")
+    info = slurm_cluster.job_info(chain.first_job)
+    assert info["Restarts"] == "0"
+    # Rank 1 crashed in cycle 0; cycle 1 of the same job resumed from step 3 and finished.
+    progress = chain.progress(0)
+    assert {cycle for cycle, _ in progress} == {0, 1}
+    assert [step for cycle, step in progress if cycle == 1] == [4, 5, 6, 7, 8]
+    assert (job_dir / "ckpt" / "FINISHED").exists()
+    chain.assert_no_processes_left()
+
+
+@pytest.mark.slurm
+def test_spent_restart_budget_relaunches_job_from_checkpoint(slurm_cluster, tmp_path: Path):
+    job_dir = tmp_path / "job"
+    # --max-restarts=0: the crash (first run only) ends the job's first allocation.
+    train = train_args(job_dir, "--steps", "8", "--save-every", "3", "--crash", "0:1:6")
+    chain = submit_chain(
+        slurm_cluster,
+        tmp_path,
+        ["--max-restarts=0", str(TRAIN_FIRST_RUN_FAULTS), *train],
+        template_args=("--ft-max-job-relaunches=2",),
+    )
+
+    history = chain.wait_stopped(TWO_RUNS_S)
+
+    assert [r["decision"] for r in history] == ["relaunch", "stop"], chain.describe()
+    first, second = history
+    assert first["codes"] == [1, 1] and first["exit_code"] == 1
+    assert first["relaunches"] == 1 and second["relaunches"] == 1  # the count, in the job dir
+    assert second["job_id"] == first["next_job_id"] != first["job_id"]
+    assert second["reason"].startswith("training finished")
+    assert chain.state(first["job_id"]) == ("FAILED", "1:0")
+    assert chain.state(second["job_id"]) == ("COMPLETED", "0:0")
+    # The relaunch resumed right after the last periodic checkpoint, never before it.
+    before, after = split_at_resume(steps_of(chain))
+    assert before == list(range(1, len(before) + 1)) and len(before) >= 3, before
+    last_checkpoint = max(step for step in before if step % 3 == 0)
+    assert after == list(range(last_checkpoint + 1, 9)), (before, after)
+    chain.assert_no_processes_left()
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("mode", ["resubmit", "requeue"])
+def test_preempted_job_resumes_from_its_sigterm_checkpoint(slurm_cluster, tmp_path, mode):
+    job_dir = tmp_path / "job"
+    # No periodic checkpoint (--save-every 1000): a resume can only come from the SIGTERM one.
+    train = train_args(job_dir, "--steps", "30", "--save-every", "1000", "--step-time", "0.1")
+    chain = submit_chain(
+        slurm_cluster,
+        tmp_path,
+        [str(EXAMPLE), *train],
+        template_args=(f"--ft-relaunch={mode}", "--ft-max-job-relaunches=2"),
+    )
+    chain.wait_progress(rank=0, steps=3, timeout=ONE_RUN_S)
+    running = chain.leftover_processes()  # the check at the end can see job processes
+    assert {"slurmstepd", "ft_launcher"} <= {p.split(":", 1)[1] for p in running}, running
+
+    # What --signal=B:TERM@N does before a time limit, and a preemption notice: SIGTERM to
+    # the batch shell only. The template forwards it to the launchers.
+    slurm_cluster.run("scancel", "--signal=TERM", "--batch", chain.first_job)
+    history = chain.wait_stopped(TWO_RUNS_S)
+
+    assert [r["decision"] for r in history] == ["relaunch", "stop"], chain.describe()
+    first, second = history
+    assert first["codes"] == [75, 75] and first["exit_code"] == 75  # preempted, relaunch me
+    assert second["reason"].startswith("training finished")
+    before, after = split_at_resume(steps_of(chain))
+    assert before == list(range(1, len(before) + 1)), before
+    assert after == list(range(before[-1] + 1, 31)), (before, after)  # from the SIGTERM save
+    if mode == "requeue":
+        assert second["job_id"] == first["job_id"] == first["next_job_id"]
+        assert slurm_cluster.job_info(chain.first_job)["Restarts"] == "1"
+    else:
+        assert second["job_id"] == first["next_job_id"] != first["job_id"]
+        assert chain.state(first["job_id"]) == ("FAILED", "75:0")
+    assert chain.state(second["job_id"]) == ("COMPLETED", "0:0")
+    chain.assert_no_processes_left()
+
+
+@pytest.mark.slurm
+def test_time_limit_signal_relaunches_the_job(slurm_cluster, tmp_path: Path):
+    # The real thing: --signal=B:TERM@50 with a 1-minute limit reaches the batch shell 10-30 s
+    # after the start. The first run waits for it; the relaunched run exits 0 at once.
+    workload = 'if [ "$FTRUN_JOB_RUN" = 0 ]; then exec sleep 300; fi'
+    chain = submit_chain(
+        slurm_cluster,
+        tmp_path,
+        [*QUICK, "bash", "-c", workload],
+        sbatch_args=("--time=1", "--signal=B:TERM@50"),
+        template_args=("--ft-finished-flag=none", "--ft-max-job-relaunches=1"),
+        # Options the relaunched job gets on top of those Slurm recorded for this one.
+        env=job_env(slurm_cluster, FTRUN_SBATCH_ARGS="--time=5 --signal=B:TERM@60"),
+    )
+
+    history = chain.wait_stopped(TWO_RUNS_S)
+
+    assert [r["decision"] for r in history] == ["relaunch", "stop"], chain.describe()
+    first, second = history
+    # 75: preempted. 143: a launcher still importing torch when the signal came (Slurm may
+    # send it up to a minute early, seen 4 s after the start here) died by it.
+    assert set(first["codes"]) <= {75, 143} and first["ending"] == "running", first
+    assert second["codes"] == [0, 0] and second["reason"] == "all launchers succeeded"
+    # The first job ended on its own before the limit (FAILED), not killed (TIMEOUT).
+    assert chain.state(first["job_id"])[0] == "FAILED"
+    assert slurm_cluster.job_info(second["job_id"])["TimeLimit"] == "00:05:00"
+    assert chain.state(second["job_id"]) == ("COMPLETED", "0:0")
+    chain.assert_no_processes_left()
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize(
+    ("case", "launcher_args", "exit_code"),
+    [
+        pytest.param("finished", [*QUICK, "true"], "0:0", id="finished-before-start"),
+        pytest.param(
+            "do_not_relaunch",
+            # n2 fails its health check: its launcher exits 3 (n1 hosts the store and sees
+            # the rendezvous fail without n2).
+            [*QUICK, '--ft-node-health-check-cmd=test "$SLURMD_NODENAME" != n2', "true"],
+            "3:0",
+            id="do-not-relaunch",
+        ),
+        pytest.param("usage", ["--no-such-flag", "true"], "2:0", id="usage"),
+    ],
+)
+def test_job_is_not_relaunched(slurm_cluster, tmp_path, case, launcher_args, exit_code):
+    if case == "finished":  # e.g. a relaunch that arrives after the training completed
+        (tmp_path / "job" / "ckpt").mkdir(parents=True)
+        (tmp_path / "job" / "ckpt" / "FINISHED").write_text("8\n")
+    chain = submit_chain(
+        slurm_cluster,
+        tmp_path,
+        launcher_args,
+        template_args=("--ft-max-job-relaunches=2",),
+    )
+
+    history = chain.wait_stopped(ONE_RUN_S)
+
+    assert [r["decision"] for r in history] == ["stop"], chain.describe()
+    assert chain.job_ids() == [chain.first_job]
+    state = "COMPLETED" if case == "finished" else "FAILED"
+    assert chain.state(chain.first_job) == (state, exit_code)
+    codes = history[0]["codes"]
+    if case == "finished":
+        assert codes == [None, None]  # the launchers never started
+    elif case == "do_not_relaunch":
+        assert 3 in codes, chain.describe()
+    else:
+        assert codes == [2, 2]
+    chain.assert_no_processes_left()
+
+
+@pytest.mark.slurm
+def test_failing_job_stops_after_max_job_relaunches(slurm_cluster, tmp_path: Path):
+    chain = submit_chain(
+        slurm_cluster,
+        tmp_path,
+        [*QUICK, "false"],  # every worker fails at once, in every run
+        template_args=("--ft-max-job-relaunches=2",),
+    )
+
+    history = chain.wait_stopped(3 * ONE_RUN_S)
+
+    assert [r["decision"] for r in history] == ["relaunch", "relaunch", "stop"], chain.describe()
+    assert [r["relaunches"] for r in history] == [1, 2, 2]
+    assert "relaunch budget spent (2 of 2)" in history[-1]["reason"]
+    assert len(set(chain.job_ids())) == 3
+    for job_id in chain.job_ids():
+        assert chain.state(job_id) == ("FAILED", "1:0")
+    chain.assert_no_processes_left()
+
+
+@pytest.mark.slurm
+def test_cancelled_job_is_not_relaunched(slurm_cluster, tmp_path: Path):
+    job_dir = tmp_path / "job"
+    train = train_args(job_dir, "--steps", "200", "--step-time", "0.1")
+    chain = submit_chain(
+        slurm_cluster,
+        tmp_path,
+        [str(EXAMPLE), *train],
+        template_args=("--ft-max-job-relaunches=2",),
+    )
+    chain.wait_progress(rank=0, steps=2, timeout=ONE_RUN_S)
+
+    slurm_cluster.run("scancel", chain.first_job)  # a person's scancel: SIGTERM to everything
+    slurm_cluster.wait_job_state(chain.first_job, "CANCELLED", timeout=60)
+
+    # The batch script had KillWait (2 s) to decide; if it did, it decided to stop.
+    history = chain.history
+    assert [r["decision"] for r in history] in ([], ["stop"]), chain.describe()
+    if history:
+        assert history[0]["ending"] == "cancelled"
+    assert chain.job_ids() == [chain.first_job]
+    chain.assert_no_processes_left()

@@ -1,0 +1,273 @@
+"""slurm/relaunch.py without Slurm: the decision table, parsing, and the `finish` command run
+against fake `sbatch`/`scontrol` executables that record how they were called."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ftrun.errors import ExitCode
+
+RELAUNCH_PY = Path(__file__).resolve().parents[2] / "slurm" / "relaunch.py"
+_spec = importlib.util.spec_from_file_location("ftrun_slurm_relaunch", RELAUNCH_PY)
+assert _spec and _spec.loader
+relaunch = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = relaunch  # dataclasses look their module up by name
+_spec.loader.exec_module(relaunch)
+
+Action, JobEnding, decide = relaunch.Action, relaunch.JobEnding, relaunch.decide
+RELAUNCH, STOP = Action.RELAUNCH, Action.STOP
+
+
+def test_exit_codes_mirror_ftrun_errors():
+    # relaunch.py copies them so that it runs without ftrun installed; they must not drift.
+    assert relaunch.SUCCESS == ExitCode.SUCCESS
+    assert relaunch.FAILED == ExitCode.FAILED
+    assert relaunch.USAGE == ExitCode.USAGE
+    assert relaunch.DO_NOT_RELAUNCH == ExitCode.DO_NOT_RELAUNCH
+    assert relaunch.PREEMPTED == ExitCode.PREEMPTED
+
+
+@pytest.mark.parametrize(
+    ("codes", "finished", "so_far", "ending", "action", "exit_code"),
+    [
+        # finished wins over everything, even launchers that failed after writing the flag
+        ([0, 0], True, 0, JobEnding.RUNNING, STOP, 0),
+        ([1, 75], True, 3, JobEnding.CANCELLED, STOP, 0),
+        # a refusal on any node wins over a relaunchable code elsewhere
+        ([3, 75], False, 0, JobEnding.RUNNING, STOP, 3),
+        ([1, 2], False, 0, JobEnding.RUNNING, STOP, 2),
+        ([3, 2], False, 0, JobEnding.TIME_LIMIT, STOP, 3),
+        # success: done when no flag is used; with a flag, success without it is not done
+        ([0, 0], None, 0, JobEnding.RUNNING, STOP, 0),
+        ([0, 0], False, 0, JobEnding.RUNNING, RELAUNCH, 0),
+        # relaunchable: budget spent in the job, preempted, killed, no code at all
+        ([1, 1], False, 0, JobEnding.RUNNING, RELAUNCH, 1),
+        ([75, 75], False, 2, JobEnding.RUNNING, RELAUNCH, 75),
+        ([0, 75], None, 0, JobEnding.RUNNING, RELAUNCH, 75),
+        ([137, 1], False, 0, JobEnding.RUNNING, RELAUNCH, 1),
+        ([137, 0], False, 0, JobEnding.RUNNING, RELAUNCH, 137),
+        ([None, 75], False, 0, JobEnding.RUNNING, RELAUNCH, 1),
+        ([None, None], False, 0, JobEnding.TIME_LIMIT, RELAUNCH, 1),
+        # the job relaunch budget
+        ([1, 1], False, 3, JobEnding.RUNNING, STOP, 1),
+        ([75, 75], False, 3, JobEnding.TIME_LIMIT, STOP, 75),
+        # Slurm is cancelling the job (scancel, its own preemption): never relaunch
+        ([75, 75], False, 0, JobEnding.CANCELLED, STOP, 75),
+    ],
+)
+def test_decide(codes, finished, so_far, ending, action, exit_code):
+    decision = decide(codes, finished, so_far, 3, ending)
+    assert (decision.action, decision.exit_code) == (action, exit_code), decision.reason
+
+
+def test_decide_reasons_say_why():
+    assert "budget spent (3 of 3)" in decide([1, 1], False, 3, 3).reason
+    assert decide([0, 0], False, 0, 3).reason.endswith("finished flag is missing")
+    assert decide([75, 75], False, 0, 3, JobEnding.TIME_LIMIT).reason.startswith("time limit")
+    assert decide([3, 0], False, 0, 3).reason == "a launcher exited 3 (do not relaunch)"
+    assert decide([None, 1], False, 0, 3).reason == "1x no exit code, 1x 1 (restart budget spent)"
+    assert decide([], False, 0, 0).action is STOP
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("5", 300),
+        ("5:30", 330),
+        ("01:02:03", 3723),
+        ("2-03", 2 * 86400 + 3 * 3600),
+        ("2-03:04", 2 * 86400 + 3 * 3600 + 4 * 60),
+        ("1-00:00:10", 86410),
+        ("UNLIMITED", None),
+        ("Partition_Limit", None),
+        ("", None),
+    ],
+)
+def test_duration_s(text, seconds):
+    assert relaunch.duration_s(text) == seconds
+
+
+@pytest.mark.parametrize(
+    ("record", "ending"),
+    [
+        ({"JobState": "RUNNING", "RunTime": "00:00:50", "TimeLimit": "00:01:00"}, "running"),
+        ({"JobState": "COMPLETING", "RunTime": "00:00:20", "TimeLimit": "00:01:00"}, "cancelled"),
+        ({"JobState": "COMPLETING", "RunTime": "00:01:00", "TimeLimit": "00:01:00"}, "time_limit"),
+        ({"JobState": "COMPLETING", "RunTime": "00:01:00", "TimeLimit": "UNLIMITED"}, "cancelled"),
+        ({"JobState": "TIMEOUT", "RunTime": "00:00:01", "TimeLimit": "UNLIMITED"}, "time_limit"),
+        ({"JobState": "CANCELLED"}, "cancelled"),
+    ],
+)
+def test_job_ending(record, ending):
+    assert relaunch.job_ending(record).value == ending
+
+
+def test_parse_job_record_keeps_values_with_spaces_and_equals():
+    line = (
+        "JobId=7 JobName=ftrun JobState=RUNNING TimeLimit=00:01:00 "
+        "Command=/x/ftrun.sbatch --ft-job-dir=/j train.py WorkDir=/w Comment=a=b"
+    )
+    record = relaunch.parse_job_record(line)
+    assert record["Command"] == "/x/ftrun.sbatch --ft-job-dir=/j train.py"
+    assert record["WorkDir"] == "/w"
+    assert record["Comment"] == "a=b"
+
+
+def test_sbatch_argv_pins_the_job_shape_then_extra_options_then_arguments():
+    record = {
+        "NumNodes": "2",
+        "TimeLimit": "04:00:00",
+        "Partition": "gpu",
+        "Account": "(null)",
+        "QOS": "normal",
+        "JobName": "my job",
+        "WorkDir": "/w",
+    }
+    argv = relaunch.sbatch_argv(
+        record, "/j/ftrun.sbatch", ["--nnodes=2", "t.py"], "/j", "--gres=gpu:8 --comment='a b'"
+    )
+    assert argv == [
+        "sbatch",
+        "--parsable",
+        "--nodes=2",
+        "--time=04:00:00",
+        "--partition=gpu",
+        "--qos=normal",
+        "--job-name=my job",
+        "--chdir=/w",
+        "--gres=gpu:8",
+        "--comment=a b",
+        "/j/ftrun.sbatch",
+        "--ft-job-dir=/j",
+        "--nnodes=2",
+        "t.py",
+    ]
+
+
+@pytest.mark.parametrize("limit", ["UNLIMITED", "365-00:00:00"])
+def test_sbatch_argv_leaves_no_limit_to_slurm(limit):
+    argv = relaunch.sbatch_argv({"TimeLimit": limit}, "s", [], "/j")
+    assert not [a for a in argv if a.startswith("--time")]
+
+
+def test_sbatch_env_drops_this_jobs_variables():
+    env = {"SLURM_JOB_ID": "7", "SLURM_CONF": "/c", "SBATCH_ACCOUNT": "a", "HOME": "/h"}
+    assert relaunch.sbatch_env(env) == {"SLURM_CONF": "/c", "SBATCH_ACCOUNT": "a", "HOME": "/h"}
+
+
+def test_read_codes(tmp_path: Path):
+    (tmp_path / "exit-0").write_text("75 n1\n")
+    (tmp_path / "exit-2").write_text("garbage\n")
+    assert relaunch.read_codes(tmp_path, 3) == ([75, None, None], ["n1", None, None])
+    assert relaunch.read_codes(None, 2) == ([None, None], [None, None])
+
+
+def test_history_skips_a_torn_line(tmp_path: Path):
+    relaunch.append_history(tmp_path, {"decision": "relaunch"})
+    with (tmp_path / relaunch.HISTORY_FILE).open("a") as f:
+        f.write('{"decision": "rel')  # a writer killed mid-line
+    relaunch.append_history(tmp_path, {"decision": "relaunch"})
+    history = relaunch.read_history(tmp_path)
+    assert len(history) == 2
+    assert relaunch.relaunch_count(history) == 2
+
+
+# ---- `relaunch.py finish` as the batch script runs it, with fake Slurm clients -------------
+
+FAKE_CLIENT = """#!/bin/sh
+printf '%s\\n' "$(basename "$0") $* SLURM_JOB_ID=${SLURM_JOB_ID:-unset}" >>"$FAKE_LOG"
+case "$(basename "$0") $1" in
+  "scontrol show") echo "JobId=41 JobState=$FAKE_STATE NumNodes=2 TimeLimit=UNLIMITED WorkDir=/w" ;;
+  "scontrol requeue") exit "$FAKE_RC" ;;
+  "sbatch --parsable") [ "$FAKE_RC" = 0 ] && echo "42;cluster" || { echo nope >&2; exit 1; } ;;
+esac
+"""
+
+
+def run_finish(tmp_path: Path, codes: list[int], *extra: str, state="RUNNING", rc=0):
+    bin_dir, run_dir, job_dir = tmp_path / "bin", tmp_path / "run", tmp_path / "job"
+    for d in (bin_dir, run_dir, job_dir):
+        d.mkdir(exist_ok=True)
+    for name in ("sbatch", "scontrol"):
+        (bin_dir / name).write_text(FAKE_CLIENT)
+        (bin_dir / name).chmod(0o755)
+    for procid, code in enumerate(codes):
+        (run_dir / f"exit-{procid}").write_text(f"{code} n{procid + 1}\n")
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "SLURM_JOB_ID": "41",
+        "FAKE_LOG": str(tmp_path / "calls.log"),
+        "FAKE_STATE": state,
+        "FAKE_RC": str(rc),
+    }
+    argv = [sys.executable, str(RELAUNCH_PY), "finish", "--job-dir", str(job_dir)]
+    argv += ["--run-dir", str(run_dir), "--nodes", str(len(codes)), "--max-relaunches", "1"]
+    argv += ["--script", str(job_dir / "ftrun.sbatch"), *extra, "--", "train.py", "--lr=1"]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
+    log = tmp_path / "calls.log"
+    calls = log.read_text().splitlines() if log.exists() else []
+    return proc, relaunch.read_history(job_dir), calls
+
+
+def test_finish_resubmits_and_records_the_new_job(tmp_path: Path):
+    proc, history, calls = run_finish(tmp_path, [75, 75])
+    assert proc.returncode == 75, proc.stderr
+    (record,) = history
+    assert record["decision"] == "relaunch" and record["next_job_id"] == "42"
+    assert record["codes"] == [75, 75] and record["nodes"] == ["n1", "n2"]
+    assert record["relaunches"] == 1 and record["job_id"] == "41"
+    job_dir = tmp_path / "job"
+    sbatch = [c for c in calls if c.startswith("sbatch")]
+    assert sbatch == [
+        f"sbatch --parsable --nodes=2 --chdir=/w {job_dir}/ftrun.sbatch "
+        f"--ft-job-dir={job_dir} train.py --lr=1 SLURM_JOB_ID=unset"
+    ]
+
+
+def test_finish_stops_once_the_budget_is_spent(tmp_path: Path):
+    run_finish(tmp_path, [1, 1])
+    proc, history, calls = run_finish(tmp_path, [1, 1])
+    assert proc.returncode == 1
+    assert [r["decision"] for r in history] == ["relaunch", "stop"]
+    assert "budget spent (1 of 1)" in history[-1]["reason"]
+    assert len([c for c in calls if c.startswith("sbatch")]) == 1
+
+
+def test_finish_records_a_failed_resubmit_as_stop(tmp_path: Path):
+    proc, history, _ = run_finish(tmp_path, [1, 1], rc=1)
+    assert proc.returncode == 1
+    assert history[-1]["decision"] == "stop"
+    assert "resubmit failed: nope" in history[-1]["reason"]
+    assert history[-1]["relaunches"] == 0
+
+
+def test_finish_requeues_after_recording(tmp_path: Path):
+    proc, history, calls = run_finish(tmp_path, [75, 75], "--mode", "requeue")
+    assert proc.returncode == 75, proc.stderr
+    assert [r["decision"] for r in history] == ["relaunch"]
+    assert history[0]["next_job_id"] == "41"
+    assert "scontrol requeue 41 SLURM_JOB_ID=41" in calls
+
+
+def test_finish_does_not_relaunch_a_cancelled_job(tmp_path: Path):
+    proc, history, calls = run_finish(tmp_path, [75, 75], state="COMPLETING")
+    assert proc.returncode == 75
+    assert history[-1]["decision"] == "stop" and history[-1]["ending"] == "cancelled"
+    assert not [c for c in calls if c.startswith("sbatch")]
+
+
+def test_finish_without_launchers_when_already_finished(tmp_path: Path):
+    flag = tmp_path / "FINISHED"
+    flag.write_text("done\n")
+    proc, history, _ = run_finish(tmp_path, [], "--finished-flag", str(flag))
+    assert proc.returncode == 0
+    assert history[-1]["decision"] == "stop" and history[-1]["finished"] is True
+    assert json.dumps(history[-1]["codes"]) == "[]"
