@@ -104,11 +104,6 @@ def test_log_dir_not_writable(fault: Fault, where: str):
     assert blocker.read_text() == "a regular file\n"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug: torch's TCPStore client blocks forever (ignoring its timeout) on a port "
-    "whose listener accepts but never answers; connect_store does not bound it",
-)
 def test_rendezvous_port_held_by_a_foreign_listener(fault: Fault):
     """A plain socket listens on the rendezvous port (and never answers): the launcher cannot
     serve the store there and must not wait forever for one that will never talk."""

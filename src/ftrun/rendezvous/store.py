@@ -6,6 +6,7 @@ import datetime
 import ipaddress
 import logging
 import socket
+import threading
 
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
@@ -18,6 +19,7 @@ log = logging.getLogger("ftrun.rendezvous")
 DEFAULT_PORT = 29400
 # Store errors (timeouts, lost connections) surface as these; DistStoreError is a RuntimeError.
 STORE_ERRORS = (RuntimeError, TimeoutError, ValueError)
+_HANDSHAKE_SLACK_S = 1.0
 
 
 def connect_store(config: RendezvousConfig, may_host: bool = True) -> tuple[TCPStore, bool]:
@@ -35,15 +37,7 @@ def connect_store(config: RendezvousConfig, may_host: bool = True) -> tuple[TCPS
     last_error: Exception | None = None
     for serve in attempts:
         try:
-            store = TCPStore(
-                host,
-                port,
-                is_master=serve,
-                multi_tenant=True,
-                timeout=timeout,
-                wait_for_workers=False,
-                use_libuv=True,
-            )
+            store = _open_store(host, port, serve, timeout)
         except STORE_ERRORS as exc:
             last_error = exc
             continue
@@ -53,6 +47,39 @@ def connect_store(config: RendezvousConfig, may_host: bool = True) -> tuple[TCPS
     raise RendezvousFailedError(
         f"cannot reach the rendezvous store at {host}:{port}: {_one_line(last_error)}"
     )
+
+
+def _open_store(host: str, port: int, serve: bool, timeout: datetime.timedelta) -> TCPStore:
+    """Build the TCPStore in a helper thread and give up after `timeout` (plus a little).
+
+    A client whose peer accepts the connection but never answers (a foreign program holding the
+    port) blocks in TCPStore's handshake forever, whatever its timeout says. The constructor
+    releases the GIL, so an abandoned daemon thread costs nothing but its stack.
+    """
+    outcome: dict[str, object] = {}
+
+    def construct() -> None:
+        try:
+            outcome["store"] = TCPStore(
+                host,
+                port,
+                is_master=serve,
+                multi_tenant=True,
+                timeout=timeout,
+                wait_for_workers=False,
+                use_libuv=True,
+            )
+        except STORE_ERRORS as exc:
+            outcome["error"] = exc
+
+    builder = threading.Thread(target=construct, name="ftrun-store-connect", daemon=True)
+    builder.start()
+    builder.join(timeout.total_seconds() + _HANDSHAKE_SLACK_S)
+    if builder.is_alive():
+        raise TimeoutError(f"no answer from a store there within {timeout.total_seconds():g}s")
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["store"]  # type: ignore[return-value]
 
 
 def is_local_host(host: str) -> bool:
