@@ -504,8 +504,9 @@ def barrier_phases(agents: Sequence[AgentResult], t0: float) -> dict[str, float]
     """Where the barrier round's time goes (seconds after the common start).
 
     A barrier join: check (shutdown), get (cycle), add (arrival), set (descriptor),
-    [compare_set (close)], wait..., get (size), multi_get (all descriptors; the last store
-    operation), then decoding and ordering in Python.
+    [multi_get, set, compare_set (the closer publishes the round and closes it)], wait...,
+    get (size), get (the published round; the last store operation), then decoding and ordering
+    in Python.
     """
     first_op = [a.log[0][1] - t0 for a in agents]
     arrived = [next(e for e in a.log if e[0] == "add")[2] - t0 for a in agents]
@@ -519,7 +520,7 @@ def barrier_phases(agents: Sequence[AgentResult], t0: float) -> dict[str, float]
         "last arrival (add) done": max(arrived),
         "round closed (compare_set)": max(closed),
         "last wake-up (wait returns)": max(woke),
-        "final read (multi_get), median per node": statistics.median(fetch),
+        "final read (get round), median per node": statistics.median(fetch),
         "final read, max": max(fetch),
         "last final read done": max(e[2] for e in final) - t0,
         "decode+order, median per node": statistics.median(local),

@@ -70,15 +70,21 @@ def sleep_before_all_reduce() -> None:
 def watch_sigterm(grace: float) -> None:
     """SIGTERM asks for a checkpoint at the next step; if none comes within `grace`, exit.
 
-    The signal is taken by a thread (sigwait), not a Python handler: a handler would only run
-    once the main thread leaves C++, and a rank blocked in a collective whose peer died never
-    does. Then no checkpoint is possible and holding on only delays the restart.
+    A Python handler alone would only run once the main thread leaves C++, and a rank blocked
+    in a collective whose peer died never does; then no checkpoint is possible and holding on
+    only delays the restart. So the handler is a no-op and the work is done by a thread woken
+    through `set_wakeup_fd`: the C-level handler writes the signal number to a pipe in whichever
+    thread the kernel picked (torch's and OpenMP's threads included).
     """
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # inherited by torch's threads
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
 
     def wait_for_term() -> None:
         global _stop_requested
-        signal.sigwait({signal.SIGTERM})
+        while os.read(read_fd, 1) != bytes([signal.SIGTERM]):
+            pass  # another signal with a Python handler
         _stop_requested = True
         time.sleep(grace)
         os._exit(143)

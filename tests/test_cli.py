@@ -414,7 +414,11 @@ def restore_logging() -> Iterator[None]:
 
 
 def fake_agent(monkeypatch: pytest.MonkeyPatch, run_node: Any) -> None:
-    monkeypatch.setitem(sys.modules, "ftrun.agent", types.SimpleNamespace(run_node=run_node))
+    """Run `main` in this process: a fake agent, sys.exit for os._exit, pytest's signals kept."""
+    fake = types.SimpleNamespace(run_node=lambda config, _environ: run_node(config))
+    monkeypatch.setitem(sys.modules, "ftrun.agent", fake)
+    monkeypatch.setattr(cli, "_leave", sys.exit)
+    monkeypatch.setattr(cli.signal, "signal", lambda *_: None)
 
 
 def test_main_runs_the_node_with_the_config(

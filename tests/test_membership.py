@@ -91,6 +91,16 @@ def test_without_room_every_launcher_exits_with_a_clear_message(tmp_path: Path):
     assert not job.events("workers_started")
 
 
+def test_when_every_node_is_unhealthy_each_exits_do_not_relaunch(tmp_path: Path):
+    """Nobody may host the store, so nobody can be told: each leaves on its own health."""
+    conf = ["--rdzv-conf=read_timeout=3"]
+    job = start_job(tmp_path, 2, conf, TRAIN, node_env=nvml_env([BROKEN, BROKEN]))
+    assert job.wait(60) == [3, 3]
+    for launcher in job.nodes:
+        assert "node unhealthy: GPU 1: retired pages pending" in launcher.text()
+    assert not job.events("workers_started")
+
+
 def test_elastic_job_continues_without_a_dead_node_and_takes_a_new_one(tmp_path: Path):
     args = ["--nnodes=2:3", "--max-restarts=3", "--rdzv-conf=last_call_timeout=1"]
     job = start_job(tmp_path, 3, args, ["--steps", "400", "--step-time", "0.05"])

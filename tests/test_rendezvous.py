@@ -137,3 +137,21 @@ def test_agent_lifecycle_refuses_illegal_moves():
     assert check_transition(AgentState.RUNNING, AgentState.STOPPING) is AgentState.STOPPING
     with pytest.raises(IllegalTransitionError, match="from running to rendezvous"):
         check_transition(AgentState.RUNNING, AgentState.RENDEZVOUS)
+
+
+def test_torch_finds_the_barrier_backend_by_name(store):
+    """The `torchrun.handlers` entry point puts `ftrun-barrier` in torch's registry."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    params = RendezvousParameters(
+        backend="ftrun-barrier",
+        endpoint=f"127.0.0.1:{store.port}",
+        run_id=f"run{next(_ids)}",
+        min_nodes=1,
+        max_nodes=1,
+        join_timeout=30,
+    )
+    handler = get_rendezvous_handler(params)
+    info = handler.next_rendezvous()
+    assert (handler.get_backend(), info.rank, info.world_size) == ("ftrun-barrier", 0, 1)

@@ -50,9 +50,7 @@ def job_env(cluster: Any, **extra: str) -> dict[str, str]:
         FTRUN_LAUNCHER=str(LAUNCHER),
         FTRUN_PYTHON=sys.executable,
         FTRUN_RDZV_PORT=str(free_port()),
-        # Two cores: one thread per worker. It also keeps torch's OpenMP pool from starting a
-        # thread while a spare worker pre-imports torch: that thread would not block SIGTERM
-        # and would take the example's checkpoint-on-SIGTERM down (see slurm/README.md).
+        # Two cores: one thread per worker.
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
     )

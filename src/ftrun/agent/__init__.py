@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from ftrun.errors import ExitCode, FtrunError
@@ -14,13 +14,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("ftrun.agent")
 
 
-def run_node(config: LaunchConfig) -> ExitCode:
-    """Run this node's part of the job to the end; returns the launcher's exit code."""
+def run_node(config: LaunchConfig, environ: Mapping[str, str]) -> ExitCode:
+    """Run this node's part of the job to the end; returns the launcher's exit code.
+
+    `environ` is what the workers inherit (before the launcher's own adjustments).
+    """
     from ftrun.agent.node import NodeAgent
     from ftrun.agent.runtime import open_runtime
 
     try:
-        with open_runtime(config, os.environ) as runtime:
+        with open_runtime(config, environ) as runtime:
             return NodeAgent(runtime).run()
     except FtrunError as exc:
         log.error("%s", exc)

@@ -22,7 +22,7 @@ from ftrun.agent.events import EventLog
 from ftrun.agent.gpu_memory import memory_baseline
 from ftrun.agent.health import check_node
 from ftrun.agent.spare_pool import SparePool, python_target
-from ftrun.errors import ConfigError, NodeUnhealthyError
+from ftrun.errors import ConfigError, NodeUnhealthyError, RendezvousFailedError
 from ftrun.rank_monitor import RankMonitorServer
 from ftrun.rendezvous.control import JobControl, wait_until
 from ftrun.rendezvous.factory import NodeRendezvous, create_rendezvous
@@ -54,8 +54,15 @@ class AgentRuntime:
         self.inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         # A node that starts unhealthy must not host the store: it is about to leave.
         self._first_health = self._health_report()
-        may_host = not isinstance(self._first_health, NodeUnhealthyError)
-        self.store, self.is_store_host = connect_store(rdzv, may_host)
+        first = self._first_health
+        unhealthy = first if isinstance(first, NodeUnhealthyError) else None
+        try:
+            self.store, self.is_store_host = connect_store(rdzv, may_host=unhealthy is None)
+        except RendezvousFailedError as exc:
+            if unhealthy is None:
+                raise
+            # Nobody to tell, but the cause that matters (and its exit code) is this node's health.
+            raise NodeUnhealthyError(f"node unhealthy: {unhealthy} (and {exc})") from None
         self.infra_rank = infra_rank_from_env(environ, rdzv.node_rank)
         self.rendezvous: NodeRendezvous = create_rendezvous(rdzv, self.store, self.descriptor)
         self.control: JobControl = self.rendezvous.control

@@ -74,11 +74,15 @@ class SparePool:
             if spare is None or spare.poll() is not None:
                 self._spares[local_rank] = spawn_process(self._argv, self._env, subprocess.PIPE)
 
-    def start(self, local_rank: int, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
-        """Turn the spare of `local_rank` (or a fresh one) into the worker."""
+    def start(self, local_rank: int, env: Mapping[str, str]) -> subprocess.Popen[bytes] | None:
+        """Turn the spare of `local_rank` into the worker; None when it has none alive.
+
+        Without a spare the caller spawns the worker directly: a fresh spare would import
+        every pre-warm module, which is slower than the script importing what it needs.
+        """
         proc = self._spares.pop(local_rank, None)
         if proc is None or proc.poll() is not None:
-            proc = spawn_process(self._argv, self._env, subprocess.PIPE)
+            return None
         job = {
             "module": self._target.module,
             "target": self._target.target,

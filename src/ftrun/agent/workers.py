@@ -57,14 +57,13 @@ class WorkerGroup:
     ) -> None:
         """Spawn one worker per env (local rank = index); ranks start at `first_rank`.
 
-        Python workers start from `spares` (pre-imported) when there is a pool.
+        Python workers start from `spares` (pre-imported) when the pool has one ready.
         """
         for local_rank, env in enumerate(envs):
             worker_dir = log_dir / f"rank{first_rank + local_rank}"
             worker_dir.mkdir(parents=True, exist_ok=True)
-            if spares is not None:
-                proc = spares.start(local_rank, env)
-            else:
+            proc = spares.start(local_rank, env) if spares is not None else None
+            if proc is None:
                 proc = spawn_process(self._config.entrypoint, env, subprocess.DEVNULL)
             worker = Worker(local_rank, first_rank + local_rank, proc, worker_dir)
             self.workers.append(worker)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
-from ftrun.errors import ConfigError, ExitCode, FtrunError
+from ftrun.errors import ConfigError, ExitCode, FtrunError, PreemptedError
 from ftrun.ft_launcher.config import LaunchConfig, config_from
 from ftrun.ft_launcher.options import PROG, help_text, parse_argv
 
@@ -34,14 +35,36 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     setup_logging(config, os.environ)
     for warning in config.warnings:
         log.warning("%s", warning)
+    workers_environ = dict(os.environ)
+    # c10d logs every timed-out store wait and failed connect with a C++ backtrace; the agent
+    # reports those conditions itself in one line. The workers keep the user's setting.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    for sig in config.agent.signals_to_handle:  # the agent installs its own when it runs
+        signal.signal(sig, _stopped_before_start)
     from ftrun.agent import run_node  # the agent (and torch) only once the config is valid
 
     try:
-        code = run_node(config)
+        code = run_node(config, workers_environ)
     except FtrunError as err:
         log.error("%s", err)
-        sys.exit(int(err.exit_code))
-    sys.exit(int(code))
+        code = err.exit_code
+    _leave(code)
+
+
+def _leave(code: int) -> NoReturn:
+    """Exit without interpreter finalization: the agent has cleaned up after itself, and a
+    native thread still blocked in c10d (an abandoned store handshake) would abort the
+    process if the interpreter tore down under it."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code))
+
+
+def _stopped_before_start(signum: int, _frame: object) -> NoReturn:
+    """Preemption while importing torch or meeting the store: nothing runs yet, leave now."""
+    raise PreemptedError(f"{signal.Signals(signum).name} before any worker started")
 
 
 def _usage_error(message: str) -> NoReturn:

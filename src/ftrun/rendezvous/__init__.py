@@ -1,5 +1,1 @@
 """Rendezvous: barrier (v2, default) and dynamic (v1), plus job-wide control via the store."""
-
-from ftrun.rendezvous.registry import register
-
-register()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from collections.abc import Callable
 
 from torch.distributed import Store
@@ -28,6 +29,8 @@ from ftrun.rendezvous.ranks import NodeDescriptor, Round, order_nodes
 
 BACKEND = "ftrun-dynamic"
 _POLL_S = 0.1
+# One store op per node per poll: 1024 waiting nodes cost ~1,000 store ops/s at 1 s, not 10,000.
+_HEALTH_POLL_S = 1.0
 
 
 class DynamicRendezvous:
@@ -87,11 +90,14 @@ class DynamicRendezvous:
 
         thread = threading.Thread(target=run, name="dynamic-rendezvous", daemon=True)
         thread.start()
+        next_health_poll = time.monotonic() + _HEALTH_POLL_S
         while thread.is_alive():
             thread.join(_POLL_S)
             if interrupted():
                 raise JoinInterruptedError
-            self.control.healthy_capacity(cycle, self._config.min_nodes, self._config.max_nodes)
+            if time.monotonic() >= next_health_poll:
+                next_health_poll += _HEALTH_POLL_S
+                self.control.healthy_capacity(cycle, self._config.min_nodes, self._config.max_nodes)
         if errors:
             raise errors[0]
         return result[0]

@@ -1,27 +1,34 @@
-"""Registering the barrier rendezvous with torch's handler registry (never replacing torch's).
+"""The barrier rendezvous in torch's handler registry, through the `torchrun.handlers` entry point.
 
-With this, `torch.distributed.elastic` users can name `ftrun-barrier` as a rendezvous backend;
-ft_launcher itself builds its handlers directly (`factory.create_rendezvous`).
+torch loads the entry point when `torch.distributed.elastic.rendezvous` is imported, so
+`torch.distributed.elastic` users (and torchrun) can name `ftrun-barrier` as a rendezvous
+backend without importing ftrun; ft_launcher itself builds its handlers directly
+(`factory.create_rendezvous`). Nothing here imports torch at module level: torch calls
+`handler_factory` while its own rendezvous package is still being imported.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from torch.distributed.elastic.rendezvous import (
-    RendezvousHandler,
-    RendezvousParameters,
-    rendezvous_handler_registry,
-)
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
-from ftrun.rendezvous.barrier import BACKEND, BarrierRendezvousHandler
-from ftrun.rendezvous.config import RendezvousConfig
-from ftrun.rendezvous.ranks import NodeDescriptor
-from ftrun.rendezvous.store import connect_store
+
+def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """What torch's entry-point loader calls: returns the handler creator."""
+    return create_barrier_handler
 
 
 def create_barrier_handler(params: RendezvousParameters) -> RendezvousHandler:
+    from ftrun.rendezvous.barrier import BarrierRendezvousHandler
+    from ftrun.rendezvous.config import RendezvousConfig
+    from ftrun.rendezvous.ranks import NodeDescriptor
+    from ftrun.rendezvous.store import connect_store
+
     config = RendezvousConfig(
         endpoint=params.endpoint,
         run_id=params.run_id,
@@ -44,8 +51,3 @@ def create_barrier_handler(params: RendezvousParameters) -> RendezvousHandler:
             master_port=0,
         ),
     )
-
-
-def register() -> None:
-    """Idempotent: registering the same creator twice is allowed by torch's registry."""
-    rendezvous_handler_registry.register(BACKEND, create_barrier_handler)
