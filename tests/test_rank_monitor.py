@@ -14,7 +14,7 @@ import pytest
 
 from ftrun.client_lib import RankMonitorClient, RankMonitorClientError
 from ftrun.rank_monitor import HangKind, RankMonitorConfig, RankMonitorServer, Verdict
-from support import python_cmd
+from support import python_cmd, wait_for
 
 VERDICT_SLACK_S = 0.05  # the contract: a verdict within 50 ms of its deadline
 CI_MARGIN_S = 0.25  # extra allowance for a loaded 2-core CI machine on the arrival side
@@ -185,5 +185,21 @@ def test_client_misuse_raises_clear_errors(make_server, monkeypatch):
             client.init_workload_monitoring()
         with pytest.raises(RankMonitorClientError, match="not a RankMonitorClient state_dict"):
             client.load_state_dict({"bogus": 1})
+    finally:
+        client.shutdown_workload_monitoring()
+
+
+def test_a_rank_counts_as_progressing_from_its_first_heartbeat(make_server, monkeypatch):
+    """What the agent waits for before starting spares (they would slow a rank's start-up)."""
+    server = make_server()
+    for key, value in {**server.worker_env(), "RANK": "3"}.items():
+        monkeypatch.setenv(key, value)
+    server.expect_rank(3, os.getpid())
+    client = RankMonitorClient()
+    client.init_workload_monitoring()
+    try:
+        assert server.progressing_ranks() == set()
+        client.send_heartbeat()
+        wait_for(lambda: server.progressing_ranks() == {3}, 5, "rank 3 progressing")
     finally:
         client.shutdown_workload_monitoring()

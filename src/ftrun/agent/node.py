@@ -195,14 +195,23 @@ class NodeAgent:
                 next_state = self._follow_restart(rnd.number)
             else:
                 next_state = None
-                if self.rt.spares is not None and time.monotonic() >= spares_due:
-                    spares_due = float("inf")
-                    self.rt.spares.fill(rnd.me.local_world_size)
+                spares_due = self._fill_spares_when_due(rnd, group, spares_due)
                 if time.monotonic() >= next_scale_check:
                     next_scale_check = time.monotonic() + _SCALE_CHECK_S
                     self._maybe_scale_up(rnd)
             if next_state is not None:
                 return next_state
+
+    def _fill_spares_when_due(self, rnd: Round, group: WorkerGroup, due: float) -> float:
+        """Start the next cycle's spares once every local rank is past its start-up (or at
+        `due`); returns the next due time (never again this cycle once filled)."""
+        if self.rt.spares is None or due == float("inf"):
+            return due
+        ranks = {w.rank for w in group.workers}
+        if time.monotonic() < due and not ranks <= self.rt.monitor.progressing_ranks():
+            return due
+        self.rt.spares.fill(rnd.me.local_world_size)
+        return float("inf")
 
     def _store_lost(self, error: DistError) -> AgentState:
         first_line = (str(error).strip().splitlines() or [repr(error)])[0]

@@ -152,6 +152,17 @@ class RankMonitorServer:
             self._expected.clear()
             self._peers.clear()
 
+    def progressing_ranks(self) -> set[int]:
+        """Ranks that sent a heartbeat or opened a section since they registered."""
+        with self._lock:
+            return {
+                peer.progress.rank
+                for peer in self._peers.values()
+                if peer.progress.last_heartbeat is not None
+                or peer.progress.out_of_section_since is not None
+                or peer.progress.open_sections
+            }
+
     def worker_env(self) -> dict[str, str]:
         """The environment variables a worker's RankMonitorClient needs."""
         return {
