@@ -105,7 +105,10 @@ class Fault:
         assert codes == [0] * len(job.nodes), _tails(job)
         rounds = job.events("rendezvous_done")
         last = max(e["cycle"] for e in rounds)
-        assert last == cycles - 1, f"expected {cycles} cycles, saw rounds {rounds}"
+        assert last == cycles - 1, (
+            f"expected {cycles} cycles, saw {last + 1}; failures: {failure_events(job)}; "
+            f"restarts: {job.events('restart')}\n{_tails(job)}"
+        )
         assert {e["code"] for e in job.events("exit")} == {0}
         if script_of(job) == FAULT_WORKER:
             for rank in range(rounds[-1]["world_size"]):

@@ -168,13 +168,11 @@ class NodeAgent:
             for i in range(rnd.me.local_world_size)
         ]
         try:
-            group.start(first, envs, cycle_dir, self.rt.spares)
+            group.start(first, envs, cycle_dir, self.rt.spares, self.rt.monitor.expect_rank)
         except OSError as exc:
             self._then_exit = None
             self.rt.control.request_restart(rnd.number, f"spawn failed on {self.rt.node}: {exc}")
             return AgentState.STOPPING
-        for worker in group.workers:
-            self.rt.monitor.expect_rank(worker.rank, worker.proc.pid)
         self.events.emit("workers_started", ranks=[w.rank for w in group.workers], pids=group.pids)
         return AgentState.RUNNING
 

@@ -8,7 +8,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ftrun.agent.termination import die_with_parent
 
@@ -74,15 +74,20 @@ class SparePool:
             if spare is None or spare.poll() is not None:
                 self._spares[local_rank] = spawn_process(self._argv, self._env, subprocess.PIPE)
 
-    def start(self, local_rank: int, env: Mapping[str, str]) -> subprocess.Popen[bytes] | None:
+    def start(
+        self, local_rank: int, env: Mapping[str, str], announce: Callable[[int], None]
+    ) -> subprocess.Popen[bytes] | None:
         """Turn the spare of `local_rank` into the worker; None when it has none alive.
 
+        `announce(pid)` runs before the spare gets its job: a pre-imported worker registers
+        with the monitor within milliseconds, and must find itself expected there.
         Without a spare the caller spawns the worker directly: a fresh spare would import
         every pre-warm module, which is slower than the script importing what it needs.
         """
         proc = self._spares.pop(local_rank, None)
         if proc is None or proc.poll() is not None:
             return None
+        announce(proc.pid)
         job = {
             "module": self._target.module,
             "target": self._target.target,

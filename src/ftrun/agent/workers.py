@@ -9,11 +9,12 @@ as torchrun's --redirects/--tee/--local-ranks-filter say, to the console with a 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import queue
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO
 
@@ -54,18 +55,23 @@ class WorkerGroup:
         envs: list[Mapping[str, str]],
         log_dir: Path,
         spares: SparePool | None,
+        expect: Callable[[int, int], None],
     ) -> None:
         """Spawn one worker per env (local rank = index); ranks start at `first_rank`.
 
         Python workers start from `spares` (pre-imported) when the pool has one ready.
+        `expect(rank, pid)` tells the monitor about each worker before it can register.
         """
         for local_rank, env in enumerate(envs):
-            worker_dir = log_dir / f"rank{first_rank + local_rank}"
+            rank = first_rank + local_rank
+            worker_dir = log_dir / f"rank{rank}"
             worker_dir.mkdir(parents=True, exist_ok=True)
-            proc = spares.start(local_rank, env) if spares is not None else None
+            announce = functools.partial(expect, rank)
+            proc = spares.start(local_rank, env, announce) if spares is not None else None
             if proc is None:
                 proc = spawn_process(self._config.entrypoint, env, subprocess.DEVNULL)
-            worker = Worker(local_rank, first_rank + local_rank, proc, worker_dir)
+                announce(proc.pid)  # the child is still starting its interpreter
+            worker = Worker(local_rank, rank, proc, worker_dir)
             self.workers.append(worker)
             self._relay(worker)
             self._watch(worker)

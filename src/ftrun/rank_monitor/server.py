@@ -36,8 +36,9 @@ from ftrun.rank_monitor.tracker import HangKind, NotReadyError, Overdue, RankPro
 
 log = logging.getLogger("ftrun.rank_monitor")
 
-_MAX_DRAIN = 512  # messages handled per wake-up, so a flooding rank cannot delay deadlines
+_MAX_DRAIN = 512  # messages handled per batch, so a flood cannot hold the lock for long
 _MAX_SLEEP_MS = 1000
+_CATCH_UP_S = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +182,17 @@ class RankMonitorServer:
             events = dict(poller.poll(self._sleep_ms()))
             if self._sock in events:
                 self._drain()
-            self._fire_due()
+            if self._heap and self._heap[0][0] <= time.monotonic():
+                self._catch_up()
+                self._fire_due()
+
+    def _catch_up(self) -> None:
+        """Read what is already queued before judging: behind a flood of messages, a rank's
+        section end may be waiting in the socket, and a late read must not become a false
+        verdict. Bounded, so that a flood delays a true verdict by at most `_CATCH_UP_S`."""
+        give_up_at = time.monotonic() + _CATCH_UP_S
+        while self._drain() and time.monotonic() < give_up_at:
+            pass
 
     def _sleep_ms(self) -> int:
         if not self._heap:
@@ -190,15 +201,17 @@ class RankMonitorServer:
         # Round up: waking a hair early would only re-arm, waking late costs latency.
         return max(0, min(_MAX_SLEEP_MS, int(delay * 1000) + 1))
 
-    def _drain(self) -> None:
+    def _drain(self) -> bool:
+        """Handle up to `_MAX_DRAIN` queued messages; True if more may be waiting."""
         for _ in range(_MAX_DRAIN):
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return False
             now = time.monotonic()
             with self._lock:
                 self._handle(frames, now)
+        return True
 
     def _handle(self, frames: list[bytes], now: float) -> None:
         if len(frames) != 2:
