@@ -8,6 +8,8 @@ Run it under `ft_launcher` (see README). It:
 - appends "<cycle> <step> <time>" to <ckpt-dir>/progress-rank<R>.txt after every step,
 - writes <ckpt-dir>/FINISHED when training is complete: the Slurm wiring reads it to decide
   not to relaunch a finished job.
+- exits at once (`os._exit`) when a step raises, typically because a peer died, instead of
+  spending seconds in torch's interpreter teardown while every node waits to restart.
 
 Faults for demos and tests (each fires once, in the given cycle): --crash CYCLE:RANK:STEP exits
 with code 1; --hang CYCLE:RANK:STEP stops inside the "step" section (sleeps);
@@ -22,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -195,4 +198,11 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except Exception:
+        # Nearly always a collective failing because a peer died: there is nothing left to
+        # save, and torch's interpreter teardown can take seconds that the restart waits for.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)

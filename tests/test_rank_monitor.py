@@ -14,6 +14,7 @@ import pytest
 
 from ftrun.client_lib import RankMonitorClient, RankMonitorClientError
 from ftrun.rank_monitor import HangKind, RankMonitorConfig, RankMonitorServer, Verdict
+from ftrun.rank_monitor.stacks import StuckAt, where_stuck
 from support import python_cmd, wait_for
 
 VERDICT_SLACK_S = 0.05  # the contract: a verdict within 50 ms of its deadline
@@ -106,6 +107,30 @@ def test_hang_verdict_on_time_with_stack(make_server, mode, timeouts, kind, sect
     assert verdict.stack_file is not None
     assert mode in verdict.stack_file.read_text()
     assert f"rank 3 (pid {proc.pid}) hung" in verdict.describe()
+    stuck = where_stuck(verdict.stack)
+    assert stuck is not None and not stuck.in_library and f" in {mode}" in stuck.frame, stuck
+
+
+def test_where_stuck_reads_the_main_thread_and_skips_library_frames():
+    dump = """Thread 0x00007f3e7fb296c0 (most recent call first):
+  File "/x/train.py", line 86 in wait_for_term
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Current thread 0x00007f3e9f486b80 (most recent call first):
+  File "/v/lib/python3.11/site-packages/torch/autograd/graph.py", line 979 in _engine_run_backward
+  File "/usr/lib/python3.11/contextlib.py", line 81 in inner
+  File "/x/train.py", line 124 in train_step
+  File "/x/train.py", line 199 in <module>
+"""
+    stuck = where_stuck(dump)
+    assert stuck == StuckAt(
+        "torch/autograd/graph.py:979 in _engine_run_backward", True, "train.py:124 in train_step"
+    )
+    assert stuck.describe() == (
+        "waiting inside torch/autograd/graph.py:979 in _engine_run_backward, "
+        "called from train.py:124 in train_step"
+    )
+    assert where_stuck("(the rank did not dump its stacks)") is None
 
 
 def test_calculated_timeouts_survive_a_new_process(make_server, tmp_path: Path):

@@ -411,3 +411,26 @@ def copy_fixture(tmp_path: Path) -> Path:
     target = tmp_path / "logs"
     shutil.copytree(CRASH_HANG, target)
     return target
+
+
+def test_the_rank_stuck_in_its_own_code_is_named_the_likely_cause(tmp_path: Path) -> None:
+    job = Job(tmp_path / "logs", ["a", "b"])
+    job.cycle(0, 0)
+    waiting = dict(kind="heartbeat", timeout=2.0, waited=2.0, in_library=True,
+                   stuck_at="torch/autograd/graph.py:979 in _engine_run_backward",
+                   caller="train.py:123 in train_step")  # fmt: skip
+    job.emit("a", 10, "hang", 0, rank=0, pid=1, **waiting)
+    job.emit("a", 10, "hang", 0, rank=1, pid=2, **waiting)
+    job.emit("b", 10, "hang", 0, rank=2, pid=3, kind="heartbeat", timeout=2.0, waited=2.0,
+             in_library=False, stuck_at="train.py:63 in load_batch", caller=None)  # fmt: skip
+    job.emit("b", 10, "hang", 0, rank=3, pid=4, **waiting)
+    job.stop(0, 10)
+    where = report_of(job.write()).failures[0].hang.where
+    assert where == (
+        "rank 2 on b at train.py:63 in load_batch"
+        "  <- likely the cause: the others wait inside libraries",
+        "ranks 0-1 on a, 3 on b waiting inside torch/autograd/graph.py:979 in "
+        "_engine_run_backward, called from train.py:123 in train_step",
+    )
+    result = run_cli(str(job.log_dir), "--no-timeline")
+    assert "where: rank 2 on b at train.py:63 in load_batch  <- likely the cause" in result.output

@@ -10,6 +10,7 @@ from ftrun.agent.gpu_memory import wait_until_released
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.workers import WorkerExited
 from ftrun.rank_monitor import Verdict
+from ftrun.rank_monitor.stacks import where_stuck
 from ftrun.rendezvous.ranks import Round
 
 log = logging.getLogger("ftrun.agent")
@@ -40,9 +41,11 @@ class CycleReport:
         dump.parent.mkdir(parents=True, exist_ok=True)
         dump.write_text(verdict.stack or "(the rank did not dump its stacks)\n")
         where = f"in section {verdict.section!r}" if verdict.section else f"({verdict.kind.value})"
+        stuck = where_stuck(verdict.stack)
         log.error(
-            "HANG: rank %d on node %s %s: no progress for %.3fs (timeout %.3gs); stacks: %s",
-            verdict.rank, self.rt.node, where, verdict.waited, verdict.timeout, dump,
+            "HANG: rank %d on node %s %s: no progress for %.3fs (timeout %.3gs), %s; stacks: %s",
+            verdict.rank, self.rt.node, where, verdict.waited, verdict.timeout,
+            stuck.describe() if stuck else "no stack dump", dump,
         )  # fmt: skip
         self.events.emit(
             "hang",
@@ -54,6 +57,9 @@ class CycleReport:
             waited=round(verdict.waited, 6),
             detection_latency=round(verdict.detected_at - verdict.deadline, 6),
             stack_file=str(dump),
+            stuck_at=stuck.frame if stuck else None,
+            in_library=stuck.in_library if stuck else None,
+            caller=stuck.caller if stuck else None,
         )
 
     def gpu_memory_reclaim(self, pids: list[int]) -> None:

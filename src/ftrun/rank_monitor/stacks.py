@@ -7,13 +7,21 @@ the server reads only what was appended after it sent the signal.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import signal
 import time
 from pathlib import Path
 
 _SETTLE_S = 0.005
 _POLL_S = 0.002
+_FRAME = re.compile(r'^\s+File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+# Interpreter, installed packages and ftrun itself; anything else is the user's code.
+_PACKAGES = re.compile(r"/(?:site|dist)-packages/")
+_STDLIB = re.compile(r"/lib/python3\.\d+/")
+_LIBRARY = re.compile(rf"^<|{_PACKAGES.pattern}|{_STDLIB.pattern}")
+_FTRUN_DIR = str(Path(__file__).resolve().parents[1]) + os.sep
 
 
 def stack_file(job_dir: Path, rank: int, pid: int) -> Path:
@@ -68,3 +76,67 @@ def _read_from(path: Path, offset: int) -> str:
             return f.read(1 << 20).decode("utf-8", "replace")
     except OSError:
         return ""
+
+
+@dataclasses.dataclass(frozen=True)
+class StuckAt:
+    """Where a hung rank's main thread was. A rank that waits inside a library (a collective,
+    autograd) is usually waiting for another; one stuck in its own code is the likely cause."""
+
+    frame: str
+    in_library: bool
+    caller: str | None = None
+    """The innermost frame of the user's code, when `frame` is inside a library."""
+
+    def describe(self) -> str:
+        if not self.in_library:
+            return f"at {self.frame}"
+        via = f", called from {self.caller}" if self.caller else ""
+        return f"waiting inside {self.frame}{via}"
+
+
+def where_stuck(dump: str) -> StuckAt | None:
+    """Read a faulthandler dump: the main thread's innermost frame, and the user's."""
+    threads = _thread_frames(dump)
+    main = next((f for f in threads if f and not _is_thread_bootstrap(f[-1])), None)
+    if not main:
+        return None
+    path, where = main[0]
+    if not _is_library(path):
+        return StuckAt(_short(path, where, library=False), in_library=False)
+    own = (_short(p, w, library=False) for p, w in main if not _is_library(p))
+    return StuckAt(_short(path, where, library=True), in_library=True, caller=next(own, None))
+
+
+def _thread_frames(dump: str) -> list[list[tuple[str, str]]]:
+    """Each thread's frames, innermost first, as (path, "line N in func")."""
+    threads: list[list[tuple[str, str]]] = []
+    for line in dump.splitlines():
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            threads.append([])
+        elif threads and (match := _FRAME.match(line)):
+            where = f"{match['line']} in {match['func']}"
+            threads[-1].append((match["path"], where))
+    return threads
+
+
+def _is_thread_bootstrap(frame: tuple[str, str]) -> bool:
+    path, where = frame
+    return path.endswith("threading.py") and where.endswith(" in _bootstrap")
+
+
+def _is_library(path: str) -> bool:
+    return bool(_LIBRARY.search(path)) or path.startswith(_FTRUN_DIR)
+
+
+def _short(path: str, where: str, library: bool) -> str:
+    """`torch/autograd/graph.py:979 in f` for a package, `train.py:63 in f` for user code."""
+    line, _, func = where.partition(" in ")
+    if library:
+        for packages in (_PACKAGES, _STDLIB):
+            if packages.search(path):
+                path = packages.split(path)[-1]
+                break
+    else:
+        path = os.path.basename(path)
+    return f"{path}:{line} in {func}"

@@ -32,6 +32,9 @@ class HangInfo:
     waited: float
     detection_latency: float | None
     stack_files: tuple[str, ...]
+    where: tuple[str, ...] = ()
+    """Where the hung ranks were, one line per place; a rank stuck in its own code while the
+    others wait inside libraries is marked as the likely cause."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +196,32 @@ def _hang_info(hangs: Sequence[Event]) -> HangInfo:
         waited=max(e.num("waited") for e in hangs),
         detection_latency=max(latencies) if latencies else None,
         stack_files=tuple(str(e.get("stack_file")) for e in hangs if e.get("stack_file")),
+        where=_where_lines(hangs),
     )
+
+
+def _where_lines(hangs: Sequence[Event]) -> tuple[str, ...]:
+    """Group the hung ranks by where they were: `ranks 0-1 on n1, 3 on n0 waiting inside ...`."""
+    places: dict[tuple[str, bool], list[Event]] = {}
+    for hang in hangs:
+        frame = hang.get("stuck_at")
+        if isinstance(frame, str):
+            in_library = hang.get("in_library") is True
+            caller = hang.get("caller") if in_library else None
+            text = f"waiting inside {frame}" if in_library else f"at {frame}"
+            text += f", called from {caller}" if isinstance(caller, str) else ""
+            places.setdefault((text, in_library), []).append(hang)
+    mixed = len({in_library for _, in_library in places}) == 2
+    lines = []
+    for (text, in_library), group in places.items():
+        nodes = dict.fromkeys(e.node for e in group)
+        ranks = [e.get("rank") for e in group]
+        who = ", ".join(
+            f"{ranks_text([e.get('rank') for e in group if e.node == n])} on {n}" for n in nodes
+        )
+        cause = "  <- likely the cause: the others wait inside libraries" if mixed else ""
+        lines.append(f"rank{'s' if len(ranks) > 1 else ''} {who} {text}{cause * (not in_library)}")
+    return tuple(sorted(lines, key=lambda line: "likely the cause" not in line))
 
 
 def describe(group: Sequence[Event], hang: HangInfo | None) -> str:

@@ -125,6 +125,10 @@ def _failure_lines(failures: tuple[Failure, ...], clock: _Clock) -> Iterator[str
             f"     detection {_detection(failure)} | {recovery} | "
             f"time lost {duration_text(failure.lost_s)}"
         )
+        if failure.hang and failure.hang.where:
+            yield f"     where: {failure.hang.where[0]}"
+            for line in failure.hang.where[1:]:
+                yield f"            {line}"
         if failure.hang and failure.hang.stack_files:
             yield f"     stacks: {failure.hang.stack_files[0]}"
             for path in failure.hang.stack_files[1:]:
