@@ -417,12 +417,12 @@ def test_the_rank_stuck_in_its_own_code_is_named_the_likely_cause(tmp_path: Path
     job = Job(tmp_path / "logs", ["a", "b"])
     job.cycle(0, 0)
     waiting = dict(kind="heartbeat", timeout=2.0, waited=2.0, in_library=True,
-                   stuck_at="torch/autograd/graph.py:979 in _engine_run_backward",
-                   caller="train.py:123 in train_step")  # fmt: skip
+                   where="waiting inside torch/autograd/graph.py:979 in _engine_run_backward, "
+                         "called from train.py:123 in train_step")  # fmt: skip
     job.emit("a", 10, "hang", 0, rank=0, pid=1, **waiting)
     job.emit("a", 10, "hang", 0, rank=1, pid=2, **waiting)
     job.emit("b", 10, "hang", 0, rank=2, pid=3, kind="heartbeat", timeout=2.0, waited=2.0,
-             in_library=False, stuck_at="train.py:63 in load_batch", caller=None)  # fmt: skip
+             in_library=False, where="at train.py:63 in load_batch")  # fmt: skip
     job.emit("b", 10, "hang", 0, rank=3, pid=4, **waiting)
     job.stop(0, 10)
     where = report_of(job.write()).failures[0].hang.where

@@ -57,9 +57,8 @@ class CycleReport:
             waited=round(verdict.waited, 6),
             detection_latency=round(verdict.detected_at - verdict.deadline, 6),
             stack_file=str(dump),
-            stuck_at=stuck.frame if stuck else None,
+            where=stuck.describe() if stuck else None,
             in_library=stuck.in_library if stuck else None,
-            caller=stuck.caller if stuck else None,
         )
 
     def gpu_memory_reclaim(self, pids: list[int]) -> None:

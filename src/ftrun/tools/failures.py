@@ -204,23 +204,20 @@ def _where_lines(hangs: Sequence[Event]) -> tuple[str, ...]:
     """Group the hung ranks by where they were: `ranks 0-1 on n1, 3 on n0 waiting inside ...`."""
     places: dict[tuple[str, bool], list[Event]] = {}
     for hang in hangs:
-        frame = hang.get("stuck_at")
-        if isinstance(frame, str):
-            in_library = hang.get("in_library") is True
-            caller = hang.get("caller") if in_library else None
-            text = f"waiting inside {frame}" if in_library else f"at {frame}"
-            text += f", called from {caller}" if isinstance(caller, str) else ""
-            places.setdefault((text, in_library), []).append(hang)
+        where = hang.get("where")
+        if isinstance(where, str):
+            places.setdefault((where, hang.get("in_library") is True), []).append(hang)
     mixed = len({in_library for _, in_library in places}) == 2
     lines = []
-    for (text, in_library), group in places.items():
-        nodes = dict.fromkeys(e.node for e in group)
-        ranks = [e.get("rank") for e in group]
+    for (where, in_library), group in places.items():
         who = ", ".join(
-            f"{ranks_text([e.get('rank') for e in group if e.node == n])} on {n}" for n in nodes
+            f"{ranks_text([e.get('rank') for e in group if e.node == node])} on {node}"
+            for node in dict.fromkeys(e.node for e in group)
         )
-        cause = "  <- likely the cause: the others wait inside libraries" if mixed else ""
-        lines.append(f"rank{'s' if len(ranks) > 1 else ''} {who} {text}{cause * (not in_library)}")
+        line = f"rank{'s' if len(group) > 1 else ''} {who} {where}"
+        if mixed and not in_library:
+            line += "  <- likely the cause: the others wait inside libraries"
+        lines.append(line)
     return tuple(sorted(lines, key=lambda line: "likely the cause" not in line))
 
 
