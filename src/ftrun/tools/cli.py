@@ -65,3 +65,7 @@ def report(log_dir: Path, out: Path | None, as_json: bool, no_timeline: bool) ->
 def _fail(message: str, code: int) -> NoReturn:
     click.echo(f"ftrun report: error: {message}", err=True)
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    main(prog_name="ftrun")
