@@ -9,7 +9,9 @@ Run it under `ft_launcher` (see README). It:
 - writes <ckpt-dir>/FINISHED when training is complete: the Slurm wiring reads it to decide
   not to relaunch a finished job.
 - exits at once (`os._exit`) when a step raises, typically because a peer died, instead of
-  spending seconds in torch's interpreter teardown while every node waits to restart.
+  spending seconds in torch's interpreter teardown while every node waits to restart: on the
+  launcher's SIGTERM if it comes within 0.5 s (so the launcher blames the rank that failed
+  first), else with code 1.
 
 Faults for demos and tests (each fires once, in the given cycle): --crash CYCLE:RANK:STEP exits
 with code 1; --hang CYCLE:RANK:STEP stops inside the "step" section (sleeps);
@@ -37,6 +39,9 @@ from ftrun.client_lib import RankMonitorClient
 CYCLE = int(os.environ.get("FTRUN_CYCLE", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 RANK = int(os.environ.get("RANK", "0"))
 _stop_requested = False
+_terminated = threading.Event()
+# How long a rank whose step raised waits for the launcher's SIGTERM before exiting 1 itself.
+PEER_FAILURE_WAIT_S = 0.5
 
 
 def parse_args() -> argparse.Namespace:
@@ -89,6 +94,7 @@ def watch_sigterm(grace: float) -> None:
         while os.read(read_fd, 1) != bytes([signal.SIGTERM]):
             pass  # another signal with a Python handler
         _stop_requested = True
+        _terminated.set()
         time.sleep(grace)
         os._exit(143)
 
@@ -203,6 +209,8 @@ if __name__ == "__main__":
     except Exception:
         # Nearly always a collective failing because a peer died: there is nothing left to
         # save, and torch's interpreter teardown can take seconds that the restart waits for.
+        # The launcher's SIGTERM usually follows within its monitor interval; leaving on it
+        # (143, "stopped") rather than with 1 keeps the blame on the rank that failed first.
         traceback.print_exc()
         sys.stderr.flush()
-        os._exit(1)
+        os._exit(143 if _terminated.wait(PEER_FAILURE_WAIT_S) else 1)
