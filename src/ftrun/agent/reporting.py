@@ -42,10 +42,11 @@ class CycleReport:
         dump.write_text(verdict.stack or "(the rank did not dump its stacks)\n")
         where = f"in section {verdict.section!r}" if verdict.section else f"({verdict.kind.value})"
         stuck = where_stuck(verdict.stack)
+        stuck_text = stuck.describe() if stuck else None
         log.error(
             "HANG: rank %d on node %s %s: no progress for %.3fs (timeout %.3gs), %s; stacks: %s",
             verdict.rank, self.rt.node, where, verdict.waited, verdict.timeout,
-            stuck.describe() if stuck else "no stack dump", dump,
+            stuck_text or "no stack dump", dump,
         )  # fmt: skip
         self.events.emit(
             "hang",
@@ -57,7 +58,7 @@ class CycleReport:
             waited=round(verdict.waited, 6),
             detection_latency=round(verdict.detected_at - verdict.deadline, 6),
             stack_file=str(dump),
-            where=stuck.describe() if stuck else None,
+            where=stuck_text,
             in_library=stuck.in_library if stuck else None,
         )
 

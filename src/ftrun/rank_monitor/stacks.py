@@ -13,6 +13,7 @@ import re
 import signal
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 _SETTLE_S = 0.005
 _POLL_S = 0.002
@@ -95,48 +96,48 @@ class StuckAt:
         return f"waiting inside {self.frame}{via}"
 
 
+class _Frame(NamedTuple):
+    path: str
+    line: str
+    func: str
+
+
 def where_stuck(dump: str) -> StuckAt | None:
     """Read a faulthandler dump: the main thread's innermost frame, and the user's."""
     threads = _thread_frames(dump)
     main = next((f for f in threads if f and not _is_thread_bootstrap(f[-1])), None)
     if not main:
         return None
-    path, where = main[0]
-    if not _is_library(path):
-        return StuckAt(_short(path, where, library=False), in_library=False)
-    own = (_short(p, w, library=False) for p, w in main if not _is_library(p))
-    return StuckAt(_short(path, where, library=True), in_library=True, caller=next(own, None))
+    innermost = main[0]
+    if not _is_library(innermost.path):
+        return StuckAt(_short(innermost, library=False), in_library=False)
+    own = (_short(frame, library=False) for frame in main if not _is_library(frame.path))
+    return StuckAt(_short(innermost, library=True), in_library=True, caller=next(own, None))
 
 
-def _thread_frames(dump: str) -> list[list[tuple[str, str]]]:
-    """Each thread's frames, innermost first, as (path, "line N in func")."""
-    threads: list[list[tuple[str, str]]] = []
+def _thread_frames(dump: str) -> list[list[_Frame]]:
+    """Each thread's frames, innermost first."""
+    threads: list[list[_Frame]] = []
     for line in dump.splitlines():
         if line.startswith(("Thread 0x", "Current thread 0x")):
             threads.append([])
         elif threads and (match := _FRAME.match(line)):
-            where = f"{match['line']} in {match['func']}"
-            threads[-1].append((match["path"], where))
+            threads[-1].append(_Frame(match["path"], match["line"], match["func"]))
     return threads
 
 
-def _is_thread_bootstrap(frame: tuple[str, str]) -> bool:
-    path, where = frame
-    return path.endswith("threading.py") and where.endswith(" in _bootstrap")
+def _is_thread_bootstrap(frame: _Frame) -> bool:
+    return frame.path.endswith("threading.py") and frame.func == "_bootstrap"
 
 
 def _is_library(path: str) -> bool:
     return bool(_LIBRARY.search(path)) or path.startswith(_FTRUN_DIR)
 
 
-def _short(path: str, where: str, library: bool) -> str:
+def _short(frame: _Frame, library: bool) -> str:
     """`torch/autograd/graph.py:979 in f` for a package, `train.py:63 in f` for user code."""
-    line, _, func = where.partition(" in ")
-    if library:
-        for packages in (_PACKAGES, _STDLIB):
-            if packages.search(path):
-                path = packages.split(path)[-1]
-                break
+    if library:  # what follows site-packages/, else what follows lib/python3.N/
+        path = _STDLIB.split(_PACKAGES.split(frame.path)[-1])[-1]
     else:
-        path = os.path.basename(path)
-    return f"{path}:{line} in {func}"
+        path = os.path.basename(frame.path)
+    return f"{path}:{frame.line} in {frame.func}"

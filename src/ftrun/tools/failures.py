@@ -209,16 +209,21 @@ def _where_lines(hangs: Sequence[Event]) -> tuple[str, ...]:
             places.setdefault((where, hang.get("in_library") is True), []).append(hang)
     mixed = len({in_library for _, in_library in places}) == 2
     lines = []
-    for (where, in_library), group in places.items():
-        who = ", ".join(
-            f"{ranks_text([e.get('rank') for e in group if e.node == node])} on {node}"
-            for node in dict.fromkeys(e.node for e in group)
-        )
-        line = f"rank{'s' if len(group) > 1 else ''} {who} {where}"
+    # Own code first: when the others wait inside libraries, that is the likely cause.
+    for (where, in_library), group in sorted(places.items(), key=lambda item: item[0][1]):
+        line = f"rank{'s' if len(group) > 1 else ''} {_ranks_on_nodes(group)} {where}"
         if mixed and not in_library:
             line += "  <- likely the cause: the others wait inside libraries"
         lines.append(line)
-    return tuple(sorted(lines, key=lambda line: "likely the cause" not in line))
+    return tuple(lines)
+
+
+def _ranks_on_nodes(events: Sequence[Event]) -> str:
+    """`0-1 on n1, 3 on n0`, nodes in the order they first appear."""
+    return ", ".join(
+        f"{ranks_text([e.get('rank') for e in events if e.node == node])} on {node}"
+        for node in dict.fromkeys(e.node for e in events)
+    )
 
 
 def describe(group: Sequence[Event], hang: HangInfo | None) -> str:
@@ -233,10 +238,7 @@ def describe(group: Sequence[Event], hang: HangInfo | None) -> str:
     if first.event == "store_lost":
         return f"{first.node} lost the rendezvous store: {first.get('error', '?')}"
     hang = hang or _hang_info(group)
-    where = ", ".join(
-        f"{ranks_text([e.get('rank') for e in group if e.node == node])} on {node}"
-        for node in dict.fromkeys(e.node for e in group)
-    )
+    where = _ranks_on_nodes(group)
     what = _HANG_TEXT.get(hang.kind, hang.kind)
     if hang.kind == "section":
         what = f"stuck in section {hang.section!r}"
