@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 
 from ftrun.agent.config import AgentConfig
+from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError, ExitCode, RestartBudgetSpentError
 from ftrun.ft_launcher import cli
-from ftrun.ft_launcher.config import LaunchConfig, build_config
+from ftrun.ft_launcher.config import build_config
 from ftrun.ft_launcher.options import BY_NAME, OPTIONS, YAML_KEYS, parse_argv, reference_markdown
 from ftrun.rank_monitor.config import RankMonitorConfig
 from ftrun.rendezvous.config import HealthCheckConfig, RendezvousImpl

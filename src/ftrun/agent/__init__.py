@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from ftrun.errors import ExitCode, FtrunError
 
 if TYPE_CHECKING:
-    from ftrun.ft_launcher.config import LaunchConfig
+    from ftrun.config import LaunchConfig
 
 log = logging.getLogger("ftrun.agent")
 

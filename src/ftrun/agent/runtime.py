@@ -30,7 +30,7 @@ from ftrun.rendezvous.ranks import NodeDescriptor, Round, default_node_name, inf
 from ftrun.rendezvous.store import connect_store, is_local_host
 
 if TYPE_CHECKING:
-    from ftrun.ft_launcher.config import LaunchConfig
+    from ftrun.config import LaunchConfig
 
 log = logging.getLogger("ftrun.agent")
 

@@ -14,8 +14,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
+from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError, ExitCode, FtrunError, PreemptedError
-from ftrun.ft_launcher.config import LaunchConfig, config_from
+from ftrun.ft_launcher.config import config_from
 from ftrun.ft_launcher.options import PROG, help_text, parse_argv
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,6 @@ deserves a warning goes into `LaunchConfig.warnings` for `main` to log.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import os
 import sys
@@ -20,6 +19,7 @@ from typing import Any, NamedTuple
 import yaml
 
 from ftrun.agent.config import AgentConfig
+from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError
 from ftrun.ft_launcher import values as v
 from ftrun.ft_launcher.options import (
@@ -40,19 +40,6 @@ C10D_PORT = 29400
 LOCAL_STORE = "127.0.0.1:0"
 """--standalone: a store on this host, on a port the OS picks."""
 _CONF_TIMEOUTS = ("join_timeout", "last_call_timeout", "close_timeout")
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchConfig:
-    """Everything one `ft_launcher` process needs, validated; handed to `ftrun.agent.run_node`."""
-
-    agent: AgentConfig
-    rendezvous: RendezvousConfig
-    monitor: RankMonitorConfig
-    health: HealthCheckConfig
-    log_level: str = "INFO"
-    warnings: tuple[str, ...] = ()
-    """Settings worth a warning (ignored flags, OMP_NUM_THREADS); `main` logs them."""
 
 
 DeviceCounter = Callable[[str], int]

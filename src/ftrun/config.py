@@ -1,0 +1,26 @@
+"""`LaunchConfig`: the one configuration tree of a launcher process.
+
+`ftrun.ft_launcher` builds it (from argv, environment and YAML); the agent and its services only
+read it. It lives outside both packages so that neither imports the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ftrun.agent.config import AgentConfig
+from ftrun.rank_monitor.config import RankMonitorConfig
+from ftrun.rendezvous.config import HealthCheckConfig, RendezvousConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Everything one `ft_launcher` process needs, validated; handed to `ftrun.agent.run_node`."""
+
+    agent: AgentConfig
+    rendezvous: RendezvousConfig
+    monitor: RankMonitorConfig
+    health: HealthCheckConfig
+    log_level: str = "INFO"
+    warnings: tuple[str, ...] = ()
+    """Settings worth a warning (ignored flags, OMP_NUM_THREADS); `main` logs them."""
