@@ -56,9 +56,3 @@ class NodeUnhealthyError(FtrunError):
 
 class RestartBudgetSpentError(FtrunError):
     """A failure happened after `--max-restarts` in-job restarts."""
-
-
-class PreemptedError(FtrunError):
-    """The launcher was asked to stop (SIGTERM/SIGINT); not a failure of the job."""
-
-    exit_code = ExitCode.PREEMPTED

@@ -3,28 +3,35 @@
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from ftrun.errors import ExitCode, FtrunError
 
 if TYPE_CHECKING:
+    from ftrun.agent.inbox import SignalRecorder
     from ftrun.config import LaunchConfig
 
 log = logging.getLogger("ftrun.agent")
 
 
-def run_node(config: LaunchConfig, environ: Mapping[str, str]) -> ExitCode:
+def run_node(config: LaunchConfig, environ: Mapping[str, str], signals: SignalRecorder) -> ExitCode:
     """Run this node's part of the job to the end; returns the launcher's exit code.
 
-    `environ` is what the workers inherit (before the launcher's own adjustments).
+    `environ` is what the workers inherit (before the launcher's own adjustments); `signals`
+    records the launcher's signals into the agent's inbox (installed before torch's import).
     """
+    if signals.last is not None:  # preempted while importing: nothing runs yet, leave now
+        log.error("exiting with 75 (PREEMPTED): %s before any worker started",
+                  signal.Signals(signals.last).name)  # fmt: skip
+        return ExitCode.PREEMPTED
     from ftrun.agent.node import NodeAgent
     from ftrun.agent.runtime import open_runtime
 
     try:
-        with open_runtime(config, environ) as runtime:
-            return NodeAgent(runtime).run()
+        with open_runtime(config, environ, signals.inbox) as runtime:
+            return NodeAgent(runtime, signals).run()
     except FtrunError as exc:
         log.error("%s", exc)
         return exc.exit_code

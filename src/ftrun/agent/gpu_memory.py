@@ -11,8 +11,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
+
+from ftrun.agent.nvml import load_nvml
+from ftrun.agent.services import NodeService
+from ftrun.rendezvous.ranks import Round
 
 log = logging.getLogger("ftrun.agent")
 _POLL_S = 0.05
@@ -29,7 +33,7 @@ class Reclaim:
 
 def memory_baseline() -> dict[int, int] | None:
     """Bytes in use per GPU now, or None when there is no NVML (no GPUs: nothing to wait for)."""
-    nvml = _nvml()
+    nvml = load_nvml()
     if nvml is None:
         return None
     try:
@@ -41,7 +45,7 @@ def memory_baseline() -> dict[int, int] | None:
 def wait_until_released(
     baseline: dict[int, int], pids: Collection[int], timeout: float, tolerance_mb: float
 ) -> Reclaim:
-    nvml = _nvml()
+    nvml = load_nvml()
     started = time.monotonic()
     if nvml is None:
         return Reclaim(0.0, True, 0.0)
@@ -75,11 +79,31 @@ def _used(nvml: Any, index: int) -> int:
     return int(nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(index)).used)
 
 
-def _nvml() -> Any:
-    try:
-        import pynvml
+class GpuReclaimService(NodeService):
+    """Before a restart, waits (bounded) until the stopped workers' GPU memory is free."""
 
-        pynvml.nvmlInit()
-        return pynvml
-    except Exception:
-        return None
+    name = "GPU memory reclaim"
+
+    def __init__(self, timeout: float, tolerance_mb: float, emit: Callable[..., None]) -> None:
+        self._timeout = timeout
+        self._tolerance_mb = tolerance_mb
+        self._emit = emit
+        self._baseline = memory_baseline()
+
+    def on_stopped(self, rnd: Round | None, pids: Iterable[int]) -> None:
+        if self._baseline is None:
+            return
+        reclaim = wait_until_released(self._baseline, list(pids), self._timeout, self._tolerance_mb)
+        self._emit(
+            "gpu_memory_reclaimed",
+            duration=round(reclaim.duration, 6),
+            released=reclaim.released,
+            excess_mb=round(reclaim.excess_mb, 1),
+        )
+        if reclaim.released:
+            log.info("GPU memory of the stopped workers released in %.3fs", reclaim.duration)
+        else:
+            log.warning(
+                "GPU memory still %.0f MB above its baseline after %.1fs; starting anyway",
+                reclaim.excess_mb, reclaim.duration,
+            )  # fmt: skip

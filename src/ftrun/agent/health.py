@@ -1,7 +1,6 @@
 """Node health checks run before every rendezvous round: GPUs (NVML), storage, a command.
 
-`pynvml` (from nvidia-ml-py) is imported here and only here, lazily: dev machines have no GPU,
-and tests replace the module at this boundary with a fake.
+NVML comes from `agent.nvml` (loaded lazily, replaced by a fake in tests).
 """
 
 from __future__ import annotations
@@ -10,9 +9,12 @@ import logging
 import os
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+from ftrun.agent.nvml import load_nvml
+from ftrun.agent.services import NodeService
 from ftrun.errors import NodeUnhealthyError
 from ftrun.rendezvous.config import HealthCheckConfig
 
@@ -53,16 +55,12 @@ def check_gpus(nvlink: bool = False) -> int:
 
 def _load_nvml() -> Any:
     global _gpu_skip_logged
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return pynvml
-    except Exception as exc:  # ImportError, library missing, no driver: a node without GPUs
-        if not _gpu_skip_logged:
-            log.info("GPU health check skipped: NVML unavailable (%s)", exc)
-            _gpu_skip_logged = True
-        return None
+    pynvml = load_nvml()
+    if pynvml is None and not _gpu_skip_logged:
+        # No library, no driver: a node without GPUs.
+        log.info("GPU health check skipped: NVML unavailable")
+        _gpu_skip_logged = True
+    return pynvml
 
 
 def _check_device(pynvml: Any, index: int, nvlink: bool) -> None:
@@ -153,3 +151,29 @@ def _run_command(command: str, timeout: float) -> None:
     if proc.returncode != 0:
         tail = output.strip().splitlines()[-1:] or [""]
         raise NodeUnhealthyError(f"health command exited {proc.returncode}: {tail[0]}")
+
+
+class HealthService(NodeService):
+    """Runs the checks before every round. The first report is taken at construction, before
+    the store is met: a node that starts unhealthy must not host the store."""
+
+    name = "health checks"
+
+    def __init__(self, config: HealthCheckConfig, emit: Callable[..., None]) -> None:
+        self._config = config
+        self._emit = emit
+        self.first: dict[str, Any] | NodeUnhealthyError | None = self._report()
+
+    def before_round(self) -> None:
+        result, self.first = self.first or self._report(), None
+        if isinstance(result, NodeUnhealthyError):
+            raise result
+        self._emit("health_check", **result)
+
+    def _report(self) -> dict[str, Any] | NodeUnhealthyError:
+        started = time.monotonic()
+        try:
+            report = check_node(self._config)
+        except NodeUnhealthyError as exc:
+            return exc
+        return {**report, "duration": round(time.monotonic() - started, 6)}

@@ -14,12 +14,12 @@ import queue
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 from ftrun.agent.config import AgentConfig, Std
-from ftrun.agent.spare_pool import SparePool, spawn_process
+from ftrun.agent.termination import die_with_parent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,11 +32,55 @@ class WorkerExited:
     returncode: int
 
 
+class WorkerProcess(Protocol):
+    """What the group needs of a started worker: `subprocess.Popen`'s shape."""
+
+    pid: int
+    stdout: IO[bytes] | None
+    stderr: IO[bytes] | None
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+class Spawner(Protocol):
+    """Starts one worker with `env`; calls `announce(pid)` before the worker's script runs."""
+
+    def spawn(self, env: Mapping[str, str], announce: Callable[[int], None]) -> WorkerProcess: ...
+
+
+class PlainSpawner:
+    """A fresh process running the entrypoint: no pre-imported modules."""
+
+    def __init__(self, entrypoint: tuple[str, ...]) -> None:
+        self._entrypoint = entrypoint
+
+    def spawn(self, env: Mapping[str, str], announce: Callable[[int], None]) -> WorkerProcess:
+        proc = spawn_process(self._entrypoint, env, subprocess.DEVNULL)
+        announce(proc.pid)  # the child is still starting its interpreter
+        return proc
+
+
+def spawn_process(
+    argv: Sequence[str], env: Mapping[str, str], stdin: int
+) -> subprocess.Popen[bytes]:
+    """Start a process as a worker: own process group, dies with the agent, output piped."""
+    return subprocess.Popen(
+        list(argv),
+        env=dict(env),
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        # Only a prctl() through a preloaded libc: nothing that takes a lock after fork.
+        preexec_fn=die_with_parent,  # noqa: PLW1509
+    )
+
+
 @dataclasses.dataclass
 class Worker:
     local_rank: int
     rank: int
-    proc: subprocess.Popen[bytes]
+    proc: WorkerProcess
     log_dir: Path
 
 
@@ -54,23 +98,18 @@ class WorkerGroup:
         first_rank: int,
         envs: list[Mapping[str, str]],
         log_dir: Path,
-        spares: SparePool | None,
+        spawner: Spawner,
         expect: Callable[[int, int], None],
     ) -> None:
         """Spawn one worker per env (local rank = index); ranks start at `first_rank`.
 
-        Python workers start from `spares` (pre-imported) when the pool has one ready.
         `expect(rank, pid)` tells the monitor about each worker before it can register.
         """
         for local_rank, env in enumerate(envs):
             rank = first_rank + local_rank
             worker_dir = log_dir / f"rank{rank}"
             worker_dir.mkdir(parents=True, exist_ok=True)
-            announce = functools.partial(expect, rank)
-            proc = spares.start(local_rank, env, announce) if spares is not None else None
-            if proc is None:
-                proc = spawn_process(self._config.entrypoint, env, subprocess.DEVNULL)
-                announce(proc.pid)  # the child is still starting its interpreter
+            proc = spawner.spawn(env, functools.partial(expect, rank))
             worker = Worker(local_rank, rank, proc, worker_dir)
             self.workers.append(worker)
             self._relay(worker)
@@ -133,16 +172,3 @@ def _pump(stream: IO[bytes], path: Path, console: IO[str], show: bool, prefix: b
                     out.flush()
                 except (OSError, ValueError):
                     out = None  # the console went away; keep the file
-
-
-def worker_env(
-    base: Mapping[str, str], extra: Mapping[str, str], local_rank: int, rank: int
-) -> dict[str, str]:
-    """One worker's environment: the shared part plus its own ranks."""
-    return {
-        **base,
-        **extra,
-        "LOCAL_RANK": str(local_rank),
-        "RANK": str(rank),
-        "ROLE_RANK": str(rank),
-    }

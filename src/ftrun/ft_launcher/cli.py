@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import socket
+import queue
 import sys
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
+from ftrun.agent.inbox import SignalRecorder
 from ftrun.config import LaunchConfig
-from ftrun.errors import ConfigError, ExitCode, FtrunError, PreemptedError
+from ftrun.errors import ConfigError, ExitCode, FtrunError
 from ftrun.ft_launcher.config import config_from
 from ftrun.ft_launcher.options import PROG, help_text, parse_argv
+from ftrun.identity import this_node
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,9 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         config = config_from(line, os.environ)
     except ConfigError as err:
         _usage_error(str(err))
+    # Handlers only record (into the agent's inbox); preemption during torch's import is seen
+    # as soon as the agent starts.
+    signals = SignalRecorder(queue.SimpleQueue()).install(config.agent.signals_to_handle)
     setup_logging(config, os.environ)
     for warning in config.warnings:
         log.warning("%s", warning)
@@ -40,12 +44,10 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     # c10d logs every timed-out store wait and failed connect with a C++ backtrace; the agent
     # reports those conditions itself in one line. The workers keep the user's setting.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
-    for sig in config.agent.signals_to_handle:  # the agent installs its own when it runs
-        signal.signal(sig, _stopped_before_start)
     from ftrun.agent import run_node  # the agent (and torch) only once the config is valid
 
     try:
-        code = run_node(config, workers_environ)
+        code = run_node(config, workers_environ, signals)
     except FtrunError as err:
         log.error("%s", err)
         code = err.exit_code
@@ -63,11 +65,6 @@ def _leave(code: int) -> NoReturn:
     os._exit(int(code))
 
 
-def _stopped_before_start(signum: int, _frame: object) -> NoReturn:
-    """Preemption while importing torch or meeting the store: nothing runs yet, leave now."""
-    raise PreemptedError(f"{signal.Signals(signum).name} before any worker started")
-
-
 def _usage_error(message: str) -> NoReturn:
     """One line on stderr, exit status 2: no traceback, no usage block."""
     sys.stderr.write(f"{PROG}: error: {' '.join(message.split())}\n")
@@ -75,14 +72,9 @@ def _usage_error(message: str) -> NoReturn:
     sys.exit(ExitCode.USAGE)
 
 
-def node_name(config: LaunchConfig, environ: Mapping[str, str]) -> str:
-    """This node's name in logs: the configured one, else Slurm's, else the host name."""
-    return config.agent.node_name or environ.get("SLURMD_NODENAME") or socket.gethostname()
-
-
 def setup_logging(config: LaunchConfig, environ: Mapping[str, str]) -> None:
     """Root logging to stderr at `--ft-log-level`, every line prefixed `[ft_launcher <node>]`."""
-    prefix = f"[{PROG} {node_name(config, environ)}]".replace("%", "%%")
+    prefix = f"[{PROG} {this_node(config, environ)[1]}]".replace("%", "%%")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         logging.Formatter(f"{prefix} %(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import logging
-import socket
 import threading
 
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from ftrun.errors import RendezvousFailedError
+from ftrun.identity import is_local_host
 from ftrun.rendezvous.config import RendezvousConfig
 
 log = logging.getLogger("ftrun.rendezvous")
@@ -82,21 +81,6 @@ def _open_store(host: str, port: int, serve: bool, timeout: datetime.timedelta) 
     return outcome["store"]  # type: ignore[return-value]
 
 
-def is_local_host(host: str) -> bool:
-    """True when `host` names this machine (a loopback address or one of its own)."""
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return True
-    except ValueError:
-        pass
-    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
-        return True
-    try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
-        local = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
-    except OSError:
-        return False
-    return any(ipaddress.ip_address(a).is_loopback for a in addresses) or bool(addresses & local)
 
 
 def _one_line(error: Exception | None) -> str:

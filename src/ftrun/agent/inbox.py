@@ -1,0 +1,52 @@
+"""The agent's inbox: one queue for everything that happens to a node asynchronously.
+
+Worker exits (from watcher threads), hang verdicts and progress notes (from the monitor thread)
+and signals all arrive here; the agent's executor takes them one at a time. Signal handlers only
+record: a `SimpleQueue.put` (reentrant, safe in a handler) and an attribute; they never raise,
+log or lock. Torch-free: the CLI installs the handlers before the agent is imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import signal
+from collections.abc import Iterable
+
+Inbox = queue.SimpleQueue
+
+
+@dataclasses.dataclass(frozen=True)
+class SignalReceived:
+    signum: int
+
+
+class SignalRecorder:
+    """The handler for the launcher's signals: enqueue, remember the last one, nothing else."""
+
+    def __init__(self, inbox: queue.SimpleQueue[object]) -> None:
+        self.inbox = inbox
+        self.last: int | None = None
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        self.last = signum
+        self.inbox.put(SignalReceived(signum))
+
+    def install(self, signals: Iterable[signal.Signals]) -> SignalRecorder:
+        for sig in signals:
+            signal.signal(sig, self)
+        return self
+
+
+def take_queued(inbox: queue.SimpleQueue[object], kind: type) -> list:
+    """Remove and return queued items of `kind`, keeping the rest in order."""
+    taken, kept = [], []
+    while True:
+        try:
+            item = inbox.get_nowait()
+        except queue.Empty:
+            break
+        (taken if isinstance(item, kind) else kept).append(item)
+    for item in kept:
+        inbox.put(item)
+    return taken

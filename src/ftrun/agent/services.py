@@ -1,0 +1,105 @@
+"""Node services: components that live as long as the node agent and hook into its cycles.
+
+A feature that needs the node's lifetime (the rank monitor, health checks, prewarmed workers,
+GPU memory reclaim; next the checkpoint keeper and the straggler collector) is a `NodeService`,
+not a new branch in the agent loop. A service overrides the hooks it needs:
+
+- `before_round()`     before every rendezvous; raise `NodeUnhealthyError` to keep the node out
+- `worker_env(round)`  variables added to every worker's environment for that round
+- `on_round(round)`    after the rendezvous, before the workers start (e.g. fetch what they need)
+- `on_stopped(round, pids)`  after a cycle's workers are gone (e.g. wait for their GPU memory)
+- `kept_pids()`        processes of the service that the agent's stop routine must not signal
+- `close()`            once, at the end; must not raise
+
+`NodeServices` starts them in order and closes them in reverse, also when a later one fails to
+start: whatever was started is closed (an `ExitStack`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Mapping
+from typing import TypeVar
+
+from ftrun.rendezvous.ranks import Round
+
+log = logging.getLogger("ftrun.agent")
+
+
+class NodeService:
+    """Base class: every hook is a no-op; override what the service needs."""
+
+    name = "service"
+
+    def before_round(self) -> None:
+        return None
+
+    def worker_env(self, rnd: Round) -> Mapping[str, str]:
+        return {}
+
+    def on_round(self, rnd: Round) -> None:
+        return None
+
+    def on_stopped(self, rnd: Round | None, pids: Iterable[int]) -> None:
+        return None
+
+    def kept_pids(self) -> frozenset[int]:
+        return frozenset()
+
+    def close(self) -> None:
+        return None
+
+
+S = TypeVar("S", bound=NodeService)
+
+
+class NodeServices:
+    """The node's services in start order; hooks run in that order, `close` in reverse."""
+
+    def __init__(self) -> None:
+        self._services: list[NodeService] = []
+        self._stack = contextlib.ExitStack()
+
+    def add(self, service: S) -> S:
+        """Register a started service; from now on `close` closes it."""
+        self._services.append(service)
+        self._stack.callback(_close_quietly, service)
+        return service
+
+    def before_round(self) -> None:
+        for service in self._services:
+            service.before_round()
+
+    def worker_env(self, rnd: Round) -> dict[str, str]:
+        env: dict[str, str] = {}
+        for service in self._services:
+            env.update(service.worker_env(rnd))
+        return env
+
+    def on_round(self, rnd: Round) -> None:
+        for service in self._services:
+            service.on_round(rnd)
+
+    def on_stopped(self, rnd: Round | None, pids: Iterable[int]) -> None:
+        stopped = tuple(pids)
+        for service in self._services:
+            service.on_stopped(rnd, stopped)
+
+    def kept_pids(self) -> frozenset[int]:
+        kept: frozenset[int] = frozenset()
+        for service in self._services:
+            kept |= service.kept_pids()
+        return kept
+
+    def close(self) -> None:
+        self._services.clear()
+        self._stack.close()
+
+
+def _close_quietly(service: NodeService) -> None:
+    """A service that fails to close must not keep the others from closing."""
+    try:
+        service.close()
+    except Exception:
+        log.exception("closing the %s service failed", service.name)

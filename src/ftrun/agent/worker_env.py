@@ -1,0 +1,72 @@
+"""Every worker's environment, built in this one place: torchrun's variables, the services'
+(monitor address, ...), the launcher's additions, and each rank's own."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from ftrun.config import LaunchConfig
+from ftrun.rendezvous.ranks import Round
+
+
+def worker_envs(
+    config: LaunchConfig,
+    environ: Mapping[str, str],
+    services_env: Mapping[str, str],
+    rnd: Round,
+    node: str,
+    cycle_dir: Path,
+) -> list[dict[str, str]]:
+    """One environment per local rank of this node in round `rnd` (index = local rank)."""
+    shared = shared_env(config, environ, services_env, rnd, node)
+    first = rnd.first_global_rank
+    return [
+        {
+            **shared,
+            **rank_variables(local_rank, first + local_rank),
+            "TORCHELASTIC_ERROR_FILE": str(cycle_dir / f"rank{first + local_rank}" / "error.json"),
+        }
+        for local_rank in range(rnd.me.local_world_size)
+    ]
+
+
+def shared_env(
+    config: LaunchConfig,
+    environ: Mapping[str, str],
+    services_env: Mapping[str, str],
+    rnd: Round | None,
+    node: str,
+) -> dict[str, str]:
+    """What every local worker of the round shares, as torchrun sets it (without a round: the
+    part known before any rendezvous, for processes started ahead of the workers)."""
+    agent, rdzv = config.agent, config.rendezvous
+    env = {**environ, **agent.extra_env, **services_env}
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if agent.nproc_per_node > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default against oversubscription
+    env.update(
+        ROLE_NAME=agent.role,
+        TORCHELASTIC_MAX_RESTARTS=str(agent.max_restarts),
+        TORCHELASTIC_RUN_ID=rdzv.run_id,
+        TORCHELASTIC_USE_AGENT_STORE="False",
+        FTRUN_NODE=node,
+    )
+    if rnd is not None:
+        env.update(
+            LOCAL_WORLD_SIZE=str(rnd.me.local_world_size),
+            WORLD_SIZE=str(rnd.world_size),
+            GROUP_RANK=str(rnd.group_rank),
+            GROUP_WORLD_SIZE=str(len(rnd.nodes)),
+            ROLE_WORLD_SIZE=str(rnd.world_size),
+            MASTER_ADDR=rnd.master.host,
+            MASTER_PORT=str(rnd.master.master_port),
+            TORCHELASTIC_RESTART_COUNT=str(rnd.number),
+            FTRUN_CYCLE=str(rnd.number),
+        )
+    return env
+
+
+def rank_variables(local_rank: int, rank: int) -> dict[str, str]:
+    """The variables that differ between the local workers."""
+    return {"LOCAL_RANK": str(local_rank), "RANK": str(rank), "ROLE_RANK": str(rank)}

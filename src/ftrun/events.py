@@ -1,0 +1,202 @@
+"""The node's events file: its schema, and the writer the agent appends to.
+
+`<log dir>/events-<node>.jsonl` holds one JSON object per line, the single source for
+`ftrun report` and the benches. Every event has the common fields (`event`, `ts` wall clock for
+people and for ordering across nodes, `mono` monotonic for durations within one node, `node`,
+and `cycle`, the job-wide cycle number, equal on every node), plus the fields its kind lists in
+`SCHEMA`. The writer (`EventLog`) and the reader (`ftrun.tools.events`) both use `SCHEMA`, so an
+event the agent writes is one the report can read.
+
+Torch-free and cheap to import: `ftrun report` runs where training does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("ftrun.agent")
+
+EVENTS_GLOB = "events-*.jsonl"
+
+# Field types, as JSON has them.
+NUM = "number"
+INT = "integer"
+STR = "string"
+LIST = "list"
+BOOL = "boolean"
+ANY = "any"
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One field of an event. A required field must be present with its type; an optional one
+    may be missing or null. The reader rejects a line that lacks a required field."""
+
+    name: str
+    kind: str
+    required: bool = False
+    doc: str = ""
+
+
+def _req(name: str, kind: str, doc: str = "") -> Field:
+    return Field(name, kind, True, doc)
+
+
+def _opt(name: str, kind: str, doc: str = "") -> Field:
+    return Field(name, kind, False, doc)
+
+
+COMMON: tuple[Field, ...] = (
+    _req("event", STR, "the kind, a key of SCHEMA"),
+    _req("ts", NUM, "wall clock (time.time()) when written"),
+    _req("mono", NUM, "monotonic clock of the writing node when written"),
+    _req("node", STR, "the node's name"),
+    _req("cycle", INT, "the job-wide cycle number"),
+)
+
+_PROGRESS_AT = "(wall clock, from the monitor's monotonic stamp)"
+
+SCHEMA: Mapping[str, tuple[Field, ...]] = {
+    "health_check": (
+        _req("duration", NUM, "seconds the checks took, right before the rendezvous"),
+        _opt("gpus", INT),
+        _opt("storage_paths", INT),
+        _opt("command", STR),
+    ),
+    "rendezvous_done": (
+        _req("duration", NUM, "seconds from joining to the round formed"),
+        _req("group_rank", INT),
+        _req("nodes", LIST, "node names of the round, in group-rank order"),
+        _opt("world_size", INT),
+        _opt("store_host", BOOL),
+    ),
+    "workers_started": (
+        _req("ranks", LIST, "global ranks of this node's workers"),
+        _req("pids", LIST),
+    ),
+    "stepping": (
+        _req("ranks", LIST, "this node's ranks: every one has shown progress this cycle"),
+        _req("progress_ts", NUM, f"the last of them to show its first progress {_PROGRESS_AT}"),
+        _req("progress_mono", NUM, "the same moment on this node's monotonic clock"),
+        _opt("iterations", LIST, "per rank (as `ranks`), the first iteration reported, or null"),
+        _opt("startup", NUM, "seconds from the workers' start to `progress_mono`"),
+    ),
+    "last_progress": (
+        _req("before", STR, "'stop' (the workers are about to be stopped) or 'finish'"),
+        _req("ranks", LIST, "this node's ranks that registered with the monitor this cycle"),
+        _opt("progress_ts", NUM, f"the latest progress of any of them {_PROGRESS_AT}; null: none"),
+        _opt("progress_mono", NUM, "the same moment on this node's monotonic clock"),
+        _opt("iterations", LIST, "per rank (as `ranks`), the latest iteration reported, or null"),
+    ),
+    "worker_exited": (
+        _req("rank", INT),
+        _req("code", INT, "the exit status; negative: killed by that signal"),
+        _opt("local_rank", INT),
+        _opt("pid", INT),
+        _opt("signal", STR),
+    ),
+    "hang": (
+        _req("rank", INT),
+        _req("kind", STR, "a HangKind value"),
+        _req("waited", NUM, "seconds without the awaited progress"),
+        _opt("pid", INT),
+        _opt("section", STR),
+        _opt("timeout", NUM),
+        _opt("detection_latency", NUM, "seconds from the deadline to the verdict"),
+        _opt("stack_file", STR),
+        _opt("where", STR),
+        _opt("in_library", BOOL),
+    ),
+    "signal": (_req("signal", STR),),
+    "store_lost": (_opt("error", STR),),
+    "stop_done": (
+        _req("duration", NUM),
+        _opt("killed", INT, "processes that needed SIGKILL"),
+        _opt("survivors", INT),
+    ),
+    "gpu_memory_reclaimed": (
+        _req("duration", NUM),
+        _opt("released", BOOL),
+        _opt("excess_mb", NUM),
+    ),
+    "unhealthy": (_req("reason", STR),),
+    "restart": (_opt("cause", STR),),
+    "exit": (_req("code", INT), _opt("reason", STR)),
+}
+
+
+def has_type(value: Any, kind: str) -> bool:
+    """Whether a JSON value has the schema type `kind` (true/false are not numbers)."""
+    if kind == ANY:
+        return True
+    if kind == BOOL:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind == NUM:
+        return isinstance(value, (int, float))
+    if kind == INT:
+        return isinstance(value, int)
+    if kind == STR:
+        return isinstance(value, str)
+    if kind == LIST:
+        return isinstance(value, list)
+    raise ValueError(f"unknown field type {kind!r}")
+
+
+def problems(event: str, fields: Mapping[str, Any]) -> list[str]:
+    """What is wrong with an event of kind `event` carrying `fields` (empty: nothing)."""
+    spec = SCHEMA.get(event)
+    if spec is None:
+        return [f"unknown event kind {event!r}"]
+    found = []
+    for field in spec:
+        value = fields.get(field.name)
+        if value is None:
+            if field.required:
+                found.append(f"{event}: required field {field.name!r} missing")
+        elif not has_type(value, field.kind):
+            found.append(f"{event}: field {field.name!r} is not a {field.kind}: {value!r}")
+    return found
+
+
+class EventLog:
+    """Appends events to `<log dir>/events-<node>.jsonl`, one flushed line each.
+
+    An event that does not match `SCHEMA` is a bug: it is logged as an error and written all
+    the same (the reader skips it), since a launcher must not fail a job over its bookkeeping.
+    """
+
+    def __init__(self, log_dir: Path, node: str) -> None:
+        self.path = log_dir / f"events-{node}.jsonl"
+        self._node = node
+        self._lock = threading.Lock()
+        self._file = self.path.open("a", encoding="utf-8")
+        self.cycle = 0
+
+    def emit(self, event: str, **fields: Any) -> None:
+        for problem in problems(event, fields):
+            log.error("event does not match its schema (a bug): %s", problem)
+        record = {
+            "event": event,
+            "ts": round(time.time(), 6),
+            "mono": round(time.monotonic(), 6),
+            "node": self._node,
+            "cycle": self.cycle,
+            **fields,
+        }
+        line = json.dumps(record, default=str)
+        with self._lock:
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()

@@ -1,0 +1,214 @@
+"""The agent's decisions, without processes or a store: every transition and every exit code."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+
+import pytest
+
+from ftrun.agent import policy as p
+from ftrun.agent.policy import Action, Facts, Outcome, Policy, RestartVote
+from ftrun.agent.state import TRANSITIONS, AgentState
+from ftrun.errors import ExitCode
+from ftrun.rendezvous.control import Shutdown
+
+S = AgentState
+POLICY = Policy(max_restarts=2)
+FACTS = Facts(node="n0", cycle=4, round_size=2, max_nodes=2)
+PREEMPT = Outcome(ExitCode.PREEMPTED, "SIGTERM on node n0")
+
+
+def decide(state: AgentState, event: p.AgentEvent, **facts: object) -> Action:
+    action = POLICY.decide(state, event, dataclasses.replace(FACTS, **facts))
+    if action.next_state is not None:  # every decision is a legal move of the state table
+        assert action.next_state in TRANSITIONS[state], (state, action)
+    return action
+
+
+# ---- health check and rendezvous ---------------------------------------------------------------
+
+
+def test_healthy_node_joins() -> None:
+    assert decide(S.HEALTH_CHECK, p.HealthChecked()) == Action(S.RENDEZVOUS)
+
+
+def test_unhealthy_node_tells_the_others_and_exits_do_not_relaunch() -> None:
+    action = decide(S.HEALTH_CHECK, p.HealthChecked("GPU 0: 3 uncorrected ECC errors"))
+    assert action == Action(
+        S.EXITING,
+        report_unhealthy="GPU 0: 3 uncorrected ECC errors",
+        outcome=Outcome(
+            ExitCode.DO_NOT_RELAUNCH, "node unhealthy: GPU 0: 3 uncorrected ECC errors"
+        ),
+    )
+
+
+def test_join_goes_ahead_within_budget() -> None:
+    assert decide(S.RENDEZVOUS, p.JoinReady(), failures=2) == p.KEEP_WATCHING
+
+
+def test_spent_budget_shuts_the_job_down_with_failed() -> None:
+    action = decide(S.RENDEZVOUS, p.JoinReady(), failures=3)
+    assert action.next_state is S.EXITING
+    assert action.shutdown is not None and action.shutdown.code is ExitCode.FAILED
+    assert "restart budget spent (3 failures, --max-restarts=2)" in action.shutdown.reason
+
+
+def test_a_shutdown_in_force_ends_the_node_with_its_code() -> None:
+    shutdown = Shutdown(ExitCode.PREEMPTED, "SIGTERM on node n1")
+    action = decide(S.RENDEZVOUS, p.JoinReady(), shutdown=shutdown, failures=9)
+    assert action == Action(S.EXITING, outcome=Outcome(ExitCode.PREEMPTED, "SIGTERM on node n1"))
+
+
+def test_joined_round_starts_workers() -> None:
+    assert decide(S.RENDEZVOUS, p.Joined()) == Action(S.STARTING)
+
+
+@pytest.mark.parametrize(
+    ("event", "shutdown", "expected"),
+    [
+        (
+            p.JoinFailed("rendezvous failed: timeout"),
+            None,
+            Outcome(ExitCode.FAILED, "rendezvous failed: timeout"),
+        ),
+        (
+            p.JoinFailed("bad infra rank", ExitCode.USAGE),
+            None,
+            Outcome(ExitCode.USAGE, "bad infra rank"),
+        ),
+        (p.JoinFailed("closed", closed=True), None, Outcome(ExitCode.FAILED, "closed")),
+        (
+            p.JoinFailed("closed", closed=True),
+            Shutdown(ExitCode.SUCCESS, "rendezvous closed"),
+            Outcome(ExitCode.SUCCESS, "rendezvous closed"),
+        ),
+    ],
+)
+def test_failed_join_exit_codes(
+    event: p.JoinFailed, shutdown: Shutdown | None, expected: Outcome
+) -> None:
+    assert decide(S.RENDEZVOUS, event, shutdown=shutdown) == Action(S.EXITING, outcome=expected)
+
+
+# ---- starting and running ----------------------------------------------------------------------
+
+
+def test_started_workers_are_watched() -> None:
+    assert decide(S.STARTING, p.WorkersStarted()) == Action(S.RUNNING)
+
+
+def test_spawn_failure_votes_for_a_restart() -> None:
+    action = decide(S.STARTING, p.SpawnFailed("no such file"))
+    assert action == Action(S.STOPPING, vote=RestartVote("spawn failed on n0: no such file"))
+
+
+@pytest.mark.parametrize(
+    ("code", "text"),
+    [(3, "exited with code 3"), (-9, "was killed by SIGKILL"), (-11, "was killed by SIGSEGV")],
+)
+def test_failed_worker_votes_for_a_restart(code: int, text: str) -> None:
+    action = decide(S.RUNNING, p.WorkerEnded(rank=5, returncode=code, others_running=1))
+    assert action == Action(S.STOPPING, vote=RestartVote(f"rank 5 on n0 {text}"))
+    assert action.outcome is None  # restart, not exit
+
+
+def test_successful_worker_waits_for_the_others_then_succeeds() -> None:
+    assert decide(S.RUNNING, p.WorkerEnded(0, 0, others_running=1)) == p.KEEP_WATCHING
+    assert decide(S.RUNNING, p.WorkerEnded(1, 0, others_running=0)) == Action(S.SUCCEEDED)
+
+
+def test_hung_ranks_are_killed_at_once_and_the_cycle_restarts() -> None:
+    action = decide(S.RUNNING, p.HangsFound(ranks=(2, 3), pids=(101, 102), kind="heartbeat"))
+    assert action == Action(
+        S.STOPPING, kill=(101, 102), vote=RestartVote("rank(s) 2, 3 on n0 hung (heartbeat)")
+    )
+
+
+def test_cycle_ended_elsewhere_restarts_here() -> None:
+    assert decide(S.RUNNING, p.CycleEnded()) == Action(S.STOPPING)
+
+
+def test_cycle_ended_by_a_shutdown_stops_then_exits_with_its_code() -> None:
+    shutdown = Shutdown(ExitCode.FAILED, "restart budget spent")
+    action = decide(S.RUNNING, p.CycleEnded(), shutdown=shutdown)
+    assert action == Action(S.STOPPING, outcome=Outcome(ExitCode.FAILED, "restart budget spent"))
+
+
+def test_waiting_nodes_trigger_a_scale_up_vote_that_is_not_a_failure() -> None:
+    action = decide(S.RUNNING, p.NodesWaiting(1), round_size=1, max_nodes=2)
+    assert action == Action(None, vote=RestartVote("a new node is waiting", failure=False))
+    assert decide(S.RUNNING, p.NodesWaiting(0), round_size=1, max_nodes=2) == p.KEEP_WATCHING
+    assert decide(S.RUNNING, p.NodesWaiting(3), round_size=2, max_nodes=2) == p.KEEP_WATCHING
+
+
+# ---- stopping and after success ----------------------------------------------------------------
+
+
+def test_stopped_workers_restart_or_exit_as_planned() -> None:
+    assert decide(S.STOPPING, p.WorkersStopped()) == Action(S.HEALTH_CHECK)
+    planned = Outcome(ExitCode.FAILED, "rendezvous store lost")
+    assert decide(S.STOPPING, p.WorkersStopped(), after_stop=planned) == Action(
+        S.EXITING, outcome=planned
+    )
+
+
+def test_all_peers_finished_is_success() -> None:
+    action = decide(S.SUCCEEDED, p.PeersFinished())
+    assert action == Action(S.EXITING, outcome=Outcome(ExitCode.SUCCESS, "all workers finished"))
+
+
+def test_a_peer_failing_after_this_node_finished_restarts_it() -> None:
+    assert decide(S.SUCCEEDED, p.CycleEnded()) == Action(S.HEALTH_CHECK)
+    shutdown = Shutdown(ExitCode.PREEMPTED, "SIGTERM on node n1")
+    assert decide(S.SUCCEEDED, p.CycleEnded(), shutdown=shutdown) == Action(
+        S.EXITING, outcome=Outcome(ExitCode.PREEMPTED, "SIGTERM on node n1")
+    )
+
+
+# ---- signals and a lost store, in every state --------------------------------------------------
+
+
+@pytest.mark.parametrize("state", [S.RUNNING, S.STARTING])
+def test_signal_with_workers_forwards_it_and_preempts_the_job(state: AgentState) -> None:
+    action = decide(state, p.Signalled(signal.SIGTERM))
+    assert action == Action(S.STOPPING, shutdown=PREEMPT, stop_signal=signal.SIGTERM)
+
+
+@pytest.mark.parametrize("state", [S.HEALTH_CHECK, S.RENDEZVOUS, S.SUCCEEDED])
+def test_signal_without_workers_preempts_at_once(state: AgentState) -> None:
+    """Also after this node's workers succeeded: the job is not over, and 75 asks to requeue."""
+    action = decide(state, p.Signalled(signal.SIGINT))
+    assert action == Action(S.EXITING, shutdown=Outcome(ExitCode.PREEMPTED, "SIGINT on node n0"))
+
+
+def test_signal_while_stopping_ends_the_node_after_the_stop() -> None:
+    assert decide(S.STOPPING, p.Signalled(signal.SIGTERM)) == Action(None, shutdown=PREEMPT)
+
+
+@pytest.mark.parametrize(
+    ("state", "next_state"),
+    [
+        (S.RUNNING, S.STOPPING),
+        (S.STARTING, S.STOPPING),
+        (S.STOPPING, None),
+        (S.HEALTH_CHECK, S.EXITING),
+        (S.RENDEZVOUS, S.EXITING),
+        (S.SUCCEEDED, S.EXITING),
+    ],
+)
+def test_lost_store_ends_the_node_with_failed(state: AgentState, next_state: AgentState) -> None:
+    action = decide(state, p.StoreLost("connection reset"))
+    assert action == Action(next_state, outcome=Outcome(ExitCode.FAILED, "rendezvous store lost"))
+
+
+def test_an_event_a_state_does_not_expect_is_a_bug() -> None:
+    with pytest.raises(ValueError, match="no decision for WorkerEnded in state rendezvous"):
+        POLICY.decide(S.RENDEZVOUS, p.WorkerEnded(0, 1, 0), FACTS)
+
+
+def test_every_state_but_the_last_two_has_decisions() -> None:
+    """The table covers each state the executor steps through."""
+    decided = {state for state, _ in p._HANDLERS}
+    assert decided == set(AgentState) - {S.EXITING, S.EXITED}
