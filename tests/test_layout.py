@@ -1,0 +1,109 @@
+"""The package layout: dependencies point one way, and the worker-side client stays light."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+
+def _unit(module: str) -> str:
+    """The layout unit of a module: its subpackage (`ftrun.agent`), a top-level module
+    (`ftrun.config`), or a component's config module, which is a leaf everyone may read."""
+    parts = module.split(".")
+    if len(parts) >= 3 and parts[2] == "config":
+        return ".".join(parts[:3])
+    return ".".join(parts[:2])
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every `ftrun` module this file imports, at module level or lazily inside functions;
+    imports only for type checkers do not count."""
+    tree = ast.parse(path.read_text())
+    typing_only: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing_only |= {id(n) for n in ast.walk(node)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return {name for name in found if name.startswith("ftrun.")}
+
+
+def _unit_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in (SRC / "ftrun").rglob("*.py"):
+        unit = _unit(_module_name(path))
+        deps = {_unit(name) for name in _imports(path)} - {"ftrun.errors"}
+        # A config module and its own package are one unit as far as cycles go.
+        deps = {d for d in deps if not (d.startswith(unit) or unit.startswith(d))}
+        graph.setdefault(unit, set()).update(deps)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One dependency cycle, if any (depth-first search)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(unit: str) -> list[str] | None:
+        state[unit] = 1
+        stack.append(unit)
+        for dep in sorted(graph.get(unit, ())):
+            if state.get(dep) == 1:
+                return [*stack[stack.index(dep) :], dep]
+            if dep not in state and (found := visit(dep)):
+                return found
+        stack.pop()
+        state[unit] = 2
+        return None
+
+    for unit in sorted(graph):
+        if unit not in state and (found := visit(unit)):
+            return found
+    return None
+
+
+def test_no_import_cycle_between_packages() -> None:
+    graph = _unit_graph()
+    assert "ftrun.agent" in graph and "ftrun.ft_launcher" in graph  # the scan saw the tree
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_dependencies_point_one_way() -> None:
+    graph = _unit_graph()
+    assert "ftrun.ft_launcher" not in graph["ftrun.agent"]
+    assert "ftrun.agent" not in graph["ftrun.rendezvous"]
+    assert "ftrun.agent" not in graph["ftrun.rank_monitor"]
+    assert graph["ftrun.tools"] <= {"ftrun.events"}, graph["ftrun.tools"]
+
+
+def test_the_cycle_check_can_fail() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_client_import_stays_light() -> None:
+    """Training processes import the client: no server, no psutil, no torch, no agent."""
+    code = (
+        "import sys, ftrun.client_lib; "
+        "heavy = [m for m in ('torch', 'psutil', 'ftrun.rank_monitor.server', 'ftrun.agent') "
+        "if m in sys.modules]; print(','.join(heavy))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == "", f"imported with the client: {out.stdout.strip()}"
