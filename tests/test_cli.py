@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 import signal
 import subprocess
 import sys
@@ -19,9 +21,9 @@ from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError, ExitCode, RestartBudgetSpentError
 from ftrun.ft_launcher import cli
 from ftrun.ft_launcher.config import build_config
-from ftrun.ft_launcher.options import BY_NAME, OPTIONS, YAML_KEYS, parse_argv, reference_markdown
+from ftrun.ft_launcher.options import BY_NAME, OPTIONS, YAML_KEYS, help_text, parse_argv
 from ftrun.rank_monitor.config import RankMonitorConfig
-from ftrun.rendezvous.config import HealthCheckConfig, RendezvousImpl
+from ftrun.rendezvous.config import HealthCheckConfig, RendezvousConfig, RendezvousImpl
 
 PY = sys.executable
 NVRX_YAML_KEYS = {
@@ -117,7 +119,7 @@ def test_every_spelling_sets_its_option(opt: Any) -> None:
         line = parse_argv([*argv, "train.py"])
         assert opt.name in line.given, flag
         assert line.script == "train.py"
-    assert all(flag in reference_markdown() for flag in opt.flags)
+    assert all(flag in help_text() for flag in opt.flags)
 
 
 def test_both_spellings_give_the_same_config() -> None:
@@ -165,7 +167,7 @@ def test_c10d_rendezvous_and_rdzv_conf() -> None:
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=node0",
         "--rdzv-id=job7",
-        "--rdzv-conf=join_timeout=60,last_call_timeout=5,is_host=false,foo=bar",
+        "--rdzv-conf=join_timeout=60,last_call_timeout=5,is_host=false,read_timeout=9",
         "--node-rank=1",
         "x",
     )
@@ -173,8 +175,8 @@ def test_c10d_rendezvous_and_rdzv_conf() -> None:
     assert (rdzv.endpoint, rdzv.run_id, rdzv.node_rank) == ("node0:29400", "job7", None)
     assert (rdzv.join_timeout, rdzv.last_call_timeout, rdzv.close_timeout) == (60.0, 5.0, 30.0)
     assert rdzv.is_host is False
-    assert dict(rdzv.conf) == {"foo": "bar"}
-    assert any("--node-rank" in note for note in config.warnings)
+    assert dict(rdzv.conf) == {"read_timeout": "9.0"}
+    assert config.warnings == ("--node-rank ignored: only used with --rdzv-backend=static",)
     assert build("--rdzv-backend=c10d", "x").rendezvous.endpoint == "localhost:29400"
     assert "join_timeout" in config_error("--rdzv-conf=join_timeout=-1", "x")
     assert "--rdzv-conf" in config_error("--rdzv-conf=novalue", "x")
@@ -183,9 +185,11 @@ def test_c10d_rendezvous_and_rdzv_conf() -> None:
 
 
 def test_standalone_ignores_rendezvous_flags() -> None:
-    rdzv = build(
+    config = build(
         "--standalone", "--rdzv-endpoint=far:1", "--rdzv-id=mine", "--nproc-per-node=2", "x"
-    ).rendezvous
+    )
+    rdzv = config.rendezvous
+    assert "--rdzv-endpoint, --rdzv-id ignored: --standalone uses a local store" in config.warnings
     assert (rdzv.backend, rdzv.endpoint, rdzv.is_host) == ("c10d", "127.0.0.1:0", True)
     assert (rdzv.min_nodes, rdzv.max_nodes) == (1, 1)
     assert rdzv.run_id != build("--standalone", "x").rendezvous.run_id
@@ -249,9 +253,9 @@ def test_redirects_tee_and_rank_filters() -> None:
     assert dict(agent.redirects) == {0: 3, 1: 3}
     assert dict(agent.tee) == {0: 1, 1: 2}
     assert agent.local_ranks_filter == frozenset({0})
-    agent = build("--duplicate-stdout-filters=a,,b,c", "--numa-binding=socket", "x").agent
+    agent = build("--duplicate-stdout-filters=a,,b,c", "--duplicate_stderr_filters=,", "x").agent
     assert agent.duplicate_stdout_filters == ("a,b", "c")
-    assert agent.numa_binding == "socket"
+    assert agent.duplicate_stderr_filters == ("", "")  # torchrun's split: "" matches every line
     assert "--redirects" in config_error("--redirects=4", "x")
     assert "--tee" in config_error("--tee=0:1,x", "x")
     assert "--local-ranks-filter" in config_error("--local-ranks-filter=0,a", "x")
@@ -402,6 +406,187 @@ def test_pet_environment_sits_between_cli_and_defaults() -> None:
     assert config_error("x", env={"PET_MAX_RESTARTS": "many"}).startswith("PET_MAX_RESTARTS")
 
 
+# --- no option silently does nothing ---------------------------------------------------------
+
+# Per option: (base argv, argv added); what is added must change the config, warn, or be refused.
+EFFECTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "nnodes": ((), ("--nnodes=2",)),
+    "nproc_per_node": ((), ("--nproc-per-node=2",)),
+    "rdzv_backend": ((), ("--rdzv-backend=c10d",)),
+    "rdzv_endpoint": ((), ("--rdzv-endpoint=h:1",)),
+    "rdzv_id": (("--nnodes=2",), ("--rdzv-id=job",)),
+    "rdzv_conf": ((), ("--rdzv-conf=join_timeout=5",)),
+    "standalone": (("--master-port=5",), ("--standalone",)),
+    "max_restarts": ((), ("--max-restarts=1",)),
+    "monitor_interval": ((), ("--monitor-interval=1",)),
+    "start_method": ((), ("--start-method=fork",)),
+    "event_log_handler": ((), ("--event-log-handler=console",)),
+    "role": ((), ("--role=trainer",)),
+    "module": ((), ("-m",)),
+    "no_python": ((), ("--no-python",)),
+    "run_path": (("--no-python",), ("--run-path",)),
+    "log_dir": ((), ("--log-dir=/tmp/logs",)),
+    "redirects": ((), ("-r3",)),
+    "tee": ((), ("-t3",)),
+    "local_ranks_filter": ((), ("--local-ranks-filter=0",)),
+    "duplicate_stdout_filters": ((), ("--duplicate-stdout-filters=loss",)),
+    "duplicate_stderr_filters": ((), ("--duplicate-stderr-filters=loss",)),
+    "node_rank": (("--nnodes=2",), ("--node-rank=1",)),
+    "master_addr": (("--nnodes=2",), ("--master-addr=h",)),
+    "master_port": ((), ("--master-port=5",)),
+    "local_addr": ((), ("--local-addr=h",)),
+    "logs_specs": ((), ("--logs-specs=mine",)),
+    "numa_binding": ((), ("--numa-binding=node",)),
+    "signals_to_handle": ((), ("--signals-to-handle=SIGTERM",)),
+    "shutdown_timeout": ((), ("--shutdown-timeout=3",)),
+    "virtual_local_rank": ((), ("--virtual-local-rank",)),
+    "cfg_path": ((), ("--ft-cfg-path=YAML",)),
+    "initial_rank_heartbeat_timeout": ((), ("--ft-initial-rank-heartbeat-timeout=5",)),
+    "rank_heartbeat_timeout": ((), ("--ft-rank-heartbeat-timeout=5",)),
+    "rank_section_timeouts": ((), ("--ft-rank-section-timeouts=step:5",)),
+    "rank_out_of_section_timeout": ((), ("--ft-rank-out-of-section-timeout=5",)),
+    "safety_factor": ((), ("--ft-safety-factor=2",)),
+    "rank_termination_signal": ((), ("--ft-rank-termination-signal=SIGINT",)),
+    "workers_stop_timeout": ((), ("--workers-stop-timeout=3",)),
+    "rdzv_impl": ((), ("--ft-rdzv-impl=dynamic",)),
+    "use_infra_group_rank": ((), ("--ft-use-infra-group-rank",)),
+    "log_level": ((), ("--ft-log-level=DEBUG",)),
+    "node_health_check_cmd": ((), ("--ft-node-health-check-cmd=true",)),
+    "storage_health_check_path": ((), ("--ft-storage-health-check-path=/tmp",)),
+    "gpu_health_check": ((), ("--ft-no-gpu-health-check",)),
+    "gpu_health_check_nvlink": ((), ("--ft-gpu-health-check-nvlink",)),
+    "gpu_memory_reclaim_timeout": ((), ("--ft-gpu-memory-reclaim-timeout=5",)),
+    "gpu_memory_tolerance_mb": (
+        ("--ft-gpu-memory-reclaim-timeout=5",),
+        ("--ft-gpu-memory-tolerance-mb=1",),
+    ),
+    "prewarm_modules": ((), ("--ft-prewarm-modules=none",)),
+}
+
+
+def _comparable(config: LaunchConfig) -> LaunchConfig:
+    """The config less what differs between two builds of the same argv (a local store's
+    random run id)."""
+    if config.rendezvous.endpoint != "127.0.0.1:0":
+        return config
+    return dataclasses.replace(
+        config, rendezvous=dataclasses.replace(config.rendezvous, run_id="")
+    )
+
+
+def test_every_option_is_in_effects() -> None:
+    assert set(EFFECTS) == set(BY_NAME)
+
+
+@pytest.mark.parametrize("opt", OPTIONS, ids=lambda opt: opt.name)
+def test_every_option_changes_the_config_warns_or_is_refused(opt: Any, tmp_path: Path) -> None:
+    yaml_file = write_yaml(tmp_path, "fault_tolerance: {safety_factor: 2}\n")
+    base, added = EFFECTS[opt.name]
+    added = tuple(arg.replace("YAML", yaml_file) for arg in added)
+    before = _comparable(build(*base, "x"))
+    try:
+        after = _comparable(build(*base, *added, "x"))
+    except ConfigError as err:
+        assert opt.rejected, f"{opt.label}: {err}"
+        assert str(err).startswith(f"{opt.label}: not supported: "), err
+        return
+    assert after != before, f"{opt.label} has no effect"
+    if opt.ignored:
+        assert after.warnings[-1:] == (
+            f"{opt.label} is accepted for torchrun compatibility and ignored: {opt.ignored}",
+        )
+
+
+def test_ignored_options_warn_when_set_from_the_environment_too() -> None:
+    config = build("x", env={"PET_START_METHOD": "fork", "PET_EVENT_LOG_HANDLER": "console"})
+    assert [note.split(" ")[0] for note in config.warnings] == [
+        "PET_START_METHOD",
+        "PET_EVENT_LOG_HANDLER",
+    ]
+    assert "--start-method" in config_error("--start-method=thread", "x")  # still checked
+    assert build("--start-method=spawn", "x").warnings  # set, even to the default
+
+
+def test_unsupported_options_say_what_to_use_instead() -> None:
+    for mode in ("node", "socket", "exclusive", "core-complex"):
+        message = config_error(f"--numa-binding={mode}", "x")
+        assert message.startswith("--numa-binding: not supported: ")
+        assert "os.sched_setaffinity" in message
+    assert "--numa-binding" in config_error("--numa_binding=all", "x")
+    assert config_error("--logs-specs=mine", "x").startswith("--logs-specs: not supported: ")
+
+
+def test_virtual_local_rank_needs_one_visible_gpu_per_worker() -> None:
+    assert build("--virtual-local-rank", "x").agent.virtual_local_rank is True
+    env = {"CUDA_VISIBLE_DEVICES": "4,5"}
+    agent = build("--nproc-per-node=2", "--virtual-local-rank", "x", env=env).agent
+    assert agent.virtual_local_rank is True
+    assert config_error("--nproc-per-node=3", "--virtual-local-rank", "x", env=env) == (
+        "--virtual-local-rank gives each of the 3 workers one GPU of CUDA_VISIBLE_DEVICES=4,5,"
+        " which names 2"
+    )
+    assert build("--nproc-per-node=3", "x", env=env).agent.virtual_local_rank is False
+    env = {"PET_VIRTUAL_LOCAL_RANK": "1"}
+    assert build("x", env=env).agent.virtual_local_rank is True
+
+
+def test_rdzv_conf_keys_are_used_ignored_with_a_warning_or_refused() -> None:
+    def warnings(conf: str, *more: str) -> tuple[str, ...]:
+        return build("--rdzv-backend=c10d", f"--rdzv-conf={conf}", *more, "x").warnings
+
+    assert warnings("keep_alive_interval=3,timeout=9") == (
+        "--rdzv-conf keep_alive_interval: read by torch's rendezvous, not ftrun's; ignored",
+        "--rdzv-conf timeout: read by torch's rendezvous, not ftrun's; ignored",
+    )
+    assert warnings("close_timeout=3") == (
+        "--rdzv-conf close_timeout is only used by --ft-rdzv-impl=dynamic; ignored",
+    )
+    assert warnings("close_timeout=3", "--ft-rdzv-impl=dynamic") == ()
+    assert build("--rdzv-conf=is_host=0", "x").warnings == (
+        "--rdzv-conf is_host is ignored: this node serves its own local store",
+    )
+    message = config_error("--rdzv-conf=join_timout=60", "x")
+    assert message.startswith("--rdzv-conf: unknown key 'join_timout' (did you mean join_timeout?")
+    assert "read_timeout" in config_error("--rdzv-conf=read_timeout=soon", "x")
+
+
+def test_flags_that_a_local_store_makes_moot_are_named() -> None:
+    assert build("--master-addr=h", "--rdzv-id=j", "x").warnings == (
+        "--rdzv-id, --master-addr ignored: one static node without --master-port uses a local"
+        " store",
+    )
+    config = build("--nnodes=2", "--rdzv-endpoint=h:1", "--master-port=7", "x")
+    assert config.warnings == ("--master-port ignored: --rdzv-endpoint names the store",)
+
+
+def test_moot_gpu_options_warn() -> None:
+    assert build("--ft-no-gpu-health-check", "--ft-gpu-health-check-nvlink", "x").warnings == (
+        "--ft-gpu-health-check-nvlink is ignored: the GPU health check is off",
+    )
+    assert build("--ft-gpu-memory-tolerance-mb=1", "x").warnings == (
+        "--ft-gpu-memory-tolerance-mb is ignored: --ft-gpu-memory-reclaim-timeout is 0 (off)",
+    )
+
+
+NOT_READ_ON_PURPOSE = {"RendezvousConfig.backend"}
+"""--rdzv-backend acts while the config is built (which store, which node rank)."""
+
+
+def test_every_config_field_is_read_somewhere() -> None:
+    """A value the launcher parses and stores but nothing reads is an option that does nothing."""
+    root = Path(__file__).resolve().parents[1] / "src" / "ftrun"
+    builder = root / "ft_launcher" / "config.py"
+    code = "\n".join(path.read_text() for path in sorted(root.rglob("*.py")) if path != builder)
+    classes = (LaunchConfig, AgentConfig, RendezvousConfig, RankMonitorConfig, HealthCheckConfig)
+    unread = {
+        f"{cls.__name__}.{field.name}"
+        for cls in classes
+        for field in dataclasses.fields(cls)
+        if not re.search(rf"\.{field.name}\b", code)
+    }
+    assert unread - NOT_READ_ON_PURPOSE == set(), "parsed, stored, never read"
+
+
 # --- main ------------------------------------------------------------------------------------
 
 
@@ -416,10 +601,10 @@ def restore_logging() -> Iterator[None]:
 
 def fake_agent(monkeypatch: pytest.MonkeyPatch, run_node: Any) -> None:
     """Run `main` in this process: a fake agent, sys.exit for os._exit, pytest's signals kept."""
-    fake = types.SimpleNamespace(run_node=lambda config, _environ: run_node(config))
+    fake = types.SimpleNamespace(run_node=lambda config, *_rest: run_node(config))
     monkeypatch.setitem(sys.modules, "ftrun.agent", fake)
     monkeypatch.setattr(cli, "_leave", sys.exit)
-    monkeypatch.setattr(cli.signal, "signal", lambda *_: None)
+    monkeypatch.setattr(signal, "signal", lambda *_: None)
 
 
 def test_main_runs_the_node_with_the_config(
@@ -465,8 +650,9 @@ def test_main_help_and_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
         ["--ft-rank-heartbeat-timeout=abc", "x.py"],
         ["--ft-cfg-path=BAD", "x.py"],
         ["--no-such-flag", "x.py"],
+        ["--numa-binding=node", "x.py"],
     ],
-    ids=["bad-value", "bad-yaml", "unknown-flag"],
+    ids=["bad-value", "bad-yaml", "unknown-flag", "unsupported"],
 )
 def test_usage_errors_exit_2_with_one_line(tmp_path: Path, argv: Sequence[str]) -> None:
     bad_yaml = write_yaml(tmp_path, "fault_tolerance:\n  safety_factor: [1\n")

@@ -59,10 +59,10 @@ class AgentConfig:
     extra_env: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     """Added to every worker's environment (e.g. OMP_NUM_THREADS)."""
     duplicate_stdout_filters: tuple[str, ...] = ()
-    """torchrun's --duplicate-stdout-filters: stdout lines containing any of these are copied."""
+    """torchrun's --duplicate-stdout-filters: stdout lines on the console containing any of these
+    are also appended to the cycle's filtered_stdout.log (`ftrun.agent.output`)."""
     duplicate_stderr_filters: tuple[str, ...] = ()
-    """torchrun's --duplicate-stderr-filters: stderr lines containing any of these are copied."""
-    numa_binding: str | None = None
-    """torchrun's --numa-binding mode (node, socket, exclusive, core-complex); None: no binding."""
+    """The same for stderr (filtered_stderr.log)."""
     virtual_local_rank: bool = False
-    """torchrun's --virtual-local-rank: LOCAL_RANK=0 and one visible GPU per worker."""
+    """torchrun's --virtual-local-rank: LOCAL_RANK=0 and one visible GPU per worker
+    (`ftrun.agent.rank_env.rank_variables`)."""

@@ -18,7 +18,6 @@ from pathlib import Path
 
 from torch.distributed import Store
 
-from ftrun.events import EventLog
 from ftrun.agent.gpu_memory import GpuReclaimService
 from ftrun.agent.health import HealthService
 from ftrun.agent.monitoring import MonitorService
@@ -26,6 +25,7 @@ from ftrun.agent.services import NodeServices
 from ftrun.agent.workers import PlainSpawner, Spawner
 from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError, NodeUnhealthyError, RendezvousFailedError
+from ftrun.events import EventLog
 from ftrun.identity import free_port, this_node
 from ftrun.rank_monitor import RankMonitorServer
 from ftrun.rendezvous.control import JobControl, wait_until

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from ftrun.agent.rank_env import rank_variables
 from ftrun.config import LaunchConfig
 from ftrun.rendezvous.ranks import Round
 
@@ -24,7 +25,12 @@ def worker_envs(
     return [
         {
             **shared,
-            **rank_variables(local_rank, first + local_rank),
+            **rank_variables(
+                local_rank,
+                first + local_rank,
+                config.agent.virtual_local_rank,
+                environ.get("CUDA_VISIBLE_DEVICES"),
+            ),
             "TORCHELASTIC_ERROR_FILE": str(cycle_dir / f"rank{first + local_rank}" / "error.json"),
         }
         for local_rank in range(rnd.me.local_world_size)
@@ -43,8 +49,6 @@ def shared_env(
     agent, rdzv = config.agent, config.rendezvous
     env = {**environ, **agent.extra_env, **services_env}
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    if agent.nproc_per_node > 1:
-        env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default against oversubscription
     env.update(
         ROLE_NAME=agent.role,
         TORCHELASTIC_MAX_RESTARTS=str(agent.max_restarts),
@@ -65,8 +69,3 @@ def shared_env(
             FTRUN_CYCLE=str(rnd.number),
         )
     return env
-
-
-def rank_variables(local_rank: int, rank: int) -> dict[str, str]:
-    """The variables that differ between the local workers."""
-    return {"LOCAL_RANK": str(local_rank), "RANK": str(rank), "ROLE_RANK": str(rank)}

@@ -132,16 +132,21 @@ class WorkerGroup:
         self._start_thread(wait, f"watch-rank{worker.rank}")
 
     def _relay(self, worker: Worker) -> None:
-        for stream, flag, name, console in (
-            (worker.proc.stdout, Std.OUT, "stdout", sys.stdout),
-            (worker.proc.stderr, Std.ERR, "stderr", sys.stderr),
+        from ftrun.agent.output import filtered_log
+
+        cfg = self._config
+        for stream, flag, name, console, filters in (
+            (worker.proc.stdout, Std.OUT, "stdout", sys.stdout, cfg.duplicate_stdout_filters),
+            (worker.proc.stderr, Std.ERR, "stderr", sys.stderr, cfg.duplicate_stderr_filters),
         ):
             assert stream is not None
             show = self._shows(worker.local_rank, flag)
-            prefix = f"[{self._config.role}{worker.rank}]:".encode()
+            prefix = f"[{cfg.role}{worker.rank}]:".encode()
             target = worker.log_dir / f"{name}.log"
+            # --duplicate-*-filters: matching console lines, one file per stream and cycle
+            filtered = filtered_log(worker.log_dir.parent, name) if show and filters else None
             self._start_thread(
-                lambda s=stream, t=target, c=console, show=show, p=prefix: _pump(s, t, c, show, p),
+                functools.partial(_pump, stream, target, console, show, prefix, filters, filtered),
                 f"relay-{name}-rank{worker.rank}",
             )
 
@@ -160,12 +165,25 @@ class WorkerGroup:
         self._threads.append(thread)
 
 
-def _pump(stream: IO[bytes], path: Path, console: IO[str], show: bool, prefix: bytes) -> None:
+def _pump(
+    stream: IO[bytes],
+    path: Path,
+    console: IO[str],
+    show: bool,
+    prefix: bytes,
+    filters: Sequence[str] = (),
+    filtered: Path | None = None,
+) -> None:
+    """Copy one worker stream to its log file, the console (when `show`) and, for the lines
+    matching `filters`, the shared `filtered` file (`ftrun.agent.output`)."""
+    from ftrun.agent.output import FilteredCopy
+
     out = console.buffer if show else None
-    with path.open("ab") as log_file, stream:
+    with path.open("ab") as log_file, stream, FilteredCopy(filtered, filters, prefix) as copy:
         for line in iter(stream.readline, b""):
             log_file.write(line)
             log_file.flush()
+            copy.feed(line)
             if out is not None:
                 try:
                     out.write(prefix + line)

@@ -23,6 +23,7 @@ from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError
 from ftrun.ft_launcher import values as v
 from ftrun.ft_launcher.options import (
+    OPTIONS,
     YAML_KEYS,
     YAML_SECTION,
     CommandLine,
@@ -40,6 +41,15 @@ C10D_PORT = 29400
 LOCAL_STORE = "127.0.0.1:0"
 """--standalone: a store on this host, on a port the OS picks."""
 _CONF_TIMEOUTS = ("join_timeout", "last_call_timeout", "close_timeout")
+_CONF_TORCH_ONLY = (
+    "heartbeat_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+    "store_type",
+    "timeout",
+)
+"""--rdzv-conf keys that torch's c10d/static rendezvous reads and ftrun's does not."""
+_CONF_KNOWN = (*_CONF_TIMEOUTS, "is_host", "read_timeout", *_CONF_TORCH_ONLY)
 
 
 DeviceCounter = Callable[[str], int]
@@ -95,7 +105,7 @@ def config_from(
     path = line.given.get("cfg_path")
     section = load_ft_yaml(path) if path else {}
     opts = resolve(line, environ, section, origin=path or "YAML")
-    notes: list[str] = []
+    notes = _unsupported(opts)
     return LaunchConfig(
         agent=_agent(opts, line, environ, devices, notes),
         rendezvous=_rendezvous(opts, notes),
@@ -106,14 +116,38 @@ def config_from(
             rank_out_of_section_timeout=opts["rank_out_of_section_timeout"],
             safety_factor=opts["safety_factor"],
         ),
-        health=HealthCheckConfig(
-            gpu=opts["gpu_health_check"],
-            nvlink=opts["gpu_health_check_nvlink"],
-            storage_paths=opts["storage_health_check_path"],
-            command=opts["node_health_check_cmd"],
-        ),
+        health=_health(opts, notes),
         log_level=opts["log_level"],
         warnings=tuple(notes),
+    )
+
+
+def _unsupported(opts: Resolved) -> list[str]:
+    """Refuse the options that ftrun does not support; a warning for each ignored one set."""
+    notes = []
+    for opt in OPTIONS:
+        if not opts.is_set(opt.name):
+            continue
+        if opt.rejected:
+            raise ConfigError(f"{opts.labels[opt.name]}: not supported: {opt.rejected}")
+        if opt.ignored:
+            notes.append(
+                f"{opts.labels[opt.name]} is accepted for torchrun compatibility and ignored: "
+                f"{opt.ignored}"
+            )
+    return notes
+
+
+def _health(opts: Resolved, notes: list[str]) -> HealthCheckConfig:
+    if opts["gpu_health_check_nvlink"] and not opts["gpu_health_check"]:
+        notes.append(
+            f"{opts.labels['gpu_health_check_nvlink']} is ignored: the GPU health check is off"
+        )
+    return HealthCheckConfig(
+        gpu=opts["gpu_health_check"],
+        nvlink=opts["gpu_health_check_nvlink"],
+        storage_paths=opts["storage_health_check_path"],
+        command=opts["node_health_check_cmd"],
     )
 
 
@@ -203,16 +237,24 @@ def _rendezvous(opts: Resolved, notes: list[str]) -> RendezvousConfig:
     meeting = _meeting_point(opts, max_nodes, notes)
     if meeting.local:
         min_nodes = max_nodes = 1
+    impl = RendezvousImpl(opts["rdzv_impl"])
     conf = dict(opts["rdzv_conf"])
     label = opts.labels["rdzv_conf"]
+    _check_conf_keys(conf, label, notes)
     timeouts = {key: _conf_value(conf, key, v.positive_number, label) for key in _CONF_TIMEOUTS}
     is_host = _conf_value(conf, "is_host", v.boolean, label)
+    if "read_timeout" in conf:
+        conf["read_timeout"] = str(_conf_value(conf, "read_timeout", v.positive_number, label))
+    if timeouts["close_timeout"] is not None and impl is not RendezvousImpl.DYNAMIC:
+        notes.append(f"{label} close_timeout is only used by --ft-rdzv-impl=dynamic; ignored")
+    if is_host is not None and meeting.local:
+        notes.append(f"{label} is_host is ignored: this node serves its own local store")
     return RendezvousConfig(
         endpoint=meeting.endpoint,
         run_id=meeting.run_id,
         min_nodes=min_nodes,
         max_nodes=max_nodes,
-        impl=RendezvousImpl(opts["rdzv_impl"]),
+        impl=impl,
         backend=meeting.backend,
         is_host=True if meeting.local else is_host,
         use_infra_group_rank=opts["use_infra_group_rank"],
@@ -221,6 +263,20 @@ def _rendezvous(opts: Resolved, notes: list[str]) -> RendezvousConfig:
         conf=MappingProxyType(conf),
         **{key: value for key, value in timeouts.items() if value is not None},
     )
+
+
+def _check_conf_keys(conf: Mapping[str, str], label: str, notes: list[str]) -> None:
+    """Unknown --rdzv-conf keys are errors (a typo would do nothing); torch's keys that ftrun's
+    rendezvous does not read get a warning."""
+    for key in conf:
+        if key in _CONF_TORCH_ONLY:
+            notes.append(f"{label} {key}: read by torch's rendezvous, not ftrun's; ignored")
+        elif key not in _CONF_KNOWN:
+            hint = difflib.get_close_matches(key, _CONF_KNOWN, n=1)
+            guess = f"did you mean {hint[0]}? " if hint else ""
+            raise ConfigError(
+                f"{label}: unknown key {key!r} ({guess}known: {', '.join(_CONF_KNOWN)})"
+            )
 
 
 def _conf_value(conf: dict[str, str], key: str, parse: Callable[[Any], Any], label: str) -> Any:
@@ -233,6 +289,13 @@ def _conf_value(conf: dict[str, str], key: str, parse: Callable[[Any], Any], lab
         raise ConfigError(f"{label} {key}: {err}") from None
 
 
+def _ignored(opts: Resolved, names: Sequence[str], why: str, notes: list[str]) -> None:
+    """A warning naming those of `names` that were set although `why` makes them moot."""
+    given = [opts.labels[name] for name in names if opts.is_set(name)]
+    if given:
+        notes.append(f"{', '.join(given)} ignored: {why}")
+
+
 def _meeting_point(opts: Resolved, max_nodes: int, notes: list[str]) -> _Meeting:
     """Backend, store endpoint, run id and node rank, decided the way torchrun decides them."""
     local = _Meeting("c10d", LOCAL_STORE, str(uuid.uuid4()), None, local=True)
@@ -241,14 +304,21 @@ def _meeting_point(opts: Resolved, max_nodes: int, notes: list[str]) -> _Meeting
             raise ConfigError(
                 f"--standalone runs one node, but {opts.labels['nnodes']} asks for more"
             )
+        names = ("rdzv_backend", "rdzv_endpoint", "rdzv_id", "master_addr", "master_port")
+        _ignored(opts, (*names, "node_rank"), "--standalone uses a local store", notes)
         return local
     backend, endpoint = opts["rdzv_backend"], opts["rdzv_endpoint"]
     if backend == "static" and not endpoint and not opts.is_set("master_port") and max_nodes == 1:
-        return local  # torchrun >= 2.5 does the same: one static node needs no fixed port
+        # torchrun >= 2.5 does the same: one static node needs no fixed port
+        why = "one static node without --master-port uses a local store"
+        _ignored(opts, ("rdzv_id", "master_addr", "node_rank"), why, notes)
+        return local
     if not opts["rdzv_id"]:
         raise ConfigError(f"{opts.labels['rdzv_id']}: must not be empty")
     if backend == "static":
         label = opts.labels["rdzv_endpoint"] if endpoint else "--master-addr/--master-port"
+        if endpoint:
+            _ignored(opts, ("master_addr", "master_port"), f"{label} names the store", notes)
         port = opts["master_port"] if opts["master_port"] is not None else MASTER_PORT
         address = _endpoint(endpoint or v.format_endpoint(opts["master_addr"], port), None, label)
         if opts["node_rank"] >= max_nodes:
@@ -257,9 +327,8 @@ def _meeting_point(opts: Resolved, max_nodes: int, notes: list[str]) -> _Meeting
                 f" ({max_nodes})"
             )
         return _Meeting(backend, address, opts["rdzv_id"], opts["node_rank"], local=False)
-    for name in ("node_rank", "master_addr", "master_port"):
-        if opts.is_set(name):
-            notes.append(f"{opts.labels[name]} is only used with --rdzv-backend=static; ignored")
+    why = "only used with --rdzv-backend=static"
+    _ignored(opts, ("node_rank", "master_addr", "master_port"), why, notes)
     address = _endpoint(endpoint or "localhost", C10D_PORT, opts.labels["rdzv_endpoint"])
     return _Meeting(backend, address, opts["rdzv_id"], None, local=False)
 
@@ -281,12 +350,14 @@ def _agent(
     devices: DeviceCounter,
     notes: list[str],
 ) -> AgentConfig:
-    if opts["logs_specs"] is not None:
-        raise ConfigError(
-            f"{opts.labels['logs_specs']}: torchrun LogsSpecs plugins are not supported "
-            "(ftrun writes its own per-cycle logs under --log-dir)"
-        )
     nproc = _local_world_size(opts, devices)
+    if opts["virtual_local_rank"]:
+        _check_visible_devices(nproc, environ)
+    if opts.is_set("gpu_memory_tolerance_mb") and not opts["gpu_memory_reclaim_timeout"]:
+        notes.append(
+            f"{opts.labels['gpu_memory_tolerance_mb']} is ignored: "
+            "--ft-gpu-memory-reclaim-timeout is 0 (off)"
+        )
     extra_env: dict[str, str] = {}
     if nproc > 1 and "OMP_NUM_THREADS" not in environ:
         extra_env["OMP_NUM_THREADS"] = "1"  # torchrun's default, to avoid oversubscription
@@ -310,9 +381,22 @@ def _agent(
         extra_env=MappingProxyType(extra_env),
         duplicate_stdout_filters=opts["duplicate_stdout_filters"],
         duplicate_stderr_filters=opts["duplicate_stderr_filters"],
-        numa_binding=opts["numa_binding"],
         virtual_local_rank=opts["virtual_local_rank"],
     )
+
+
+def _check_visible_devices(nproc: int, environ: Mapping[str, str]) -> None:
+    """--virtual-local-rank gives local rank N entry N of CUDA_VISIBLE_DEVICES: it needs one
+    per worker (torchrun finds out when it starts the workers; this says so before)."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return
+    count = len(visible.split(","))  # split as torch splits it
+    if nproc > count:
+        raise ConfigError(
+            f"--virtual-local-rank gives each of the {nproc} workers one GPU of "
+            f"CUDA_VISIBLE_DEVICES={visible}, which names {count}"
+        )
 
 
 def _local_world_size(opts: Resolved, devices: DeviceCounter) -> int:

@@ -42,11 +42,24 @@ class Option:
     off_flags: tuple[str, ...] = ()
     """For an on/off pair: the flags that set it to False."""
     metavar: str = "VALUE"
+    ignored: str | None = None
+    """Accepted for torchrun compatibility and ignored (why); setting it logs a warning."""
+    rejected: str | None = None
+    """Not supported (why, and what to use instead); setting it is a usage error."""
 
     @property
     def label(self) -> str:
         """The flag that names this option in messages (the first long one)."""
         return next(flag for flag in self.flags if flag.startswith("--"))
+
+    @property
+    def description(self) -> str:
+        """The help with what happens when an ignored or rejected option is set."""
+        if self.rejected:
+            return f"{self.help} Not supported: {self.rejected}; setting it is an error."
+        if self.ignored:
+            return f"{self.help} Accepted for torchrun compatibility and ignored: {self.ignored}."
+        return self.help
 
 
 def _spellings(prefix: str, name: str) -> tuple[str, ...]:
@@ -81,46 +94,58 @@ def _default(cls: type, field: str) -> Any:
 _ON = {"is_flag": True, "metavar": ""}
 _SECS = {"metavar": "SECONDS|none"}
 _STD = "0 none, 1 stdout, 2 stderr, 3 both; or LOCAL_RANK:N,... per local rank"
-_COMPAT = "Accepted for torchrun compatibility; "
+_DUP = (
+    "Also append the {0} lines that reach the console and contain any of A,B (',,' is a comma; "
+    "an empty item matches every line) to filtered_{0}.log in the cycle's log directory."
+)
 _RANKS = {"metavar": "N|RANK:N,..."}
 _MONITOR, _AGENT, _HEALTH = RankMonitorConfig, AgentConfig, HealthCheckConfig
+NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
+"""torch.numa.binding.AffinityMode values (torchrun's --numa-binding choices)."""
 
 # fmt: off
 TORCHRUN_OPTIONS: tuple[Option, ...] = (
     _torchrun("nnodes", "1:1", v.nnodes, "Number of nodes, or MIN:MAX.", metavar="N|MIN:MAX"),
     _torchrun("nproc_per_node", "1", v.nproc, "Workers per node: N, auto, cpu, gpu or xpu."),
-    _torchrun("rdzv_backend", "static", v.choice("static", "c10d"), "Rendezvous backend."),
+    _torchrun("rdzv_backend", "static", v.choice("static", "c10d"), "Rendezvous backend: static "
+              "(--master-addr/--master-port/--node-rank) or c10d (--rdzv-endpoint)."),
     _torchrun("rdzv_endpoint", "", v.text, "Rendezvous store HOST[:PORT].", metavar="HOST:PORT"),
     _torchrun("rdzv_id", "none", v.text, "User-defined job id, the same on every node.",
               metavar="ID"),
     _torchrun("rdzv_conf", "", v.rdzv_conf, "Rendezvous K=V,...: join_timeout, "
-              "last_call_timeout, close_timeout, is_host; others are kept.", metavar="K=V,..."),
+              "last_call_timeout, close_timeout (--ft-rdzv-impl=dynamic only), read_timeout "
+              "(seconds), is_host; torch's other keys are ignored with a warning, unknown keys "
+              "are errors.", metavar="K=V,..."),
     _torchrun("standalone", False, v.boolean, "One node, a local store on a free port, a random "
-              "run id (--rdzv-backend/-endpoint/-id are ignored).", **_ON),
+              "run id (--rdzv-backend/-endpoint/-id are ignored, with a warning).", **_ON),
     _torchrun("max_restarts", 0, v.non_negative_int, "In-job restarts before giving up.",
               metavar="N"),
     _torchrun("monitor_interval", 0.1, v.positive_number, "Seconds between worker checks.",
               metavar="SECONDS"),
     _torchrun("start_method", "spawn", v.choice("spawn", "fork", "forkserver"),
-              _COMPAT + "workers are always separate processes running the command."),
-    _torchrun("event_log_handler", "null", v.text, _COMPAT + "ftrun writes its own events."),
+              "How torchrun starts function entrypoints.",
+              ignored="workers are always processes running the command, as torchrun runs a "
+              "script"),
+    _torchrun("event_log_handler", "null", v.text, "torchrun's elastic events handler.",
+              ignored="ftrun writes its events to events-<node>.jsonl under --log-dir",
+              metavar="NAME"),
     _torchrun("role", "default", v.text, "User-defined role of the workers.", metavar="NAME"),
     _torchrun("module", False, v.boolean, "Run SCRIPT as a module (python -m).",
               short=("-m",), **_ON),
     _torchrun("no_python", False, v.boolean, "Run SCRIPT directly, not with python.", **_ON),
     _torchrun("run_path", False, v.boolean, "Run SCRIPT with python (beats --no-python).", **_ON),
-    _torchrun("log_dir", None, v.optional_text, "Directory for events and worker logs.",
-              metavar="DIR"),
+    _torchrun("log_dir", None, v.optional_text, "Directory for events and worker logs "
+              "(default: a fresh /tmp/ftrun-logs-*).", metavar="DIR"),
     _torchrun("redirects", "0", v.std_spec, f"Streams to log files only: {_STD}.",
               short=("-r",), **_RANKS),
     _torchrun("tee", "0", v.std_spec, f"Streams to log files and console: {_STD}.",
               short=("-t",), **_RANKS),
-    _torchrun("local_ranks_filter", "", v.rank_set, "Local ranks shown on the console (0,1).",
-              metavar="RANKS"),
-    _torchrun("duplicate_stdout_filters", "", v.comma_list,
-              "Copy stdout lines with any of A,B (',,' is a comma) to a file.", metavar="A,B"),
-    _torchrun("duplicate_stderr_filters", "", v.comma_list,
-              "Copy stderr lines with any of A,B (',,' is a comma) to a file.", metavar="A,B"),
+    _torchrun("local_ranks_filter", "", v.rank_set, "Local ranks shown on the console (0,1); "
+              "the log files keep every rank.", metavar="RANKS"),
+    _torchrun("duplicate_stdout_filters", "", v.comma_list, _DUP.format("stdout"),
+              metavar="A,B"),
+    _torchrun("duplicate_stderr_filters", "", v.comma_list, _DUP.format("stderr"),
+              metavar="A,B"),
     _torchrun("node_rank", 0, v.non_negative_int, "This node's rank (static rendezvous).",
               metavar="N"),
     _torchrun("master_addr", "127.0.0.1", v.text, "Store host, static rendezvous.", metavar="HOST"),
@@ -128,40 +153,49 @@ TORCHRUN_OPTIONS: tuple[Option, ...] = (
               metavar="PORT"),
     _torchrun("local_addr", None, v.optional_text, "This node's address as others reach it.",
               metavar="HOST"),
-    _torchrun("logs_specs", None, v.optional_text, "torchrun LogsSpecs plugin: unsupported.",
-              env=None, metavar="NAME"),
-    _torchrun("numa_binding", None, v.optional(v.choice("node", "socket", "exclusive",
-              "core-complex")), "Bind workers to CPUs near their GPU.", env=None),
+    _torchrun("logs_specs", None, v.optional_text, "torchrun LogsSpecs plugin (entry point name).",
+              env=None, metavar="NAME",
+              rejected="ftrun writes its own per-cycle logs under --log-dir"),
+    _torchrun("numa_binding", None, v.optional(v.choice(*NUMA_MODES)),
+              "Bind workers to CPUs near their GPU.", env=None,
+              rejected="torch 2.13 has no public call that computes the binding; pin CPUs in the "
+              "script (os.sched_setaffinity) or start it with --no-python through a numactl "
+              "wrapper that reads LOCAL_RANK"),
     _torchrun("signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT", v.signal_list,
               "Signals caught and forwarded to the workers.", metavar="SIG,..."),
     _torchrun("shutdown_timeout", None, v.optional_non_negative_int,
               "torchrun's name for --workers-stop-timeout.", metavar="SECONDS"),
-    _torchrun("virtual_local_rank", False, v.boolean,
-              "LOCAL_RANK=0 and one visible GPU per worker.", **_ON),
+    _torchrun("virtual_local_rank", False, v.boolean, "LOCAL_RANK=0 in every worker, and "
+              "CUDA_VISIBLE_DEVICES naming only its own GPU (entry LOCAL_RANK of the launcher's "
+              "list, else LOCAL_RANK).", **_ON),
 )
 
 FT_OPTIONS: tuple[Option, ...] = (
     _ft("cfg_path", None, v.optional_text, "YAML file with a fault_tolerance: section.",
         metavar="FILE", in_yaml=False),
     _ft("initial_rank_heartbeat_timeout", _default(_MONITOR, "initial_rank_heartbeat_timeout"),
-        v.timeout, "Seconds from a rank's start to its first heartbeat.", **_SECS),
+        v.timeout, "Seconds from init_workload_monitoring() to the first heartbeat.", **_SECS),
     _ft("rank_heartbeat_timeout", _default(_MONITOR, "rank_heartbeat_timeout"),
         v.timeout, "Seconds allowed between heartbeats.", **_SECS),
     _ft("rank_section_timeouts", _default(_MONITOR, "rank_section_timeouts"),
-        v.section_timeouts, "Per-section timeouts.", metavar="NAME:SECONDS,..."),
+        v.section_timeouts, "Longest time inside each named section.",
+        metavar="NAME:SECONDS,..."),
     _ft("rank_out_of_section_timeout", _default(_MONITOR, "rank_out_of_section_timeout"),
-        v.timeout, "Seconds allowed outside any section.", **_SECS),
+        v.timeout, "Seconds allowed outside any section (counted after the first section).",
+        **_SECS),
     _ft("safety_factor", _default(_MONITOR, "safety_factor"), v.positive_number,
         "Calculated timeout = factor x longest observed interval.", metavar="X"),
     _ft("rank_termination_signal", _default(_AGENT, "termination_signal"), v.signal_value,
-        "Signal that stops workers (SIGTERM, TERM or 15).", metavar="SIGNAL"),
+        "Signal that stops workers (SIGTERM, TERM or 15); SIGKILL follows after "
+        "--workers-stop-timeout.", metavar="SIGNAL"),
     _ft("workers_stop_timeout", _default(_AGENT, "workers_stop_timeout"), v.non_negative_number,
         "Seconds from the termination signal to SIGKILL.", prefix="", metavar="SECONDS"),
     _ft("rdzv_impl", RendezvousImpl.BARRIER.value,
         v.choice(*(impl.value for impl in RendezvousImpl), aliases={"legacy": "dynamic"}),
-        "Rendezvous algorithm: barrier, or dynamic (alias legacy)."),
+        "Rendezvous algorithm: barrier, or dynamic (alias legacy; torch's compare-and-set "
+        "state, slow at scale: see bench/RESULTS.md)."),
     _ft("use_infra_group_rank", _default(RendezvousConfig, "use_infra_group_rank"), v.boolean,
-        "Rank nodes by SLURM_PROCID/GROUP_RANK, not arrival.", **_ON),
+        "Rank nodes by SLURM_PROCID/SLURM_NODEID/GROUP_RANK, not arrival.", **_ON),
     _ft("log_level", "INFO", v.log_level, "Launcher log level.", metavar="LEVEL"),
     _ft("node_health_check_cmd", _default(_HEALTH, "command"), v.optional_text,
         "Command that must exit 0 before each rendezvous.", metavar="CMD"),
@@ -170,13 +204,13 @@ FT_OPTIONS: tuple[Option, ...] = (
     _ft("gpu_health_check", _default(_HEALTH, "gpu"), v.boolean,
         "Check GPUs through NVML before each rendezvous.", off_flags=True, **_ON),
     _ft("gpu_health_check_nvlink", _default(_HEALTH, "nvlink"), v.boolean,
-        "Also require every NVLink to be up.", **_ON),
+        "Also require every NVLink to be up (part of the GPU check).", **_ON),
     _ft("gpu_memory_reclaim_timeout", _default(_AGENT, "gpu_memory_reclaim_timeout"),
-        v.non_negative_number, "Seconds to wait for dead workers' GPU memory (0: off).",
-        metavar="SECONDS"),
+        v.non_negative_number, "Seconds to wait for dead workers' GPU memory before a restart "
+        "(0: off).", metavar="SECONDS"),
     _ft("gpu_memory_tolerance_mb", _default(_AGENT, "gpu_memory_tolerance_mb"),
-        v.non_negative_number, "GPU memory (MB) still in use that counts as released.",
-        metavar="MB"),
+        v.non_negative_number, "GPU memory (MB) still in use that counts as released (with "
+        "--ft-gpu-memory-reclaim-timeout).", metavar="MB"),
     _ft("prewarm_modules", _default(_AGENT, "prewarm_modules"), v.module_list,
         "Modules that spare workers import before a restart (none: no spares).",
         metavar="MOD,..."),
@@ -216,13 +250,29 @@ class Resolved:
         return self.sources[name] != "default"
 
 
+def shown_default(opt: Option) -> str:
+    """The default as `--help` and the README show it ("" when there is nothing to show)."""
+    default = opt.default
+    if opt.is_flag or opt.off_flags:
+        return "on" if default else "off"
+    if default is None:
+        return "none" if opt.parse is v.timeout else ""
+    if isinstance(default, (tuple, list)):
+        return ",".join(str(getattr(item, "name", item)) for item in default)
+    if isinstance(default, Mapping):
+        return ",".join(f"{key}:{value}" for key, value in default.items())
+    if isinstance(default, float):
+        return f"{default:g}"
+    return str(getattr(default, "name", default))
+
+
 def _help_line(opt: Option) -> str:
     where = [f"env {opt.env}"] if opt.env else []
     where += [f"YAML {opt.yaml_key}"] if opt.yaml_key else []
-    default = opt.default
-    if not (default is None or default is False or default in ("", (), {})):
-        where.append(f"default {getattr(default, 'name', default)}")
-    return f"{opt.help} [{'; '.join(where)}]" if where else opt.help
+    default = shown_default(opt)
+    if default and default != "off":
+        where.append(f"default {default}")
+    return f"{opt.description} [{'; '.join(where)}]" if where else opt.description
 
 
 def _click_param(opt: Option) -> click.Option:
@@ -312,15 +362,3 @@ def resolve(
         except (ValueError, TypeError) as err:
             raise ConfigError(f"{labels[opt.name]}: {err}") from None
     return Resolved(values=parsed, sources=sources, labels=labels)
-
-
-def reference_markdown() -> str:
-    """A Markdown table of every option (for the README), derived from `OPTIONS`."""
-    rows = ["| flags | env | YAML key | default | meaning |", "|---|---|---|---|---|"]
-    for opt in OPTIONS:
-        flags = ", ".join(f"`{flag}`" for flag in (*opt.flags, *opt.off_flags))
-        default = getattr(opt.default, "name", opt.default)
-        rows.append(
-            f"| {flags} | {opt.env or ''} | {opt.yaml_key or ''} | `{default!r}` | {opt.help} |"
-        )
-    return "\n".join(rows) + "\n"
