@@ -10,7 +10,7 @@ from pathlib import Path
 import msgpack
 import zmq
 
-from ftrun.rank_monitor import RankMonitorConfig, RankMonitorServer
+from ftrun.rank_monitor import FirstProgress, RankMonitorConfig, RankMonitorServer
 from ftrun.rank_monitor import protocol as wire
 from support import python_cmd, wait_for
 
@@ -20,8 +20,10 @@ VALID = [
     for m in (
         wire.Hello(1, 1, 1),
         wire.Heartbeat(),
+        wire.Heartbeat(2**40),  # version 2: with an iteration
         wire.SectionStart("step"),
         wire.SectionEnd("step"),
+        wire.SectionEnd("step", 7),
         wire.EndAllSections(),
         wire.CalcTimeouts(2, True, None, True, True),
         wire.SetTimeouts(3, wire.Timeouts(1.0, 1.0, {"x": 1.0}, None)),
@@ -62,7 +64,8 @@ def test_fuzzed_server_never_misjudges_a_healthy_rank(tmp_path: Path):
         rank_out_of_section_timeout=0.5,
     )
     rng = random.Random(1234)
-    with RankMonitorServer(config, job_dir=tmp_path / "job") as server:
+    notes: list[FirstProgress] = []
+    with RankMonitorServer(config, job_dir=tmp_path / "job", on_progress=notes.append) as server:
         env = {**server.worker_env(), "RANK": "0"}
         # The fuzzing peer registers as rank 1 on behalf of a bystander process, so a verdict
         # against rank 1 (legitimate: it sends nonsense) signals that bystander, not pytest.
@@ -100,3 +103,6 @@ def test_fuzzed_server_never_misjudges_a_healthy_rank(tmp_path: Path):
             except queue.Empty:
                 break
         assert all(v.rank == 1 for v in verdicts), [v.describe() for v in verdicts]
+        # progress notes: one per registration, the healthy rank's without an iteration
+        assert [n.iteration for n in notes if n.rank == 0] == [None]
+        assert {n.rank for n in notes} <= {0, 1}

@@ -12,8 +12,11 @@ from ftrun.rank_monitor.tracker import HangKind, NotReadyError, RankProgress
 ROUND_TRIP = [
     wire.Hello(1, 2, 3),
     wire.Heartbeat(),
+    wire.Heartbeat(12),
+    wire.Heartbeat(wire.MAX_ITERATION),
     wire.SectionStart("step"),
     wire.SectionEnd("step"),
+    wire.SectionEnd("step", 0),
     wire.EndAllSections(),
     wire.CalcTimeouts(4, True, ("a", "b"), False, True),
     wire.CalcTimeouts(5, False, None, True, False),
@@ -33,9 +36,20 @@ def test_every_message_round_trips(message):
     [
         (b"\xc1", "undecodable"),
         (msgpack.packb({"t": "hb"}), "not a"),
-        (msgpack.packb([2, "hb"]), "version"),
+        (msgpack.packb([3, "hb"]), "version"),
         (msgpack.packb([1, "nuke"]), "unknown message type"),
         (msgpack.packb([1, "hb", 1]), "takes 0 fields"),
+        (msgpack.packb([0, "hb"]), "version"),
+        (msgpack.packb([True, "hb"]), "version"),
+        (msgpack.packb([2, "hb"]), "takes 1 fields"),
+        (msgpack.packb([2, "hb", -1]), "iteration"),
+        (msgpack.packb([2, "hb", 2**63]), "iteration"),
+        (msgpack.packb([2, "hb", 1.0]), "iteration"),
+        (msgpack.packb([2, "hb", True]), "iteration"),
+        (msgpack.packb([2, "hb", None]), "iteration"),
+        (msgpack.packb([2, "se", "step"]), "takes 2 fields"),
+        (msgpack.packb([2, "se", "", 3]), "section name"),
+        (msgpack.packb([2, "se", "step", "3"]), "iteration"),
         (msgpack.packb([1, "ss", ""]), "section name"),
         (msgpack.packb([1, "hello", 1, -1, 3]), "rank"),
         (msgpack.packb([1, "set", 1, [0, None, {}, None]]), "positive"),
@@ -46,6 +60,23 @@ def test_every_message_round_trips(message):
 def test_bad_frames_are_refused(frame, error):
     with pytest.raises(ProtocolError, match=error):
         wire.decode(frame)
+
+
+def test_frames_carry_the_lowest_version_that_expresses_them():
+    """Without an iteration, heartbeats and section ends are the version-1 frames, byte for
+    byte: a server of an older release still understands a newer client that does not use it."""
+    assert wire.encode(wire.Heartbeat()) == msgpack.packb([1, "hb"])
+    assert wire.encode(wire.SectionEnd("step")) == msgpack.packb([1, "se", "step"])
+    assert wire.encode(wire.Heartbeat(7)) == msgpack.packb([2, "hb", 7])
+    assert wire.encode(wire.SectionEnd("step", 7)) == msgpack.packb([2, "se", "step", 7])
+    assert wire.encode(wire.Goodbye()) == msgpack.packb([1, "bye"])
+
+
+def test_version_2_reads_unchanged_messages_as_version_1():
+    assert wire.decode(msgpack.packb([2, "ss", "step"])) == wire.SectionStart("step")
+    assert wire.decode(msgpack.packb([2, "hello", 1, 2, 3])) == wire.Hello(1, 2, 3)
+    with pytest.raises(ProtocolError, match="version 3"):
+        wire.decode(msgpack.packb([wire.VERSION + 1, "hb"]))
 
 
 def progress(**timeouts) -> RankProgress:
@@ -76,3 +107,29 @@ def test_calculated_timeouts_use_the_safety_factor_and_report_what_is_missing():
     with pytest.raises(NotReadyError, match="'io'"):
         p.calculated_timeouts(5.0, False, ("io",), False, False)
     assert p.calculated_timeouts(5.0, False, ("io",), True, True).sections == {"step": 60.0}
+
+
+def test_progress_is_a_heartbeat_or_a_section_end_with_the_iterations_reported():
+    p = progress(heartbeat=5.0)
+    p.start_section("step", 101.0)  # entering a section is no progress yet
+    assert (p.first_progress, p.last_progress) == (None, None)
+    assert p.end_section("io", 101.2) is False  # a stray end neither
+    assert p.end_section("step", 101.5, iteration=40) is True  # the first progress
+    assert p.heartbeat(101.6) is False
+    assert (p.first_progress, p.last_progress) == (101.5, 101.6)
+    assert (p.first_iteration, p.last_iteration) == (40, 40)
+    assert p.heartbeat(102.0, iteration=41) is False
+    p.start_section("step", 102.1)
+    assert p.end_all_sections(102.5) is False
+    assert (p.first_progress, p.last_progress) == (101.5, 102.5)
+    assert (p.first_iteration, p.last_iteration) == (40, 41)
+
+
+def test_first_progress_without_iterations_and_from_end_all_sections():
+    p = progress()
+    p.start_section("a", 100.5)
+    p.start_section("b", 100.6)
+    assert p.end_all_sections(101.0) is True
+    assert (p.first_progress, p.first_iteration, p.last_iteration) == (101.0, None, None)
+    p.heartbeat(102.0, iteration=3)
+    assert (p.first_iteration, p.last_iteration) == (3, 3)  # the first one reported

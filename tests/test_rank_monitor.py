@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 from ftrun.client_lib import RankMonitorClient, RankMonitorClientError
-from ftrun.rank_monitor import HangKind, RankMonitorConfig, RankMonitorServer, Verdict
+from ftrun.rank_monitor import (
+    FirstProgress,
+    HangKind,
+    ProgressSnapshot,
+    RankMonitorConfig,
+    RankMonitorServer,
+    Verdict,
+)
 from ftrun.rank_monitor.stacks import StuckAt, where_stuck
 from support import python_cmd, wait_for
 
@@ -25,11 +32,12 @@ CI_MARGIN_S = 0.25  # extra allowance for a loaded 2-core CI machine on the arri
 def make_server(tmp_path: Path) -> Iterator:
     servers: list[RankMonitorServer] = []
 
-    def make(**timeouts: object) -> RankMonitorServer:
+    def make(on_progress=None, **timeouts: object) -> RankMonitorServer:
         config = RankMonitorConfig(
             **{"initial_rank_heartbeat_timeout": 60.0, "rank_heartbeat_timeout": 60.0, **timeouts}
         )
-        server = RankMonitorServer(config, job_dir=tmp_path / f"job{len(servers)}").start()
+        job_dir = tmp_path / f"job{len(servers)}"
+        server = RankMonitorServer(config, job_dir=job_dir, on_progress=on_progress).start()
         servers.append(server)
         return server
 
@@ -228,3 +236,145 @@ def test_a_rank_counts_as_progressing_from_its_first_heartbeat(make_server, monk
         wait_for(lambda: server.progressing_ranks() == {3}, 5, "rank 3 progressing")
     finally:
         client.shutdown_workload_monitoring()
+
+
+# ---- training progress, for reports ----------------------------------------------------------
+
+
+@pytest.fixture
+def in_process_client(monkeypatch):
+    """A client in this process, registered as `rank` with `server`."""
+    clients: list[RankMonitorClient] = []
+
+    def connect(server: RankMonitorServer, rank: int) -> RankMonitorClient:
+        for key, value in {**server.worker_env(), "RANK": str(rank)}.items():
+            monkeypatch.setenv(key, value)
+        server.expect_rank(rank, os.getpid())
+        client = RankMonitorClient()
+        client.init_workload_monitoring()
+        clients.append(client)
+        return client
+
+    yield connect
+    for client in clients:
+        client.shutdown_workload_monitoring()
+
+
+def test_first_progress_is_noted_once_per_registration_with_its_iteration(
+    make_server, in_process_client
+):
+    notes: queue.SimpleQueue[FirstProgress] = queue.SimpleQueue()
+    server = make_server(on_progress=notes.put)
+    client = in_process_client(server, 5)
+    client.start_section("step")  # not progress: the step has not been done yet
+    with pytest.raises(queue.Empty):
+        notes.get(timeout=0.3)
+    before = time.monotonic()
+    client.end_section("step", iteration=41)
+    client.send_heartbeat(iteration=41)
+    client.start_section("step")
+    client.end_section("step")
+    client.send_heartbeat(iteration=42)
+    note = notes.get(timeout=5)
+    me = os.getpid()
+    assert (note.rank, note.pid, note.worker_pid, note.iteration) == (5, me, me, 41)
+    assert before <= note.at <= time.monotonic()
+    snapshot = wait_for(
+        lambda: (s := server.progress_snapshot()) and s[0].last_iteration == 42 and s,
+        5,
+        "the second step in the snapshot",
+    )
+    assert snapshot == [ProgressSnapshot(5, me, me, note.at, snapshot[0].last_progress, 41, 42)]
+    assert snapshot[0].last_progress > note.at
+    with pytest.raises(queue.Empty):
+        notes.get(timeout=0.3)  # once per registration
+
+
+def test_progress_without_iterations(make_server, in_process_client):
+    notes: list[FirstProgress] = []
+    server = make_server(on_progress=notes.append)
+    client = in_process_client(server, 0)
+    client.send_heartbeat()
+    wait_for(lambda: notes, 5, "the first progress")
+    assert notes[0].iteration is None
+    (snap,) = server.progress_snapshot()
+    assert (snap.first_iteration, snap.last_iteration) == (None, None)
+    assert snap.first_progress == snap.last_progress == notes[0].at
+
+
+def test_snapshot_outlives_a_verdict_and_a_goodbye_but_not_forget(make_server, monkeypatch):
+    """The agent snapshots before it stops the workers: a hung rank (its registration ended
+    with the verdict) and a rank that said goodbye still tell where they got to."""
+    server = make_server(rank_heartbeat_timeout=0.2)
+    for key, value in {**server.worker_env(), "RANK": "1"}.items():
+        monkeypatch.setenv(key, value)
+    server.expect_rank(1, os.getpid())
+    client = RankMonitorClient()
+    client.init_workload_monitoring()
+    try:
+        client.send_heartbeat(iteration=9)
+        assert server.verdicts.get(timeout=10).rank == 1
+    finally:
+        client.shutdown_workload_monitoring()
+    (snap,) = server.progress_snapshot()
+    assert (snap.rank, snap.last_iteration) == (1, 9) and snap.last_progress is not None
+    server.forget_rank(1)
+    assert server.progress_snapshot() == []
+
+
+def test_a_broken_progress_callback_does_not_stop_hang_detection(make_server, in_process_client):
+    def broken(_note: FirstProgress) -> None:
+        raise RuntimeError("owner bug")
+
+    server = make_server(on_progress=broken, rank_heartbeat_timeout=0.3)
+    client = in_process_client(server, 2)
+    client.send_heartbeat()
+    verdict = server.verdicts.get(timeout=10)
+    assert (verdict.rank, verdict.kind) == (2, HangKind.HEARTBEAT)
+
+
+def test_iterations_from_a_real_rank(make_server):
+    notes: list[FirstProgress] = []
+    server = make_server(on_progress=notes.append)
+    with spawn_rank(server, 4, "progress", "3") as proc:
+        assert proc.communicate(timeout=30)[0].strip() == "done"
+    assert proc.returncode == 0
+    assert [(n.rank, n.iteration, n.worker_pid) for n in notes] == [(4, 1, proc.pid)]
+    (snap,) = server.progress_snapshot()
+    assert (snap.first_iteration, snap.last_iteration) == (1, 3)
+
+
+def test_nvrx_call_signatures_stay_valid(make_server, in_process_client):
+    """NVRx 0.4's client: send_heartbeat(), start_section(section), end_section(section)."""
+    server = make_server()
+    client = in_process_client(server, 0)
+    client.start_section(section="step")
+    client.end_section(section="step")
+    client.send_heartbeat()
+    client.end_all_sections()
+    wait_for(lambda: server.progressing_ranks() == {0}, 5, "rank 0 progressing")
+
+
+@pytest.mark.parametrize(
+    ("iteration", "error"),
+    [(-1, "in \\[0, "), (2**62 + 1, "in \\[0, "), (1.5, "not float"), ("3", "not str"),
+     (True, "not bool")],
+)  # fmt: skip
+def test_bad_iterations_raise_clear_errors(make_server, in_process_client, iteration, error):
+    server = make_server()
+    client = in_process_client(server, 0)
+    with pytest.raises(RankMonitorClientError, match=f"iteration must be.*{error}"):
+        client.send_heartbeat(iteration=iteration)
+    client.start_section("step")
+    with pytest.raises(RankMonitorClientError, match=f"iteration must be.*{error}"):
+        client.end_section("step", iteration=iteration)
+
+
+def test_integer_like_iterations_are_accepted(make_server, in_process_client):
+    numpy = pytest.importorskip("numpy")
+    notes: list[FirstProgress] = []
+    server = make_server(on_progress=notes.append)
+    client = in_process_client(server, 0)
+    client.send_heartbeat(iteration=numpy.int64(2**40))
+    wait_for(lambda: notes, 5, "the first progress")
+    assert notes[0].iteration == 2**40

@@ -10,9 +10,12 @@ Synthetic files cover what a real run cannot cheaply produce (preemption, lost n
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
+import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,16 +23,24 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+import ftrun
+from ftrun import events as events_schema
+from ftrun.agent.reporting import CycleReport
+from ftrun.events import SCHEMA, EventLog
+from ftrun.rank_monitor import FirstProgress, ProgressSnapshot
 from ftrun.tools.cli import main
 from ftrun.tools.events import ReportInputError, load_events, parse_line
 from ftrun.tools.failures import CRASH, HANG, RESTART, SIGNAL, ranks_text
 from ftrun.tools.report import Report, build_report
+from launch import start_job
+from support import WORKERS
 
 DATA = Path(__file__).parent / "data" / "report"
 CRASH_HANG = DATA / "crash_hang"
 STALE_HANG = DATA / "stale_hang"
 NODE_A, NODE_B = "127.0.0.1-32172", "127.0.0.1-32171"  # group ranks 0 and 1 in crash_hang
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PROGRESS_WORKER = WORKERS / "progress_worker.py"
 
 
 def report_of(log_dir: Path) -> Report:
@@ -131,6 +142,11 @@ def test_cli_prints_summary_and_writes_png(tmp_path: Path) -> None:
         "recovery 0.20s",
         "stacks: ",
         f"Timeline   {out}",
+        # no RankMonitorClient progress in these files: said, and every time labelled
+        "Training   no training progress reported (no RankMonitorClient): "
+        "times below are process times",
+        "(process time, an upper bound on training)",
+        "Failures (2)  process times: recovery to every worker started again, not to training",
     ):
         assert expected in text
     assert result.stderr == ""
@@ -142,8 +158,9 @@ def test_cli_json(tmp_path: Path) -> None:
     result = run_cli(str(CRASH_HANG), "--json", "--out", str(tmp_path / "t.png"))
     assert result.exit_code == 0
     data = json.loads(result.stdout)
-    assert data["schema"] == 1 and data["outcome"] == "SUCCESS"
-    assert data["timeline"] == str(tmp_path / "t.png")
+    assert data["schema"] == 2 and data["outcome"] == "SUCCESS"
+    assert data["timeline"] == str(tmp_path / "t.png") and data["timeline_note"] is None
+    assert data["progress_reported"] is False and data["startup_s"] is None
     assert [f["kind"] for f in data["failures"]] == [CRASH, HANG]
     assert data["failures"][1]["hang"]["waited"] == pytest.approx(2.001069)
     assert [c["outcome"] for c in data["cycles"]] == ["failed", "failed", "succeeded"]
@@ -265,6 +282,32 @@ class Job:
                 nodes=nodes or self.nodes, world_size=2 * len(self.nodes), store_host=i == 0,
             )  # fmt: skip
             self.emit(node, t + 2, "workers_started", number, ranks=[2 * i, 2 * i + 1], pids=[i])
+
+    def stepping(self, cycle: int, at: dict[str, float], iterations: int | None = None) -> None:
+        """Every local rank of each node in `at` showed progress at that time."""
+        for node, t in at.items():
+            i = self.nodes.index(node)
+            ranks, iters = [2 * i, 2 * i + 1], [iterations] * 2
+            self.emit(node, t + 0.01, "stepping", cycle, ranks=ranks, progress_ts=1e9 + t,
+                      progress_mono=t, iterations=iters)  # fmt: skip
+
+    def last_progress(
+        self, cycle: int, at: dict[str, float | None], iterations: int | None = None,
+        before: str = "stop", written: float | None = None,
+    ) -> None:  # fmt: skip
+        """Each node's last progress (`written` at that time, default 0.1 s after it)."""
+        for node, t in at.items():
+            i = self.nodes.index(node)
+            self.emit(node, written or (t or 0) + 0.1, "last_progress", cycle, before=before,
+                      ranks=[2 * i, 2 * i + 1], progress_ts=None if t is None else 1e9 + t,
+                      progress_mono=t, iterations=[iterations] * 2)  # fmt: skip
+
+    def finish(self, cycle: int, t: float) -> None:
+        for i, node in enumerate(self.nodes):
+            for rank in (2 * i, 2 * i + 1):
+                self.emit(node, t, "worker_exited", cycle, rank=rank, local_rank=rank % 2, pid=0,
+                          code=0)  # fmt: skip
+            self.emit(node, t + 1, "exit", cycle, code=0, reason="SUCCESS")
 
     def stop(self, cycle: int, t: float, restart: bool = True) -> None:
         for node in self.nodes:
@@ -434,3 +477,308 @@ def test_the_rank_stuck_in_its_own_code_is_named_the_likely_cause(tmp_path: Path
     )
     result = run_cli(str(job.log_dir), "--no-timeline")
     assert "where: rank 2 on b at train.py:63 in load_batch  <- likely the cause" in result.output
+
+
+# ---- a real run: the report against the workers' own step logs -------------------------------
+
+
+def step_logs(ckpt_dir: Path, ranks: int) -> dict[int, list[tuple[int, str, float]]]:
+    """rank -> [(cycle, step or "crash", wall time)] from tests/workers/progress_worker.py."""
+    logs = {}
+    for rank in range(ranks):
+        rows = (
+            line.split() for line in (ckpt_dir / f"steps-rank{rank}.txt").read_text().splitlines()
+        )
+        logs[rank] = [(int(cycle), what, float(at)) for cycle, what, at in rows]
+    return logs
+
+
+def test_recovery_matches_the_workers_own_step_logs(tmp_path: Path) -> None:
+    """Acceptance: after a crash, the report's recovery (crash to every rank stepping again) is
+    within 10 % of what the ranks' own step logs show, and so are the time lost and the
+    effective training time; the iterations redone are exact. The ranks take 1.5 s to start
+    up: a report counting processes would call the recovery a fraction of that."""
+    startup, crash_step, save_every = 1.5, 8, 5
+    worker_args = ["--steps", "14", "--step-time", "0.05", "--startup", str(startup),
+                   "--save-every", str(save_every), "--crash", f"0:1:{crash_step}"]  # fmt: skip
+    job = start_job(tmp_path, 2, ["--max-restarts=1"], worker_args, script=PROGRESS_WORKER, nproc=2)
+    assert job.wait(120) == [0, 0], job.nodes[0].text()[-3000:]
+    logs = step_logs(job.ckpt_dir, 4)
+    crashed_at = next(at for cycle, what, at in logs[1] if what == "crash")
+    steps = {c: [[(int(w), at) for cycle, w, at in rows if cycle == c and w != "crash"]
+                 for rows in logs.values()] for c in (0, 1)}  # fmt: skip
+    stepping = {c: max(ranks[0][1] for ranks in steps[c]) for c in (0, 1)}
+    last_before = min(max(at for ranks in steps[0] for _, at in ranks), crashed_at)
+    finished = max(ranks[-1][1] for ranks in steps[1])
+    redone = (crash_step - 1) - save_every  # steps 6 and 7, done again from the step-5 checkpoint
+    pace = (last_before - stepping[0]) / (crash_step - 2)  # step 1 to step 7
+
+    report = report_of(job.log_dir)
+    assert report.progress_reported
+    (failure,) = report.failures
+    assert failure.kind == CRASH and failure.ranks == (1,)
+    assert failure.recovery_s == pytest.approx(stepping[1] - crashed_at, rel=0.10)
+    assert failure.recovery_s > startup  # start-up counts: the ranks were not training
+    assert failure.lost_s == pytest.approx(stepping[1] - last_before, rel=0.10)
+    assert failure.redone_iterations == redone
+    assert failure.redone_s == pytest.approx(redone * pace, rel=0.10)
+    useful = (last_before - stepping[0]) + (finished - stepping[1]) - redone * pace
+    assert report.effective_s == pytest.approx(useful, rel=0.10)
+    assert report.startup_s is not None and report.startup_s > startup
+
+    result = run_cli(str(job.log_dir), "--out", str(tmp_path / "timeline.png"))
+    assert result.exit_code == 0, result.output
+    assert "effective (ETTR, from training progress)" in result.stdout
+    assert f"| {redone} iteration(s) redone" in result.stdout
+    assert (tmp_path / "timeline.png").read_bytes().startswith(PNG_MAGIC)
+
+
+# ---- training progress: what the ranks did, not what the processes did -----------------------
+
+
+def crash_job(tmp_path: Path) -> Job:
+    """Two nodes; ranks step from t=13 (b is the slower to start) at iterations 1..70; rank 1
+    crashes at t=50 (b's ranks still stepped at 50.1, alone: no progress the job keeps); cycle
+    1 steps from t=64.5 at iteration 61 (the checkpoint was at 60), and finishes at t=100."""
+    job = Job(tmp_path / "logs", ["a", "b"])
+    job.cycle(0, 0)
+    job.stepping(0, {"a": 12, "b": 13}, iterations=1)
+    job.emit("a", 50, "worker_exited", 0, rank=1, local_rank=1, pid=1, code=1)
+    job.last_progress(0, {"a": 49.5, "b": 50.1}, iterations=70)
+    job.stop(0, 50)
+    job.cycle(1, 52)
+    job.stepping(1, {"a": 60, "b": 64.5}, iterations=61)
+    job.last_progress(1, {"a": 99.5, "b": 99.8}, iterations=120, before="finish", written=100)
+    job.finish(1, 100)
+    job.write()
+    return job
+
+
+def test_recovery_and_time_lost_are_measured_on_progress(tmp_path: Path) -> None:
+    report = report_of(crash_job(tmp_path).log_dir)
+    assert report.progress_reported
+    (crash,) = report.failures
+    assert crash.kind == CRASH and crash.ts == 1e9 + 50
+    assert crash.recovered_at == 1e9 + 64.5  # the slower node's ranks stepping again
+    assert crash.recovery_s == pytest.approx(14.5)  # not 4 s: crash to workers started
+    assert crash.last_healthy == 1e9 + 50  # b's step at 50.1 came after the crash
+    assert crash.lost_s == pytest.approx(14.5)
+    assert [c.stepping_at for c in report.cycles] == [1e9 + 13, 1e9 + 64.5]
+    assert [c.training_until for c in report.cycles] == [1e9 + 50, 1e9 + 99.8]
+
+
+def test_iterations_redone_and_the_effective_training_ratio(tmp_path: Path) -> None:
+    report = report_of(crash_job(tmp_path).log_dir)
+    (crash,) = report.failures
+    assert crash.redone_iterations == 10  # 61..70 again
+    pace = (50 - 13) / (70 - 1)
+    assert crash.redone_s == pytest.approx(10 * pace)
+    assert report.startup_s == pytest.approx(13)  # launch to every rank stepping
+    training = (50 - 13) + (99.8 - 64.5)
+    assert report.effective_s == pytest.approx(training - 10 * pace)
+    assert report.effective_ratio == pytest.approx((training - 10 * pace) / 101)
+    assert report.running_s == pytest.approx((50 - 2) + (100 - 54))  # process time, kept
+
+
+def test_the_text_says_progress_and_how_costs_were_measured(tmp_path: Path) -> None:
+    result = run_cli(str(crash_job(tmp_path).log_dir), "--no-timeline")
+    assert result.exit_code == 0
+    text = result.stdout
+    for expected in (
+        "Training   66.3% effective (ETTR, from training progress): 1m07s making progress of 1m41s",
+        "lost: start-up 13.00s (launch to every rank stepping), failures 14.50s (last progress "
+        "to stepping again), work redone ~5.36s",
+        "  cycle  start     rendezvous   start-up     training        stop  ended",
+        "     1.00s      11.00s       37.00s       1.00s  crash (failure #1) -> restart",
+        "Failures (1)  recovery: to every rank stepping again; time lost: from the last progress",
+        "detection 0s (immediate) | recovery 14.50s | time lost 14.50s | 10 iteration(s) "
+        "redone (~5.36s)",
+    ):
+        assert expected in text, text
+    assert "no training progress reported" not in text
+
+
+def test_a_hang_loses_from_the_last_progress_not_from_the_timeout(tmp_path: Path) -> None:
+    job = Job(tmp_path / "logs", ["a", "b"])
+    job.cycle(0, 0)
+    job.stepping(0, {"a": 5, "b": 5})
+    job.emit("b", 50, "hang", 0, rank=2, pid=2, kind="heartbeat", timeout=4.0, waited=4.0)
+    job.last_progress(0, {"a": 40.0, "b": 41.0}, written=50.1)  # data loading stalled at 41
+    job.stop(0, 50)
+    job.cycle(1, 52)
+    job.stepping(1, {"a": 58, "b": 57})
+    job.finish(1, 70)
+    (hang,) = report_of(job.write()).failures
+    assert hang.detection_s == 4.0  # the monitor's own measure, as before
+    assert hang.last_healthy == 1e9 + 41  # not 50 - 4: the progress the ranks reported
+    assert hang.lost_s == pytest.approx(58 - 41)
+    assert hang.recovery_s == pytest.approx(8)
+    assert hang.redone_iterations is None and hang.redone_s is None  # no iterations reported
+
+
+def test_a_cycle_that_never_stepped_is_no_recovery(tmp_path: Path) -> None:
+    """Cycle 1 failed while its ranks were starting: the job recovered only in cycle 2, and
+    the start-up failure lost nothing of its own beyond that window."""
+    job = Job(tmp_path / "logs", ["a", "b"])
+    job.cycle(0, 0)
+    job.stepping(0, {"a": 5, "b": 5})
+    job.emit("a", 30, "worker_exited", 0, rank=0, local_rank=0, pid=1, code=1)
+    job.last_progress(0, {"a": 29.9, "b": 29.95})
+    job.stop(0, 30)
+    job.cycle(1, 32)
+    job.stepping(1, {"a": 40})  # b's ranks never stepped
+    job.emit("b", 41, "worker_exited", 1, rank=2, local_rank=0, pid=2, code=-11, signal="SIGSEGV")
+    job.last_progress(1, {"a": 40.8, "b": None})
+    job.stop(1, 41)
+    job.cycle(2, 43)
+    job.stepping(2, {"a": 50, "b": 51})
+    job.finish(2, 60)
+    report = report_of(job.write())
+    first, second = report.failures
+    assert first.recovered_at == second.recovered_at == 1e9 + 51
+    assert first.recovery_s == pytest.approx(21) and first.lost_s == pytest.approx(51 - 29.95)
+    assert second.last_healthy == 1e9 + 41 and second.lost_s == pytest.approx(10)
+    assert report.cycles[1].stepping_at is None and report.cycles[1].training_until is None
+    assert report.effective_s == pytest.approx((29.95 - 5) + (60 - 51))
+    text = run_cli(str(job.log_dir), "--no-timeline").stdout
+    assert "      never            -" in text  # cycle 1: started, never all stepping
+
+
+def test_lanes_show_start_up_and_stalls_as_not_training(tmp_path: Path) -> None:
+    report = report_of(crash_job(tmp_path).log_dir)
+    lane = [(s.state, s.start - 1e9, s.end - 1e9) for s in report.spans if s.node == "a"]
+    assert lane == [
+        ("rendezvous", 0, 2),
+        ("starting", 2, 12),
+        ("running", 12, 49.5),
+        ("stalled", 49.5, 50),  # last progress to the stop
+        ("stopping", 50, 51),
+        ("rendezvous", 52, 54),
+        ("starting", 54, 60),
+        ("running", 60, 100),
+        ("finished", 100, 101),
+    ]
+
+
+def test_the_timeline_of_a_progress_report(tmp_path: Path) -> None:
+    job = crash_job(tmp_path)
+    out = tmp_path / "t.png"
+    assert run_cli(str(job.log_dir), "--out", str(out)).exit_code == 0
+    assert out.read_bytes().startswith(PNG_MAGIC) and out.stat().st_size > 20_000
+
+
+def test_without_matplotlib_the_summary_prints_and_says_how_to_get_the_picture(
+    tmp_path: Path,
+) -> None:
+    log_dir = copy_fixture(tmp_path)
+    hide = "import sys; sys.modules['matplotlib'] = None\nfrom ftrun.tools.cli import main; main()"
+    for extra in ([], ["--json"]):
+        proc = subprocess.run(
+            [sys.executable, "-c", hide, "report", str(log_dir), *extra],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert "Traceback" not in proc.stderr
+        if extra:
+            data = json.loads(proc.stdout)  # stdout stays JSON; the note goes to stderr
+            assert data["timeline"] is None and "matplotlib" in data["timeline_note"]
+            assert "pip install 'ftrun[report]'" in proc.stderr
+        else:
+            assert "Outcome    SUCCESS" in proc.stdout
+            assert proc.stdout.rstrip().endswith(
+                "Timeline   not drawn: matplotlib is not installed (pip install 'ftrun[report]')"
+            )
+    assert not (log_dir / "timeline.png").exists()
+
+
+# ---- the events schema: one for the writer and the reader ------------------------------------
+
+
+def test_every_event_the_launcher_writes_is_in_the_schema() -> None:
+    src = Path(ftrun.__file__).parent
+    emitted = set()
+    for path in src.rglob("*.py"):
+        emitted |= set(re.findall(r'emit\w*\(\s*"(\w+)"', path.read_text()))
+    assert {"stepping", "last_progress", "worker_exited", "hang", "exit"} <= emitted
+    assert emitted - set(SCHEMA) == set()
+
+
+def test_the_reader_requires_what_the_schema_requires() -> None:
+    base = '"ts": 1, "mono": 1, "node": "n", "cycle": 0'
+    assert parse_line(f'{{"event": "stepping", {base}, "ranks": [0], "progress_ts": 5}}') is None
+    event = parse_line(
+        f'{{"event": "stepping", {base}, "ranks": [0], "progress_ts": 5, "progress_mono": 2}}'
+    )
+    assert event is not None and event.num("progress_ts") == 5
+    ok = f'{{"event": "last_progress", {base}, "before": "stop", "ranks": [], "progress_ts": null}}'
+    assert parse_line(ok) is not None
+    assert events_schema.problems("last_progress", {"before": "stop"}) == [
+        "last_progress: required field 'ranks' missing"
+    ]
+
+
+def test_the_writer_checks_the_schema_and_writes_anyway(tmp_path: Path, caplog) -> None:
+    log = EventLog(tmp_path, "n")
+    log.emit("stepping", ranks=[0], progress_ts="soon", progress_mono=1.0)
+    log.emit("no_such_event")
+    log.close()
+    assert "field 'progress_ts' is not a number: 'soon'" in caplog.text
+    assert "unknown event kind 'no_such_event'" in caplog.text
+    lines = (tmp_path / "events-n.jsonl").read_text().splitlines()
+    assert [json.loads(line)["event"] for line in lines] == ["stepping", "no_such_event"]
+
+
+# ---- the agent's side: CycleReport turns the monitor's notes into events -----------------------
+
+
+def cycle_report(tmp_path: Path) -> tuple[CycleReport, EventLog]:
+    events = EventLog(tmp_path, "n")
+    runtime = types.SimpleNamespace(events=events, node="n", node_log_dir=tmp_path / "n")
+    return CycleReport(runtime), events  # type: ignore[arg-type]
+
+
+def written(tmp_path: Path) -> list[dict[str, Any]]:
+    lines = (tmp_path / "events-n.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_stepping_is_emitted_once_every_local_rank_progressed(tmp_path: Path) -> None:
+    report, events = cycle_report(tmp_path)
+    events.cycle = 3
+    report.expect_progress([4, 5], [100, 101])
+    now = time.monotonic()
+    report.first_progress(FirstProgress(4, 100, 100, now, 12))
+    report.first_progress(FirstProgress(5, 999, 999, now, 12))  # a stale worker's note
+    report.first_progress(FirstProgress(4, 100, 100, now + 1, 13))  # a duplicate
+    assert written(tmp_path) == []
+    report.first_progress(FirstProgress(5, 7, 101, now + 0.5, None))  # a descendant of 101
+    report.first_progress(FirstProgress(5, 7, 101, now + 0.6, None))
+    events.close()
+    (stepping,) = written(tmp_path)
+    assert stepping["event"] == "stepping" and stepping["cycle"] == 3
+    assert (stepping["ranks"], stepping["iterations"]) == ([4, 5], [12, None])
+    assert stepping["progress_mono"] == pytest.approx(now + 0.5, abs=1e-5)
+    wall = stepping["ts"] - (stepping["mono"] - (now + 0.5))
+    assert stepping["progress_ts"] == pytest.approx(wall, abs=1e-3)
+    assert 0 < stepping["startup"] < 5
+    assert events_schema.problems("stepping", stepping) == []
+
+
+def test_last_progress_from_a_snapshot(tmp_path: Path) -> None:
+    report, events = cycle_report(tmp_path)
+    now = time.monotonic()
+    report.last_progress([
+        ProgressSnapshot(1, 11, 11, now - 9, now - 2, 3, 40),
+        ProgressSnapshot(0, 10, 10, now - 9, now - 1, 3, 41),
+        ProgressSnapshot(2, 12, 12, None, None, None, None),  # never stepped
+    ])  # fmt: skip
+    report.last_progress([], before="finish")
+    events.close()
+    stop, finish = written(tmp_path)
+    assert (stop["before"], stop["ranks"]) == ("stop", [0, 1, 2])
+    assert stop["iterations"] == [41, 40, None]
+    assert stop["progress_mono"] == pytest.approx(now - 1, abs=1e-5)
+    wall = stop["ts"] - (stop["mono"] - (now - 1))
+    assert stop["progress_ts"] == pytest.approx(wall, abs=1e-3)
+    assert (finish["before"], finish["ranks"], finish["progress_ts"]) == ("finish", [], None)
+    assert all(events_schema.problems(e["event"], e) == [] for e in (stop, finish))

@@ -48,6 +48,16 @@ def healthy(client: RankMonitorClient) -> None:
     print("done", flush=True)
 
 
+def progress(client: RankMonitorClient) -> None:
+    """STEPS steps, each reporting its iteration (as end_section and heartbeat arguments)."""
+    for step in range(1, int(sys.argv[2]) + 1):
+        client.start_section("step")
+        time.sleep(0.01)
+        client.end_section("step", iteration=step)
+        client.send_heartbeat(iteration=step)
+    print("done", flush=True)
+
+
 def calculate(client: RankMonitorClient) -> None:
     """Observe some intervals, calculate timeouts, save the state to STATE_FILE."""
     for _ in range(4):
@@ -78,6 +88,7 @@ MODES = {
         stuck_in_section,
         too_long_out_of_section,
         healthy,
+        progress,
         calculate,
         restore,
     )

@@ -17,7 +17,9 @@ class MonitorService(NodeService):
     def __init__(
         self, config: RankMonitorConfig, job_dir: Path, post: Callable[[object], None]
     ) -> None:
-        self.server = RankMonitorServer(config, job_dir=job_dir, on_verdict=post).start()
+        self.server = RankMonitorServer(
+            config, job_dir=job_dir, on_verdict=post, on_progress=post
+        ).start()
 
     def worker_env(self, rnd: Round) -> Mapping[str, str]:
         return self.server.worker_env()

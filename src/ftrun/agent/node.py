@@ -35,7 +35,7 @@ from ftrun.agent.termination import StopResult, become_subreaper, stop_process_g
 from ftrun.agent.worker_env import worker_envs
 from ftrun.agent.workers import WorkerExited, WorkerGroup
 from ftrun.errors import ExitCode, FtrunError, NodeUnhealthyError
-from ftrun.rank_monitor import Verdict
+from ftrun.rank_monitor import FirstProgress, Verdict
 from ftrun.rendezvous.barrier import JoinInterruptedError
 from ftrun.rendezvous.ranks import Round
 
@@ -201,7 +201,9 @@ class NodeAgent:
         except (OSError, FtrunError) as exc:
             return self._decide(p.SpawnFailed(str(exc)))
         group = self._group
-        self.events.emit("workers_started", ranks=[w.rank for w in group.workers], pids=group.pids)
+        ranks = [w.rank for w in group.workers]
+        self.events.emit("workers_started", ranks=ranks, pids=group.pids)
+        self.report.expect_progress(ranks, group.pids)
         return self._decide(p.WorkersStarted())
 
     def _watch(self) -> Action:
@@ -240,6 +242,8 @@ class NodeAgent:
             return self._hangs(item)
         if isinstance(item, SignalReceived):
             return self._signal_event(item)
+        if isinstance(item, FirstProgress):
+            self.report.first_progress(item)
         return None
 
     def _hangs(self, first: Verdict) -> p.HangsFound:
@@ -258,6 +262,7 @@ class NodeAgent:
 
     def _stop(self) -> Action:
         pids = self._group.pids if self._group else []
+        self.report.last_progress(self.rt.monitor.progress_snapshot())
         result = self._stop_workers()
         self.events.emit(
             "stop_done",
@@ -277,6 +282,7 @@ class NodeAgent:
         rnd = self._round
         assert rnd is not None
         self._group = None
+        self.report.last_progress(self.rt.monitor.progress_snapshot(), before="finished")
         control = self.rt.control
         control.arrive(rnd.number, "succeeded")
         deadline = time.monotonic() + self.cfg.exit_barrier_timeout

@@ -1,15 +1,16 @@
-"""What the agent writes down about a cycle: worker exits, hangs (with stack files), GPU memory
-reclaim. Events for tools, one clear log line for people."""
+"""What the agent writes down about a cycle: worker exits, hangs (with stack files), and the
+training progress the rank monitor saw. Events for tools, one clear log line for people."""
 
 from __future__ import annotations
 
 import logging
 import signal
+import time
+from collections.abc import Sequence
 
-from ftrun.agent.gpu_memory import wait_until_released
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.workers import WorkerExited
-from ftrun.rank_monitor import Verdict
+from ftrun.rank_monitor import FirstProgress, ProgressSnapshot, Verdict
 from ftrun.rank_monitor.stacks import where_stuck
 from ftrun.rendezvous.ranks import Round
 
@@ -22,6 +23,9 @@ class CycleReport:
     def __init__(self, runtime: AgentRuntime) -> None:
         self.rt = runtime
         self.events = runtime.events
+        self._awaited: dict[int, int] = {}  # rank -> worker pid, of the current cycle
+        self._first: dict[int, FirstProgress] = {}
+        self._started = 0.0
 
     def worker_exit(self, item: WorkerExited) -> None:
         fields: dict[str, object] = {
@@ -62,25 +66,56 @@ class CycleReport:
             in_library=stuck.in_library if stuck else None,
         )
 
-    def gpu_memory_reclaim(self, pids: list[int]) -> None:
-        """Before a restart, wait (bounded) until the stopped workers' GPU memory is free."""
-        cfg = self.rt.config.agent
-        baseline = self.rt.gpu_baseline
-        if baseline is None or cfg.gpu_memory_reclaim_timeout <= 0:
+    # ---- training progress (from the rank monitor) -------------------------------------------
+
+    def expect_progress(self, ranks: Sequence[int], pids: Sequence[int]) -> None:
+        """A cycle's workers started (`ranks[i]` in process `pids[i]`): await their progress."""
+        self._awaited = dict(zip(ranks, pids, strict=True))
+        self._first = {}
+        self._started = time.monotonic()
+
+    def first_progress(self, item: FirstProgress) -> None:
+        """A rank's first progress; once every local rank has shown one, emit `stepping`.
+
+        Notes about workers of another cycle (or already noted ranks) are ignored, so the agent
+        may pass on every note it receives."""
+        if self._awaited.get(item.rank) != item.worker_pid or item.rank in self._first:
             return
-        reclaim = wait_until_released(
-            baseline, pids, cfg.gpu_memory_reclaim_timeout, cfg.gpu_memory_tolerance_mb
-        )
+        self._first[item.rank] = item
+        if len(self._first) < len(self._awaited):
+            return
+        ranks = sorted(self._first)
+        at = max(p.at for p in self._first.values())
+        startup = at - self._started
         self.events.emit(
-            "gpu_memory_reclaimed",
-            duration=round(reclaim.duration, 6),
-            released=reclaim.released,
-            excess_mb=round(reclaim.excess_mb, 1),
+            "stepping",
+            ranks=ranks,
+            progress_ts=_wall(at),
+            progress_mono=round(at, 6),
+            iterations=[self._first[r].iteration for r in ranks],
+            startup=round(startup, 6),
         )
-        if reclaim.released:
-            log.info("GPU memory of the stopped workers released in %.3fs", reclaim.duration)
-        else:
-            log.warning(
-                "GPU memory still %.0f MB above its baseline after %.1fs; starting anyway",
-                reclaim.excess_mb, reclaim.duration,
-            )  # fmt: skip
+        log.info(
+            "cycle %d: all %d local rank(s) stepping, %.2fs after their start",
+            self.events.cycle, len(ranks), startup,
+        )  # fmt: skip
+
+    def last_progress(self, snapshot: Sequence[ProgressSnapshot], before: str = "stop") -> None:
+        """Where the local ranks last were, from `RankMonitorServer.progress_snapshot()` taken
+        right before the workers are stopped (`before="stop"`) or after they all finished."""
+        ranks = sorted(snapshot, key=lambda s: s.rank)
+        times = [s.last_progress for s in ranks if s.last_progress is not None]
+        latest = max(times) if times else None
+        self.events.emit(
+            "last_progress",
+            before=before,
+            ranks=[s.rank for s in ranks],
+            progress_ts=None if latest is None else _wall(latest),
+            progress_mono=None if latest is None else round(latest, 6),
+            iterations=[s.last_iteration for s in ranks],
+        )
+
+
+def _wall(mono: float) -> float:
+    """The wall-clock time of a moment on this host's monotonic clock."""
+    return round(time.time() - (time.monotonic() - mono), 6)

@@ -21,7 +21,10 @@ from torch.distributed import Store
 from ftrun.agent.gpu_memory import GpuReclaimService
 from ftrun.agent.health import HealthService
 from ftrun.agent.monitoring import MonitorService
+from ftrun.agent.prewarm.service import PrewarmService
 from ftrun.agent.services import NodeServices
+from ftrun.agent.spare_pool import python_target
+from ftrun.agent.worker_env import shared_env
 from ftrun.agent.workers import PlainSpawner, Spawner
 from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError, NodeUnhealthyError, RendezvousFailedError
@@ -104,10 +107,16 @@ def open_runtime(
                     agent.gpu_memory_reclaim_timeout, agent.gpu_memory_tolerance_mb, events.emit
                 )
             )
+        spawner: Spawner = PlainSpawner(agent.entrypoint)
+        target = python_target(agent.entrypoint)
+        if target is not None and agent.prewarm_modules:
+            start_env = shared_env(config, environ, {}, None, node)
+            spawner = services.add(
+                PrewarmService(target, agent.prewarm_modules, start_env, spawner)
+            )
         runtime = AgentRuntime(
             config, environ, host, node, log_dir / node, events, inbox, store, is_store_host,
-            infra_rank_from_env(environ, config.rendezvous.node_rank), services, monitor,
-            PlainSpawner(agent.entrypoint),
+            infra_rank_from_env(environ, config.rendezvous.node_rank), services, monitor, spawner,
         )  # fmt: skip
         runtime.rendezvous = create_rendezvous(config.rendezvous, store, runtime.descriptor)
         yield runtime

@@ -1,9 +1,13 @@
 """RankMonitorClient: the thin in-worker side of the heartbeat path.
 
-Method names match NVIDIA Resiliency Extension's client, so switching is an import change.
-Heartbeats and section marks are fire-and-forget: one non-blocking ZeroMQ send of a frame that
-was encoded once. Only `init_workload_monitoring`, the timeout calculations and
+Method names and arguments match NVIDIA Resiliency Extension's client (0.4), so switching is an
+import change. Heartbeats and section marks are fire-and-forget: one non-blocking ZeroMQ send of
+a frame that was encoded once. Only `init_workload_monitoring`, the timeout calculations and
 `load_state_dict` wait for the server (with a timeout).
+
+`send_heartbeat` and `end_section` take an optional `iteration`, the training step the rank has
+just completed: with it, `ftrun report` counts the work redone after a restart. Without it,
+the frames (and the cost) are those of before; with it, a few more bytes are appended.
 
 The launcher sets the environment the client reads (see `ftrun.rank_monitor.config`):
 `FTRUN_MONITOR_ADDR`, `FTRUN_JOB_DIR`, `FTRUN_STACK_SIGNAL` and torchrun's `RANK`.
@@ -12,12 +16,14 @@ The launcher sets the environment the client reads (see `ftrun.rank_monitor.conf
 from __future__ import annotations
 
 import faulthandler
+import operator
 import os
 import signal
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import zmq
 
 from ftrun.errors import ProtocolError, RankMonitorClientError
@@ -26,6 +32,9 @@ from ftrun.rank_monitor.config import ENV_JOB_DIR, ENV_MONITOR_ADDR, ENV_RANK, E
 from ftrun.rank_monitor.stacks import stack_file
 
 REQUEST_TIMEOUT_S = float(os.environ.get("FTRUN_MONITOR_REQUEST_TIMEOUT", "30"))
+# One packer for every iteration: `packb` builds a Packer per call, ten times the cost. Its
+# `pack` is C code that holds the GIL, so threads sharing it cannot interleave.
+_pack_int = msgpack.Packer().pack
 
 
 class RankMonitorClient:
@@ -35,8 +44,10 @@ class RankMonitorClient:
         self._sock: zmq.Socket | None = None
         self._ctx: zmq.Context | None = None
         self._heartbeat_frame = wire.encode(wire.Heartbeat())
+        self._heartbeat_prefix = _prefix(wire.Heartbeat(0))
         self._end_all_frame = wire.encode(wire.EndAllSections())
-        self._section_frames: dict[str, tuple[bytes, bytes]] = {}
+        # name -> (start frame, end frame, end frame's prefix before an iteration)
+        self._section_frames: dict[str, tuple[bytes, bytes, bytes]] = {}
         self._open_sections: set[str] = set()
         self._seq = 0
         self._timeouts: wire.Timeouts | None = None
@@ -75,27 +86,37 @@ class RankMonitorClient:
 
     # ---- the hot path ------------------------------------------------------------------------
 
-    def send_heartbeat(self) -> None:
+    def send_heartbeat(self, iteration: int | None = None) -> None:
+        """The rank is alive and made progress; `iteration`: the step it has just completed."""
         sock = self._sock
         if sock is None:
             raise RankMonitorClientError("send_heartbeat() before init_workload_monitoring()")
+        if iteration is None:
+            frame = self._heartbeat_frame
+        else:
+            frame = self._heartbeat_prefix + _packed_iteration(iteration)
         try:
-            sock.send(self._heartbeat_frame, zmq.NOBLOCK)
+            sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
             self.dropped += 1
 
-    def start_section(self, name: str) -> None:
-        frames = self._section_frames.get(name) or self._encode_section(name)
-        if name in self._open_sections:
-            raise RankMonitorClientError(f"section {name!r} is already open")
+    def start_section(self, section: str) -> None:
+        frames = self._section_frames.get(section) or self._encode_section(section)
+        if section in self._open_sections:
+            raise RankMonitorClientError(f"section {section!r} is already open")
         self._send(frames[0])
-        self._open_sections.add(name)
+        self._open_sections.add(section)
 
-    def end_section(self, name: str) -> None:
-        if name not in self._open_sections:
-            raise RankMonitorClientError(f"end_section({name!r}) but that section is not open")
-        self._send(self._section_frames[name][1])
-        self._open_sections.discard(name)
+    def end_section(self, section: str, iteration: int | None = None) -> None:
+        """Leave `section`; `iteration`: the step the rank has just completed, if known."""
+        if section not in self._open_sections:
+            raise RankMonitorClientError(f"end_section({section!r}) but that section is not open")
+        frames = self._section_frames[section]
+        if iteration is None:
+            self._send(frames[1])
+        else:
+            self._send(frames[2] + _packed_iteration(iteration))
+        self._open_sections.discard(section)
 
     def end_all_sections(self) -> None:
         self._send(self._end_all_frame)
@@ -174,7 +195,11 @@ class RankMonitorClient:
             raise RankMonitorClientError(
                 f"a section name must be a string of 1..{wire.MAX_NAME_LEN} characters"
             )
-        frames = (wire.encode(wire.SectionStart(name)), wire.encode(wire.SectionEnd(name)))
+        frames = (
+            wire.encode(wire.SectionStart(name)),
+            wire.encode(wire.SectionEnd(name)),
+            _prefix(wire.SectionEnd(name, 0)),
+        )
         self._section_frames[name] = frames
         return frames
 
@@ -223,6 +248,31 @@ class RankMonitorClient:
             self._ctx.term()
         self._sock = self._ctx = None
         self._open_sections.clear()
+
+
+def _prefix(message: wire.Heartbeat | wire.SectionEnd) -> bytes:
+    """The frame of `message` (iteration 0) without its last field: a frame for any iteration
+    is this prefix plus the packed iteration (the iteration is the last field)."""
+    frame = wire.encode(message)
+    zero = _pack_int(0)
+    assert frame.endswith(zero)
+    return frame[: -len(zero)]
+
+
+def _packed_iteration(iteration: object) -> bytes:
+    """The msgpack bytes of a valid iteration (a non-negative integer, numpy or torch ones too)."""
+    if type(iteration) is not int:
+        try:
+            if isinstance(iteration, bool):
+                raise TypeError
+            iteration = operator.index(iteration)  # type: ignore[arg-type]
+        except TypeError:
+            raise RankMonitorClientError(
+                f"iteration must be an integer, not {type(iteration).__name__}"
+            ) from None
+    if not 0 <= iteration <= wire.MAX_ITERATION:
+        raise RankMonitorClientError(f"iteration must be in [0, {wire.MAX_ITERATION}]")
+    return _pack_int(iteration)
 
 
 def _env() -> tuple[str, Path, signal.Signals, int]:

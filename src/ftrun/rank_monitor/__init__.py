@@ -1,7 +1,38 @@
-"""The node's rank monitor: wire protocol, per-rank progress tracking, hang verdicts."""
+"""The node's rank monitor: wire protocol, per-rank progress tracking, hang verdicts.
+
+The server's names load on first use (PEP 562): the in-worker client imports the protocol and
+the environment contract from this package, and must pull in neither the server nor psutil.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from ftrun.rank_monitor.config import RankMonitorConfig
-from ftrun.rank_monitor.server import RankMonitorServer, Verdict
 from ftrun.rank_monitor.tracker import HangKind
 
-__all__ = ["HangKind", "RankMonitorConfig", "RankMonitorServer", "Verdict"]
+if TYPE_CHECKING:
+    from ftrun.rank_monitor.server import (
+        FirstProgress,
+        ProgressSnapshot,
+        RankMonitorServer,
+        Verdict,
+    )
+
+_FROM_SERVER = ("FirstProgress", "ProgressSnapshot", "RankMonitorServer", "Verdict")
+
+__all__ = [
+    "FirstProgress",
+    "HangKind",
+    "ProgressSnapshot",
+    "RankMonitorConfig",
+    "RankMonitorServer",
+    "Verdict",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_SERVER:
+        return getattr(importlib.import_module("ftrun.rank_monitor.server"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,7 +2,13 @@
 
 Transport: a ZeroMQ DEALER (one per rank) talks to the node's ROUTER over `ipc://` in the
 per-job 0700 directory, so the peer is always a process of the same user. Each message is one
-msgpack frame holding an array `[VERSION, type, *fields]`; nothing is ever unpickled.
+msgpack frame holding an array `[version, type, *fields]`; nothing is ever unpickled.
+
+Versions: a frame carries the lowest version that can express it, and `decode` accepts every
+version from `MIN_VERSION` to `VERSION`, each with its own exact field count. Version 2 added
+the iteration a rank reports with HEARTBEAT and SECTION_END: without one, those frames are the
+version-1 frames they always were (byte for byte), so a client and a server of different
+releases still understand each other unless the iteration is used.
 
 Fire-and-forget (client -> server, no reply): HEARTBEAT, SECTION_START, SECTION_END,
 END_ALL_SECTIONS, GOODBYE. Request/reply (the reply echoes `seq`): HELLO, CALC_TIMEOUTS,
@@ -22,7 +28,11 @@ import msgpack
 
 from ftrun.errors import ProtocolError
 
-VERSION = 1
+VERSION = 2
+"""The newest protocol version, the one this side speaks."""
+MIN_VERSION = 1
+"""The oldest version still accepted."""
+MAX_ITERATION = 2**62
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_NAME_LEN = 128
 MAX_SECTIONS = 256
@@ -67,7 +77,9 @@ class Hello:
 
 @dataclasses.dataclass(frozen=True)
 class Heartbeat:
-    """The rank is alive."""
+    """The rank is alive, and made progress; `iteration`: where training is (version 2)."""
+
+    iteration: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +91,10 @@ class SectionStart:
 
 @dataclasses.dataclass(frozen=True)
 class SectionEnd:
-    """The rank left section `name`."""
+    """The rank left section `name`; `iteration`: where training is (version 2)."""
 
     name: str
+    iteration: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +163,7 @@ _TAGS: dict[type, str] = {
 
 
 def encode(message: Message) -> bytes:
-    """The one frame that carries `message`."""
+    """The one frame that carries `message`, in the lowest version that can express it."""
     tag = _TAGS[type(message)]
     fields: list[Any] = []
     for field in dataclasses.fields(message):
@@ -160,7 +173,13 @@ def encode(message: Message) -> bytes:
         elif isinstance(value, tuple):
             value = list(value)
         fields.append(value)
-    return msgpack.packb([VERSION, tag, *fields], use_bin_type=True)
+    version = 1
+    if isinstance(message, (Heartbeat, SectionEnd)):
+        if message.iteration is None:
+            fields.pop()  # the version-1 frame
+        else:
+            version = 2
+    return msgpack.packb([version, tag, *fields], use_bin_type=True)
 
 
 def decode(frame: bytes) -> Message:
@@ -174,11 +193,13 @@ def decode(frame: bytes) -> Message:
     if not isinstance(raw, list) or len(raw) < 2:
         raise ProtocolError("message is not a [version, type, ...] array")
     version, tag, *fields = raw
-    if version != VERSION:
+    if type(version) is not int or not MIN_VERSION <= version <= VERSION:
         raise ProtocolError(f"unsupported protocol version {version!r}")
     parser = _PARSERS.get(tag) if isinstance(tag, str) else None
     if parser is None:
         raise ProtocolError(f"unknown message type {tag!r}")
+    if version >= 2 and tag in _V2_PARSERS:
+        parser = _V2_PARSERS[tag]
     return parser(fields)
 
 
@@ -212,6 +233,10 @@ def _timeout(value: object, what: str) -> float | None:
     if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
         raise ProtocolError(f"{what} must be a positive finite number or nil")
     return float(value)
+
+
+def _iteration(value: object) -> int:
+    return _int(value, "iteration", high=MAX_ITERATION)
 
 
 def _parse_calc(fields: list[Any]) -> CalcTimeouts:
@@ -265,3 +290,13 @@ _PARSERS = {
     "bye": _bare(Goodbye(), "bye"),
     "reply": _parse_reply,
 }
+# Messages whose fields changed in version 2; the others read the same in every version.
+_V2_PARSERS = {
+    "hb": lambda fields: Heartbeat(_iteration(_arity(fields, 1, "hb")[0])),
+    "se": lambda fields: _parse_section_end(_arity(fields, 2, "se")),
+}
+
+
+def _parse_section_end(fields: list[Any]) -> SectionEnd:
+    name, iteration = fields
+    return SectionEnd(_name(name), _iteration(iteration))

@@ -4,6 +4,10 @@ One thread owns the ZeroMQ ROUTER socket and the deadline heap; it sleeps exactl
 deadline or message, so a verdict fires within milliseconds of its deadline. The owner (the
 agent, or a test) talks to it through `expect_rank`/`forget_rank` and receives `Verdict`s through
 a callback (default: the `verdicts` queue).
+
+It also notes training progress for reports: each registration's first progress (heartbeat or
+section end) goes to the `on_progress` callback as a `FirstProgress`, and `progress_snapshot()`
+tells where every rank last was (before the owner stops the workers, say).
 """
 
 from __future__ import annotations
@@ -67,6 +71,33 @@ class Verdict:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class FirstProgress:
+    """A rank showed progress for the first time since it registered."""
+
+    rank: int
+    pid: int
+    worker_pid: int
+    """The pid the owner registered with `expect_rank` (as in `Verdict`)."""
+    at: float
+    """The server's monotonic clock when the heartbeat or section end arrived."""
+    iteration: int | None
+    """The iteration the rank reported with it, if any."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgressSnapshot:
+    """Where one rank's current registration got to; times on the server's monotonic clock."""
+
+    rank: int
+    pid: int
+    worker_pid: int
+    first_progress: float | None
+    last_progress: float | None
+    first_iteration: int | None
+    last_iteration: int | None
+
+
 @dataclasses.dataclass
 class _Peer:
     progress: RankProgress
@@ -83,7 +114,9 @@ class RankMonitorServer:
         config: RankMonitorConfig,
         job_dir: Path | None = None,
         on_verdict: Callable[[Verdict], None] | None = None,
+        on_progress: Callable[[FirstProgress], None] | None = None,
     ) -> None:
+        """`on_verdict` and `on_progress` run on the monitor thread: they must only enqueue."""
         self.config = config
         self.job_dir = Path(job_dir or tempfile.mkdtemp(prefix="ftrun-"))
         self.job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -92,9 +125,13 @@ class RankMonitorServer:
         self.address = f"ipc://{self.job_dir / 'monitor.sock'}"
         self.verdicts: queue.SimpleQueue[Verdict] = queue.SimpleQueue()
         self._on_verdict = on_verdict or self.verdicts.put
+        self._on_progress = on_progress
         self._lock = threading.Lock()
         self._expected: dict[int, int] = {}  # rank -> pid the owner spawned
         self._peers: dict[bytes, _Peer] = {}  # ZeroMQ identity -> rank state
+        # rank -> its latest registration, kept after a verdict or a goodbye for the snapshot
+        self._registered: dict[int, _Peer] = {}
+        self._first_progress: list[FirstProgress] = []  # noted under the lock, sent after it
         self._heap: list[tuple[float, int, bytes]] = []
         self._armed: dict[bytes, float] = {}
         self._ctx = zmq.Context.instance()
@@ -144,6 +181,7 @@ class RankMonitorServer:
         """Stop watching `rank` (its worker was stopped or exited)."""
         with self._lock:
             self._expected.pop(rank, None)
+            self._registered.pop(rank, None)
             for identity, peer in list(self._peers.items()):
                 if peer.progress.rank == rank:
                     del self._peers[identity]
@@ -152,6 +190,29 @@ class RankMonitorServer:
         with self._lock:
             self._expected.clear()
             self._peers.clear()
+            self._registered.clear()
+
+    def progress_snapshot(self) -> list[ProgressSnapshot]:
+        """Where each expected rank's current registration got to, in rank order: taken right
+        before the owner stops its workers, it holds their last progress."""
+        with self._lock:
+            peers = [
+                peer
+                for rank, peer in sorted(self._registered.items())
+                if self._expected.get(rank) == peer.spawned_pid
+            ]
+            return [
+                ProgressSnapshot(
+                    rank=p.progress.rank,
+                    pid=p.progress.pid,
+                    worker_pid=p.spawned_pid,
+                    first_progress=p.progress.first_progress,
+                    last_progress=p.progress.last_progress,
+                    first_iteration=p.progress.first_iteration,
+                    last_iteration=p.progress.last_iteration,
+                )
+                for p in peers
+            ]
 
     def progressing_ranks(self) -> set[int]:
         """Ranks that sent a heartbeat or opened a section since they registered."""
@@ -211,7 +272,19 @@ class RankMonitorServer:
             now = time.monotonic()
             with self._lock:
                 self._handle(frames, now)
+            if self._first_progress:
+                self._send_first_progress()
         return True
+
+    def _send_first_progress(self) -> None:
+        noted, self._first_progress = self._first_progress, []
+        if self._on_progress is None:
+            return
+        for item in noted:
+            try:
+                self._on_progress(item)
+            except Exception:  # the owner's bug must not stop the deadline loop
+                log.exception("the on_progress callback failed")
 
     def _handle(self, frames: list[bytes], now: float) -> None:
         if len(frames) != 2:
@@ -232,20 +305,22 @@ class RankMonitorServer:
             if hasattr(message, "seq"):
                 self._reply(identity, message.seq, error="not registered: send HELLO first")
             return
-        self._dispatch(identity, peer.progress, message, now)
+        self._dispatch(identity, peer, message, now)
 
-    def _dispatch(
-        self, identity: bytes, progress: RankProgress, message: wire.Message, now: float
-    ) -> None:
+    def _dispatch(self, identity: bytes, peer: _Peer, message: wire.Message, now: float) -> None:
+        progress = peer.progress
         match message:
-            case wire.Heartbeat():
-                progress.heartbeat(now)
+            case wire.Heartbeat(iteration=iteration):
+                if progress.heartbeat(now, iteration):
+                    self._note_first_progress(peer, now, iteration)
             case wire.SectionStart(name=name):
                 progress.start_section(name, now)
-            case wire.SectionEnd(name=name):
-                progress.end_section(name, now)
+            case wire.SectionEnd(name=name, iteration=iteration):
+                if progress.end_section(name, now, iteration):
+                    self._note_first_progress(peer, now, iteration)
             case wire.EndAllSections():
-                progress.end_all_sections(now)
+                if progress.end_all_sections(now):
+                    self._note_first_progress(peer, now, None)
             case wire.CalcTimeouts():
                 self._calculate(identity, progress, message)
             case wire.SetTimeouts(seq=seq, timeouts=timeouts):
@@ -259,6 +334,10 @@ class RankMonitorServer:
                 return
         self._arm(identity, progress)
 
+    def _note_first_progress(self, peer: _Peer, now: float, iteration: int | None) -> None:
+        p = peer.progress
+        self._first_progress.append(FirstProgress(p.rank, p.pid, peer.spawned_pid, now, iteration))
+
     def _hello(self, identity: bytes, hello: wire.Hello, now: float) -> None:
         expected_pid = self._expected.get(hello.rank)
         if expected_pid is None or not _is_self_or_descendant(hello.pid, expected_pid):
@@ -269,7 +348,9 @@ class RankMonitorServer:
             if peer.progress.rank == hello.rank:
                 del self._peers[other]  # a re-registration replaces the old connection
         progress = RankProgress(hello.rank, hello.pid, now, self.config.initial_timeouts())
-        self._peers[identity] = _Peer(progress, identity, expected_pid)
+        self._peers[identity] = self._registered[hello.rank] = _Peer(
+            progress, identity, expected_pid
+        )
         self._reply(identity, hello.seq, data=progress.timeouts.to_wire())
         self._arm(identity, progress)
 

@@ -38,7 +38,12 @@ class NotReadyError(ValueError):
 
 @dataclasses.dataclass
 class RankProgress:
-    """One rank's observed progress. Out-of-section time counts only after its first section."""
+    """One rank's observed progress. Out-of-section time counts only after its first section.
+
+    Progress, for reports, is a heartbeat or a section end (a step done), never a section start
+    or a registration: `first_progress`/`last_progress` and the iterations the rank reported
+    with them say when this registration started training and where it last was.
+    """
 
     rank: int
     pid: int
@@ -51,8 +56,13 @@ class RankProgress:
     longest_heartbeat_interval: float | None = None
     longest_section: dict[str, float] = dataclasses.field(default_factory=dict)
     longest_out_of_section: float | None = None
+    first_progress: float | None = None
+    last_progress: float | None = None
+    first_iteration: int | None = None
+    last_iteration: int | None = None
 
-    def heartbeat(self, now: float) -> None:
+    def heartbeat(self, now: float, iteration: int | None = None) -> bool:
+        """Record a heartbeat; True when it is the rank's first progress."""
         if self.last_heartbeat is None:
             self.first_heartbeat_delay = now - self.registered_at
         else:
@@ -60,6 +70,7 @@ class RankProgress:
                 self.longest_heartbeat_interval, now - self.last_heartbeat
             )
         self.last_heartbeat = now
+        return self._progressed(now, iteration)
 
     def start_section(self, name: str, now: float) -> None:
         if not self.open_sections and self.out_of_section_since is not None:
@@ -69,17 +80,32 @@ class RankProgress:
         self.out_of_section_since = None
         self.open_sections.setdefault(name, now)
 
-    def end_section(self, name: str, now: float) -> None:
+    def end_section(self, name: str, now: float, iteration: int | None = None) -> bool:
+        """Record a section end; True when it is the rank's first progress."""
         started = self.open_sections.pop(name, None)
         if started is None:
-            return  # the client validates; a stray end must not break monitoring
+            return False  # the client validates; a stray end must not break monitoring
         self.longest_section[name] = _longest(self.longest_section.get(name), now - started)
         if not self.open_sections:
             self.out_of_section_since = now
+        return self._progressed(now, iteration)
 
-    def end_all_sections(self, now: float) -> None:
+    def end_all_sections(self, now: float) -> bool:
+        first = False
         for name in list(self.open_sections):
-            self.end_section(name, now)
+            first |= self.end_section(name, now)
+        return first
+
+    def _progressed(self, now: float, iteration: int | None) -> bool:
+        first = self.first_progress is None
+        if first:
+            self.first_progress = now
+        self.last_progress = now
+        if iteration is not None:
+            if self.first_iteration is None:
+                self.first_iteration = iteration
+            self.last_iteration = iteration
+        return first
 
     def next_overdue(self) -> Overdue | None:
         """The earliest deadline among the enabled checks, or None if nothing is watched."""

@@ -1,7 +1,9 @@
 """`ftrun`: tools around the launcher. `ftrun report LOG_DIR` explains what a job went through.
 
 Errors a person can fix (a wrong directory, files that are not events) end with one line on
-stderr and exit status 2, never a traceback: this runs after a bad night, on a bad log.
+stderr and exit status 2, never a traceback: this runs after a bad night, on a bad log. The
+picture needs matplotlib (`pip install 'ftrun[report]'`); without it the summary still prints,
+with a line saying how to get the picture, and the command succeeds.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from ftrun.tools.summary import to_json, to_text
 
 EXIT_BAD_INPUT = 2
 EXIT_NO_TIMELINE = 1
+"""The timeline could not be written where asked (matplotlib missing is not an error)."""
+NO_MATPLOTLIB = "not drawn: matplotlib is not installed (pip install 'ftrun[report]')"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -45,19 +49,26 @@ def report(log_dir: Path, out: Path | None, as_json: bool, no_timeline: bool) ->
         click.echo(f"ftrun report: warning: {warning}", err=True)
     result = build_report(events)
     timeline: str | None = None
+    note: str | None = None
     error: str | None = None
     if not no_timeline:
         target = out or log_dir / "timeline.png"
         try:
             from ftrun.tools.timeline import draw_timeline  # matplotlib: optional, slow import
-
-            draw_timeline(result, target)
-            timeline = str(target)
-        except ImportError as exc:  # the summary is still worth printing
-            error = f"the timeline needs matplotlib ({exc}): pip install 'ftrun[report]'"
-        except OSError as exc:
-            error = f"cannot write the timeline {target}: {exc.strerror or exc}"
-    click.echo(to_json(result, timeline) if as_json else to_text(result, timeline), nl=False)
+        except ImportError:  # the summary is still worth printing, and says how to get this
+            note = NO_MATPLOTLIB
+        else:
+            try:
+                draw_timeline(result, target)
+                timeline = str(target)
+            except OSError as exc:
+                error = f"cannot write the timeline {target}: {exc.strerror or exc}"
+    if as_json:
+        click.echo(to_json(result, timeline, note), nl=False)
+        if note:  # stdout is for machines; a person still learns how to get the picture
+            click.echo(f"ftrun report: timeline {note}", err=True)
+    else:
+        click.echo(to_text(result, timeline, note), nl=False)
     if error:
         _fail(error, EXIT_NO_TIMELINE)
 

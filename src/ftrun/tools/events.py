@@ -1,8 +1,9 @@
 """Reading `<log-dir>/events-<node>.jsonl` files into validated, immutable events.
 
-The files are written by `ftrun.agent.events.EventLog`, one JSON object per line. A node that
-was killed mid-write leaves a truncated last line, and logs get concatenated or hand-edited, so
-a bad line is skipped and counted, never fatal: a report of a bad night must still come out.
+The files are written by `ftrun.events.EventLog`, one JSON object per line, to the schema in
+`ftrun.events` that this reader checks too. A node that was killed mid-write leaves a truncated
+last line, and logs get concatenated or hand-edited, so a bad line is skipped and counted,
+never fatal: a report of a bad night must still come out.
 """
 
 from __future__ import annotations
@@ -14,30 +15,14 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-EVENTS_GLOB = "events-*.jsonl"
+from ftrun.events import COMMON, EVENTS_GLOB, NUM, SCHEMA, has_type
 
-_NUM = "number"
-_INT = "integer"
-_STR = "string"
-_LIST = "list"
-
-# Only the fields the report relies on: a line without them cannot be placed on the timeline
-# or explained, so it counts as malformed. Other fields are optional and read with defaults.
+# Only the required fields: a line without them cannot be placed on the timeline or explained,
+# so it counts as malformed. Optional fields are read with defaults.
 _REQUIRED: dict[str, dict[str, str]] = {
-    "health_check": {"duration": _NUM},
-    "rendezvous_done": {"duration": _NUM, "group_rank": _INT, "nodes": _LIST},
-    "workers_started": {"ranks": _LIST, "pids": _LIST},
-    "worker_exited": {"rank": _INT, "code": _INT},
-    "hang": {"rank": _INT, "kind": _STR, "waited": _NUM},
-    "signal": {"signal": _STR},
-    "store_lost": {},
-    "stop_done": {"duration": _NUM},
-    "gpu_memory_reclaimed": {"duration": _NUM},
-    "unhealthy": {"reason": _STR},
-    "restart": {},
-    "exit": {"code": _INT},
+    kind: {f.name: f.kind for f in fields if f.required} for kind, fields in SCHEMA.items()
 }
-_COMMON = {"event": _STR, "ts": _NUM, "mono": _NUM, "node": _STR, "cycle": _INT}
+_COMMON = {f.name: f.kind for f in COMMON}
 
 
 class ReportInputError(Exception):
@@ -60,7 +45,7 @@ class Event:
 
     def num(self, key: str, default: float = 0.0) -> float:
         value = self.fields.get(key)
-        return float(value) if _has_type(value, _NUM) else default
+        return float(value) if has_type(value, NUM) else default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,19 +131,7 @@ def parse_line(line: str) -> Event | None:
 
 
 def _valid(record: Mapping[str, Any], schema: Mapping[str, str]) -> bool:
-    return all(_has_type(record.get(key), kind) for key, kind in schema.items())
-
-
-def _has_type(value: Any, kind: str) -> bool:
-    if isinstance(value, bool):  # JSON true is not a number here
-        return False
-    if kind == _NUM:
-        return isinstance(value, (int, float))
-    if kind == _INT:
-        return isinstance(value, int)
-    if kind == _STR:
-        return isinstance(value, str)
-    return isinstance(value, list)
+    return all(has_type(record.get(key), kind) for key, kind in schema.items())
 
 
 def _last_run(events: Iterable[Event]) -> tuple[tuple[Event, ...], int]:

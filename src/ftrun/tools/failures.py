@@ -4,14 +4,19 @@ A failed cycle usually leaves several failure events: the cause, then its conseq
 that crash on a closed socket, every rank blocked behind a hung one). The first event by wall
 clock is the cause; a cycle's hangs are one incident because the monitor flags all the blocked
 ranks in the same window. Costs: detection (a crash is seen at once, a hang after `waited`),
-recovery (failure to the next cycle running on every node) and time lost (last healthy moment
-to running again).
+recovery (failure to every rank of the job stepping again) and time lost (the last progress
+before the failure to stepping again), plus, where ranks report their iteration, the
+iterations redone after resuming from an older checkpoint.
+
+Progress comes from the rank monitor (`stepping` and `last_progress` events). A job without a
+RankMonitorClient reports none: its costs are measured on processes instead (recovery to every
+worker started again), which the report says.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from ftrun.tools.events import Event
 
@@ -38,6 +43,26 @@ class HangInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class CycleTimes:
+    """The moments of one cycle that failures are measured between (wall clock)."""
+
+    running_at: float | None = None
+    """Every node's workers were started (process time); None: never."""
+    stepping_at: float | None = None
+    """Every rank of the job showed progress; None: never, or no progress reported."""
+    last_progress: float | None = None
+    """The latest progress of any rank before the workers were stopped (or finished)."""
+    first_iteration: int | None = None
+    """The lowest iteration the ranks reported with their first progress."""
+    last_iteration: int | None = None
+    """The highest iteration the ranks reported before the stop."""
+
+    def start(self, by_progress: bool) -> float | None:
+        """When the cycle was training: every rank stepping, or (no progress) every worker up."""
+        return self.stepping_at if by_progress else self.running_at
+
+
+@dataclasses.dataclass(frozen=True)
 class Failure:
     """What ended a cycle, where, and what it cost. `kind` "restart": no failure event at all."""
 
@@ -53,11 +78,17 @@ class Failure:
     hang: HangInfo | None
     detection_s: float
     last_healthy: float
+    """The last progress before the failure (process mode: its estimate)."""
     recovered_at: float | None
+    """Every rank stepping again (process mode: every worker started again); None: never."""
     recovery_s: float | None
     lost_s: float
     secondary: tuple[str, ...]
     notes: tuple[str, ...]
+    redone_iterations: int | None = None
+    """Iterations done again after the restart (None: the ranks report no iterations)."""
+    redone_s: float | None = None
+    """Their estimated time, at the failed cycle's pace."""
 
 
 def _is_failure(event: Event) -> bool:
@@ -69,17 +100,19 @@ def _is_failure(event: Event) -> bool:
 def find_failures(
     events: Sequence[Event],
     cycles: Sequence[int],
-    running_at: dict[int, float | None],
+    times: Mapping[int, CycleTimes],
     job_end: float,
+    by_progress: bool,
 ) -> tuple[Failure, ...]:
-    """One failure per cycle that did not end the job cleanly, numbered from 1."""
+    """One failure per cycle that did not end the job cleanly, numbered from 1; measured on
+    training progress when `by_progress`, else on processes."""
     failures: list[Failure] = []
     for i, cycle in enumerate(cycles):
         in_cycle = [e for e in events if e.cycle == cycle and _is_failure(e)]
         if not in_cycle and i + 1 == len(cycles):
             continue  # the last cycle ended without a failure: success or a clean exit
-        later = [running_at[c] for c in cycles[i + 1 :] if running_at[c] is not None]
-        timing = _Timing(running_at[cycle], later[0] if later else None, job_end)
+        later = [times[c] for c in cycles[i + 1 :] if times[c].start(by_progress) is not None]
+        timing = _Timing(times[cycle], later[0] if later else None, job_end, by_progress)
         number = len(failures) + 1
         if in_cycle:
             failure = _from_events(number, cycle, in_cycle, events, timing)
@@ -93,23 +126,55 @@ def find_failures(
 class _Timing:
     """The moments a failure's costs are measured between."""
 
-    running_at: float | None  # the failed cycle ran on every node from then (None: never)
-    recovered_at: float | None  # the next cycle ran on every node from then (None: never)
+    failed: CycleTimes
+    recovery_cycle: CycleTimes | None  # the first later cycle that trained (None: none did)
     job_end: float
+    by_progress: bool
+
+    @property
+    def recovered_at(self) -> float | None:
+        return None if self.recovery_cycle is None else self.recovery_cycle.start(self.by_progress)
 
     def last_healthy(self, failed_at: float, detection: float) -> float:
-        """A hang stopped progress `detection` seconds before the verdict, but not before the
-        cycle's workers started: a verdict on left-over workers must not reach back further."""
-        if self.running_at is None:
+        """The last progress before the failure, never after it (ranks that went on alone made
+        no progress the job keeps). Without a progress report: a hang stopped progress
+        `detection` seconds before the verdict. Never before the cycle trained: a verdict on
+        left-over workers must not reach back further, and a cycle that never trained lost
+        nothing of its own (the failure before it is still being paid for)."""
+        start = self.failed.start(self.by_progress)
+        if start is None:
             return failed_at
-        return min(max(failed_at - detection, self.running_at), failed_at)
+        if self.by_progress and self.failed.last_progress is not None:
+            return min(max(self.failed.last_progress, start), failed_at)
+        return min(max(failed_at - detection, start), failed_at)
 
     def recovery(self, failed_at: float) -> float | None:
-        return None if self.recovered_at is None else self.recovered_at - failed_at
+        back = self.recovered_at
+        return None if back is None else max(back - failed_at, 0.0)
 
     def lost(self, last_healthy: float) -> float:
         back = self.recovered_at if self.recovered_at is not None else self.job_end
         return max(back - last_healthy, 0.0)
+
+    def redone(self, last_healthy: float) -> tuple[int | None, float | None]:
+        """Iterations redone after the restart, and their time at the failed cycle's pace
+        (its iterations from stepping to `last_healthy`): from the last iteration before the
+        stop back to the first one after the restart."""
+        failed, again = self.failed, self.recovery_cycle
+        if not self.by_progress or again is None:
+            return None, None
+        if failed.last_iteration is None or again.first_iteration is None:
+            return None, None
+        count = max(failed.last_iteration - again.first_iteration + 1, 0)
+        done = (
+            failed.last_iteration - failed.first_iteration
+            if failed.first_iteration is not None
+            else 0
+        )
+        if failed.stepping_at is None or done <= 0:
+            return count, None
+        pace = max(last_healthy - failed.stepping_at, 0.0) / done
+        return count, count * pace
 
 
 def _from_events(
@@ -128,6 +193,7 @@ def _from_events(
     hang = _hang_info(group) if first.event == "hang" else None
     detection = hang.waited if hang else 0.0
     last_healthy = timing.last_healthy(first.ts, detection)
+    redone, redone_s = timing.redone(last_healthy)
     return Failure(
         number=number,
         cycle=cycle,
@@ -146,6 +212,8 @@ def _from_events(
         lost_s=timing.lost(last_healthy),
         secondary=tuple(f"{describe([e], None)} (+{e.ts - first.ts:.2f}s)" for e in rest),
         notes=tuple(_stale_hang_notes(group, events)),
+        redone_iterations=redone,
+        redone_s=redone_s,
     )
 
 
@@ -160,6 +228,8 @@ def _restart_without_failure(
     causes = [e.get("cause") for e in restarts if e.get("cause")]
     ts = min(stops) if stops else (restarts[0].ts if restarts else timing.job_end)
     cause = causes[0] if causes else "restart with no failure event (scale-up or spawn failure)"
+    last_healthy = timing.last_healthy(ts, 0.0)
+    redone, redone_s = timing.redone(last_healthy)
     return Failure(
         number=number,
         cycle=cycle,
@@ -172,12 +242,14 @@ def _restart_without_failure(
         signal=None,
         hang=None,
         detection_s=0.0,
-        last_healthy=ts,
+        last_healthy=last_healthy,
         recovered_at=timing.recovered_at,
         recovery_s=timing.recovery(ts),
-        lost_s=timing.lost(ts),
+        lost_s=timing.lost(last_healthy),
         secondary=(),
         notes=(),
+        redone_iterations=redone,
+        redone_s=redone_s,
     )
 
 

@@ -4,6 +4,13 @@ All times across nodes use the wall clock `ts` (nodes' monotonic clocks are unre
 inside one node start at `ts - duration` of the event that ends them, the only start the
 launcher records. Every number a person or a machine reads comes from here, never from the
 renderers, so the text, the JSON and the picture cannot disagree.
+
+Training is measured on progress, not processes: a cycle trains from the moment every rank of
+the job has stepped (`stepping` events, from the rank monitor) to its last progress. Start-up
+(launch to the first stepping) and recovery (a failure to stepping again) count as lost, and so
+does work redone after a restart where the ranks report their iteration. Without any `stepping`
+event (no RankMonitorClient in the workers) the report falls back to process times, and says
+so (`progress_reported` False).
 """
 
 from __future__ import annotations
@@ -13,9 +20,18 @@ from collections.abc import Iterable, Sequence
 
 from ftrun.errors import ExitCode
 from ftrun.tools.events import Event, EventSet
-from ftrun.tools.failures import Failure, find_failures
+from ftrun.tools.failures import CycleTimes, Failure, find_failures
 
-RENDEZVOUS, RUNNING, STOPPING, FINISHED = "rendezvous", "running", "stopping", "finished"
+RENDEZVOUS, STARTING, RUNNING, STALLED, STOPPING, FINISHED = (
+    "rendezvous",
+    "starting",
+    "running",
+    "stalled",
+    "stopping",
+    "finished",
+)
+"""Lane states. STARTING: workers up, not every local rank has stepped yet; RUNNING: stepping
+(without a progress report: workers up); STALLED: after the last progress, until stopped."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +53,11 @@ class Cycle:
     start: float
     rendezvous_s: float
     running_at: float | None
+    """Every node's workers were started (process time)."""
+    stepping_at: float | None
+    """Every rank of the job had stepped (None: never, or no progress reported)."""
+    training_until: float | None
+    """The end of the cycle's progress: its last progress before a failure, else its end."""
     end: float
     stop_s: float | None  # the slowest node's stop; None: the workers were not stopped
     killed: int  # workers that ignored the termination signal and were SIGKILLed
@@ -65,9 +86,18 @@ class Report:
     start: float
     end: float
     wall_s: float
+    progress_reported: bool
+    """False: no rank reported progress (no RankMonitorClient); times are process times."""
     running_s: float
+    """Seconds with every worker of a cycle running (process time)."""
     effective_s: float
+    """Seconds of training that the job kept: stepping, not lost to a failure nor redone."""
     effective_ratio: float
+    """effective_s / wall_s: the effective training time ratio (ETTR)."""
+    startup_s: float | None
+    """Launch to every rank stepping for the first time (None: never, or not reported)."""
+    redone_s: float
+    """Estimated seconds of work done again after restarts (iterations reported only)."""
     nodes: tuple[NodeInfo, ...]
     cycles: tuple[Cycle, ...]
     failures: tuple[Failure, ...]
@@ -78,7 +108,10 @@ class Report:
 def build_report(events: EventSet) -> Report:
     """Everything the renderers show, computed once from the parsed events."""
     all_events = sorted((e for evs in events.nodes.values() for e in evs), key=lambda e: e.ts)
-    spans = tuple(s for node, evs in events.nodes.items() for s in _Lane(node).build(evs))
+    by_progress = any(e.event == "stepping" for e in all_events)
+    spans = tuple(
+        s for node, evs in events.nodes.items() for s in _Lane(node, by_progress).build(evs)
+    )
     start = min([s.start for s in spans] + [all_events[0].ts])
     end = all_events[-1].ts
     nodes = tuple(
@@ -88,13 +121,19 @@ def build_report(events: EventSet) -> Report:
         )
     )
     cycle_numbers = sorted({e.cycle for e in all_events if e.event == "rendezvous_done"})
-    running_at = {c: _running_at(all_events, c) for c in cycle_numbers}
-    failures = find_failures(all_events, cycle_numbers, running_at, end)
+    times = {c: _cycle_times(all_events, c) for c in cycle_numbers}
+    failures = find_failures(all_events, cycle_numbers, times, end, by_progress)
     cycles = tuple(
-        _cycle(c, all_events, spans, running_at[c], failures, cycle_numbers, nodes)
+        _cycle(c, all_events, spans, times[c], failures, cycle_numbers, nodes)
         for c in cycle_numbers
     )
-    running_s, effective_s = _training_time(cycles, failures)
+    running_s = _running_time(cycles)
+    redone_s = sum(f.redone_s or 0.0 for f in failures)
+    if by_progress:
+        effective_s = max(_training_time(cycles) - redone_s, 0.0)
+    else:
+        effective_s = _process_training_time(cycles, failures)
+    stepped = [c.stepping_at for c in cycles if c.stepping_at is not None]
     wall_s = max(end - start, 0.0)
     return Report(
         log_dir=str(events.log_dir),
@@ -102,9 +141,12 @@ def build_report(events: EventSet) -> Report:
         start=start,
         end=end,
         wall_s=wall_s,
+        progress_reported=by_progress,
         running_s=running_s,
         effective_s=effective_s,
         effective_ratio=effective_s / wall_s if wall_s > 0 else 0.0,
+        startup_s=stepped[0] - start if stepped else None,
+        redone_s=redone_s,
         nodes=nodes,
         cycles=cycles,
         failures=failures,
@@ -116,8 +158,9 @@ def build_report(events: EventSet) -> Report:
 class _Lane:
     """Turns one node's events into state spans; the agent's state machine, read backwards."""
 
-    def __init__(self, node: str) -> None:
+    def __init__(self, node: str, by_progress: bool) -> None:
         self.node = node
+        self.by_progress = by_progress
         self.spans: list[Span] = []
         self.state: str | None = None
         self.since = 0.0
@@ -139,9 +182,15 @@ class _Lane:
                 self._switch(RENDEZVOUS, event.ts - event.num("duration"), None)
             self.cycle = event.cycle  # known only now: the bar belongs to the cycle it forms
         elif kind == "workers_started":
-            self._switch(RUNNING, event.ts, event.cycle)
+            self._switch(STARTING if self.by_progress else RUNNING, event.ts, event.cycle)
             self.unfinished = set(event.get("ranks", []))
-        elif kind == "worker_exited" and event.get("code") == 0 and self.state == RUNNING:
+        elif kind == "stepping" and self.state == STARTING:
+            self._switch(RUNNING, event.num("progress_ts", event.ts), event.cycle)
+        elif kind == "last_progress" and event.get("before") == "stop" and self.state == RUNNING:
+            last = event.get("progress_ts")
+            if isinstance(last, (int, float)) and not isinstance(last, bool):
+                self._switch(STALLED, min(last, event.ts), event.cycle)
+        elif kind == "worker_exited" and event.get("code") == 0 and self.state in _WORKING:
             self.unfinished.discard(event.get("rank"))
             if not self.unfinished:  # done, waiting for the other nodes to finish too
                 self._switch(FINISHED, event.ts, event.cycle)
@@ -158,6 +207,9 @@ class _Lane:
                 Span(self.node, self.state, self.since, max(at, self.since), self.cycle)
             )
         self.state, self.since, self.cycle = state, max(at, self.since), cycle
+
+
+_WORKING = (STARTING, RUNNING, STALLED)
 
 
 def _node_info(node: str, events: Sequence[Event]) -> NodeInfo:
@@ -190,20 +242,49 @@ def _outcome(nodes: Iterable[NodeInfo]) -> str:
     return ExitCode(code).name if code in ExitCode._value2member_map_ else f"EXIT {code}"
 
 
-def _running_at(events: Sequence[Event], cycle: int) -> float | None:
-    """When the cycle's workers ran on every node (the last start), None if they never did."""
+def _cycle_times(events: Sequence[Event], cycle: int) -> CycleTimes:
+    """When the cycle's workers ran on every node, when every rank stepped, and its last
+    progress and iterations; a moment "on every node" is None if a node never got there."""
     formed = next(e for e in events if e.event == "rendezvous_done" and e.cycle == cycle)
-    starts = [e.ts for e in events if e.event == "workers_started" and e.cycle == cycle]
-    if len(starts) < len(formed.get("nodes", ())):
-        return None
-    return max(starts) if starts else None
+    nodes = set(formed.get("nodes", ()))
+    mine = [e for e in events if e.cycle == cycle]
+    starts = {e.node: e.ts for e in mine if e.event == "workers_started"}
+    stepping = {e.node: e for e in mine if e.event == "stepping"}
+    last = [e for e in mine if e.event == "last_progress"]
+    progress = [t for e in last if _is_num(t := e.get("progress_ts"))]
+    firsts = _iterations(stepping.values())
+    lasts = _iterations(last)
+    return CycleTimes(
+        running_at=max(starts.values()) if starts and nodes <= set(starts) else None,
+        stepping_at=(
+            max(e.num("progress_ts") for e in stepping.values())
+            if stepping and nodes <= set(stepping)
+            else None
+        ),
+        last_progress=max(progress) if progress else None,
+        first_iteration=min(firsts) if firsts else None,
+        last_iteration=max(lasts) if lasts else None,
+    )
+
+
+def _iterations(events: Iterable[Event]) -> list[int]:
+    found = []
+    for event in events:
+        values = event.get("iterations")
+        if isinstance(values, list):
+            found += [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    return found
+
+
+def _is_num(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _cycle(
     number: int,
     events: Sequence[Event],
     spans: Sequence[Span],
-    running_at: float | None,
+    times: CycleTimes,
     failures: Sequence[Failure],
     cycle_numbers: Sequence[int],
     nodes: Sequence[NodeInfo],
@@ -225,13 +306,23 @@ def _cycle(
     world = formed[0].get("world_size")
     stops = [e for e in events if e.event == "stop_done" and e.cycle == number]
     killed = [e.get("killed") for e in stops]
+    training_until: float | None = None
+    if times.stepping_at is not None:
+        if failure is not None:
+            training_until = failure.last_healthy
+        elif times.last_progress is not None:
+            training_until = min(max(times.last_progress, times.stepping_at), end)
+        else:
+            training_until = end
     return Cycle(
         number=number,
         nodes=tuple(formed[0].get("nodes", ())),
         world_size=world if isinstance(world, int) else None,
         start=min([s.start for s in mine if s.state == RENDEZVOUS] + [formed[0].ts]),
         rendezvous_s=max(e.num("duration") for e in formed),
-        running_at=running_at,
+        running_at=times.running_at,
+        stepping_at=times.stepping_at,
+        training_until=training_until,
         end=end,
         stop_s=max(e.num("duration") for e in stops) if stops else None,
         killed=sum(k for k in killed if isinstance(k, int)),
@@ -241,18 +332,32 @@ def _cycle(
     )
 
 
-def _training_time(cycles: Sequence[Cycle], failures: Sequence[Failure]) -> tuple[float, float]:
-    """Seconds with every worker running, and the part of it not lost to a failure: a hung
-    job's last `waited` seconds made no progress. (Work redone after resuming from the last
-    checkpoint is invisible in the events, so it counts as effective.)"""
-    running = effective = 0.0
+def _running_time(cycles: Sequence[Cycle]) -> float:
+    """Seconds with every worker of a cycle running (process time)."""
+    return sum(max(c.end - c.running_at, 0.0) for c in cycles if c.running_at is not None)
+
+
+def _training_time(cycles: Sequence[Cycle]) -> float:
+    """Seconds during which the job made progress: every rank stepping, up to the last
+    progress before each failure."""
+    return sum(
+        max(c.training_until - c.stepping_at, 0.0)
+        for c in cycles
+        if c.stepping_at is not None and c.training_until is not None
+    )
+
+
+def _process_training_time(cycles: Sequence[Cycle], failures: Sequence[Failure]) -> float:
+    """Without a progress report: seconds with every worker running, less what a failure lost
+    (a hung job's last `waited` seconds). Start-up inside the workers and work redone are
+    invisible here, so they count as effective: the report labels this as process time."""
+    effective = 0.0
     by_number = {f.number: f for f in failures}
     for cycle in cycles:
         if cycle.running_at is None:
             continue
-        running += max(cycle.end - cycle.running_at, 0.0)
         useful_until = cycle.end
         if cycle.failure is not None:
             useful_until = min(useful_until, by_number[cycle.failure].last_healthy)
         effective += max(useful_until - cycle.running_at, 0.0)
-    return running, effective
+    return effective

@@ -1,7 +1,8 @@
 """The report as text for a person, or as JSON for machines; both render a `Report` only.
 
 The text is ordered the way a post-mortem reads: did the job make it, how much time it wasted,
-then each cycle, then each failure with where to look next (stack files).
+then each cycle, then each failure with where to look next (stack files). Times measured on
+processes rather than on training progress are labelled as such.
 """
 
 from __future__ import annotations
@@ -16,21 +17,26 @@ from typing import Any
 from ftrun.tools.failures import Failure, ranks_text
 from ftrun.tools.report import Cycle, NodeInfo, Report
 
-JSON_SCHEMA_VERSION = 1
+JSON_SCHEMA_VERSION = 2
+"""2: training measured on progress (`progress_reported`, `startup_s`, `redone_s`, cycles'
+`stepping_at`/`training_until`, failures' `redone_iterations`/`redone_s`), `timeline_note`."""
+NO_PROGRESS = "no training progress reported (no RankMonitorClient): times below are process times"
 
 
-def to_json(report: Report, timeline: str | None) -> str:
-    """Every field of the report, times as epoch seconds; `timeline` is the PNG, if written."""
+def to_json(report: Report, timeline: str | None, timeline_note: str | None = None) -> str:
+    """Every field of the report, times as epoch seconds; `timeline` is the PNG, if written,
+    and `timeline_note` says why it was not."""
     data: dict[str, Any] = {"schema": JSON_SCHEMA_VERSION, **dataclasses.asdict(report)}
     data["timeline"] = timeline
+    data["timeline_note"] = timeline_note
     return json.dumps(data, indent=2)
 
 
-def to_text(report: Report, timeline: str | None) -> str:
-    return "\n".join(_lines(report, timeline)) + "\n"
+def to_text(report: Report, timeline: str | None, timeline_note: str | None = None) -> str:
+    return "\n".join(_lines(report, timeline, timeline_note)) + "\n"
 
 
-def _lines(report: Report, timeline: str | None) -> Iterator[str]:
+def _lines(report: Report, timeline: str | None, timeline_note: str | None) -> Iterator[str]:
     clock = _Clock(report.start, report.end)
     yield f"ftrun report: {report.log_dir}"
     yield f"Outcome    {report.outcome}: {_exit_summary(report.nodes)}"
@@ -38,11 +44,7 @@ def _lines(report: Report, timeline: str | None) -> Iterator[str]:
         f"Wall time  {duration_text(report.wall_s)}  "
         f"({clock.full(report.start)} -> {clock.full(report.end)})"
     )
-    useful, running = duration_text(report.effective_s), duration_text(report.running_s)
-    yield (
-        f"Training   {report.effective_ratio:.1%} effective: {useful} useful of "
-        f"{duration_text(report.wall_s)} (all workers running {running})"
-    )
+    yield from _training_lines(report)
     kinds = Counter(f.kind for f in report.failures)
     what = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
     yield (
@@ -50,11 +52,37 @@ def _lines(report: Report, timeline: str | None) -> Iterator[str]:
         + (f": {what}" if what else "")
     )
     yield from _node_lines(report.nodes)
-    yield from _cycle_lines(report.cycles, clock)
-    yield from _failure_lines(report.failures, clock)
-    if timeline:
+    yield from _cycle_lines(report.cycles, clock, report.progress_reported)
+    yield from _failure_lines(report.failures, clock, report.progress_reported)
+    if timeline or timeline_note:
         yield ""
-        yield f"Timeline   {timeline}"
+        yield f"Timeline   {timeline or timeline_note}"
+
+
+def _training_lines(report: Report) -> Iterator[str]:
+    wall, useful = duration_text(report.wall_s), duration_text(report.effective_s)
+    if not report.progress_reported:
+        yield f"Training   {NO_PROGRESS}"
+        yield (
+            f"           {report.effective_ratio:.1%} with all workers up and not known to be "
+            f"failing: {useful} of {wall} (process time, an upper bound on training)"
+        )
+        return
+    yield (
+        f"Training   {report.effective_ratio:.1%} effective (ETTR, from training progress): "
+        f"{useful} making progress of {wall}"
+    )
+    lost = []
+    if report.startup_s is None:
+        lost.append("the ranks never all stepped")
+    else:
+        lost.append(f"start-up {duration_text(report.startup_s)} (launch to every rank stepping)")
+    failed = _union([(f.last_healthy, f.last_healthy + f.lost_s) for f in report.failures])
+    if report.failures:
+        lost.append(f"failures {duration_text(failed)} (last progress to stepping again)")
+    if report.redone_s:
+        lost.append(f"work redone ~{duration_text(report.redone_s)}")
+    yield f"           lost: {', '.join(lost)}"
 
 
 def _exit_summary(nodes: tuple[NodeInfo, ...]) -> str:
@@ -87,30 +115,68 @@ def _node_lines(nodes: tuple[NodeInfo, ...]) -> Iterator[str]:
         yield f"  {node.name:<{width}}  group rank {group:<3} ranks {ranks:<9} {host:<10}  {ending}"
 
 
-def _cycle_lines(cycles: tuple[Cycle, ...], clock: _Clock) -> Iterator[str]:
+def _union(windows: list[tuple[float, float]]) -> float:
+    """Seconds covered by the windows, overlaps counted once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(windows):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def _cycle_lines(cycles: tuple[Cycle, ...], clock: _Clock, by_progress: bool) -> Iterator[str]:
     yield ""
     if not cycles:
         yield "Cycles: none (no rendezvous completed)"
         return
     yield f"Cycles ({len(cycles)})"
     width = max([len(clock.short(c.start)) for c in cycles] + [5])
-    yield f"  cycle  {'start':<{width}}  rendezvous  all running        stop  ended"
+    middle = "   start-up     training" if by_progress else "  all running"
+    yield f"  cycle  {'start':<{width}}  rendezvous{middle}        stop  ended"
     for cycle in cycles:
-        running = "-" if cycle.running_at is None else duration_text(cycle.end - cycle.running_at)
         stop = "-" if cycle.stop_s is None else duration_text(cycle.stop_s)
         killed = f"; {cycle.killed} worker(s) SIGKILLed at the stop timeout" if cycle.killed else ""
         yield (
             f"  {cycle.number:>5}  {clock.short(cycle.start):<{width}}  "
-            f"{duration_text(cycle.rendezvous_s):>10}  {running:>11}  {stop:>10}  "
-            f"{cycle.ended}{killed}"
+            f"{duration_text(cycle.rendezvous_s):>10}  {_cycle_middle(cycle, by_progress)}  "
+            f"{stop:>10}  {cycle.ended}{killed}"
         )
 
 
-def _failure_lines(failures: tuple[Failure, ...], clock: _Clock) -> Iterator[str]:
+def _cycle_middle(cycle: Cycle, by_progress: bool) -> str:
+    """Process mode: all workers running. Progress mode: workers started to every rank
+    stepping ("never": they did not all step), then stepping to the last progress."""
+    if not by_progress:
+        running = "-" if cycle.running_at is None else duration_text(cycle.end - cycle.running_at)
+        return f"{running:>11}"
+    if cycle.running_at is None:
+        startup = training = "-"
+    elif cycle.stepping_at is None:
+        startup, training = "never", "-"
+    else:
+        startup = duration_text(max(cycle.stepping_at - cycle.running_at, 0.0))
+        until = cycle.training_until if cycle.training_until is not None else cycle.end
+        training = duration_text(max(until - cycle.stepping_at, 0.0))
+    return f"{startup:>10}  {training:>11}"
+
+
+def _failure_lines(
+    failures: tuple[Failure, ...], clock: _Clock, by_progress: bool
+) -> Iterator[str]:
     if not failures:
         return
     yield ""
-    yield f"Failures ({len(failures)})"
+    if by_progress:
+        yield (
+            f"Failures ({len(failures)})  recovery: to every rank stepping again; "
+            "time lost: from the last progress"
+        )
+    else:
+        yield (
+            f"Failures ({len(failures)})  process times: recovery to every worker started "
+            "again, not to training"
+        )
     for failure in failures:
         yield (
             f"  #{failure.number} cycle {failure.cycle} at {clock.short(failure.ts)}  "
@@ -123,7 +189,7 @@ def _failure_lines(failures: tuple[Failure, ...], clock: _Clock) -> Iterator[str
         )
         yield (
             f"     detection {_detection(failure)} | {recovery} | "
-            f"time lost {duration_text(failure.lost_s)}"
+            f"time lost {duration_text(failure.lost_s)}{_redone(failure)}"
         )
         if failure.hang and failure.hang.where:
             yield f"     where: {failure.hang.where[0]}"
@@ -137,6 +203,13 @@ def _failure_lines(failures: tuple[Failure, ...], clock: _Clock) -> Iterator[str
             yield f"     then: {line}"
         for note in failure.notes:
             yield f"     NOTE: {note}"
+
+
+def _redone(failure: Failure) -> str:
+    if failure.redone_iterations is None:
+        return ""
+    cost = f" (~{duration_text(failure.redone_s)})" if failure.redone_s is not None else ""
+    return f" | {failure.redone_iterations} iteration(s) redone{cost}"
 
 
 def _detection(failure: Failure) -> str:

@@ -1,5 +1,9 @@
 """The job as a picture: one lane per node, its states as coloured bars, failures marked.
 
+Lost time is drawn as lost: start-up (launch to every rank stepping) and each failure's window
+(last progress to stepping again) are hatched, and a lane is green only while its ranks step.
+Without a progress report the bars are process states, and the title says so.
+
 Drawn on a bare `Figure` with the Agg canvas, never through pyplot: no GUI backend is picked,
 no global state is left behind, and importing this module is the only place matplotlib loads
 (the summary must work without it).
@@ -19,15 +23,26 @@ from matplotlib.path import Path as MarkerPath
 from matplotlib.ticker import FuncFormatter, MultipleLocator
 
 from ftrun.tools.failures import CRASH, HANG, SIGNAL, Failure, ranks_text
-from ftrun.tools.report import FINISHED, RENDEZVOUS, RUNNING, STOPPING, Report
+from ftrun.tools.report import (
+    FINISHED,
+    RENDEZVOUS,
+    RUNNING,
+    STALLED,
+    STARTING,
+    STOPPING,
+    Report,
+)
 from ftrun.tools.summary import clock_text, duration_text
 
 STATE_STYLE = {  # (colour, legend label); colour-blind-safe hues, "bad" states warm
-    RENDEZVOUS: ("#E69F00", "rendezvous / start"),
-    RUNNING: ("#009E73", "workers running"),
+    RENDEZVOUS: ("#E69F00", "rendezvous / health check"),
+    STARTING: ("#F0E442", "workers starting (no step yet)"),
+    RUNNING: ("#009E73", "training (ranks stepping)"),
+    STALLED: ("#CC79A7", "no progress, until stopped"),
     STOPPING: ("#D55E00", "stopping workers"),
     FINISHED: ("#A6DBA0", "finished, waiting"),
 }
+_PROCESS_RUNNING = "workers running (no progress reported)"
 _HOURGLASS = MarkerPath(
     [(-1, 1), (1, 1), (-1, -1), (1, -1), (-1, 1)],
     [MarkerPath.MOVETO, *[MarkerPath.LINETO] * 3, MarkerPath.CLOSEPOLY],
@@ -51,6 +66,7 @@ def draw_timeline(report: Report, path: Path) -> None:
     ax = fig.add_subplot()
     _draw_cycles(ax, report)
     _draw_lanes(ax, report, lanes)
+    _shade_startup(ax, report, len(lanes))
     for failure in report.failures:
         _draw_failure(ax, report, failure, lanes)
     _draw_unhealthy(ax, report, lanes)
@@ -68,7 +84,7 @@ def _draw_lanes(ax: Axes, report: Report, lanes: dict[str, int]) -> None:
     # width, so every restart stays visible (running bars keep their true length).
     least = _MIN_WIDTH * _span(report)
     for state, (colour, _label) in STATE_STYLE.items():
-        widen = state in (RENDEZVOUS, STOPPING)
+        widen = state in (RENDEZVOUS, STARTING, STALLED, STOPPING)
         for node, lane in lanes.items():
             bars = [
                 (s.start - report.start, max(s.end - s.start, least if widen else 0.0))
@@ -167,9 +183,21 @@ def _draw_unhealthy(ax: Axes, report: Report, lanes: dict[str, int]) -> None:
         )
 
 
+def _shade_startup(ax: Axes, report: Report, n_lanes: int) -> None:
+    """Launch to every rank stepping: time the job paid before it trained at all."""
+    if not report.progress_reported:
+        return
+    until = report.startup_s if report.startup_s is not None else _span(report)
+    _hatch(ax, report, 0.0, until, f"start-up {duration_text(until)}", n_lanes)
+
+
 def _shade_lost(ax: Axes, report: Report, failure: Failure, n_lanes: int) -> None:
     until = failure.recovered_at if failure.recovered_at is not None else report.end
     start, end = failure.last_healthy - report.start, until - report.start
+    _hatch(ax, report, start, end, f"lost {duration_text(failure.lost_s)}", n_lanes)
+
+
+def _hatch(ax: Axes, report: Report, start: float, end: float, label: str, n_lanes: int) -> None:
     end = max(end, start + _MIN_WIDTH * _span(report))
     ax.axvspan(
         start,
@@ -184,7 +212,7 @@ def _shade_lost(ax: Axes, report: Report, failure: Failure, n_lanes: int) -> Non
         zorder=1,
     )
     ax.annotate(
-        f"lost {duration_text(failure.lost_s)}",
+        label,
         xy=((start + end) / 2, n_lanes - 0.5),
         xytext=(0, 2),
         textcoords="offset points",
@@ -230,9 +258,15 @@ def _decorate(ax: Axes, fig: Figure, report: Report, lanes: dict[str, int]) -> N
         fontsize=13,
         fontweight="bold",
     )
+    if report.progress_reported:
+        ratio = f"{report.effective_ratio:.0%} effective training (ETTR, from progress)"
+    else:
+        ratio = (
+            f"no training progress reported: {report.effective_ratio:.0%} with workers up "
+            "(process time)"
+        )
     ax.set_title(
-        f"{report.log_dir}  |  wall {duration_text(report.wall_s)}, "
-        f"{report.effective_ratio:.0%} effective training",
+        f"{report.log_dir}  |  wall {duration_text(report.wall_s)}, {ratio}",
         fontsize=9.5,
         color="#444444",
         pad=16,
@@ -256,8 +290,14 @@ def _kinds(failures: Sequence[Failure]) -> dict[str, int]:
 
 def _legend_handles(report: Report) -> list[Patch | Line2D]:
     failures = report.failures
+    shown = {s.state for s in report.spans}
     handles: list[Patch | Line2D] = [
-        Patch(facecolor=colour, label=label) for colour, label in STATE_STYLE.values()
+        Patch(
+            facecolor=colour,
+            label=label if state != RUNNING or report.progress_reported else _PROCESS_RUNNING,
+        )
+        for state, (colour, label) in STATE_STYLE.items()
+        if state in shown or state in (RENDEZVOUS, RUNNING)
     ]
     for kind in _kinds(failures):
         marker, colour = MARKERS.get(kind, _OTHER_MARKER)
@@ -272,15 +312,16 @@ def _legend_handles(report: Report) -> list[Patch | Line2D]:
         )  # fmt: skip
     if failures:
         handles.append(Line2D([], [], color="#555555", linestyle="--", label="cycle ends"))
-        handles.append(
-            Patch(
-                facecolor=_LOST_COLOUR,
-                alpha=0.15,
-                hatch="///",
-                edgecolor=_LOST_COLOUR,
-                label="time lost (last progress to running again)",
-            )
+    if failures or report.progress_reported:
+        lost = (
+            "time lost: start-up, last progress to stepping again"
+            if report.progress_reported
+            else "time lost (process time: to workers running again)"
         )
+        handles.append(
+            Patch(facecolor=_LOST_COLOUR, alpha=0.15, hatch="///", edgecolor=_LOST_COLOUR,
+                  label=lost)
+        )  # fmt: skip
     return handles
 
 

@@ -1,0 +1,26 @@
+"""One fork server per node: import torch once, fork every worker from that warm interpreter.
+
+`forkserver.py` is the server process (single-threaded, never touches CUDA) and the wire
+protocol; `client.py` is the agent's side (`ForkServer`, `ForkedWorker`, a Popen look-alike).
+
+This package's import stays empty: `python -m ftrun.agent.prewarm.forkserver` imports it first,
+and whatever it imported would end up in every forked worker (and `client` brings psutil,
+subprocess and logging with it). The names below load `client` on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ftrun.agent.prewarm.client import ForkedWorker, ForkServer, ForkServerError
+
+__all__ = ["ForkServer", "ForkServerError", "ForkedWorker"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from ftrun.agent.prewarm import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

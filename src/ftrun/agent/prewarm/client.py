@@ -1,0 +1,498 @@
+"""The agent's side of the fork server (`forkserver.py`): start it, fork workers, learn their ends.
+
+`ForkServer.start` spawns the server (own process group, SIGKILL when the agent dies) with one end
+of a socketpair, and returns at once while the server imports. `spawn` sends the worker's command,
+environment and cwd together with the write ends of two fresh pipes, and gets back the pid; the
+returned `ForkedWorker` is a `subprocess.Popen` look-alike (`pid`, `stdout`, `stderr`, `wait`,
+`poll`, `returncode`). The worker is the server's child, not ours, so one reader thread turns the
+server's "exit" notes into return codes. If the server dies, its workers die with it (PDEATHSIG):
+every handle still running resolves once its process is gone (to its real status where the agent,
+a child subreaper, can reap it; else -SIGKILL), and `spawn` raises `ForkServerError`, upon which
+the caller spawns plainly.
+
+Never signal `ForkServer.pid` when stopping workers: it is no worker, and killing it kills them all.
+Call `start` from a thread that lives as long as the server should: PR_SET_PDEATHSIG fires when
+the *thread* that spawned the server ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import BinaryIO
+
+from ftrun.agent.prewarm import forkserver as proto
+from ftrun.agent.spare_pool import PythonTarget
+from ftrun.agent.termination import die_with_parent
+from ftrun.errors import FtrunError
+
+log = logging.getLogger("ftrun.agent")
+
+READY_TIMEOUT = 120.0
+"""How long after `start` a `spawn` may wait for the imports to finish."""
+REPLY_TIMEOUT = 30.0
+"""A fork takes milliseconds; a server that does not answer for this long is broken."""
+CLOSE_TIMEOUT = 5.0
+"""`close`: how long the server gets to kill and reap its workers after EOF, before SIGKILL."""
+GONE_TIMEOUT = 5.0
+"""After the server died: how long its workers get to die of PDEATHSIG."""
+
+IMPORT_TIME_PREFIXES = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "GOTO_", "KMP_", "NUMEXPR_",
+                        "VECLIB_", "LD_", "MALLOC_", "TORCHDYNAMO_", "TORCHINDUCTOR_",
+                        "TORCH_COMPILE_")  # fmt: skip
+IMPORT_TIME_NAMES = frozenset({"GLIBC_TUNABLES", "LANG", "LC_ALL", "LC_CTYPE", "TORCH_LOGS"})
+"""Variables read when the interpreter or a native library starts: a forked worker keeps the
+server's values, so a worker whose environment differs in one of them is not forked."""
+
+
+class ForkServerError(FtrunError):
+    """The fork server cannot start this worker (dead, broken, unsafe to fork, refused, or the
+    worker's start-up environment differs): spawn the worker plainly instead."""
+
+
+class ForkedWorker:
+    """A worker forked by the server, with the Popen interface the agent uses."""
+
+    def __init__(self, pid: int, stdout_fd: int, stderr_fd: int, args: list[str]) -> None:
+        self.pid = pid
+        self.args = args
+        self.stdin: BinaryIO | None = None
+        self.stdout: BinaryIO = open(stdout_fd, "rb")  # noqa: SIM115 - owned like Popen's pipes
+        self.stderr: BinaryIO = open(stderr_fd, "rb")  # noqa: SIM115
+        self.returncode: int | None = None
+        self._done = threading.Event()
+        self._resolve_lock = threading.Lock()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code (negative: killed by that signal); TimeoutExpired as Popen raises it."""
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)  # type: ignore[arg-type]
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def __enter__(self) -> ForkedWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for stream in (self.stdout, self.stderr):
+            stream.close()
+        self.wait()
+
+    def __repr__(self) -> str:
+        return f"<ForkedWorker pid={self.pid} returncode={self.returncode}>"
+
+    def _resolve(self, code: int) -> None:
+        with self._resolve_lock:
+            if self.returncode is None:
+                self.returncode = code
+                self._done.set()
+
+
+class _Request:
+    """One spawn in flight: the pipes' read ends until the reply turns them into a worker."""
+
+    def __init__(
+        self, stdout_fd: int, stderr_fd: int, gate_fd: int | None, args: list[str]
+    ) -> None:
+        self.stdout_fd = stdout_fd
+        self.stderr_fd = stderr_fd
+        self.gate_fd = gate_fd
+        """The start gate's write end (with `announce`): one byte lets the child run."""
+        self.args = args
+        self.done = threading.Event()
+        self.worker: ForkedWorker | None = None
+        self.error: str | None = None
+
+    def discard(self) -> None:
+        if self.worker is not None:
+            self.worker.stdout.close()
+            self.worker.stderr.close()
+        else:
+            _close(self.stdout_fd, self.stderr_fd)
+
+
+class ForkServer:
+    """The agent's handle on the node's fork server."""
+
+    def __init__(
+        self,
+        proc: subprocess.Popen[bytes],
+        sock: socket.socket,
+        env: Mapping[str, str],
+        modules: Sequence[str],
+        ready_timeout: float,
+    ) -> None:
+        self._proc = proc
+        self._sock = sock
+        self._env = dict(env)
+        self.modules = tuple(modules)
+        self.imported: tuple[str, ...] = ()
+        """The prewarm modules that imported; `failed` did not (the scripts will say why)."""
+        self.failed: tuple[str, ...] = ()
+        self._ready_by = time.monotonic() + ready_timeout
+        self._ready_timeout = ready_timeout
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._requests: dict[int, _Request] = {}
+        self._workers: dict[int, ForkedWorker] = {}
+        self._ready = False
+        self._error: str | None = None
+        self._closed = False
+        self._settled = threading.Event()  # ready, or gone
+        self._gone = threading.Event()  # the reader ended: server reaped, handles resolved
+        self._reader = threading.Thread(target=self._read, name="forkserver-reader", daemon=True)
+
+    @classmethod
+    def start(
+        cls,
+        modules: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        target: PythonTarget | None = None,
+        ready_timeout: float = READY_TIMEOUT,
+    ) -> ForkServer:
+        """Spawn the server, which imports `modules` with `env` as its environment; returns at once.
+
+        `target` (optional): the workers' script or module, so that the imports see the
+        `sys.path[0]` the workers will have. Raises ForkServerError if it cannot be spawned.
+        """
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        argv = [sys.executable, "-u", "-m", "ftrun.agent.prewarm.forkserver"]
+        argv += ["--fd", str(theirs.fileno()), "--parent", str(os.getpid())]
+        if target is not None:
+            argv += ["--path0", _path0(target)]
+        argv += ["--", *modules]
+        try:
+            proc = subprocess.Popen(
+                argv,
+                env=dict(env),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,  # its own errors go to the agent's stderr
+                pass_fds=[theirs.fileno()],
+                start_new_session=True,
+                # Only a prctl() through a preloaded libc: nothing that takes a lock after fork.
+                preexec_fn=die_with_parent,  # noqa: PLW1509
+            )
+        except OSError as exc:
+            ours.close()
+            raise ForkServerError(f"cannot start the fork server: {exc}") from exc
+        finally:
+            theirs.close()
+        server = cls(proc, ours, env, modules, ready_timeout)
+        server._reader.start()
+        return server
+
+    @property
+    def pid(self) -> int:
+        """The server's pid: never signal it when stopping workers."""
+        return self._proc.pid
+
+    @property
+    def error(self) -> str | None:
+        """Why the server cannot fork (any more); None while it can or is still importing."""
+        return self._error
+
+    def ready(self, timeout: float) -> bool:
+        """Whether the imports are done and the server is alive and able to fork."""
+        self._settled.wait(timeout)
+        return self._ready and self._error is None and not self._gone.is_set()
+
+    def spawn(
+        self,
+        target: PythonTarget,
+        env: Mapping[str, str],
+        cwd: str,
+        *,
+        announce: Callable[[int], None] | None = None,
+    ) -> ForkedWorker:
+        """Fork one worker running `python -u [-m] target args` with `env` in `cwd`.
+
+        Waits for the imports (until `ready_timeout` after `start`). With `announce`, the child
+        waits until `announce(pid)` returned before it runs the target (a pre-imported worker
+        may register with the monitor within milliseconds); if `announce` raises, the child is
+        killed and the exception propagates. Raises ForkServerError when the caller should spawn
+        the worker plainly.
+        """
+        mismatch = self._start_env_mismatch(env)
+        if mismatch:
+            raise ForkServerError(
+                f"the worker's environment differs from the fork server's in {mismatch}, read "
+                "at interpreter start: a forked worker would not see its own values"
+            )
+        if not self._settled.wait(max(0.0, self._ready_by - time.monotonic())):
+            raise ForkServerError(
+                f"the fork server is still importing {list(self.modules)} "
+                f"{self._ready_timeout:g}s after its start"
+            )
+        if self._error is not None:
+            raise ForkServerError(self._error)
+        args = [sys.executable, "-u", *(["-m"] if target.module else []), target.target]
+        args += target.args
+        req = self._send_spawn(target, env, cwd, args, gated=announce is not None)
+        try:
+            if not req.done.wait(REPLY_TIMEOUT):
+                self._break(f"the fork server did not answer a spawn in {REPLY_TIMEOUT:g}s")
+                req.done.wait(GONE_TIMEOUT + 1.0)
+            worker = req.worker
+            if worker is None or self._gone.is_set():
+                req.discard()
+                raise ForkServerError(req.error or self._error or "the fork server is gone")
+            if announce is not None:
+                try:
+                    announce(worker.pid)
+                except BaseException:
+                    _kill_group(worker.pid)
+                    req.discard()
+                    raise
+                with contextlib.suppress(OSError):  # a child that died meanwhile says so itself
+                    os.write(req.gate_fd, b"g")  # type: ignore[arg-type]
+            return worker
+        finally:
+            if req.gate_fd is not None:
+                _close(req.gate_fd)
+
+    def close(self) -> None:
+        """Stop the server and whatever it still runs (EOF, then SIGKILL; bounded); idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._error = self._error or "the fork server was closed"
+        if self._ready and not self._gone.is_set():
+            # EOF: the server kills its workers' groups, reports their ends and exits.
+            if self._send_lock.acquire(timeout=CLOSE_TIMEOUT):
+                try:
+                    with contextlib.suppress(OSError):
+                        self._sock.shutdown(socket.SHUT_WR)
+                finally:
+                    self._send_lock.release()
+            self._gone.wait(CLOSE_TIMEOUT)
+        if not self._gone.is_set():
+            self._kill_server()
+        if not self._gone.wait(GONE_TIMEOUT + CLOSE_TIMEOUT):
+            log.error("the fork server (pid %d) survived SIGKILL", self._proc.pid)
+            return  # its reader still blocks on the socket: leave it open
+        self._reader.join(CLOSE_TIMEOUT)
+        self._sock.close()
+
+    def __enter__(self) -> ForkServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- sending -----------------------------------------------------------------------------
+
+    def _send_spawn(
+        self, target: PythonTarget, env: Mapping[str, str], cwd: str, args: list[str], gated: bool
+    ) -> _Request:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        gate_r, gate_w = os.pipe() if gated else (None, None)
+        req = _Request(out_r, err_r, gate_w, args)
+        fds = [out_w, err_w] + ([gate_r] if gate_r is not None else [])
+        rid = None
+        try:
+            with self._send_lock:
+                with self._lock:
+                    if self._error is not None:
+                        raise ForkServerError(self._error)
+                    rid = next(self._ids)
+                    self._requests[rid] = req
+                frame = proto.encode(
+                    "spawn",
+                    id=rid,
+                    module=target.module,
+                    target=target.target,
+                    args=list(target.args),
+                    env=dict(env),
+                    cwd=str(cwd),
+                    gate=gated,
+                )
+                proto.send_frame(self._sock, frame, fds)
+        except BaseException as exc:
+            with self._lock:
+                self._requests.pop(rid, None)  # type: ignore[arg-type]
+            req.discard()
+            if gate_w is not None:
+                _close(gate_w)
+            if isinstance(exc, (OSError, proto.ProtocolViolation)):
+                raise ForkServerError(f"cannot send to the fork server: {exc}") from exc
+            raise
+        finally:
+            _close(*fds)  # the server has its copies now (or never will)
+        return req
+
+    def _start_env_mismatch(self, env: Mapping[str, str]) -> list[str]:
+        names = {
+            k
+            for k in {*env, *self._env}
+            if k.startswith(IMPORT_TIME_PREFIXES) or k in IMPORT_TIME_NAMES
+        }
+        return sorted(k for k in names if env.get(k) != self._env.get(k))
+
+    # ---- the reader thread ---------------------------------------------------------------------
+
+    def _read(self) -> None:
+        reason = "the fork server exited"
+        try:
+            while True:
+                frame = proto.recv_frame(self._sock)
+                if frame is None:
+                    break
+                self._handle(proto.decode(frame[0], proto.TO_AGENT))
+        except proto.ProtocolViolation as exc:
+            reason = f"the fork server broke the protocol: {exc}"
+        except OSError as exc:
+            reason = f"the fork server's connection failed: {exc}"
+        except Exception as exc:  # a bug here must still resolve every handle
+            log.exception("fork server reader failed")
+            reason = f"the fork server's reader failed: {exc!r}"
+        finally:
+            self._server_gone(reason)
+
+    def _handle(self, msg: dict[str, object]) -> None:
+        op = msg["op"]
+        if op == "hello":
+            if msg["pid"] != self._proc.pid:
+                raise proto.ProtocolViolation(f"hello from pid {msg['pid']}, not {self.pid}")
+        elif op == "ready":
+            self.imported = tuple(msg["imported"])  # type: ignore[arg-type]
+            self.failed = tuple(msg["failed"])  # type: ignore[arg-type]
+            if msg["unforkable"] is not None:
+                with self._lock:
+                    self._error = self._error or f"cannot fork workers: {msg['unforkable']}"
+                log.warning("fork server: %s; workers start plainly", self._error)
+            self._ready = True
+            self._settled.set()
+        elif op == "spawned":
+            with self._lock:
+                req = self._requests.pop(msg["id"], None)  # type: ignore[arg-type]
+            if req is None:  # a worker we hold no pipes for, and cannot account for
+                raise proto.ProtocolViolation(f"spawned for unknown request {msg['id']}")
+            pid = msg["pid"]
+            assert isinstance(pid, int)
+            worker = ForkedWorker(pid, req.stdout_fd, req.stderr_fd, req.args)
+            with self._lock:
+                self._workers[pid] = worker
+            req.worker = worker
+            req.done.set()
+        elif op == "error":
+            with self._lock:
+                req = self._requests.pop(msg["id"], None)  # type: ignore[arg-type]
+            if req is None:  # about no request of ours: something else wrote to the server
+                log.warning("fork server: %s", msg["error"])
+                return
+            req.error = f"the fork server refused: {msg['error']}"
+            req.done.set()
+        elif op == "exit":
+            with self._lock:
+                worker = self._workers.pop(msg["pid"], None)  # type: ignore[arg-type]
+            if worker is not None:
+                worker._resolve(msg["code"])  # type: ignore[arg-type]
+
+    def _server_gone(self, reason: str) -> None:
+        with self._lock:
+            self._error = self._error or reason
+            requests = list(self._requests.values())
+            self._requests.clear()
+            workers = list(self._workers.values())
+            self._workers.clear()
+        self._settled.set()
+        for req in requests:
+            req.done.set()  # no worker: spawn() raises
+        self._kill_server()
+        if not self._closed or workers:
+            log.warning(
+                "fork server (pid %d) gone, exit code %s: %s; %d worker(s) died with it",
+                self._proc.pid,
+                self._proc.returncode,
+                self._error,
+                len(workers),
+            )
+        deadline = time.monotonic() + GONE_TIMEOUT
+        for worker in workers:
+            worker._resolve(_await_death(worker.pid, deadline))
+        self._gone.set()
+
+    def _break(self, reason: str) -> None:
+        with self._lock:
+            self._error = self._error or reason
+        log.error("fork server: %s; killing it", reason)
+        self._kill_server()
+
+    def _kill_server(self) -> None:
+        with contextlib.suppress(OSError):
+            self._proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(CLOSE_TIMEOUT)
+
+
+def _path0(target: PythonTarget) -> str:
+    """`sys.path[0]` of `python -u [-m] target`, started in the current directory."""
+    if target.module:
+        return os.getcwd()
+    path = os.path.abspath(target.target)
+    return path if os.path.isdir(path) else os.path.dirname(os.path.realpath(path))
+
+
+def _await_death(pid: int, deadline: float) -> int:
+    """A dead server's worker: its real status if we can reap it (we are a subreaper), once
+    it is gone; else -SIGKILL, which is how PDEATHSIG ends it."""
+    while True:
+        try:
+            got, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            if not _alive(pid):
+                return -signal.SIGKILL
+        else:
+            if got == pid:
+                return os.waitstatus_to_exitcode(status)
+        if time.monotonic() >= deadline:
+            return -signal.SIGKILL
+        time.sleep(0.005)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in {"Z", "X"}
+
+
+def _kill_group(pid: int) -> None:
+    for kill in (os.killpg, os.kill):
+        with contextlib.suppress(OSError):
+            kill(pid, signal.SIGKILL)
+
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
