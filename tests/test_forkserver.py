@@ -23,7 +23,7 @@ import pytest
 
 from ftrun.agent.prewarm import forkserver as proto
 from ftrun.agent.prewarm.client import ForkedWorker, ForkServer, ForkServerError
-from ftrun.agent.spare_pool import PythonTarget
+from ftrun.agent.prewarm.target import PythonTarget
 from ftrun.errors import FtrunError
 from support import WORKERS, wait_for
 
@@ -279,7 +279,7 @@ def test_killing_the_server_kills_its_workers() -> None:
 AGENT = """
 import os, sys, time
 from ftrun.agent.prewarm.client import ForkServer
-from ftrun.agent.spare_pool import PythonTarget
+from ftrun.agent.prewarm.target import PythonTarget
 fs = ForkServer.start([], dict(os.environ))
 assert fs.ready(20)
 worker = fs.spawn(PythonTarget(False, sys.argv[1], ("sleep",)), dict(os.environ), "/")

@@ -52,10 +52,8 @@ class AgentConfig:
     gpu_memory_tolerance_mb: float = 512.0
     """GPU memory still in use (per device) that counts as released."""
     prewarm_modules: tuple[str, ...] = ("torch", "torch.distributed", "torch._dynamo")
-    """Modules spare workers import ahead of a restart; empty disables spares."""
-    spare_delay: float = 10.0
-    """Spares start once every local rank reported progress to the monitor (its start-up is
-    over, so they do not compete with it for CPU), or this many seconds into the cycle."""
+    """Modules the node's fork server imports once; workers are forked from it (empty: every
+    worker is spawned fresh)."""
     extra_env: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     """Added to every worker's environment (e.g. OMP_NUM_THREADS)."""
     duplicate_stdout_filters: tuple[str, ...] = ()

@@ -22,8 +22,8 @@ from ftrun.agent.gpu_memory import GpuReclaimService
 from ftrun.agent.health import HealthService
 from ftrun.agent.monitoring import MonitorService
 from ftrun.agent.prewarm.service import PrewarmService
+from ftrun.agent.prewarm.target import python_target
 from ftrun.agent.services import NodeServices
-from ftrun.agent.spare_pool import python_target
 from ftrun.agent.worker_env import shared_env
 from ftrun.agent.workers import PlainSpawner, Spawner
 from ftrun.config import LaunchConfig

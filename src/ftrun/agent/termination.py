@@ -50,7 +50,7 @@ def stop_process_groups(
 ) -> StopResult:
     """Stop every process in the groups led by `leaders`, and every stray descendant.
 
-    `keep` holds pids never to signal: the agent's spare workers (`spare_pool`).
+    `keep` holds pids never to signal: the node services' own processes (the fork server).
     """
     started = time.monotonic()
     targets = _targets(leaders, keep)

@@ -212,7 +212,8 @@ FT_OPTIONS: tuple[Option, ...] = (
         v.non_negative_number, "GPU memory (MB) still in use that counts as released (with "
         "--ft-gpu-memory-reclaim-timeout).", metavar="MB"),
     _ft("prewarm_modules", _default(_AGENT, "prewarm_modules"), v.module_list,
-        "Modules that spare workers import before a restart (none: no spares).",
+        "Modules the node's fork server imports once at launch; every worker of every cycle is "
+        "forked from it (none: spawn each worker fresh).",
         metavar="MOD,..."),
 )
 # fmt: on

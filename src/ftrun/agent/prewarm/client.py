@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import BinaryIO
 
 from ftrun.agent.prewarm import forkserver as proto
-from ftrun.agent.spare_pool import PythonTarget
+from ftrun.agent.prewarm.target import PythonTarget
 from ftrun.agent.termination import die_with_parent
 from ftrun.errors import FtrunError
 

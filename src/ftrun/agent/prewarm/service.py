@@ -10,8 +10,8 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 
 from ftrun.agent.prewarm.client import ForkServer, ForkServerError
+from ftrun.agent.prewarm.target import PythonTarget
 from ftrun.agent.services import NodeService
-from ftrun.agent.spare_pool import PythonTarget
 from ftrun.agent.workers import PlainSpawner, WorkerProcess
 
 log = logging.getLogger("ftrun.agent")
