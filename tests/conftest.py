@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import psutil
@@ -11,6 +12,11 @@ import pytest
 from support import become_subreaper, live_descendants, reap_zombies, wait_for
 
 become_subreaper()
+# c10d reverse-resolves the address of every socket it connects or accepts; where the resolver
+# drops queries (this VM), each drop stalls that connect by glibc's default 5 s. Set before any
+# lookup in this process, and inherited by the launchers and workers the tests start (as
+# bench/rendezvous_scale.py does for itself).
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 
 @pytest.fixture(autouse=True)

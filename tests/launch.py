@@ -17,6 +17,7 @@ from support import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
+KILL_DEADLINE_S = 10
 
 
 def free_port() -> int:
@@ -65,10 +66,18 @@ class Job:
         return codes
 
     def kill(self) -> None:
-        for node in self.nodes:
-            if node.proc.poll() is None:
-                os.killpg(node.proc.pid, signal.SIGKILL)
-                node.proc.wait()
+        """SIGKILL every launcher still running (its process group) and reap it."""
+        running = [node for node in self.nodes if node.proc.poll() is None]
+        for node in running:
+            os.killpg(node.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + KILL_DEADLINE_S
+        stuck = []
+        for node in running:
+            try:
+                node.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                stuck.append(node.index)
+        assert not stuck, f"launchers {stuck} alive {KILL_DEADLINE_S}s after SIGKILL"
 
     def events(self, name: str | None = None) -> list[dict]:
         found = []

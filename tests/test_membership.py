@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -59,7 +60,14 @@ def test_no_driver_skips_the_gpu_check(fake_nvml):
 
 
 def test_storage_and_command_checks(tmp_path: Path):
-    assert check_node(HealthCheckConfig(gpu=False, storage_paths=(str(tmp_path),)))
+    readable = tmp_path / "readable"
+    readable.write_text("x")
+    storage = HealthCheckConfig(gpu=False, storage_paths=(str(tmp_path), str(readable)))
+    assert check_node(storage) == {"storage_paths": 2}
+    assert check_node(HealthCheckConfig(gpu=False, command="true")) == {
+        "storage_paths": 0,
+        "command": "ok",
+    }
     with pytest.raises(NodeUnhealthyError, match="storage /nonexistent"):
         check_node(HealthCheckConfig(gpu=False, storage_paths=("/nonexistent",)))
     with pytest.raises(NodeUnhealthyError, match="health command exited 1: sick"):
@@ -79,7 +87,8 @@ def test_broken_gpu_node_never_runs_workers_and_the_rest_finish(tmp_path: Path):
     assert job.wait(120) == [0, 0, 3]
     sick = job.events("unhealthy")
     assert len(sick) == 1 and "retired pages pending" in sick[0]["reason"]
-    assert sick[0]["node"] not in {e["node"] for e in job.events("workers_started")}
+    started = {e["node"] for e in job.events("workers_started")}
+    assert len(started) == 2 and sick[0]["node"] not in started
     assert (job.ckpt_dir / "FINISHED").exists()
 
 
@@ -120,6 +129,12 @@ def test_elastic_job_continues_without_a_dead_node_and_takes_a_new_one(tmp_path:
         90,
         "the new node to join",
     )
-    codes = [n.proc.wait(timeout=180) for n in job.nodes]
-    assert codes.count(0) == 3  # two survivors and the newcomer; the killed one was SIGKILLed
+    codes = dict(zip((n.index for n in job.nodes), job.wait(180), strict=True))
+    killed = node_of(job, guest).index
+    # the two survivors and the newcomer finish; the killed one was SIGKILLed
+    assert codes == {n.index: -signal.SIGKILL if n.index == killed else 0 for n in job.nodes}
+    rounds = job.events("rendezvous_done")
+    last = max(e["cycle"] for e in rounds)
+    final = {node_of(job, name).index for e in rounds if e["cycle"] == last for name in e["nodes"]}
+    assert final == {n.index for n in job.nodes} - {killed}
     assert (job.ckpt_dir / "FINISHED").exists()

@@ -1,8 +1,8 @@
 """Fault matrix, agent faults: a launcher SIGKILLed (store host or not), preemption of every
 launcher, and a restart budget that runs out.
 
-Documented outcomes (README, exit codes): a survivor of a dead peer exits 1 (FAILED) within
-bounded time and the dead agent's workers die with it (PR_SET_PDEATHSIG); SIGTERM to the
+Documented outcomes (README, exit codes): a survivor of a dead peer exits 1 (FAILED), never
+hangs, and the dead agent's workers die with it (PR_SET_PDEATHSIG); SIGTERM to the
 launchers exits 75 (PREEMPTED) everywhere after the workers checkpointed; a spent budget exits 1
 everywhere.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.faults
 FAILED, PREEMPTED = 1, 75
 FOREVER = ["--steps", "100000"]
+SURVIVOR_DEADLINE_S = 60
+ORPHANS_DEADLINE_S = 10
 
 
 def training(job: Job, ranks: int = 2, steps: int = 3) -> None:
@@ -44,20 +47,29 @@ def kill_agent(fault: Fault, job: Job, store_host: bool) -> tuple[Node, Node, li
     victim, name, survivor = split(job, store_host)
     fault.track(job)
     orphans = fault.worker_pids(job, name)
+    assert orphans, f"no worker of {name} was recorded"
     killed_at = time.time()
     victim.proc.kill()
     assert victim.proc.wait(timeout=10) == -signal.SIGKILL
     return victim, survivor, orphans, killed_at
 
 
-def survivor_exits(fault: Fault, job: Job, survivor: Node, killed_at: float, bound: float):
+def survivor_exits(fault: Fault, job: Job, survivor: Node, killed_at: float) -> None:
+    """The survivor exits 1 (a deadline that only tells a hang apart; `make faults` records
+    how long it took)."""
     fault.expect = "exit 1 (survivor)"
-    assert survivor.proc.wait(timeout=60) == FAILED, survivor.text()[-3000:]
+    try:
+        code = survivor.proc.wait(timeout=SURVIVOR_DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(
+            f"survivor still running {SURVIVOR_DEADLINE_S}s after its peer was killed:\n"
+            f"{survivor.text()[-3000:]}"
+        ) from None
+    assert code == FAILED, survivor.text()[-3000:]
     fault.track(job)
-    exit_event = next(e for e in job.events("exit") if survivor.proc.pid == _pid(e["node"]))
-    assert exit_event["code"] == FAILED
-    fault.time(exit_event["ts"] - killed_at, "agent killed to survivor exited")
-    assert fault.seconds < bound, f"survivor took {fault.seconds}s to exit"
+    exits = [e for e in job.events("exit") if survivor.proc.pid == _pid(e["node"])]
+    assert [e["code"] for e in exits] == [FAILED]
+    fault.time(exits[0]["ts"] - killed_at, "agent killed to survivor exited")
 
 
 def test_agent_sigkill_on_a_non_store_node(fault: Fault):
@@ -72,8 +84,12 @@ def test_agent_sigkill_on_a_non_store_node(fault: Fault):
     job = fault.start(2, args, [*FOREVER, "--save-every", "1000"])
     training(job)
     _, survivor, orphans, killed_at = kill_agent(fault, job, store_host=False)
-    wait_for(lambda: not [p for p in orphans if fault.alive(p)], 5, "workers to die with agent")
-    survivor_exits(fault, job, survivor, killed_at, bound=20)
+    wait_for(
+        lambda: not [p for p in orphans if fault.alive(p)],
+        ORPHANS_DEADLINE_S,
+        "workers to die with their agent",
+    )
+    survivor_exits(fault, job, survivor, killed_at)
     assert "rendezvous did not complete within join_timeout=3.0s" in survivor.text()
 
 
@@ -82,8 +98,12 @@ def test_agent_sigkill_on_the_store_host(fault: Fault):
     job = fault.light([], steps=FOREVER)
     training(job)
     _, survivor, orphans, killed_at = kill_agent(fault, job, store_host=True)
-    wait_for(lambda: not [p for p in orphans if fault.alive(p)], 5, "workers to die with agent")
-    survivor_exits(fault, job, survivor, killed_at, bound=10)
+    wait_for(
+        lambda: not [p for p in orphans if fault.alive(p)],
+        ORPHANS_DEADLINE_S,
+        "workers to die with their agent",
+    )
+    survivor_exits(fault, job, survivor, killed_at)
     lost = [line for line in survivor.text().splitlines() if "lost the rendezvous store" in line]
     assert len(lost) == 1 and "Traceback" not in survivor.text()
     assert [e["node"] for e in job.events("store_lost")] == [

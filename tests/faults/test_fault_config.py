@@ -28,9 +28,11 @@ READ_TIMEOUT, JOIN_TIMEOUT = 2, 3
 """For the foreign listener: a store must answer within 2 s, a round close within 3 s."""
 
 
-def argv(tmp: Path, *extra: str, nnodes: int = 2) -> list[str]:
+def argv(tmp: Path, *extra: str) -> list[str]:
+    """One node whose one rank makes one step: had the launcher accepted the bad value, it would
+    run this job to its end at once and leave logs/ and ckpt/ in `tmp` (see the control case)."""
     return [
-        f"--nnodes={nnodes}",
+        "--nnodes=1",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         f"--rdzv-id=faults-{tmp.name}",
@@ -39,7 +41,15 @@ def argv(tmp: Path, *extra: str, nnodes: int = 2) -> list[str]:
         str(Path(__file__).parents[1] / "workers" / "fault_worker.py"),
         "--ckpt-dir",
         str(tmp / "ckpt"),
+        "--steps",
+        "1",
     ]
+
+
+def created(tmp: Path, *inputs: str) -> list[str]:
+    """Paths in the case's directory other than the test's own `inputs`."""
+    paths = (str(p.relative_to(tmp)) for p in tmp.rglob("*"))
+    return sorted(p for p in paths if p not in inputs)
 
 
 def assert_usage_error(done: subprocess.CompletedProcess, fragment: str) -> None:
@@ -63,8 +73,8 @@ BAD_FLAGS = {
 def test_bad_cli_value(fault: Fault, flag: str, fragment: str):
     done = fault.run_launcher(argv(fault.tmp, flag))
     fault.expect = "exit 2"
+    assert created(fault.tmp) == [], f"a job ran despite {flag}: {done.stderr[-2000:]}"
     assert_usage_error(done, fragment)
-    assert not (fault.tmp / "logs").exists()  # nothing was started
 
 
 BAD_YAML = {
@@ -83,8 +93,20 @@ def test_bad_yaml(fault: Fault, text: str | bytes | None, fragment: str):
         path.write_bytes(text if isinstance(text, bytes) else text.encode())
     done = fault.run_launcher(argv(fault.tmp, f"--ft-cfg-path={path}"))
     fault.expect = "exit 2"
+    assert created(fault.tmp, "ft.yaml") == [], f"a job ran despite it: {done.stderr[-2000:]}"
     assert_usage_error(done, fragment)
-    assert not (fault.tmp / "logs").exists()
+
+
+def test_control_the_same_command_line_without_a_fault_runs_a_job(fault: Fault):
+    """The control of the cases above: without the bad value the same command line runs its job
+    and leaves the agent's events and the rank's files behind, so an empty case directory there
+    means nothing was started."""
+    done = fault.run_launcher(argv(fault.tmp))
+    fault.expect = "exit 0"
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    made = created(fault.tmp)
+    assert [p for p in made if p.startswith("logs/events-")], made
+    assert "ckpt/done-rank0" in made, made
 
 
 @pytest.mark.parametrize("where", ["under_a_file", "is_a_file"])
@@ -113,7 +135,7 @@ def test_rendezvous_port_held_by_a_foreign_listener(fault: Fault):
         listener.listen(16)
         port = listener.getsockname()[1]
         conf = f"--rdzv-conf=read_timeout={READ_TIMEOUT},join_timeout={JOIN_TIMEOUT}"
-        args = argv(fault.tmp, f"--rdzv-endpoint=127.0.0.1:{port}", conf, nnodes=1)
+        args = argv(fault.tmp, f"--rdzv-endpoint=127.0.0.1:{port}", conf)
         output = fault.tmp / "launcher.log"
         with output.open("wb") as out:
             proc = subprocess.Popen(
@@ -135,7 +157,7 @@ def test_rendezvous_port_held_by_a_foreign_listener(fault: Fault):
         finally:
             if proc.poll() is None:
                 proc.kill()
-                proc.wait()
+                proc.wait(timeout=10)
     text = output.read_text()
     assert code == FAILED, text
     assert "Traceback" not in text
