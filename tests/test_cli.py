@@ -42,6 +42,8 @@ NVRX_YAML_KEYS = {
     "prewarm_modules",
     "gpu_health_check",
     "gpu_health_check_nvlink",
+    "enable_nic_healthcheck",
+    "nic_sysfs_root",
     "gpu_memory_reclaim_timeout",
     "gpu_memory_tolerance_mb",
 }
@@ -455,6 +457,8 @@ EFFECTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "storage_health_check_path": ((), ("--ft-storage-health-check-path=/tmp",)),
     "gpu_health_check": ((), ("--ft-no-gpu-health-check",)),
     "gpu_health_check_nvlink": ((), ("--ft-gpu-health-check-nvlink",)),
+    "enable_nic_healthcheck": ((), ("--ft-enable-nic-healthcheck",)),
+    "nic_sysfs_root": (("--ft-enable-nic-healthcheck",), ("--ft-nic-sysfs-root=/tmp/ib",)),
     "gpu_memory_reclaim_timeout": ((), ("--ft-gpu-memory-reclaim-timeout=5",)),
     "gpu_memory_tolerance_mb": (
         ("--ft-gpu-memory-reclaim-timeout=5",),

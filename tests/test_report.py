@@ -1,9 +1,12 @@
 """`ftrun report`: events parsing, the numbers of the summary, the timeline PNG, bad input.
 
-The fixtures under tests/data/report are trimmed events files of real two-node runs of
-examples/train_ddp.py (crash in cycle 0, hang in cycle 1, success in cycle 2):
-- crash_hang: the hang as intended (rank 2 sleeps; every rank misses its heartbeat),
-- stale_hang: cycle 1 was failed at once by a verdict about cycle 0's (dead) workers.
+The fixtures under tests/data/report are events files of real two-node runs:
+- crash_hang: examples/train_ddp.py (crash in cycle 0, hang in cycle 1, success in cycle 2),
+  the hang as intended (rank 2 sleeps; every rank misses its heartbeat),
+- stale_hang: the same, but cycle 1 was failed at once by a verdict about cycle 0's (dead)
+  workers. Neither reports training progress (they predate it): process times are reported.
+- progress_crash: tests/workers/progress_worker.py (progress and iterations reported), a crash
+  in cycle 0; `steps/` holds the ranks' own step logs of that run.
 Synthetic files cover what a real run cannot cheaply produce (preemption, lost nodes).
 """
 
@@ -38,6 +41,7 @@ from support import WORKERS
 DATA = Path(__file__).parent / "data" / "report"
 CRASH_HANG = DATA / "crash_hang"
 STALE_HANG = DATA / "stale_hang"
+PROGRESS_CRASH = DATA / "progress_crash"  # tests/workers/progress_worker.py, a crash, iterations
 NODE_A, NODE_B = "127.0.0.1-32172", "127.0.0.1-32171"  # group ranks 0 and 1 in crash_hang
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PROGRESS_WORKER = WORKERS / "progress_worker.py"
@@ -493,44 +497,57 @@ def step_logs(ckpt_dir: Path, ranks: int) -> dict[int, list[tuple[int, str, floa
     return logs
 
 
-def test_recovery_matches_the_workers_own_step_logs(tmp_path: Path) -> None:
-    """Acceptance: after a crash, the report's recovery (crash to every rank stepping again) is
-    within 10 % of what the ranks' own step logs show, and so are the time lost and the
-    effective training time; the iterations redone are exact. The ranks take 1.5 s to start
-    up: a report counting processes would call the recovery a fraction of that."""
-    startup, crash_step, save_every = 1.5, 8, 5
-    worker_args = ["--steps", "14", "--step-time", "0.05", "--startup", str(startup),
-                   "--save-every", str(save_every), "--crash", f"0:1:{crash_step}"]  # fmt: skip
-    job = start_job(tmp_path, 2, ["--max-restarts=1"], worker_args, script=PROGRESS_WORKER, nproc=2)
-    assert job.wait(120) == [0, 0], job.nodes[0].text()[-3000:]
-    logs = step_logs(job.ckpt_dir, 4)
+STARTUP_S, CRASH_STEP, SAVE_EVERY = 1.5, 8, 5
+WORKER_ARGS = ["--steps", "14", "--step-time", "0.05", "--startup", str(STARTUP_S),
+               "--save-every", str(SAVE_EVERY), "--crash", f"0:1:{CRASH_STEP}"]  # fmt: skip
+
+
+def check_against_step_logs(log_dir: Path, steps_dir: Path) -> Report:
+    """The report of a 2 x 2-rank run of progress_worker.py WORKER_ARGS against the ranks' own
+    step logs: recovery (the crash to every rank stepping again), time lost and the effective
+    training time within 10 %, the iterations redone exact. The ranks start up for 1.5 s: a
+    report counting processes would call the recovery a fraction of that."""
+    logs = step_logs(steps_dir, 4)
     crashed_at = next(at for cycle, what, at in logs[1] if what == "crash")
     steps = {c: [[(int(w), at) for cycle, w, at in rows if cycle == c and w != "crash"]
                  for rows in logs.values()] for c in (0, 1)}  # fmt: skip
     stepping = {c: max(ranks[0][1] for ranks in steps[c]) for c in (0, 1)}
     last_before = min(max(at for ranks in steps[0] for _, at in ranks), crashed_at)
     finished = max(ranks[-1][1] for ranks in steps[1])
-    redone = (crash_step - 1) - save_every  # steps 6 and 7, done again from the step-5 checkpoint
-    pace = (last_before - stepping[0]) / (crash_step - 2)  # step 1 to step 7
+    redone = (CRASH_STEP - 1) - SAVE_EVERY  # steps 6 and 7, again from the step-5 checkpoint
+    pace = (last_before - stepping[0]) / (CRASH_STEP - 2)  # step 1 to step 7
 
-    report = report_of(job.log_dir)
+    report = report_of(log_dir)
     assert report.progress_reported
     (failure,) = report.failures
     assert failure.kind == CRASH and failure.ranks == (1,)
     assert failure.recovery_s == pytest.approx(stepping[1] - crashed_at, rel=0.10)
-    assert failure.recovery_s > startup  # start-up counts: the ranks were not training
+    assert failure.recovery_s > STARTUP_S  # start-up counts: the ranks were not training
     assert failure.lost_s == pytest.approx(stepping[1] - last_before, rel=0.10)
     assert failure.redone_iterations == redone
     assert failure.redone_s == pytest.approx(redone * pace, rel=0.10)
     useful = (last_before - stepping[0]) + (finished - stepping[1]) - redone * pace
     assert report.effective_s == pytest.approx(useful, rel=0.10)
-    assert report.startup_s is not None and report.startup_s > startup
+    assert report.startup_s is not None and report.startup_s > STARTUP_S
+    return report
 
+
+def test_recovery_matches_the_workers_own_step_logs(tmp_path: Path) -> None:
+    """Acceptance (issue 13): a live run through the launcher, the report against the logs."""
+    job = start_job(tmp_path, 2, ["--max-restarts=1"], WORKER_ARGS, script=PROGRESS_WORKER, nproc=2)
+    assert job.wait(120) == [0, 0], job.nodes[0].text()[-3000:]
+    check_against_step_logs(job.log_dir, job.ckpt_dir)
     result = run_cli(str(job.log_dir), "--out", str(tmp_path / "timeline.png"))
     assert result.exit_code == 0, result.output
     assert "effective (ETTR, from training progress)" in result.stdout
-    assert f"| {redone} iteration(s) redone" in result.stdout
+    assert "| 2 iteration(s) redone" in result.stdout
     assert (tmp_path / "timeline.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_a_recorded_run_matches_its_step_logs() -> None:
+    """The same check on the events and step logs of one such run, kept in tests/data."""
+    report = check_against_step_logs(PROGRESS_CRASH, PROGRESS_CRASH / "steps")
+    assert report.outcome == "SUCCESS" and len(report.cycles) == 2
 
 
 # ---- training progress: what the ranks did, not what the processes did -----------------------
@@ -548,7 +565,7 @@ def crash_job(tmp_path: Path) -> Job:
     job.stop(0, 50)
     job.cycle(1, 52)
     job.stepping(1, {"a": 60, "b": 64.5}, iterations=61)
-    job.last_progress(1, {"a": 99.5, "b": 99.8}, iterations=120, before="finish", written=100)
+    job.last_progress(1, {"a": 99.5, "b": 99.8}, iterations=120, before="finished", written=100)
     job.finish(1, 100)
     job.write()
     return job
@@ -772,7 +789,7 @@ def test_last_progress_from_a_snapshot(tmp_path: Path) -> None:
         ProgressSnapshot(0, 10, 10, now - 9, now - 1, 3, 41),
         ProgressSnapshot(2, 12, 12, None, None, None, None),  # never stepped
     ])  # fmt: skip
-    report.last_progress([], before="finish")
+    report.last_progress([], before="finished")
     events.close()
     stop, finish = written(tmp_path)
     assert (stop["before"], stop["ranks"]) == ("stop", [0, 1, 2])
@@ -780,5 +797,5 @@ def test_last_progress_from_a_snapshot(tmp_path: Path) -> None:
     assert stop["progress_mono"] == pytest.approx(now - 1, abs=1e-5)
     wall = stop["ts"] - (stop["mono"] - (now - 1))
     assert stop["progress_ts"] == pytest.approx(wall, abs=1e-3)
-    assert (finish["before"], finish["ranks"], finish["progress_ts"]) == ("finish", [], None)
+    assert (finish["before"], finish["ranks"], finish["progress_ts"]) == ("finished", [], None)
     assert all(events_schema.problems(e["event"], e) == [] for e in (stop, finish))

@@ -69,6 +69,7 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
         _opt("gpus", INT),
         _opt("storage_paths", INT),
         _opt("command", STR),
+        _opt("ib_ports", INT),
     ),
     "rendezvous_done": (
         _req("duration", NUM, "seconds from joining to the round formed"),
@@ -89,7 +90,7 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
         _opt("startup", NUM, "seconds from the workers' start to `progress_mono`"),
     ),
     "last_progress": (
-        _req("before", STR, "'stop' (the workers are about to be stopped) or 'finish'"),
+        _req("before", STR, "'stop': the workers are about to be stopped; 'finished': all done"),
         _req("ranks", LIST, "this node's ranks that registered with the monitor this cycle"),
         _opt("progress_ts", NUM, f"the latest progress of any of them {_PROGRESS_AT}; null: none"),
         _opt("progress_mono", NUM, "the same moment on this node's monotonic clock"),

@@ -1,4 +1,5 @@
-"""Node health checks run before every rendezvous round: GPUs (NVML), storage, a command.
+"""Node health checks run before every rendezvous round: GPUs (NVML), InfiniBand ports
+(`agent.nic_health`), storage, a command.
 
 NVML comes from `agent.nvml` (loaded lazily, replaced by a fake in tests).
 """
@@ -13,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ftrun.agent.nic_health import check_ib_ports
 from ftrun.agent.nvml import load_nvml
 from ftrun.agent.services import NodeService
 from ftrun.errors import NodeUnhealthyError
@@ -27,6 +29,8 @@ def check_node(config: HealthCheckConfig) -> dict[str, Any]:
     report: dict[str, Any] = {}
     if config.gpu:
         report["gpus"] = check_gpus(config.nvlink)
+    if config.nic:
+        report.update(check_ib_ports(config.nic_sysfs_root))
     for path in config.storage_paths:
         _within(config.storage_timeout, f"storage {path}", lambda p=path: _read_path(p))
     report["storage_paths"] = len(config.storage_paths)

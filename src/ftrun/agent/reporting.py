@@ -102,7 +102,8 @@ class CycleReport:
 
     def last_progress(self, snapshot: Sequence[ProgressSnapshot], before: str = "stop") -> None:
         """Where the local ranks last were, from `RankMonitorServer.progress_snapshot()` taken
-        right before the workers are stopped (`before="stop"`) or after they all finished."""
+        right before the workers are stopped (`before="stop"`) or once they all exited 0
+        (`before="finished"`)."""
         ranks = sorted(snapshot, key=lambda s: s.rank)
         times = [s.last_progress for s in ranks if s.last_progress is not None]
         latest = max(times) if times else None

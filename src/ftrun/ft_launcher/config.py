@@ -143,11 +143,17 @@ def _health(opts: Resolved, notes: list[str]) -> HealthCheckConfig:
         notes.append(
             f"{opts.labels['gpu_health_check_nvlink']} is ignored: the GPU health check is off"
         )
+    if not opts["nic_sysfs_root"]:
+        raise ConfigError(f"{opts.labels['nic_sysfs_root']}: must not be empty")
+    if opts.is_set("nic_sysfs_root") and not opts["enable_nic_healthcheck"]:
+        notes.append(f"{opts.labels['nic_sysfs_root']} is ignored: the NIC health check is off")
     return HealthCheckConfig(
         gpu=opts["gpu_health_check"],
         nvlink=opts["gpu_health_check_nvlink"],
         storage_paths=opts["storage_health_check_path"],
         command=opts["node_health_check_cmd"],
+        nic=opts["enable_nic_healthcheck"],
+        nic_sysfs_root=opts["nic_sysfs_root"],
     )
 
 

@@ -205,6 +205,13 @@ FT_OPTIONS: tuple[Option, ...] = (
         "Check GPUs through NVML before each rendezvous.", off_flags=True, **_ON),
     _ft("gpu_health_check_nvlink", _default(_HEALTH, "nvlink"), v.boolean,
         "Also require every NVLink to be up (part of the GPU check).", **_ON),
+    _ft("enable_nic_healthcheck", _default(_HEALTH, "nic"), v.boolean,
+        "Check every InfiniBand port in sysfs before each rendezvous: state ACTIVE, physical "
+        "state LinkUp, and no link_downed increase since this launcher's previous check (a "
+        "flapped link). A node without InfiniBand passes.", off_flags=True, **_ON),
+    _ft("nic_sysfs_root", _default(_HEALTH, "nic_sysfs_root"), v.text,
+        "Directory the NIC check reads: DIR/<device>/ports/<port>/{state,phys_state,"
+        "counters/link_downed}.", metavar="DIR"),
     _ft("gpu_memory_reclaim_timeout", _default(_AGENT, "gpu_memory_reclaim_timeout"),
         v.non_negative_number, "Seconds to wait for dead workers' GPU memory before a restart "
         "(0: off).", metavar="SECONDS"),
