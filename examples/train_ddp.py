@@ -179,8 +179,8 @@ def main() -> int:
     for step in range(start + 1, args.steps + 1):
         client.start_section("step")
         train_step(model, optim, args, step, device)
-        client.end_section("step")
-        client.send_heartbeat()
+        client.end_section("step", iteration=step)
+        client.send_heartbeat(iteration=step)
         progress.write(f"{CYCLE} {step} {time.time():.6f}\n")
         progress.flush()
         if step == args.calc_timeouts_at:
