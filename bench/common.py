@@ -1,7 +1,8 @@
 """Shared helpers of the launcher benchmarks: launching jobs, reading worker logs, tables.
 
-A `Job` is 2 local launchers ("nodes") x 2 workers of `bench/worker.py` on a fresh rendezvous
-port and a fresh temporary directory. The bench process makes itself a child subreaper, so a
+A `Job` is 2 local launchers ("nodes") x 2 workers of `bench/worker.py` (or of the user-style
+`bench/user_worker.py`, whose step lines `read_steps` parses) on a fresh rendezvous port and a
+fresh temporary directory. The bench process makes itself a child subreaper, so a
 worker orphaned by a dying launcher re-parents to it and cannot escape the clean-up; every
 process of a job also carries `FTRUN_BENCH_TAG` in its environment, which the final psutil check
 looks for. All waits are bounded.
@@ -32,6 +33,7 @@ T = TypeVar("T")
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 WORKER = BENCH / "worker.py"
+USER_WORKER = BENCH / "user_worker.py"
 VENV_BIN = ROOT / ".venv" / "bin"
 NVRX_BIN = BENCH / ".nvrx-venv" / "bin"
 TAG_ENV = "FTRUN_BENCH_TAG"
@@ -229,6 +231,7 @@ class Job:
     out: Path
     procs: list[subprocess.Popen[bytes]]
     launched_at: float
+    keep: bool = False  # keep the directory after the clean-up (a run worth a look)
 
     @property
     def tag(self) -> str:
@@ -292,15 +295,18 @@ def launcher_argv(launcher: Launcher, port: int, run_id: str, extra: Sequence[st
 
 
 def start_job(
-    launcher: Launcher, extra: Sequence[str] = (), worker_args: Sequence[str] = ()
+    launcher: Launcher,
+    extra: Sequence[str] = (),
+    worker_args: Sequence[str] = (),
+    script: Path = WORKER,
 ) -> Job:
-    """Start NNODES launchers of `bench/worker.py` on a fresh port and temporary directory."""
+    """Start NNODES launchers of `script` (`bench/worker.py`) on a fresh port and directory."""
     slug = re.sub(r"[^A-Za-z0-9]+", "-", launcher.name)
     tmp = Path(tempfile.mkdtemp(prefix=f"ftrun-bench-{slug}-"))
     out = tmp / "out"
     extra = [f"--log-dir={tmp / 'logs'}", *launcher.args, *extra]
     argv = launcher_argv(launcher, free_port(), tmp.name, extra)
-    argv += [str(WORKER), "--out", str(out), *worker_args]
+    argv += [str(script), "--out", str(out), *worker_args]
     (tmp / "tmp").mkdir()
     env = {**os.environ, **dict(launcher.env), TAG_ENV: str(tmp), "PYTHONUNBUFFERED": "1"}
     env["TMPDIR"] = str(tmp / "tmp")  # what a killed launcher leaves in /tmp goes with the run
@@ -319,18 +325,98 @@ def start_job(
 
 @contextlib.contextmanager
 def job(
-    launcher: Launcher, extra: Sequence[str] = (), worker_args: Sequence[str] = ()
+    launcher: Launcher,
+    extra: Sequence[str] = (),
+    worker_args: Sequence[str] = (),
+    script: Path = WORKER,
 ) -> Iterator[Job]:
-    """A started job; on exit everything it started is killed and checked gone."""
-    started = start_job(launcher, extra, worker_args)
+    """A started job; on exit everything it started is killed and checked gone.
+
+    Its directory is removed unless the job raised, its `keep` was set or `BENCH_KEEP` is set in
+    the environment."""
+    started = start_job(launcher, extra, worker_args, script)
     failed = True
     try:
         yield started
         failed = False
     finally:
         kill_everything(started.tag)
-        if not failed and not os.environ.get("BENCH_KEEP"):
+        if not (failed or started.keep or os.environ.get("BENCH_KEEP")):
             shutil.rmtree(started.tmp, ignore_errors=True)
+
+
+# ---- user-style worker logs (bench/user_worker.py) ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLine:
+    """A line of `bench/user_worker.py`: a finished step, or (`fault` set) a fault about to fire."""
+
+    ts: float
+    rank: int
+    pid: int
+    step: int
+    fault: str | None = None
+
+
+def parse_step_line(line: str) -> StepLine | None:
+    """`<ts> rank=<r> pid=<pid> step=<n> loss=<x>|fault=<kind>`; None for anything else."""
+    fields = line.split()
+    with contextlib.suppress(ValueError, KeyError, IndexError):
+        values = dict(field.split("=", 1) for field in fields[1:] if "=" in field)
+        return StepLine(
+            float(fields[0]),
+            int(values["rank"]),
+            int(values["pid"]),
+            int(values["step"]),
+            values.get("fault"),
+        )
+    return None
+
+
+def read_steps(out: Path, rank: int) -> list[StepLine]:
+    """A rank's complete lines (a line still being written, without its newline, is left out)."""
+    path = out / f"rank{rank}.log"
+    if not path.exists():
+        return []
+    complete = path.read_text(errors="replace").split("\n")[:-1]
+    return [r for r in map(parse_step_line, complete) if r is not None]
+
+
+def user_fault(out: Path) -> StepLine | None:
+    """The job's injected fault (the earliest fault line)."""
+    faults = [r for rank in range(WORLD) for r in read_steps(out, rank) if r.fault]
+    return min(faults, key=lambda r: r.ts, default=None)
+
+
+def user_pids(out: Path, until: float | None = None) -> set[int]:
+    """Processes that logged a line (at or before `until`)."""
+    return {
+        r.pid
+        for rank in range(WORLD)
+        for r in read_steps(out, rank)
+        if until is None or r.ts <= until
+    }
+
+
+def user_all_stepping(
+    out: Path, since: float = 0.0, old_pids: frozenset[int] = frozenset()
+) -> float | None:
+    """When the last rank finished its first step after `since` in a process not in `old_pids`."""
+    times = []
+    for rank in range(WORLD):
+        first = next(
+            (
+                r.ts
+                for r in read_steps(out, rank)
+                if not r.fault and r.ts > since and r.pid not in old_pids
+            ),
+            None,
+        )
+        if first is None:
+            return None
+        times.append(first)
+    return max(times)
 
 
 # ---- fault runs --------------------------------------------------------------------------------

@@ -51,10 +51,11 @@ class AgentConfig:
     """After a stop, wait up to this long for the dead workers' GPU memory to be freed (0: off)."""
     gpu_memory_tolerance_mb: float = 512.0
     """GPU memory still in use (per device) that counts as released."""
-    prewarm_modules: tuple[str, ...] = ("torch", "torch.distributed")
+    prewarm_modules: tuple[str, ...] = ("torch", "torch.distributed", "torch._dynamo")
     """Modules the node's fork server imports once; workers are forked from it (empty: every
-    worker is spawned fresh). Not torch._dynamo by default: it doubles the import time, which
-    every start-up would pay; scripts that compile can add it."""
+    worker is spawned fresh). torch._dynamo doubles the import, but DistributedDataParallel
+    imports it in every worker (seconds of each restart otherwise), and once per node is what a
+    start-up pays for it instead of once per rank."""
     extra_env: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     """Added to every worker's environment (e.g. OMP_NUM_THREADS)."""
     duplicate_stdout_filters: tuple[str, ...] = ()
