@@ -5,6 +5,8 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import itertools
+import json
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -16,7 +18,14 @@ from ftrun.errors import ExitCode, RendezvousFailedError
 from ftrun.rendezvous.config import RendezvousConfig, RendezvousImpl
 from ftrun.rendezvous.control import JobControl
 from ftrun.rendezvous.factory import create_rendezvous
-from ftrun.rendezvous.ranks import InfraRankError, NodeDescriptor, order_nodes
+from ftrun.rendezvous.ranks import (
+    DESCRIPTOR_VERSION,
+    DescriptorVersionError,
+    InfraRankError,
+    NodeDescriptor,
+    order_nodes,
+    row_from_json,
+)
 
 IMPLS = pytest.mark.parametrize("impl", list(RendezvousImpl))
 _ids = itertools.count()
@@ -155,3 +164,81 @@ def test_torch_finds_the_barrier_backend_by_name(store):
     handler = get_rendezvous_handler(params)
     info = handler.next_rendezvous()
     assert (handler.get_backend(), info.rank, info.world_size) == ("ftrun-barrier", 0, 1)
+
+
+def test_descriptor_round_trips_with_its_peer_port():
+    mine = NodeDescriptor("a", "10.0.0.1", 8, 29500, infra_rank=3, peer_port=41234)
+    assert NodeDescriptor.from_json(mine.to_json()) == mine
+    assert json.loads(mine.to_json())["version"] == DESCRIPTOR_VERSION
+    assert row_from_json(mine.to_json()) == mine.to_row()
+    assert NodeDescriptor.from_row(mine.to_row()) == mine
+    rows = json.loads(json.dumps([mine.to_row(), node("b").to_row()]))  # as published
+    assert NodeDescriptor.from_rows(rows) == [mine, node("b")]
+    assert node("b").peer_port == 0  # no channel
+
+
+V1_JSON = (
+    b'{"node": "old", "host": "h", "local_world_size": 8, "master_port": 1, "infra_rank": null}'
+)
+
+
+@pytest.mark.parametrize(
+    ("raw", "version"),
+    [
+        (V1_JSON, 1),
+        (json.dumps({**node("old")._asdict(), "version": 3, "rdma": "mlx5_0"}).encode(), 3),
+        (b"\x92\xa3old", "unknown"),  # not JSON: a release with another encoding
+    ],
+    ids=["older", "newer", "other-encoding"],
+)
+def test_a_descriptor_of_another_version_is_refused_clearly(raw, version):
+    who = "old" if version != "unknown" else "?"
+    expected = re.escape(f"node {who} publishes node descriptor version {version}, this ftrun")
+    with pytest.raises(DescriptorVersionError, match=expected) as caught:
+        NodeDescriptor.from_json(raw)
+    assert caught.value.exit_code is ExitCode.USAGE and "\n" not in str(caught.value)
+    # The closer of a barrier round publishes it as a stub that every participant refuses.
+    with pytest.raises(DescriptorVersionError, match=expected):
+        NodeDescriptor.from_rows([node("a").to_row(), row_from_json(raw)])
+
+
+@pytest.mark.parametrize(
+    ("row", "expected"),
+    [
+        (["old", "h", 8, 1, None], "node old publishes node descriptor version 1"),
+        ([3, "new", "h", 8, 1, None, 5, "extra"], "node new publishes node descriptor version 3"),
+        (
+            [DESCRIPTOR_VERSION, "short", "h", 8],
+            "node short publishes node descriptor version 2 with 3 fields, not 6",
+        ),
+    ],
+    ids=["older", "newer", "malformed"],
+)
+def test_a_published_row_of_another_version_is_refused_clearly(row, expected):
+    with pytest.raises(DescriptorVersionError, match=expected):
+        NodeDescriptor.from_rows([node("a").to_row(), row])
+
+
+class OlderDescriptor(NodeDescriptor):
+    """What a node running the release before descriptor versions writes to the store."""
+
+    def to_json(self) -> bytes:
+        return V1_JSON
+
+
+@IMPLS
+def test_a_node_of_another_descriptor_version_fails_every_node_of_the_round(store, impl):
+    nodes = [node("a"), node("b"), OlderDescriptor("old", "h", 8, 1)]
+    config = RendezvousConfig(
+        endpoint=f"127.0.0.1:{store.port}", run_id=f"mixed{next(_ids)}", min_nodes=3,
+        max_nodes=3, impl=impl, join_timeout=30,
+    )  # fmt: skip
+    handlers = [create_rendezvous(config, client(store), lambda d=d: d) for d in nodes]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        joins = [pool.submit(h.join, lambda: False) for h in handlers]
+        errors = [f.exception(timeout=30) for f in joins]
+    assert all(isinstance(e, DescriptorVersionError) for e in errors), errors
+    assert {str(e) for e in errors} == {
+        f"node old publishes node descriptor version 1, this ftrun reads version "
+        f"{DESCRIPTOR_VERSION}: run the same ftrun release on every node of the job"
+    }

@@ -21,6 +21,7 @@ from torch.distributed import Store
 from ftrun.agent.gpu_memory import GpuReclaimService
 from ftrun.agent.health import HealthService
 from ftrun.agent.monitoring import MonitorService
+from ftrun.agent.peering import PeerService
 from ftrun.agent.prewarm.service import PrewarmService
 from ftrun.agent.prewarm.target import python_target
 from ftrun.agent.services import NodeServices
@@ -55,6 +56,7 @@ class AgentRuntime:
     services: NodeServices
     monitor: RankMonitorServer
     spawner: Spawner
+    peer_port: int
     rendezvous: NodeRendezvous = dataclasses.field(init=False)
 
     @property
@@ -68,6 +70,7 @@ class AgentRuntime:
             local_world_size=self.config.agent.nproc_per_node,
             master_port=free_port(self.host),
             infra_rank=self.infra_rank,
+            peer_port=self.peer_port,
         )
 
     def leave(self, rnd: Round | None, linger: float) -> None:
@@ -101,6 +104,7 @@ def open_runtime(
         health = services.add(HealthService(config.health, events.emit))
         store, is_store_host = _connect(config, health.first)
         monitor = services.add(MonitorService(config.monitor, job_dir, inbox.put)).server
+        peer = services.add(PeerService(store, config.rendezvous.run_id, host, node))
         if agent.gpu_memory_reclaim_timeout > 0:
             services.add(
                 GpuReclaimService(
@@ -117,6 +121,7 @@ def open_runtime(
         runtime = AgentRuntime(
             config, environ, host, node, log_dir / node, events, inbox, store, is_store_host,
             infra_rank_from_env(environ, config.rendezvous.node_rank), services, monitor, spawner,
+            peer.port,
         )  # fmt: skip
         runtime.rendezvous = create_rendezvous(config.rendezvous, store, runtime.descriptor)
         yield runtime

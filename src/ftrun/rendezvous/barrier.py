@@ -6,9 +6,12 @@ Round `c` (the job's cycle number, see `control`): each node `add`s itself to
 with `--nnodes=MIN:MAX` a node that has seen MIN arrivals for `last_call_timeout` closes it with
 the count at that moment (compare-and-set: the first close wins). Before closing, the closer
 reads the first `size` descriptors once and publishes them as one value `c<c>/round/<size>`
-(compressed rows), so each participant does one `get` of ~6 bytes per node and one decode
-instead of N key reads and N decodes (O(N^2) work per round made 1024 nodes slow). Nodes whose
-index is not below the size are late: they wait for the cycle to end and join the next round.
+(compressed `NodeDescriptor.to_row` rows, each led by its descriptor version), so each
+participant does one `get` of ~10 bytes per node and one decode instead of N key reads and N
+decodes (O(N^2) work per round made 1024 nodes slow). A descriptor of another version goes
+into the round as a `[version, node]` stub that every participant refuses alike
+(`DescriptorVersionError`), not only the closer. Nodes whose index is not below the size are
+late: they wait for the cycle to end and join the next round.
 Every participant orders the descriptors the same way (`ranks.order_nodes`).
 """
 
@@ -32,7 +35,7 @@ from torch.distributed.elastic.rendezvous import (
 from ftrun.errors import ExitCode
 from ftrun.rendezvous.config import RendezvousConfig
 from ftrun.rendezvous.control import JobControl, wait_for_key
-from ftrun.rendezvous.ranks import NodeDescriptor, Round, order_nodes
+from ftrun.rendezvous.ranks import NodeDescriptor, Round, order_nodes, row_from_json
 
 log = logging.getLogger("ftrun.rendezvous")
 
@@ -115,7 +118,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
 
     def _finish(self, cycle: int, index: int, size: int) -> Round:
         published = zlib.decompress(self._store.get(self._key(cycle, f"round/{size}")))
-        arrivals = [NodeDescriptor(*row) for row in json.loads(published)]
+        arrivals = NodeDescriptor.from_rows(json.loads(published))
         nodes = order_nodes(arrivals, self._config.use_infra_group_rank)
         me = arrivals[index]
         return Round(cycle, nodes, nodes.index(me))
@@ -158,7 +161,8 @@ class BarrierRendezvousHandler(RendezvousHandler):
     def _close(self, cycle: int, size: int) -> None:
         """Publish the round's descriptors, then close it (a losing closer's blob is unused)."""
         keys = [self._key(cycle, f"node/{i}") for i in range(size)]
-        rows = [NodeDescriptor.from_json(raw) for raw in self._store.multi_get(keys)]
+        # Foreign-version descriptors are published too: every participant then refuses them.
+        rows = [row_from_json(raw) for raw in self._store.multi_get(keys)]
         blob = zlib.compress(json.dumps(rows).encode(), 1)
         self._store.set(self._key(cycle, f"round/{size}"), blob)
         self._store.compare_set(self._key(cycle, "closed"), "", str(size))

@@ -11,6 +11,8 @@ from typing import NamedTuple
 from ftrun.errors import ExitCode, FtrunError
 
 INFRA_RANK_VARS = ("SLURM_PROCID", "SLURM_NODEID", "GROUP_RANK")
+DESCRIPTOR_VERSION = 2
+"""1: node, host, local_world_size, master_port, infra_rank, unversioned; 2: + peer_port."""
 
 
 class InfraRankError(FtrunError):
@@ -19,11 +21,29 @@ class InfraRankError(FtrunError):
     exit_code = ExitCode.USAGE
 
 
+class DescriptorVersionError(FtrunError):
+    """A node publishes its descriptor in another format: the nodes run different ftrun releases."""
+
+    exit_code = ExitCode.USAGE
+
+    def __init__(self, node: object, version: object) -> None:
+        self.node, self.version = node, version
+        super().__init__(
+            f"node {node} publishes node descriptor version {version}, this ftrun reads version "
+            f"{DESCRIPTOR_VERSION}: run the same ftrun release on every node of the job"
+        )
+
+
 class NodeDescriptor(NamedTuple):
     """What a node tells the others when it joins a round.
 
     A NamedTuple, not a dataclass: every node builds all N descriptors of a round, and at 1024
     nodes a frozen dataclass's constructor alone costs 2 ms of CPU per node.
+
+    Two encodings, both carrying `DESCRIPTOR_VERSION`: `to_json` (one node's own key, fields by
+    name) and `to_row` (`[version, *fields]`, the rows of the barrier's published round). A
+    descriptor of any other version is refused with `DescriptorVersionError`; new fields go at
+    the end with a default, and any change of fields bumps the version.
     """
 
     node: str
@@ -31,13 +51,72 @@ class NodeDescriptor(NamedTuple):
     local_world_size: int
     master_port: int
     infra_rank: int | None = None
+    peer_port: int = 0
+    """The agent's peer channel (`ftrun.peer`) on `host`; 0 when it serves none."""
 
     def to_json(self) -> bytes:
-        return json.dumps(self._asdict()).encode()
+        return json.dumps({"version": DESCRIPTOR_VERSION, **self._asdict()}).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes) -> NodeDescriptor:
-        return cls(**json.loads(raw))
+    def from_json(cls, raw: bytes | str) -> NodeDescriptor:
+        fields = _json_object(raw)
+        version = fields.pop("version", 1)
+        if version != DESCRIPTOR_VERSION:
+            raise DescriptorVersionError(fields.get("node", "?"), version)
+        return cls(**fields)
+
+    def to_row(self) -> list[object]:
+        return [DESCRIPTOR_VERSION, *self]
+
+    @classmethod
+    def from_rows(cls, rows: list[list[object]]) -> list[NodeDescriptor]:
+        """A published round's rows; as fast as building the tuples alone (1024 per node)."""
+        if any(row[0] != DESCRIPTOR_VERSION or len(row) != _ROW_LENGTH for row in rows):
+            for row in rows:
+                cls.from_row(row)
+        new = tuple.__new__
+        return [new(cls, row[1:]) for row in rows]  # type: ignore[misc]
+
+    @classmethod
+    def from_row(cls, row: list[object]) -> NodeDescriptor:
+        if row[0] == DESCRIPTOR_VERSION and len(row) == _ROW_LENGTH:
+            return cls(*row[1:])  # type: ignore[arg-type]
+        if len(row) == 2:  # `row_from_json`'s [version, node] for a foreign descriptor
+            raise DescriptorVersionError(row[1], row[0])
+        if isinstance(row[0], str):  # version 1 rows (before versioning) start with the node
+            raise DescriptorVersionError(row[0], 1)
+        node = row[1] if len(row) > 1 else "?"
+        if row[0] == DESCRIPTOR_VERSION:
+            fields = f"{len(row) - 1} fields, not {_ROW_LENGTH - 1}"
+            raise DescriptorVersionError(node, f"{DESCRIPTOR_VERSION} with {fields}")
+        raise DescriptorVersionError(node, row[0])
+
+
+_ROW_LENGTH = 1 + len(NodeDescriptor._fields)
+
+
+def row_from_json(raw: bytes | str) -> list[object]:
+    """One node's own key as a row of the published round, whatever its version.
+
+    The node that closes a round must publish it even when a descriptor is of another version,
+    so that every participant fails with the same `DescriptorVersionError` (in `from_row`)
+    rather than the closer alone and the others at their join timeout.
+    """
+    try:
+        return NodeDescriptor.from_json(raw).to_row()
+    except DescriptorVersionError as exc:
+        return [exc.version, exc.node]
+
+
+def _json_object(raw: bytes | str) -> dict[str, object]:
+    try:
+        fields = json.loads(raw)
+    except ValueError:
+        fields = None
+    if not isinstance(fields, dict):
+        # Not this format at all: a release that encodes descriptors differently.
+        raise DescriptorVersionError("?", "unknown")
+    return fields
 
 
 @dataclasses.dataclass(frozen=True)

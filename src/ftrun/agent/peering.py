@@ -1,0 +1,41 @@
+"""The node's end of the peer channel (`ftrun.peer`) as a node service.
+
+It serves the other agents of this job only (the job's secret comes from the store), on the
+node's advertised host; its port goes into this node's descriptor. Services that move bulk data
+between nodes (the checkpoint keeper) register their request kinds on `server`; `client`
+reaches the other nodes' servers. It answers `node` (this node's name) itself, so that a peer
+can check whom it reached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch.distributed import Store
+
+from ftrun.agent.services import NodeService
+from ftrun.peer import PeerClient, PeerServer, Request, job_secret
+
+
+class PeerService(NodeService):
+    name = "peer channel"
+
+    def __init__(self, store: Store, run_id: str, host: str, node: str) -> None:
+        secret = job_secret(store, f"ftrun/{run_id}")
+        self._node = node
+        self.server = PeerServer(host, secret, run_id)
+        self.server.register("node", self._whoami)
+        self.server.start()
+        self.client = PeerClient(secret, run_id)
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def _whoami(self, _request: Request) -> Mapping[str, Any]:
+        return {"node": self._node}
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.close()
