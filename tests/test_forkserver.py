@@ -512,13 +512,11 @@ def test_torch_prewarmed_server_forks_workers() -> None:
     with ForkServer.start(["torch"], BASE_ENV) as fs:
         assert fs.ready(120), fs.error
         assert fs.imported == ("torch",)
-        started = time.monotonic()
         first = run_report(fs, env=BASE_ENV, cwd="/")
-        elapsed = time.monotonic() - started
         second = run_report(fs, env=BASE_ENV, cwd="/")
+    # The probe never imports torch: finding it loaded means the worker got it from the server.
     assert "torch" in first["modules"]
     assert first["torch_seed"] != second["torch_seed"]  # as two fresh interpreters
-    assert elapsed < 2.0  # no torch import in the worker
 
 
 def test_many_concurrent_spawns(server: ForkServer) -> None:

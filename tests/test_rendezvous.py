@@ -38,7 +38,9 @@ def store() -> Iterator[TCPStore]:
 
 
 def client(server: TCPStore) -> TCPStore:
-    return TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(30))
+    return TCPStore(
+        "127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=30)
+    )
 
 
 def node(name: str, infra: int | None = None) -> NodeDescriptor:
