@@ -6,6 +6,7 @@ NVML comes from `agent.nvml` (loaded lazily, replaced by a fake in tests).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -149,7 +150,8 @@ def _run_command(command: str, timeout: float) -> None:
         try:
             output, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+            with contextlib.suppress(ProcessLookupError):  # it may have ended meanwhile
+                os.killpg(proc.pid, 9)
             proc.communicate()
             raise NodeUnhealthyError(f"health command timed out after {timeout:g}s") from None
     if proc.returncode != 0:

@@ -95,7 +95,9 @@ def _targets(leaders: list[int], keep: frozenset[int]) -> list[psutil.Process]:
                 found[child.pid] = child
     groups = set(leaders)
     for proc in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
+        # A process may end between the listing and the look: psutil says so with its own
+        # error, os.getpgid with ProcessLookupError.
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
             if os.getpgid(proc.pid) in groups:
                 found[proc.pid] = proc
             if proc.ppid() == os.getpid() and proc.pid not in leaders and proc.pid not in keep:
