@@ -61,8 +61,8 @@ class Launcher:
 
 HB_TIMEOUT_ARGS = ("--ft-rank-heartbeat-timeout=2",)
 FT = Launcher("ft_launcher", (str(VENV_BIN / "ft_launcher"),), HB_TIMEOUT_ARGS)
-FT_NO_SPARES = dataclasses.replace(
-    FT, name="ft_launcher, no spares", args=("--ft-prewarm-modules=none",)
+FT_NO_PREWARM = dataclasses.replace(
+    FT, name="ft_launcher, no fork server", args=("--ft-prewarm-modules=none",)
 )
 TORCHRUN = Launcher("torchrun", (str(VENV_BIN / "torchrun"),), None)
 # torch 2.13's c10d rendezvous shares one TCPStore with the workers across restarts, and the

@@ -15,7 +15,7 @@ hang, `--ft-rank-heartbeat-timeout=2`. Scenarios, each a fresh job:
 - late: rank 1 raises after `--late-after` (30) s of training, once whatever a launcher keeps
   ready is ready; before the fault, each node's memory is sampled: PSS (shared pages counted
   once) of the launcher and all its descendants, split into the workers and the rest ("what the
-  launcher keeps ready": spares or a fork server, monitors), and the CPU of the rest;
+  launcher keeps ready": its fork server, monitors), and the CPU of the rest;
 - hang: rank 1 sleeps inside its step section after `--late-after` s (launchers with hang
   detection only; torchrun has none).
 

@@ -3,7 +3,7 @@
 2 local launchers x 2 gloo workers (`bench/worker.py`), `--rdzv-backend=c10d`,
 `--max-restarts=3`, a fresh port and temporary directory per run. Rank 1 faults once at step K:
 
-- crash: `os._exit(1)`, for ft_launcher (with and without its pre-started spare workers) and
+- crash: `os._exit(1)`, for ft_launcher (with and without its fork server) and
   torchrun (as it comes, and with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, without which torch
   2.13's torchrun cannot restart gloo workers: see common.TORCHRUN_NO_SHARE);
 - hang: stops heartbeating, for ft_launcher with `--ft-rank-heartbeat-timeout=2`
@@ -23,7 +23,7 @@ import dataclasses
 
 from common import (
     FT,
-    FT_NO_SPARES,
+    FT_NO_PREWARM,
     TORCHRUN,
     TORCHRUN_NO_SHARE,
     Launcher,
@@ -69,7 +69,7 @@ def measure(runs: int, fault_step: int) -> list[Series]:
     """Run every series `runs` times, interleaved so that load changes hit all of them."""
     plan = [
         Series(FT, "crash"),
-        Series(FT_NO_SPARES, "crash"),
+        Series(FT_NO_PREWARM, "crash"),
         Series(TORCHRUN, "crash"),
         Series(TORCHRUN_NO_SHARE, "crash"),
         Series(FT, "hang"),

@@ -3,6 +3,7 @@ for the other nodes, still leaves with 75 (preempted) on SIGTERM, and so does th
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
@@ -27,3 +28,10 @@ def test_sigterm_after_success_is_preemption(tmp_path: Path) -> None:
     assert codes == [ExitCode.PREEMPTED, ExitCode.PREEMPTED], [n.text()[-2000:] for n in job.nodes]
     exits = job.events("exit")
     assert {e["reason"] for e in exits} == {"PREEMPTED"}
+    # The finished rank read the cycle info file its launcher wrote for it.
+    (stdout,) = job.log_dir.glob("*/cycle0/rank0/stdout.log")
+    info = json.loads(stdout.read_text())
+    assert (info["cycle"], info["ranks"], info["world_size"]) == (0, [0], 2)
+    assert info["nodes"] == [
+        e["node"] for e in sorted(job.events("rendezvous_done"), key=lambda e: e["group_rank"])
+    ]

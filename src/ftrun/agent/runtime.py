@@ -18,6 +18,7 @@ from pathlib import Path
 
 from torch.distributed import Store
 
+from ftrun.agent.cycle_info import CycleInfoService
 from ftrun.agent.gpu_memory import GpuReclaimService
 from ftrun.agent.health import HealthService
 from ftrun.agent.monitoring import MonitorService
@@ -124,6 +125,9 @@ def open_runtime(
             peer.port,
         )  # fmt: skip
         runtime.rendezvous = create_rendezvous(config.rendezvous, store, runtime.descriptor)
+        services.add(
+            CycleInfoService(job_dir, config.rendezvous.run_id, environ, runtime.control.cause_of)
+        )
         yield runtime
 
 

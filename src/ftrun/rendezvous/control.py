@@ -65,6 +65,11 @@ class JobControl:
     def restart_cause(self, cycle: int) -> str:
         return self._store.get(self._key(f"c{cycle}/cause")).decode()
 
+    def cause_of(self, cycle: int) -> str | None:
+        """Why `cycle` ended; None while it has not (never waits, unlike `restart_cause`)."""
+        key = self._key(f"c{cycle}/cause")
+        return self._store.get(key).decode() if self._store.check([key]) else None
+
     def wait_restart(self, cycle: int, timeout: float) -> bool:
         """Block until `cycle` ends or `timeout` passes; True if it ended."""
         return wait_for_key(self._store, self._key(f"c{cycle}/next"), timeout)
