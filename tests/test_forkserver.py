@@ -21,7 +21,7 @@ from typing import IO, Any
 import psutil
 import pytest
 
-from ftrun.agent.prewarm import forkserver as proto
+from ftrun.agent.prewarm import wire as proto
 from ftrun.agent.prewarm.client import ForkedWorker, ForkServer, ForkServerError
 from ftrun.agent.prewarm.target import PythonTarget
 from ftrun.errors import FtrunError
@@ -417,7 +417,7 @@ def _send_raw(fs: ForkServer, data: bytes) -> None:
 def test_server_rejects_malformed_messages_and_goes_on(
     server: ForkServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    header = proto._HEADER.pack
+    header = proto.HEADER.pack
     bad = [
         b"not json",
         b"[1, 2]",
@@ -445,7 +445,7 @@ def test_server_stops_on_a_broken_frame() -> None:
     try:
         assert fs.ready(DEADLINE)
         worker = fs.spawn(probe("sleep"), BASE_ENV, "/")
-        _send_raw(fs, proto._HEADER.pack(proto.MAX_FRAME + 1))
+        _send_raw(fs, proto.HEADER.pack(proto.MAX_FRAME + 1))
         assert worker.wait(DEADLINE) == -signal.SIGKILL
         worker.stdout.close()
         worker.stderr.close()

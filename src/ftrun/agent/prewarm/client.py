@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import BinaryIO
 
-from ftrun.agent.prewarm import forkserver as proto
+from ftrun.agent.prewarm import wire as proto
 from ftrun.agent.prewarm.target import PythonTarget
 from ftrun.agent.termination import die_with_parent
 from ftrun.errors import FtrunError

@@ -1,0 +1,233 @@
+"""In a freshly forked child of the fork server: become the worker and run it like python.
+
+Everything the server changed is undone (signals, fds, environment, cwd, random seeds), then
+runpy or exec runs the target, and the process ends as the interpreter would. Standard library
+only, like the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import threading
+from typing import Any, Protocol
+
+_PR_SET_PDEATHSIG = 1
+CHILD_BROKEN = 70
+"""Exit code of a child that could not become the worker (EX_SOFTWARE)."""
+_libc = ctypes.CDLL(None, use_errno=True)  # loaded now: no dlopen between fork and run
+
+
+class ServerState(Protocol):
+    """What the child needs to know of the server it was forked from."""
+
+    pid: int
+    initial_handlers: dict[int, Any]
+    initial_mask: set[int]
+    keep_fds: frozenset[int]
+
+
+def open_fds() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+def is_open(fd: int) -> bool:
+    """Whether `fd` is open still (not the one that listed /proc/self/fd, say)."""
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+# ---- becoming the worker --------------------------------------------------------------------
+
+
+def become_worker(server: ServerState, msg: dict[str, Any], fds: list[int]) -> None:
+    """Turn this fresh fork into the worker and run it; never returns."""
+    os.setsid()
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != server.pid:  # the server died before PDEATHSIG was armed
+        os.kill(os.getpid(), signal.SIGKILL)
+    # Undo the server's signal set-up before anything can arrive for the worker.
+    signal.set_wakeup_fd(-1)
+    for signum, handler in server.initial_handlers.items():
+        signal.signal(signum, handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, server.initial_mask)
+    # stdio: /dev/null and the agent's pipes on 0, 1, 2; every other fd of the server closed.
+    out, err, *gate = fds
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    keep = {0, 1, 2, *gate, *server.keep_fds}
+    for fd in open_fds() - keep:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__
+    for stream in (sys.stdout, sys.stderr):  # as `python -u` makes them
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(line_buffering=False, write_through=True)  # type: ignore[union-attr]
+    if gate and os.read(gate[0], 1) != b"g":
+        os._exit(CHILD_BROKEN)  # the agent withdrew the start (or died)
+    for fd in gate:
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(msg["env"])
+    try:
+        os.chdir(msg["cwd"])
+    except OSError as exc:
+        print(f"ftrun fork server: cannot chdir to {msg['cwd']!r}: {exc}", file=sys.stderr)
+        _finish(1)
+    _forget_server_state()
+    _finish(_run(msg["module"], msg["target"], msg["args"]))
+
+
+def _forget_server_state() -> None:
+    """Undo what the prewarm imports settled that a fresh interpreter settles on its own.
+
+    Random generators: fresh interpreters seed them from the OS, forks would share one state
+    (`random` reseeds itself after fork; torch's CPU generator and numpy's global RandomState
+    do not). `tempfile`'s directory: computed from the server's environment if an import asked.
+    """
+    tempfile = sys.modules.get("tempfile")
+    if tempfile is not None:
+        tempfile.tempdir = None
+    torch = sys.modules.get("torch")
+    with contextlib.suppress(Exception):
+        if torch is not None:
+            torch.default_generator.seed()
+    numpy_random = sys.modules.get("numpy.random")
+    with contextlib.suppress(Exception):
+        if numpy_random is not None:
+            numpy_random.seed()
+
+
+class _NoSuchModule(Exception):
+    """Raised by runpy's module lookup, as `python -m` reports it."""
+
+
+def _run(module: bool, target: str, args: list[str]) -> int | str:
+    """Run the target as `python -u [-m] target args` would; its exit code, or "SIGINT"."""
+    import runpy
+
+    sys.orig_argv = [sys.executable, "-u", *(["-m"] if module else []), target, *args]
+    try:
+        if module:
+            sys.argv = [target, *args]  # runpy puts the module's file in argv[0]
+            sys.path[0] = os.getcwd()
+            lookup = getattr(runpy, "_get_module_details", None)
+            if lookup is not None:
+                try:
+                    lookup(target, _NoSuchModule)  # what `python -m` says for a missing module
+                except _NoSuchModule as exc:
+                    print(f"{sys.executable}: {exc}", file=sys.stderr)
+                    return 1
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            path = os.path.abspath(target)
+            try:
+                with open(path, "rb") as f:
+                    source: bytes | None = f.read()
+            except IsADirectoryError:
+                source = None
+            except OSError as exc:
+                print(
+                    f"{sys.executable}: can't open file {path!r}: "
+                    f"[Errno {exc.errno}] {exc.strerror}",
+                    file=sys.stderr,
+                )
+                return 2
+            sys.argv = [target, *args]
+            if source is None or _is_zip(path):  # a directory or zip app with a __main__.py
+                sys.path[0] = path
+                runpy.run_path(path, run_name="__main__")
+            else:
+                sys.path[0] = os.path.dirname(os.path.realpath(path))
+                _exec_main(path, source)
+    except SystemExit as exc:
+        return _system_exit_code(exc)
+    except KeyboardInterrupt as exc:
+        _report(exc)
+        return "SIGINT"
+    except BaseException as exc:
+        _report(exc)
+        return 1
+    return 0
+
+
+def _exec_main(path: str, source: bytes) -> None:
+    """Run a script as python does: in a new `__main__` module that stays `sys.modules`'s.
+
+    Not runpy.run_path: that sets sys.argv[0] to the path it is given (python keeps it as
+    typed, and makes `__file__` absolute) and lends `__main__` only while the code runs (python's
+    stays for threads and atexit hooks, which may pickle or spawn by `__main__`).
+    """
+    import builtins
+    import types
+    from importlib.machinery import SourceFileLoader
+
+    main = types.ModuleType("__main__")
+    main.__dict__.update(
+        __file__=path,
+        __cached__=None,
+        __loader__=SourceFileLoader("__main__", path),
+        __spec__=None,
+        __package__=None,
+        __builtins__=builtins,
+    )
+    sys.modules["__main__"] = main
+    exec(compile(source, path, "exec", dont_inherit=True), main.__dict__)
+
+
+def _is_zip(path: str) -> bool:
+    import zipfile
+
+    return zipfile.is_zipfile(path)
+
+
+def _report(exc: BaseException) -> None:
+    """Print an uncaught exception as python would: without this module's and runpy's frames."""
+    import runpy
+
+    ours = {__file__, "<frozen runpy>", getattr(runpy, "__file__", None)}
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in ours:
+        tb = tb.tb_next
+    exc.__traceback__ = tb  # the default hook prints the exception's own traceback
+    sys.excepthook(type(exc), exc, tb)
+
+
+def _system_exit_code(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    with contextlib.suppress(Exception):
+        print(code, file=sys.stderr)
+    return 1
+
+
+def _finish(code: int | str) -> None:
+    """End like the interpreter: join threads, atexit, flush stdio; never returns."""
+    with contextlib.suppress(BaseException):
+        threading._shutdown()  # type: ignore[attr-defined]
+    import atexit
+
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    try:
+        sys.stdout.flush()
+    except BaseException:
+        code = 120  # what python exits with when flushing stdout fails
+    with contextlib.suppress(BaseException):
+        sys.stderr.flush()
+    if code == "SIGINT":  # python ends an uncaught KeyboardInterrupt by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        code = 128 + signal.SIGINT
+    os._exit(int(code))
