@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -178,8 +177,3 @@ def order_nodes(
             )
         seen[d.infra_rank] = d.node
     return tuple(sorted(arrivals, key=lambda d: d.infra_rank or 0))
-
-
-def default_node_name(environ: Mapping[str, str], host: str) -> str:
-    """Slurm's node name when there is one, else host and pid (several agents per host)."""
-    return environ.get("SLURMD_NODENAME") or f"{host}-{os.getpid()}"

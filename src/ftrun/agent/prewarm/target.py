@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 @dataclasses.dataclass(frozen=True)
 class PythonTarget:
-    """A worker command that a spare can run: `python -u [-m] target args...`."""
+    """A worker command that the fork server can run: `python -u [-m] target args...`."""
 
     module: bool
     target: str
