@@ -13,8 +13,6 @@ import queue
 import signal
 from collections.abc import Iterable
 
-Inbox = queue.SimpleQueue
-
 
 @dataclasses.dataclass(frozen=True)
 class SignalReceived:

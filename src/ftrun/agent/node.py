@@ -220,6 +220,8 @@ class NodeAgent:
             if item is not None:
                 event = self._running_event(item, running)
             elif self.rt.control.restart_requested(rnd.number):
+                cause = self.rt.control.cause_of(rnd.number)
+                log.info("cycle %d ended elsewhere: %s", rnd.number, cause)
                 event = p.CycleEnded()
             elif time.monotonic() >= next_scale_check:
                 next_scale_check = time.monotonic() + _SCALE_CHECK_S
@@ -315,9 +317,7 @@ class NodeAgent:
         first_line = (str(error).strip().splitlines() or [repr(error)])[0]
         log.error("lost the rendezvous store: %s", first_line)
         self.events.emit("store_lost", error=first_line)
-        return self.policy.decide(
-            self.state, p.StoreLost(first_line), Facts(self.rt.node, -1, after_stop=None)
-        )
+        return self._decide(p.StoreLost(first_line))  # decided without the store
 
     def _stop_workers(self) -> StopResult:
         group = self._group

@@ -62,11 +62,8 @@ class JobControl:
     def restart_requested(self, cycle: int) -> bool:
         return self._store.check([self._key(f"c{cycle}/next")])
 
-    def restart_cause(self, cycle: int) -> str:
-        return self._store.get(self._key(f"c{cycle}/cause")).decode()
-
     def cause_of(self, cycle: int) -> str | None:
-        """Why `cycle` ended; None while it has not (never waits, unlike `restart_cause`)."""
+        """Why `cycle` ended; None while it has not (never waits: `get` would, on a missing key)."""
         key = self._key(f"c{cycle}/cause")
         return self._store.get(key).decode() if self._store.check([key]) else None
 
