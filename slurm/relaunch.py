@@ -39,6 +39,8 @@ SUCCESS = 0
 FAILED = 1  # restart budget spent in the job: a relaunch may help
 USAGE = 2  # bad flag/config: a relaunch will not help
 DO_NOT_RELAUNCH = 3  # the launcher says a relaunch is pointless
+NO_PROGRESS = 4  # --ft-max-no-progress-cycles cycles in a row without progress: do not relaunch
+EXCLUDED = 5  # this node left at a worker's request; the others' codes tell the job's outcome
 PREEMPTED = 75  # stopped by SIGTERM/SIGINT: relaunch me
 
 HISTORY_FILE = "relaunches.jsonl"
@@ -46,12 +48,15 @@ HISTORY_FILE = "relaunches.jsonl"
 _NO_LIMIT_S = 365 * 86400
 SCONTROL_TIMEOUT_S = 30
 # Which code a run reports when launchers disagree: a refusal to relaunch first, then a failure.
-_SEVERITY = (DO_NOT_RELAUNCH, USAGE, FAILED, PREEMPTED)
+_SEVERITY = (DO_NOT_RELAUNCH, NO_PROGRESS, USAGE, FAILED, PREEMPTED)
+_REFUSALS = (DO_NOT_RELAUNCH, NO_PROGRESS, USAGE)
 _CODE_NAMES = {
     SUCCESS: "success",
     FAILED: "restart budget spent",
     USAGE: "usage error",
     DO_NOT_RELAUNCH: "do not relaunch",
+    NO_PROGRESS: "no progress",
+    EXCLUDED: "node excluded",
     PREEMPTED: "preempted",
 }
 
@@ -102,6 +107,11 @@ def run_exit_code(codes: Sequence[int | None], finished: bool | None) -> int:
     return max(known, default=SUCCESS)
 
 
+def _left_early(code: int | None) -> bool:
+    """A code of a node that left a job that went on: lost, excluded or unhealthy."""
+    return code is None or code < 0 or code >= 128 or code in (EXCLUDED, DO_NOT_RELAUNCH)
+
+
 def _describe(codes: Sequence[int | None]) -> str:
     parts = []
     for code in sorted(set(codes), key=lambda c: -1 if c is None else c):
@@ -126,24 +136,27 @@ def decide(
     relaunches_so_far: relaunches already made for this job (before this run ended).
     ending: what Slurm is doing to the job (see JobEnding).
 
-    In order: finished -> stop; Slurm cancelling the job -> stop; any launcher saying
-    do-not-relaunch (3) or usage (2) -> stop; all launchers 0 -> stop if no flag is used; else
-    (1, 75, unknown or missing codes, time limit, or success without the flag) relaunch while
-    relaunches_so_far < max_relaunches.
+    In order: finished -> stop; Slurm cancelling the job -> stop; no flag used, a launcher exited
+    0 and the others 0 or as nodes that left on the way (lost: no code or killed; excluded;
+    unhealthy) -> stop: a launcher exits 0 only once the job's workers all finished, and spares
+    took those nodes' places; a launcher
+    saying do-not-relaunch (3), no progress (4) or usage (2) -> stop; else (1, 75, unknown or
+    missing codes, time limit, or success without the flag) relaunch while relaunches_so_far <
+    max_relaunches.
     """
     code = run_exit_code(codes, finished)
     if finished:
         return Decision(Action.STOP, "training finished (flag file present)", SUCCESS)
     if ending is JobEnding.CANCELLED:
         return Decision(Action.STOP, "Slurm is cancelling the job: not relaunching", code)
-    for refusal in (DO_NOT_RELAUNCH, USAGE):
+    if finished is None and SUCCESS in codes and all(_left_early(c) for c in codes if c):
+        return Decision(Action.STOP, f"the job succeeded ({_describe(codes)})", SUCCESS)
+    for refusal in _REFUSALS:
         if refusal in codes:
             why = _CODE_NAMES[refusal]
             return Decision(Action.STOP, f"a launcher exited {refusal} ({why})", refusal)
-    if codes and all(c == SUCCESS for c in codes):
-        if finished is None:
-            return Decision(Action.STOP, "all launchers succeeded", SUCCESS)
-        why = "all launchers succeeded but the finished flag is missing"
+    if SUCCESS in codes:
+        why = "the job succeeded but the finished flag is missing"
     elif ending is JobEnding.TIME_LIMIT:
         why = f"time limit reached ({_describe(codes)})"
     else:

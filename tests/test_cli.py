@@ -36,6 +36,7 @@ NVRX_YAML_KEYS = {
     "workers_stop_timeout",
     "rdzv_impl",
     "use_infra_group_rank",
+    "max_no_progress_cycles",
     "log_level",
     "node_health_check_cmd",
     "storage_health_check_path",
@@ -452,6 +453,7 @@ EFFECTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "workers_stop_timeout": ((), ("--workers-stop-timeout=3",)),
     "rdzv_impl": ((), ("--ft-rdzv-impl=dynamic",)),
     "use_infra_group_rank": ((), ("--ft-use-infra-group-rank",)),
+    "max_no_progress_cycles": ((), ("--ft-max-no-progress-cycles=0",)),
     "log_level": ((), ("--ft-log-level=DEBUG",)),
     "node_health_check_cmd": ((), ("--ft-node-health-check-cmd=true",)),
     "storage_health_check_path": ((), ("--ft-storage-health-check-path=/tmp",)),
@@ -473,9 +475,7 @@ def _comparable(config: LaunchConfig) -> LaunchConfig:
     random run id)."""
     if config.rendezvous.endpoint != "127.0.0.1:0":
         return config
-    return dataclasses.replace(
-        config, rendezvous=dataclasses.replace(config.rendezvous, run_id="")
-    )
+    return dataclasses.replace(config, rendezvous=dataclasses.replace(config.rendezvous, run_id=""))
 
 
 def test_every_option_is_in_effects() -> None:

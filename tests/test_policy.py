@@ -11,6 +11,7 @@ from ftrun.agent import policy as p
 from ftrun.agent.policy import Action, Facts, Outcome, Policy, RestartVote
 from ftrun.agent.state import TRANSITIONS, AgentState
 from ftrun.errors import ExitCode
+from ftrun.rank_monitor.workload import WorkloadAction
 from ftrun.rendezvous.control import Shutdown
 
 S = AgentState
@@ -154,9 +155,52 @@ def test_stopped_workers_restart_or_exit_as_planned() -> None:
     )
 
 
-def test_all_peers_finished_is_success() -> None:
-    action = decide(S.SUCCEEDED, p.PeersFinished())
-    assert action == Action(S.EXITING, outcome=Outcome(ExitCode.SUCCESS, "all workers finished"))
+def test_all_peers_finished_is_success_and_ends_the_job_for_standby_nodes() -> None:
+    done = Outcome(ExitCode.SUCCESS, "all workers finished")
+    assert decide(S.SUCCEEDED, p.PeersFinished()) == Action(S.EXITING, shutdown=done)
+    # The exit barrier timed out: this node is done, but it cannot end the job for the others.
+    assert decide(S.SUCCEEDED, p.PeersFinished(all_finished=False)) == Action(
+        S.EXITING, outcome=done
+    )
+
+
+def test_exclude_this_node_leaves_for_good_and_restarts_the_others_without_a_failure() -> None:
+    event = p.ControlRequested(3, WorkloadAction.ExcludeThisNode, "bad GPU")
+    why = "rank 3 on n0 asked to exclude its node: bad GPU"
+    assert decide(S.RUNNING, event) == Action(
+        S.STOPPING,
+        leave=why,
+        vote=RestartVote(why, failure=False),
+        outcome=Outcome(ExitCode.EXCLUDED, why),
+    )
+
+
+def test_shutdown_workload_ends_the_job_do_not_relaunch() -> None:
+    event = p.ControlRequested(0, WorkloadAction.ShutdownWorkload, "diverged")
+    why = "rank 0 on n0 asked to shut the workload down: diverged"
+    assert decide(S.RUNNING, event) == Action(
+        S.STOPPING, shutdown=Outcome(ExitCode.DO_NOT_RELAUNCH, why)
+    )
+
+
+def test_continue_changes_nothing() -> None:
+    event = p.ControlRequested(0, WorkloadAction.Continue, "fine")
+    assert decide(S.RUNNING, event) == Action(None)
+
+
+@pytest.mark.parametrize(
+    ("limit", "stalled", "stops"), [(3, 2, False), (3, 3, True), (0, 9, False)]
+)
+def test_a_round_after_too_many_cycles_without_progress_ends_the_job(limit, stalled, stops):
+    action = Policy(max_restarts=9, max_no_progress_cycles=limit).decide(
+        S.RENDEZVOUS, p.Joined(), dataclasses.replace(FACTS, stalled_cycles=stalled)
+    )
+    if not stops:
+        assert action == Action(S.STARTING)
+        return
+    assert action.next_state is S.EXITING and action.shutdown is not None
+    assert action.shutdown.code is ExitCode.NO_PROGRESS
+    assert "3 cycles in a row made no progress" in action.shutdown.reason
 
 
 def test_a_peer_failing_after_this_node_finished_restarts_it() -> None:

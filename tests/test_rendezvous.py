@@ -179,6 +179,7 @@ def test_descriptor_round_trips_with_its_peer_port():
     assert node("b").peer_port == 0  # no channel
 
 
+NEWER = DESCRIPTOR_VERSION + 1
 V1_JSON = (
     b'{"node": "old", "host": "h", "local_world_size": 8, "master_port": 1, "infra_rank": null}'
 )
@@ -188,7 +189,10 @@ V1_JSON = (
     ("raw", "version"),
     [
         (V1_JSON, 1),
-        (json.dumps({**node("old")._asdict(), "version": 3, "rdma": "mlx5_0"}).encode(), 3),
+        (
+            json.dumps({**node("old")._asdict(), "version": NEWER, "rdma": "mlx5_0"}).encode(),
+            NEWER,
+        ),
         (b"\x92\xa3old", "unknown"),  # not JSON: a release with another encoding
     ],
     ids=["older", "newer", "other-encoding"],
@@ -208,10 +212,14 @@ def test_a_descriptor_of_another_version_is_refused_clearly(raw, version):
     ("row", "expected"),
     [
         (["old", "h", 8, 1, None], "node old publishes node descriptor version 1"),
-        ([3, "new", "h", 8, 1, None, 5, "extra"], "node new publishes node descriptor version 3"),
+        (
+            [NEWER, "new", "h", 8, 1, None, 5, "extra"],
+            f"node new publishes node descriptor version {NEWER}",
+        ),
         (
             [DESCRIPTOR_VERSION, "short", "h", 8],
-            "node short publishes node descriptor version 2 with 3 fields, not 6",
+            f"node short publishes node descriptor version {DESCRIPTOR_VERSION} with 3 fields, "
+            "not 6",
         ),
     ],
     ids=["older", "newer", "malformed"],

@@ -19,7 +19,13 @@ class ExitCode(enum.IntEnum):
     USAGE = 2
     """A bad flag, YAML file or environment value; relaunching will not help."""
     DO_NOT_RELAUNCH = 3
-    """Retrying is pointless (unhealthy node, non-transient failure): do not relaunch."""
+    """Retrying is pointless (unhealthy node, a worker's ShutdownWorkload request): do not
+    relaunch."""
+    NO_PROGRESS = 4
+    """`--ft-max-no-progress-cycles` cycles in a row made no progress: do not relaunch."""
+    EXCLUDED = 5
+    """This node left the job at a worker's ExcludeThisNode request; the job goes on without it
+    (its outcome is the other launchers' codes)."""
     PREEMPTED = 75
     """Stopped by SIGTERM/SIGINT (preemption, time limit): relaunch me (EX_TEMPFAIL)."""
 

@@ -77,6 +77,16 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
         _req("nodes", LIST, "node names of the round, in group-rank order"),
         _opt("world_size", INT),
         _opt("store_host", BOOL),
+        _opt("standby", LIST, "nodes that arrived but stand by as hot spares"),
+        _opt("stalled_cycles", INT, "cycles in a row just before this one without progress"),
+    ),
+    "standby": (
+        _req("active", LIST, "the round's nodes; this one waits as a hot spare for a later cycle"),
+    ),
+    "control_request": (
+        _req("rank", INT),
+        _req("action", STR, "a WorkloadAction name"),
+        _opt("description", STR),
     ),
     "workers_started": (
         _req("ranks", LIST, "global ranks of this node's workers"),
@@ -129,7 +139,11 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
     ),
     "unhealthy": (_req("reason", STR),),
     "restart": (_opt("cause", STR),),
-    "exit": (_req("code", INT), _opt("reason", STR)),
+    "exit": (
+        _req("code", INT),
+        _opt("reason", STR, "the code's name"),
+        _opt("why", STR, "the reason logged with it"),
+    ),
 }
 
 

@@ -48,9 +48,7 @@ def advertised_host(endpoint: str, local_addr: str | None) -> str:
 
 def node_name(config: LaunchConfig, environ: Mapping[str, str], host: str) -> str:
     """--ft-node-name, else Slurm's node name, else host and pid (several agents per host)."""
-    return (
-        config.agent.node_name or environ.get("SLURMD_NODENAME") or f"{host}-{os.getpid()}"
-    )
+    return config.agent.node_name or environ.get("SLURMD_NODENAME") or f"{host}-{os.getpid()}"
 
 
 def this_node(config: LaunchConfig, environ: Mapping[str, str]) -> tuple[str, str]:

@@ -132,6 +132,24 @@ class Chain:
             lines += [f"  | {ln}" for ln in self.output(job_id).splitlines()[-25:]]
         return "\n".join(lines)
 
+    def launcher_of(self, node: str) -> psutil.Process:
+        """The ft_launcher process this chain's first job runs on Slurm node `node`."""
+        marks = {f"SLURMD_NODENAME={node}".encode(), f"SLURM_JOB_ID={self.first_job}".encode()}
+
+        def find() -> psutil.Process | None:
+            for proc in psutil.process_iter(["cmdline"]):
+                if "ftrun.ft_launcher" not in " ".join(proc.info["cmdline"] or []) and not any(
+                    part.endswith("ft_launcher") for part in proc.info["cmdline"] or []
+                ):
+                    continue
+                with contextlib.suppress(OSError):
+                    env = set(Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0"))
+                    if marks <= env:
+                        return proc
+            return None
+
+        return wait_for(find, 30, f"the launcher of job {self.first_job} on {node}", POLL_S)
+
     def leftover_processes(self) -> list[str]:
         """Live processes of any job of the chain, on any node (they all live on this host).
 

@@ -7,8 +7,10 @@ and checks that no process of any of its jobs is left on any node.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
+import psutil
 import pytest
 from ftrun_jobs import (
     EXAMPLE,
@@ -249,4 +251,34 @@ def test_cancelled_job_is_not_relaunched(slurm_cluster, tmp_path: Path):
     if history:
         assert history[0]["ending"] == "cancelled"
     assert chain.job_ids() == [chain.first_job]
+    chain.assert_no_processes_left()
+
+
+@pytest.mark.slurm
+def test_a_spare_node_replaces_a_lost_launcher_within_one_allocation(slurm_cluster, tmp_path):
+    """3 nodes, --nnodes=2: n1 and n2 train (infra ranks 0 and 1), n3 stands by. n2's launcher
+    and its workers die: n3 takes its slot in the next cycle, and the job ends COMPLETED."""
+    job_dir = tmp_path / "job"
+    train = train_args(job_dir, "--steps", "60", "--step-time", "0.1", "--save-every", "5")
+    chain = submit_chain(
+        slurm_cluster,
+        tmp_path,
+        ["--nnodes=2", "--max-restarts=2", str(EXAMPLE), *train],
+        sbatch_args=("--nodes=3",),
+        template_args=("--ft-max-job-relaunches=2",),
+    )
+    chain.wait_progress(0, 5, ONE_RUN_S)
+    launcher = chain.launcher_of("n2")
+    for proc in [launcher, *launcher.children(recursive=True)]:  # the node dies
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+
+    history = chain.wait_stopped(ONE_RUN_S)
+
+    assert [r["decision"] for r in history] == ["stop"], chain.describe()
+    assert chain.job_ids() == [chain.first_job]  # no relaunch: one allocation
+    assert chain.state(chain.first_job) == ("COMPLETED", "0:0"), chain.describe()
+    codes = history[0]["codes"]
+    assert codes[0] == 0 and codes[2] == 0 and codes[1] != 0, chain.describe()
+    assert (job_dir / "ckpt" / "FINISHED").exists()
     chain.assert_no_processes_left()

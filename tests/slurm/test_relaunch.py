@@ -31,6 +31,8 @@ def test_exit_codes_mirror_ftrun_errors():
     assert relaunch.FAILED == ExitCode.FAILED
     assert relaunch.USAGE == ExitCode.USAGE
     assert relaunch.DO_NOT_RELAUNCH == ExitCode.DO_NOT_RELAUNCH
+    assert relaunch.NO_PROGRESS == ExitCode.NO_PROGRESS
+    assert relaunch.EXCLUDED == ExitCode.EXCLUDED
     assert relaunch.PREEMPTED == ExitCode.PREEMPTED
 
 
@@ -47,6 +49,10 @@ def test_exit_codes_mirror_ftrun_errors():
         # success: done when no flag is used; with a flag, success without it is not done
         ([0, 0], None, 0, JobEnding.RUNNING, STOP, 0),
         ([0, 0], False, 0, JobEnding.RUNNING, RELAUNCH, 0),
+        # hot spares replaced nodes that were lost, excluded or unhealthy: the job succeeded
+        ([0, None, 0], None, 0, JobEnding.RUNNING, STOP, 0),
+        ([0, 137, 5, 3], None, 0, JobEnding.RUNNING, STOP, 0),
+        ([4, 4], None, 0, JobEnding.RUNNING, STOP, 4),
         # relaunchable: budget spent in the job, preempted, killed, no code at all
         ([1, 1], False, 0, JobEnding.RUNNING, RELAUNCH, 1),
         ([75, 75], False, 2, JobEnding.RUNNING, RELAUNCH, 75),

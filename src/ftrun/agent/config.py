@@ -27,6 +27,10 @@ class AgentConfig:
     nproc_per_node: int = 1
     role: str = "default"
     max_restarts: int = 0
+    max_no_progress_cycles: int = 3
+    """Stop the job (exit `ExitCode.NO_PROGRESS`) after this many cycles in a row whose ranks
+    reported no iteration past the job's best; <= 0: never. Jobs that report no iterations
+    through the client are not judged."""
     monitor_interval: float = 0.1
     log_dir: Path | None = None
     """Where events and per-cycle worker logs go; None means a fresh directory under /tmp."""

@@ -18,7 +18,7 @@ class MonitorService(NodeService):
         self, config: RankMonitorConfig, job_dir: Path, post: Callable[[object], None]
     ) -> None:
         self.server = RankMonitorServer(
-            config, job_dir=job_dir, on_verdict=post, on_progress=post
+            config, job_dir=job_dir, on_verdict=post, on_progress=post, on_control=post
         ).start()
 
     def worker_env(self, rnd: Round) -> Mapping[str, str]:

@@ -35,7 +35,7 @@ from ftrun.agent.termination import StopResult, become_subreaper, stop_process_g
 from ftrun.agent.worker_env import worker_envs
 from ftrun.agent.workers import WorkerExited, WorkerGroup
 from ftrun.errors import ExitCode, FtrunError, NodeUnhealthyError
-from ftrun.rank_monitor import FirstProgress, Verdict
+from ftrun.rank_monitor import FirstProgress, ProgressSnapshot, Verdict, WorkloadControl
 from ftrun.rendezvous.barrier import JoinInterruptedError
 from ftrun.rendezvous.ranks import Round
 
@@ -58,7 +58,7 @@ class NodeAgent:
         self.cfg = runtime.config.agent
         self.events = runtime.events
         self.report = CycleReport(runtime)
-        self.policy = Policy(self.cfg.max_restarts)
+        self.policy = Policy(self.cfg.max_restarts, self.cfg.max_no_progress_cycles)
         self.state = AgentState.HEALTH_CHECK
         self._inbox = runtime.inbox
         self._signals = signals
@@ -91,7 +91,7 @@ class NodeAgent:
             if self._group is not None:  # only on a bug: never leave workers behind
                 self._stop_workers()
         code = self._outcome.code
-        self.events.emit("exit", code=int(code), reason=code.name)
+        self.events.emit("exit", code=int(code), reason=code.name, why=self._outcome.reason)
         return code
 
     # ---- deciding and applying -------------------------------------------------------------
@@ -103,6 +103,7 @@ class NodeAgent:
             round_size=len(self._round.nodes) if self._round else 0,
             max_nodes=self.rt.config.rendezvous.max_nodes,
             after_stop=self._after_stop,
+            stalled_cycles=self._round.stalled_cycles if self._round else 0,
         )
         if isinstance(event, _READS_JOB_STATE):
             control = self.rt.control
@@ -116,6 +117,8 @@ class NodeAgent:
         if action.report_unhealthy is not None:
             self.events.emit("unhealthy", reason=action.report_unhealthy)
             control.report_unhealthy(control.cycle(), self.rt.node, action.report_unhealthy)
+        if action.leave is not None:
+            control.mark_gone(self.rt.node, action.leave)
         for pid in action.kill:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
@@ -180,6 +183,8 @@ class NodeAgent:
             nodes=[n.node for n in rnd.nodes],
             world_size=rnd.world_size,
             store_host=self.rt.is_store_host,
+            standby=list(rnd.standby),
+            stalled_cycles=rnd.stalled_cycles,
         )
         log.info("cycle %d: group rank %d of %d nodes, world size %d",
                  rnd.number, rnd.group_rank, len(rnd.nodes), rnd.world_size)  # fmt: skip
@@ -244,6 +249,8 @@ class NodeAgent:
             return self._hangs(item)
         if isinstance(item, SignalReceived):
             return self._signal_event(item)
+        if isinstance(item, WorkloadControl) and item.worker_pid in running:
+            return self._control_event(item)
         if isinstance(item, FirstProgress):
             self.report.first_progress(item)
         return None
@@ -262,9 +269,16 @@ class NodeAgent:
             first.kind.value,
         )  # fmt: skip
 
+    def _control_event(self, item: WorkloadControl) -> p.ControlRequested:
+        action = item.action.name
+        self.events.emit("control_request", rank=item.rank, action=action,
+                         description=item.description)  # fmt: skip
+        log.warning("rank %d asked for %s: %s", item.rank, action, item.description)
+        return p.ControlRequested(item.rank, item.action, item.description)
+
     def _stop(self) -> Action:
         pids = self._group.pids if self._group else []
-        self.report.last_progress(self.rt.monitor.progress_snapshot())
+        self._note_progress("stop")
         result = self._stop_workers()
         self.events.emit(
             "stop_done",
@@ -284,11 +298,11 @@ class NodeAgent:
         rnd = self._round
         assert rnd is not None
         self._group = None
-        self.report.last_progress(self.rt.monitor.progress_snapshot(), before="finished")
+        self._note_progress("finished")
         control = self.rt.control
         control.arrive(rnd.number, "succeeded")
         deadline = time.monotonic() + self.cfg.exit_barrier_timeout
-        while control.count(rnd.number, "succeeded") < len(rnd.nodes):
+        while (finished := control.count(rnd.number, "succeeded")) < len(rnd.nodes):
             if control.restart_requested(rnd.number):
                 action = self._decide(p.CycleEnded())
                 if action.next_state is AgentState.HEALTH_CHECK:
@@ -301,9 +315,20 @@ class NodeAgent:
                 item = self._inbox.get(timeout=self.cfg.monitor_interval)
                 if isinstance(item, SignalReceived):
                     return self._decide(self._signal_event(item))
-        return self._decide(p.PeersFinished())
+        return self._decide(p.PeersFinished(all_finished=finished >= len(rnd.nodes)))
 
     # ---- helpers -------------------------------------------------------------------------
+
+    def _note_progress(self, before: str) -> None:
+        """Report where the ranks got to: in the events, and to the job's progress record
+        (best effort: the store may be what failed)."""
+        snapshot = self.rt.monitor.progress_snapshot()
+        self.report.last_progress(snapshot, before=before)
+        if self._round is not None:
+            with contextlib.suppress(DistError, RuntimeError):
+                self.rt.control.report_progress(
+                    self._round.number, self.rt.node, highest_iteration(snapshot)
+                )
 
     def _pending_signal(self) -> p.Signalled | None:
         received = take_queued(self._inbox, SignalReceived)
@@ -334,3 +359,8 @@ class NodeAgent:
             if isinstance(item, SignalReceived):
                 self._inbox.put(item)
         return result
+
+
+def highest_iteration(snapshot: list[ProgressSnapshot]) -> int | None:
+    """The highest iteration any local rank reported this cycle; None if none did."""
+    return max((r.last_iteration for r in snapshot if r.last_iteration is not None), default=None)

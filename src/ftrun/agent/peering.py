@@ -15,7 +15,10 @@ from typing import Any
 from torch.distributed import Store
 
 from ftrun.agent.services import NodeService
-from ftrun.peer import PeerClient, PeerServer, Request, job_secret
+from ftrun.peer import PeerClient, PeerError, PeerServer, Request, job_secret
+from ftrun.rendezvous.ranks import NodeDescriptor
+
+_PROBE_TIMEOUT_S = 2.0
 
 
 class PeerService(NodeService):
@@ -32,6 +35,17 @@ class PeerService(NodeService):
     @property
     def port(self) -> int:
         return self.server.port
+
+    def answers(self, descriptor: NodeDescriptor) -> bool:
+        """Whether the agent behind `descriptor` still serves its channel (a rendezvous probe:
+        a dead agent's port refuses at once; a dead host's, within the timeout)."""
+        try:
+            reply, _ = self.client.request(
+                descriptor.host, descriptor.peer_port, "node", timeout=_PROBE_TIMEOUT_S
+            )
+        except (PeerError, OSError):
+            return False
+        return reply.get("node") == descriptor.node
 
     def _whoami(self, _request: Request) -> Mapping[str, Any]:
         return {"node": self._node}

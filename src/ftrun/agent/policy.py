@@ -12,6 +12,13 @@ Rules worth knowing:
   after asking, the node exits with the shutdown *in force*, which the executor reads back.
 - A signal is preemption in every state: forwarded to the workers if any (they may checkpoint),
   then exit 75 (`ExitCode.PREEMPTED`), also after this node's workers finished.
+- The job's last node to see every node finish shuts the job down with success, so standby
+  nodes (hot spares) leave with 0 at once instead of waiting for a rendezvous timeout.
+- A worker's control request ends the cycle: ExcludeThisNode makes this node leave for good
+  (`ExitCode.EXCLUDED`, the others restart without it), ShutdownWorkload ends the job with
+  `ExitCode.DO_NOT_RELAUNCH`; Continue changes nothing.
+- `--ft-max-no-progress-cycles`: a round that starts after that many cycles in a row without
+  progress (see `rendezvous.published.Progress`) ends the job with `ExitCode.NO_PROGRESS`.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import signal
 
 from ftrun.agent.state import AgentState
 from ftrun.errors import ExitCode
+from ftrun.rank_monitor.workload import WorkloadAction
 from ftrun.rendezvous.control import Shutdown
 
 
@@ -114,8 +122,20 @@ class WorkersStopped:
 
 
 @dataclasses.dataclass(frozen=True)
+class ControlRequested:
+    """A worker asked for a workload action (`ftrun.client_lib.WorkloadControlRequest`)."""
+
+    rank: int
+    action: WorkloadAction
+    description: str
+
+
+@dataclasses.dataclass(frozen=True)
 class PeersFinished:
     """Every node of the round reported success (or the exit barrier timed out)."""
+
+    all_finished: bool = True
+    """False: the exit barrier timed out before every node reported."""
 
 
 AgentEvent = (
@@ -127,6 +147,7 @@ AgentEvent = (
     | SpawnFailed
     | WorkerEnded
     | HangsFound
+    | ControlRequested
     | Signalled
     | CycleEnded
     | NodesWaiting
@@ -149,6 +170,8 @@ class Facts:
     max_nodes: int = 1
     after_stop: Outcome | None = None
     """While stopping: how this node ends after the stop (None: it restarts)."""
+    stalled_cycles: int = 0
+    """Cycles in a row before the joined round that made no progress."""
 
 
 # ---- actions: what the executor does -------------------------------------------------------------
@@ -168,6 +191,8 @@ class Action:
     next_state: AgentState | None
     """None: stay in the current state and keep watching."""
     report_unhealthy: str | None = None
+    leave: str | None = None
+    """This node leaves the job for good (why): rounds stop keeping its slot."""
     kill: tuple[int, ...] = ()
     """Process groups to SIGKILL at once."""
     vote: RestartVote | None = None
@@ -187,6 +212,8 @@ class Policy:
     """The decision table; `max_restarts` is the job's failure budget."""
 
     max_restarts: int
+    max_no_progress_cycles: int = 0
+    """<= 0: never stop for lack of progress."""
 
     def decide(self, state: AgentState, event: AgentEvent, facts: Facts) -> Action:
         if isinstance(event, Signalled):
@@ -221,7 +248,14 @@ class Policy:
             return Action(AgentState.EXITING, shutdown=Outcome(ExitCode.FAILED, reason))
         return KEEP_WATCHING  # go on and join
 
-    def _joined(self, _event: Joined, _facts: Facts) -> Action:
+    def _joined(self, _event: Joined, facts: Facts) -> Action:
+        limit = self.max_no_progress_cycles
+        if 0 < limit <= facts.stalled_cycles:
+            reason = (
+                f"{facts.stalled_cycles} cycles in a row made no progress (no rank reported an "
+                f"iteration past the job's best; --ft-max-no-progress-cycles={limit})"
+            )
+            return Action(AgentState.EXITING, shutdown=Outcome(ExitCode.NO_PROGRESS, reason))
         return Action(AgentState.STARTING)
 
     def _join_failed(self, event: JoinFailed, facts: Facts) -> Action:
@@ -244,6 +278,21 @@ class Policy:
         ranks = ", ".join(str(r) for r in event.ranks)
         cause = f"rank(s) {ranks} on {facts.node} hung ({event.kind})"
         return dataclasses.replace(_restart(cause), kill=event.pids)
+
+    def _control(self, event: ControlRequested, facts: Facts) -> Action:
+        asked = f"rank {event.rank} on {facts.node} asked to"
+        if event.action is WorkloadAction.ExcludeThisNode:
+            why = f"{asked} exclude its node: {event.description}"
+            return Action(
+                AgentState.STOPPING,
+                leave=why,
+                vote=RestartVote(why, failure=False),
+                outcome=Outcome(ExitCode.EXCLUDED, why),
+            )
+        if event.action is WorkloadAction.ShutdownWorkload:
+            why = f"{asked} shut the workload down: {event.description}"
+            return Action(AgentState.STOPPING, shutdown=Outcome(ExitCode.DO_NOT_RELAUNCH, why))
+        return KEEP_WATCHING  # Continue: the executor logs it
 
     def _cycle_ended(self, _event: CycleEnded, facts: Facts) -> Action:
         """Another node ended the cycle: follow it into a restart, or out with the shutdown."""
@@ -268,8 +317,13 @@ class Policy:
             return Action(AgentState.EXITING, outcome=facts.after_stop)
         return Action(AgentState.HEALTH_CHECK)
 
-    def _peers_finished(self, _event: PeersFinished, _facts: Facts) -> Action:
-        return _exit(ExitCode.SUCCESS, "all workers finished")
+    def _peers_finished(self, event: PeersFinished, _facts: Facts) -> Action:
+        done = Outcome(ExitCode.SUCCESS, "all workers finished")
+        if not event.all_finished:
+            return Action(AgentState.EXITING, outcome=done)
+        # Ends the job for the standby nodes too (the first request wins: a preemption that
+        # came first stays in force, and this node exits with it).
+        return Action(AgentState.EXITING, shutdown=done)
 
     # ---- in every state ------------------------------------------------------------------
 
@@ -323,6 +377,7 @@ _HANDLERS = {
     (_S.STARTING, SpawnFailed): Policy._spawn_failed,
     (_S.RUNNING, WorkerEnded): Policy._worker_ended,
     (_S.RUNNING, HangsFound): Policy._hangs,
+    (_S.RUNNING, ControlRequested): Policy._control,
     (_S.RUNNING, CycleEnded): Policy._cycle_ended,
     (_S.RUNNING, NodesWaiting): Policy._nodes_waiting,
     (_S.STOPPING, WorkersStopped): Policy._stopped,

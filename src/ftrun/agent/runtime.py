@@ -74,9 +74,14 @@ class AgentRuntime:
             peer_port=self.peer_port,
         )
 
+    def standing_by(self, cycle: int, active: tuple[str, ...]) -> None:
+        self.events.cycle = cycle
+        self.events.emit("standby", active=list(active))
+
     def leave(self, rnd: Round | None, linger: float) -> None:
         """Say goodbye; the store host waits (bounded) until the round's other nodes did."""
         with contextlib.suppress(RuntimeError):
+            self.control.mark_gone(self.node, "exited")
             if rnd is None:
                 return
             self.control.arrive(rnd.number, "left")
@@ -124,7 +129,9 @@ def open_runtime(
             infra_rank_from_env(environ, config.rendezvous.node_rank), services, monitor, spawner,
             peer.port,
         )  # fmt: skip
-        runtime.rendezvous = create_rendezvous(config.rendezvous, store, runtime.descriptor)
+        runtime.rendezvous = create_rendezvous(
+            config.rendezvous, store, runtime.descriptor, peer.answers, runtime.standing_by
+        )
         services.add(
             CycleInfoService(job_dir, config.rendezvous.run_id, environ, runtime.control.cause_of)
         )

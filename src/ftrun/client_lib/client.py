@@ -2,8 +2,11 @@
 
 Method names and arguments match NVIDIA Resiliency Extension's client (0.4), so switching is an
 import change. Heartbeats and section marks are fire-and-forget: one non-blocking ZeroMQ send of
-a frame that was encoded once. Only `init_workload_monitoring`, the timeout calculations and
-`load_state_dict` wait for the server (with a timeout).
+a frame that was encoded once. Only `init_workload_monitoring`, the timeout calculations,
+`load_state_dict` and `send_workload_control_request` wait for the server (with a timeout).
+
+`send_workload_control_request(WorkloadControlRequest(action, description))` asks the launcher
+to act on the workload (see `WorkloadAction`); it returns once the node's agent has the request.
 
 `send_heartbeat` and `end_section` take an optional `iteration`, the training step the rank has
 just completed: with it, `ftrun report` counts the work redone after a restart. Without it,
@@ -30,6 +33,7 @@ from ftrun.errors import ProtocolError, RankMonitorClientError
 from ftrun.rank_monitor import protocol as wire
 from ftrun.rank_monitor.config import ENV_JOB_DIR, ENV_MONITOR_ADDR, ENV_RANK, ENV_STACK_SIGNAL
 from ftrun.rank_monitor.stacks import stack_file
+from ftrun.rank_monitor.workload import WorkloadControlRequest
 
 REQUEST_TIMEOUT_S = float(os.environ.get("FTRUN_MONITOR_REQUEST_TIMEOUT", "30"))
 # One packer for every iteration: `packb` builds a Packer per call, ten times the cost. Its
@@ -147,6 +151,20 @@ class RankMonitorClient:
         self._calculated = _validated_state(state)
         if self._sock is not None:
             self._apply_saved()
+
+    # ---- workload control --------------------------------------------------------------------
+
+    def send_workload_control_request(self, request: WorkloadControlRequest) -> None:
+        """Ask the launcher to act on the workload: continue, exclude this node, or shut the
+        job down. Returns once the node's agent has the request, so the rank may exit right
+        after; raises `RankMonitorClientError` if it was not delivered."""
+        if not isinstance(request, WorkloadControlRequest):
+            raise RankMonitorClientError(
+                f"expected a WorkloadControlRequest, not {type(request).__name__}"
+            )
+        self._require_init("send_workload_control_request()")
+        action, description = request.action.value, request.description
+        self._request(wire.Control(self._next_seq(), action, description))
 
     # ---- internals ---------------------------------------------------------------------------
 

@@ -373,6 +373,7 @@ def _agent(
         nproc_per_node=nproc,
         role=opts["role"],
         max_restarts=opts["max_restarts"],
+        max_no_progress_cycles=opts["max_no_progress_cycles"],
         monitor_interval=opts["monitor_interval"],
         log_dir=Path(opts["log_dir"]) if opts["log_dir"] else None,
         redirects=_per_rank(opts["redirects"], nproc),

@@ -196,6 +196,9 @@ FT_OPTIONS: tuple[Option, ...] = (
         "state, slow at scale: see bench/RESULTS.md)."),
     _ft("use_infra_group_rank", _default(RendezvousConfig, "use_infra_group_rank"), v.boolean,
         "Rank nodes by SLURM_PROCID/SLURM_NODEID/GROUP_RANK, not arrival.", **_ON),
+    _ft("max_no_progress_cycles", _default(_AGENT, "max_no_progress_cycles"), v.integer,
+        "Stop the job (exit 4, not relaunched) after N cycles in a row without an iteration "
+        "past the best reported through the client; <= 0: off.", metavar="N"),
     _ft("log_level", "INFO", v.log_level, "Launcher log level.", metavar="LEVEL"),
     _ft("node_health_check_cmd", _default(_HEALTH, "command"), v.optional_text,
         "Command that must exit 0 before each rendezvous.", metavar="CMD"),
@@ -211,7 +214,8 @@ FT_OPTIONS: tuple[Option, ...] = (
         "flapped link). A node without InfiniBand passes.", off_flags=True, **_ON),
     _ft("nic_sysfs_root", _default(_HEALTH, "nic_sysfs_root"), v.text,
         "Directory the NIC check reads: DIR/<device>/ports/<port>/{state,phys_state,"
-        "counters/link_downed}.", metavar="DIR"),
+        "counters/link_downed} (also FTRUN_NIC_SYSFS_ROOT: one node's fake tree in tests).",
+        metavar="DIR", env="FTRUN_NIC_SYSFS_ROOT"),
     _ft("gpu_memory_reclaim_timeout", _default(_AGENT, "gpu_memory_reclaim_timeout"),
         v.non_negative_number, "Seconds to wait for dead workers' GPU memory before a restart "
         "(0: off).", metavar="SECONDS"),

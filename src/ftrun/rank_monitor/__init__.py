@@ -2,6 +2,7 @@
 
 The server's names load on first use (PEP 562): the in-worker client imports the protocol and
 the environment contract from this package, and must pull in neither the server nor psutil.
+The workload control names are light, and load with the package.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ftrun.rank_monitor.config import RankMonitorConfig
 from ftrun.rank_monitor.tracker import HangKind
+from ftrun.rank_monitor.workload import WorkloadAction, WorkloadControl, WorkloadControlRequest
 
 if TYPE_CHECKING:
     from ftrun.rank_monitor.server import (
@@ -29,6 +31,9 @@ __all__ = [
     "RankMonitorConfig",
     "RankMonitorServer",
     "Verdict",
+    "WorkloadAction",
+    "WorkloadControl",
+    "WorkloadControlRequest",
 ]
 
 

@@ -12,7 +12,9 @@ releases still understand each other unless the iteration is used.
 
 Fire-and-forget (client -> server, no reply): HEARTBEAT, SECTION_START, SECTION_END,
 END_ALL_SECTIONS, GOODBYE. Request/reply (the reply echoes `seq`): HELLO, CALC_TIMEOUTS,
-SET_TIMEOUTS. The server answers a request with REPLY (`ok`, `error`, `data`).
+SET_TIMEOUTS, CONTROL (a workload control request). The server answers a request with REPLY
+(`ok`, `error`, `data`). A new message type needs no new version: a server that predates it
+drops the frame as of an unknown type, and the client's request times out.
 
 The server stamps every message with its own monotonic clock on receipt: ranks and server share
 the host, and a heartbeat frame without a timestamp can be encoded once and re-sent as is.
@@ -27,6 +29,7 @@ from typing import Any, TypeAlias
 import msgpack
 
 from ftrun.errors import ProtocolError
+from ftrun.rank_monitor.workload import MAX_DESCRIPTION_LEN, WorkloadAction
 
 VERSION = 2
 """The newest protocol version, the one this side speaks."""
@@ -37,6 +40,7 @@ MAX_MESSAGE_BYTES = 64 * 1024
 MAX_NAME_LEN = 128
 MAX_SECTIONS = 256
 MAX_ERROR_LEN = 1000
+_ACTIONS = frozenset(action.value for action in WorkloadAction)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +127,15 @@ class SetTimeouts:
 
 
 @dataclasses.dataclass(frozen=True)
+class Control:
+    """A workload control request: `action` is a `WorkloadAction` value. Answered with REPLY."""
+
+    seq: int
+    action: int
+    description: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Goodbye:
     """The rank stops being monitored (clean shutdown)."""
 
@@ -145,6 +158,7 @@ Message: TypeAlias = (
     | EndAllSections
     | CalcTimeouts
     | SetTimeouts
+    | Control
     | Goodbye
     | Reply
 )
@@ -157,6 +171,7 @@ _TAGS: dict[type, str] = {
     EndAllSections: "ea",
     CalcTimeouts: "calc",
     SetTimeouts: "set",
+    Control: "ctl",
     Goodbye: "bye",
     Reply: "reply",
 }
@@ -271,6 +286,15 @@ def _parse_set(fields: list[Any]) -> SetTimeouts:
     return SetTimeouts(seq=_int(seq, "seq"), timeouts=Timeouts.from_wire(timeouts))
 
 
+def _parse_control(fields: list[Any]) -> Control:
+    seq, action, description = _arity(fields, 3, "ctl")
+    if type(action) is not int or action not in _ACTIONS:
+        raise ProtocolError(f"a workload action must be one of {sorted(_ACTIONS)}")
+    if not isinstance(description, str) or len(description) > MAX_DESCRIPTION_LEN:
+        raise ProtocolError(f"a description must be at most {MAX_DESCRIPTION_LEN} characters")
+    return Control(seq=_int(seq, "seq"), action=action, description=description)
+
+
 def _bare(message: Message, tag: str):
     def parse(fields: list[Any]) -> Message:
         _arity(fields, 0, tag)
@@ -287,6 +311,7 @@ _PARSERS = {
     "ea": _bare(EndAllSections(), "ea"),
     "calc": _parse_calc,
     "set": _parse_set,
+    "ctl": _parse_control,
     "bye": _bare(Goodbye(), "bye"),
     "reply": _parse_reply,
 }

@@ -7,7 +7,8 @@ a callback (default: the `verdicts` queue).
 
 It also notes training progress for reports: each registration's first progress (heartbeat or
 section end) goes to the `on_progress` callback as a `FirstProgress`, and `progress_snapshot()`
-tells where every rank last was (before the owner stops the workers, say).
+tells where every rank last was (before the owner stops the workers, say). A registered rank's
+workload control request goes to the `on_control` callback as a `WorkloadControl`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ftrun.rank_monitor.config import (
     RankMonitorConfig,
 )
 from ftrun.rank_monitor.tracker import HangKind, NotReadyError, Overdue, RankProgress
+from ftrun.rank_monitor.workload import WorkloadAction, WorkloadControl
 
 log = logging.getLogger("ftrun.rank_monitor")
 
@@ -115,8 +117,10 @@ class RankMonitorServer:
         job_dir: Path | None = None,
         on_verdict: Callable[[Verdict], None] | None = None,
         on_progress: Callable[[FirstProgress], None] | None = None,
+        on_control: Callable[[WorkloadControl], None] | None = None,
     ) -> None:
-        """`on_verdict` and `on_progress` run on the monitor thread: they must only enqueue."""
+        """The callbacks run on the monitor thread: they must only enqueue. Without
+        `on_control`, workload control requests are refused."""
         self.config = config
         self.job_dir = Path(job_dir or tempfile.mkdtemp(prefix="ftrun-"))
         self.job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -126,12 +130,14 @@ class RankMonitorServer:
         self.verdicts: queue.SimpleQueue[Verdict] = queue.SimpleQueue()
         self._on_verdict = on_verdict or self.verdicts.put
         self._on_progress = on_progress
+        self._on_control = on_control
         self._lock = threading.Lock()
         self._expected: dict[int, int] = {}  # rank -> pid the owner spawned
         self._peers: dict[bytes, _Peer] = {}  # ZeroMQ identity -> rank state
         # rank -> its latest registration, kept after a verdict or a goodbye for the snapshot
         self._registered: dict[int, _Peer] = {}
         self._first_progress: list[FirstProgress] = []  # noted under the lock, sent after it
+        self._controls: list[tuple[bytes, int, WorkloadControl]] = []  # likewise, with whom to ack
         self._heap: list[tuple[float, int, bytes]] = []
         self._armed: dict[bytes, float] = {}
         self._ctx = zmq.Context.instance()
@@ -272,19 +278,30 @@ class RankMonitorServer:
             now = time.monotonic()
             with self._lock:
                 self._handle(frames, now)
-            if self._first_progress:
-                self._send_first_progress()
+            if self._first_progress or self._controls:
+                self._deliver()
         return True
 
-    def _send_first_progress(self) -> None:
+    def _deliver(self) -> None:
+        """Hand the owner what `_handle` noted; a control request is acknowledged once its
+        callback took it, so the owner has it when the rank's call returns."""
         noted, self._first_progress = self._first_progress, []
-        if self._on_progress is None:
-            return
-        for item in noted:
+        controls, self._controls = self._controls, []
+        for note in noted:
+            self._call(self._on_progress, note)
+        for identity, seq, control in controls:
+            log.info("%s", control.describe())
+            ok = self._call(self._on_control, control)
+            self._reply(identity, seq, error="" if ok else "the launcher did not take it")
+
+    def _call(self, callback: Callable[..., None] | None, item: object) -> bool:
+        if callback is not None:
             try:
-                self._on_progress(item)
+                callback(item)
+                return True
             except Exception:  # the owner's bug must not stop the deadline loop
-                log.exception("the on_progress callback failed")
+                log.exception("the %s callback failed", type(item).__name__)
+        return False
 
     def _handle(self, frames: list[bytes], now: float) -> None:
         if len(frames) != 2:
@@ -326,6 +343,10 @@ class RankMonitorServer:
             case wire.SetTimeouts(seq=seq, timeouts=timeouts):
                 progress.timeouts = timeouts
                 self._reply(identity, seq, data=timeouts.to_wire())
+            case wire.Control(seq=seq, action=action, description=text):
+                p, what = progress, WorkloadAction(action)
+                control = WorkloadControl(p.rank, p.pid, peer.spawned_pid, what, text, now)
+                self._controls.append((identity, seq, control))
             case wire.Goodbye():
                 del self._peers[identity]
                 return

@@ -1,26 +1,31 @@
-"""Barrier rendezvous (v2): O(1) store writes per node per round and one bulk read.
+"""Barrier rendezvous (v3): O(1) store writes per node per round, one bulk read, hot spares.
 
-Round `c` (the job's cycle number, see `control`): each node `add`s itself to
-`c<c>/arrivals` (its arrival index), writes its descriptor to `c<c>/node/<index>` and waits on
-`c<c>/closed`, which holds the round size. The arrival that fills `max_nodes` closes the round;
-with `--nnodes=MIN:MAX` a node that has seen MIN arrivals for `last_call_timeout` closes it with
-the count at that moment (compare-and-set: the first close wins). Before closing, the closer
-reads the first `size` descriptors once and publishes them as one value `c<c>/round/<size>`
-(compressed `NodeDescriptor.to_row` rows, each led by its descriptor version), so each
-participant does one `get` of ~10 bytes per node and one decode instead of N key reads and N
-decodes (O(N^2) work per round made 1024 nodes slow). A descriptor of another version goes
-into the round as a `[version, node]` stub that every participant refuses alike
-(`DescriptorVersionError`), not only the closer. Nodes whose index is not below the size are
-late: they wait for the cycle to end and join the next round.
-Every participant orders the descriptors the same way (`ranks.order_nodes`).
+Round `c` (the job's cycle number, see `control`): each node `add`s itself to `c<c>/arrivals`
+(its arrival index), writes its descriptor to `c<c>/node/<index>` and waits on `c<c>/closed`.
+A closer decides who takes which slot (`slots.plan_round`: the previous round's nodes keep
+their group ranks, spares fill the slots of nodes that are gone, extra nodes stand by) and
+publishes it as one value, `c<c>/round/<closer's index>` (`published.PublishedRound`), then
+`compare_set`s `closed` to its index: the first close wins, and each node does one `get` of
+~10 bytes per node instead of N key reads (O(N^2) work per round made 1024 nodes slow).
+
+Who closes: the arrival that fills `max_nodes` tries at once (the common case: everyone is
+back); the first arrival (the *planner*) looks again every second, probing the previous
+round's nodes that have not come back (`probe`: a dead agent's peer channel does not answer)
+and closing on the last call (`--nnodes=MIN:MAX`, or an owner that is late). If the planner
+dies, the others see its beat stop and take over. A node that dies between its arrival and its
+descriptor write is simply not a candidate: the closer waits for missing descriptors only
+`DESCRIPTOR_GRACE_S`, never the store's timeout.
+
+Nodes not in the round stand by: they wait for the cycle to end and arrive at the next round,
+and leave with the job's code when it ends (the job's last node to finish shuts it down).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
-import zlib
 from collections.abc import Callable
 
 from torch.distributed import PrefixStore, Store
@@ -34,17 +39,48 @@ from torch.distributed.elastic.rendezvous import (
 
 from ftrun.errors import ExitCode
 from ftrun.rendezvous.config import RendezvousConfig
-from ftrun.rendezvous.control import JobControl, wait_for_key
-from ftrun.rendezvous.ranks import NodeDescriptor, Round, order_nodes, row_from_json
+from ftrun.rendezvous.control import JobControl, existing_keys, wait_for_key, wait_for_keys
+from ftrun.rendezvous.published import Progress, PublishedRound
+from ftrun.rendezvous.ranks import (
+    DescriptorVersionError,
+    InfraRankError,
+    NodeDescriptor,
+    Round,
+    order_nodes,
+    row_from_json,
+)
+from ftrun.rendezvous.slots import Arrival, RoundView, plan_round, standbys
 
 log = logging.getLogger("ftrun.rendezvous")
 
 BACKEND = "ftrun-barrier"
 _WAIT_CHUNK_S = 1.0  # how often a waiting node looks at shutdown requests and its signals
+DESCRIPTOR_GRACE_S = 5.0
+"""How long the filling arrival waits for a descriptor of a node that arrived: a live node
+writes it one store round trip after arriving; seconds cover a loaded store and GIL stalls."""
+_TAKEOVER_S = DESCRIPTOR_GRACE_S + 3 * _WAIT_CHUNK_S
+"""A planner beat unchanged this long: the planner is gone, every waiting node plans."""
+
+Probe = Callable[[NodeDescriptor], bool]
+"""Whether the agent behind a descriptor still answers (its peer channel); False: gone."""
 
 
 class JoinInterruptedError(Exception):
     """The agent asked to stop waiting (a signal arrived)."""
+
+
+@dataclasses.dataclass
+class _Planning:
+    """What one node learned about an open round, kept between its passes."""
+
+    cycle: int
+    rows: dict[int, list[object]] = dataclasses.field(default_factory=dict)
+    """Descriptor rows by arrival index (descriptors never change once written)."""
+    previous: PublishedRound | None = None
+    gone: set[str] = dataclasses.field(default_factory=set)
+    min_since: float | None = None
+    beat: tuple[int, float] = (-1, 0.0)
+    """The planner's beat as last seen, and when it last changed."""
 
 
 class BarrierRendezvousHandler(RendezvousHandler):
@@ -55,12 +91,18 @@ class BarrierRendezvousHandler(RendezvousHandler):
         config: RendezvousConfig,
         store: Store,
         descriptor: Callable[[], NodeDescriptor],
+        probe: Probe | None = None,
+        on_standby: Callable[[int, tuple[str, ...]], None] | None = None,
+        descriptor_grace: float = DESCRIPTOR_GRACE_S,
     ) -> None:
         self._config = config
         self._prefix = f"ftrun/{config.run_id}"
         self._store = store
         self.control = JobControl(store, self._prefix)
         self._descriptor = descriptor
+        self._probe = probe
+        self._on_standby = on_standby
+        self._grace = descriptor_grace
 
     # ---- torch's RendezvousHandler -------------------------------------------------------
 
@@ -83,12 +125,13 @@ class BarrierRendezvousHandler(RendezvousHandler):
         self.control.shutdown(ExitCode.SUCCESS, "rendezvous closed", self.control.cycle())
 
     def num_nodes_waiting(self) -> int:
-        """Nodes that arrived after the current round closed (candidates for a scale-up)."""
+        """Nodes that arrived at the current round but are not in it (candidates for a
+        scale-up while the round is smaller than `max_nodes`)."""
         cycle = self.control.cycle()
         closed = self._key(cycle, "closed")
         if not self._store.check([closed]):
             return 0
-        size = int(self._store.get(closed))
+        size = len(self._published(cycle).indices)
         return max(0, self._store.add(self._key(cycle, "arrivals"), 0) - size)
 
     def get_run_id(self) -> str:
@@ -100,44 +143,157 @@ class BarrierRendezvousHandler(RendezvousHandler):
     # ---- the algorithm ---------------------------------------------------------------------
 
     def join(self, interrupted: Callable[[], bool]) -> Round:
-        """Take part in the current round (or the next, if late); raises on timeout/shutdown."""
+        """Take part in the current round (or a later one, standing by); raises on timeout or
+        shutdown."""
         deadline = time.monotonic() + self._config.join_timeout
         while True:
             self._raise_if_shut_down()
             cycle = self.control.cycle()
+            # Built before arriving: a closer gives an arrival only a short grace to write it.
+            mine = self._descriptor().to_json()
             index = self._store.add(self._key(cycle, "arrivals"), 1) - 1
-            if index < self._config.max_nodes:
-                self._store.set(self._key(cycle, f"node/{index}"), self._descriptor().to_json())
-            if index + 1 == self._config.max_nodes:
-                self._close(cycle, self._config.max_nodes)
-            size = self._await_close(cycle, deadline, interrupted)
-            if index < size:
-                return self._finish(cycle, index, size)
-            log.info("round %d closed without this node; waiting for the next", cycle)
+            self._store.set(self._key(cycle, f"node/{index}"), mine)
+            planning = _Planning(cycle)
+            if index + 1 >= self._config.max_nodes:  # the filler, or a spare after it
+                self._plan_and_close(planning, index, self._grace, probe=False)
+            self._await_close(planning, index, deadline, interrupted)
+            rnd = self._published(cycle).round_for(cycle, index)
+            if rnd is not None:
+                return rnd
+            log.info("round %d closed without this node: standing by for the next", cycle)
+            if self._on_standby is not None:
+                active = tuple(n.node for n in self._published(cycle).nodes())
+                self._on_standby(cycle, active)
             self._await_next(cycle, deadline, interrupted)
 
-    def _finish(self, cycle: int, index: int, size: int) -> Round:
-        published = zlib.decompress(self._store.get(self._key(cycle, f"round/{size}")))
-        arrivals = NodeDescriptor.from_rows(json.loads(published))
-        nodes = order_nodes(arrivals, self._config.use_infra_group_rank)
-        me = arrivals[index]
-        return Round(cycle, nodes, nodes.index(me))
-
-    def _await_close(self, cycle: int, deadline: float, interrupted: Callable[[], bool]) -> int:
+    def _await_close(
+        self, planning: _Planning, index: int, deadline: float, interrupted: Callable[[], bool]
+    ) -> None:
+        cycle = planning.cycle
         closed = self._key(cycle, "closed")
-        min_reached_at: float | None = None
+        is_planner = index == 0
         while not wait_for_key(self._store, closed, _WAIT_CHUNK_S):
             self._check_waiting(deadline, interrupted)
-            possible = self.control.healthy_capacity(
-                cycle, self._config.min_nodes, self._config.max_nodes
-            )
             arrived = self._store.add(self._key(cycle, "arrivals"), 0)
-            now = time.monotonic()
-            if arrived >= self._config.min_nodes:
-                min_reached_at = min_reached_at or now
-                if arrived >= possible or now - min_reached_at >= self._config.last_call_timeout:
-                    self._close(cycle, min(arrived, self._config.max_nodes))
-        return int(self._store.get(closed))
+            self.control.healthy_capacity(
+                cycle, self._config.min_nodes, self._config.max_nodes, arrived
+            )
+            if is_planner or self._planner_gone(planning):
+                self._store.add(self._key(cycle, "beat"), 1)
+                self._plan_and_close(planning, index, 0.0, probe=True)
+
+    def _planner_gone(self, planning: _Planning) -> bool:
+        beat = self._store.add(self._key(planning.cycle, "beat"), 0)
+        now = time.monotonic()
+        if beat != planning.beat[0]:
+            planning.beat = (beat, now)
+        return now - planning.beat[1] >= _TAKEOVER_S
+
+    def _plan_and_close(self, planning: _Planning, index: int, grace: float, probe: bool) -> None:
+        """Look at the round once; close it if it is decided (the first close wins)."""
+        cycle = planning.cycle
+        if self._store.check([self._key(cycle, "closed")]):
+            return
+        self._read_arrivals(planning, grace)
+        arrivals = tuple(_arrival(i, row) for i, row in sorted(planning.rows.items()))
+        if len(arrivals) >= self._config.min_nodes and planning.min_since is None:
+            planning.min_since = time.monotonic()
+        if cycle > 0 and planning.previous is None:
+            planning.previous = self._published_or_none(cycle - 1)
+        view = self._view(planning, arrivals, probe)
+        first = planning.previous is None
+        error = _infra_error(planning, self._config.use_infra_group_rank) if first else None
+        chosen = arrivals if error else plan_round(view)
+        if chosen is None:
+            return
+        published = PublishedRound(
+            rows=tuple(planning.rows[a.index] for a in chosen),
+            indices=tuple(a.index for a in chosen),
+            standby=tuple(a.node for a in standbys(arrivals, chosen, view.by_infra)),
+            progress=self._progress(planning),
+            error=error,
+        )
+        self._store.set(self._key(cycle, f"round/{index}"), published.encode())
+        self._store.compare_set(self._key(cycle, "closed"), "", str(index))
+
+    def _view(self, planning: _Planning, arrivals: tuple[Arrival, ...], probe: bool) -> RoundView:
+        config, previous = self._config, planning.previous
+        owners: tuple[str | int, ...] = ()
+        if previous is not None:
+            owners = tuple(str(row[1]) for row in previous.rows)  # node names, in slot order
+        elif config.use_infra_group_rank:
+            owners = tuple(range(config.max_nodes))
+        unhealthy = self._store.add(self._key(planning.cycle, "unhealthy"), 0)
+        if probe and previous is not None:
+            self._find_gone(planning, {a.node for a in arrivals})
+        waited = planning.min_since is not None and (
+            time.monotonic() - planning.min_since >= config.last_call_timeout
+        )
+        return RoundView(
+            max_nodes=config.max_nodes,
+            min_nodes=config.min_nodes,
+            arrivals=arrivals,
+            owners=owners,
+            by_infra=config.use_infra_group_rank,
+            gone=frozenset(planning.gone),
+            capacity=config.max_nodes - unhealthy - len(planning.gone),
+            last_call_over=waited,
+        )
+
+    def _find_gone(self, planning: _Planning, arrived: set[str]) -> None:
+        """Previous members not back yet that left, reported themselves unhealthy, or whose
+        agent no longer answers."""
+        assert planning.previous is not None
+        for row in planning.previous.rows:
+            node = str(row[1])
+            if node in arrived or node in planning.gone:
+                continue
+            flagged = self._store.check([self.control.gone_key(node)]) or self._store.check(
+                [self.control.unhealthy_key(planning.cycle, node)]
+            )
+            if flagged or (self._probe is not None and not self._answers(row)):
+                log.warning("round %d: node %s of the last round is gone; its slot goes to a "
+                            "standby node if there is one", planning.cycle, node)  # fmt: skip
+                planning.gone.add(node)
+
+    def _answers(self, row: list[object]) -> bool:
+        try:
+            descriptor = NodeDescriptor.from_row(row)
+        except DescriptorVersionError:
+            return False
+        return descriptor.peer_port == 0 or bool(self._probe and self._probe(descriptor))
+
+    def _read_arrivals(self, planning: _Planning, grace: float) -> None:
+        """Read the descriptors not read yet (one multi_get), after up to `grace` for them."""
+        cycle = planning.cycle
+        count = self._store.add(self._key(cycle, "arrivals"), 0)
+        unread = {self._key(cycle, f"node/{i}"): i for i in range(count) if i not in planning.rows}
+        keys = list(unread)
+        if not wait_for_keys(self._store, keys, grace):
+            keys = existing_keys(self._store, keys)
+        if keys:
+            # Foreign-version descriptors are published too: every participant refuses them.
+            for key, raw in zip(keys, self._store.multi_get(keys), strict=True):
+                planning.rows[unread[key]] = row_from_json(raw)
+
+    def _progress(self, planning: _Planning) -> Progress:
+        previous = planning.previous
+        if previous is None:
+            return Progress()
+        keys = [self.control.progress_key(planning.cycle - 1, str(r[1])) for r in previous.rows]
+        present = existing_keys(self._store, keys)
+        raws = self._store.multi_get(present) if present else []
+        reports = [_iteration(raw) for raw in raws]
+        return previous.progress.after(reports)
+
+    def _published(self, cycle: int) -> PublishedRound:
+        closer = self._store.get(self._key(cycle, "closed")).decode()
+        return PublishedRound.decode(self._store.get(self._key(cycle, f"round/{closer}")))
+
+    def _published_or_none(self, cycle: int) -> PublishedRound | None:
+        if not self._store.check([self._key(cycle, "closed")]):
+            return None
+        return self._published(cycle)
 
     def _await_next(self, cycle: int, deadline: float, interrupted: Callable[[], bool]) -> None:
         while not self.control.wait_restart(cycle, _WAIT_CHUNK_S):
@@ -158,14 +314,32 @@ class BarrierRendezvousHandler(RendezvousHandler):
         if shutdown is not None:
             raise RendezvousClosedError(shutdown.reason)
 
-    def _close(self, cycle: int, size: int) -> None:
-        """Publish the round's descriptors, then close it (a losing closer's blob is unused)."""
-        keys = [self._key(cycle, f"node/{i}") for i in range(size)]
-        # Foreign-version descriptors are published too: every participant then refuses them.
-        rows = [row_from_json(raw) for raw in self._store.multi_get(keys)]
-        blob = zlib.compress(json.dumps(rows).encode(), 1)
-        self._store.set(self._key(cycle, f"round/{size}"), blob)
-        self._store.compare_set(self._key(cycle, "closed"), "", str(size))
-
     def _key(self, cycle: int, name: str) -> str:
         return f"{self._prefix}/c{cycle}/{name}"
+
+
+def _arrival(index: int, row: list[object]) -> Arrival:
+    """A candidate from its row; a foreign-version stub has a name and no infra rank."""
+    infra = row[5] if len(row) > 5 and isinstance(row[5], int) else None
+    return Arrival(index, str(row[1]), infra)
+
+
+def _infra_error(planning: _Planning, use_infra: bool) -> str | None:
+    """With infra ranks, every arrival of the first round needs a unique one."""
+    if not use_infra:
+        return None
+    try:
+        order_nodes([NodeDescriptor.from_row(row) for row in planning.rows.values()], True)
+    except InfraRankError as exc:
+        return str(exc)
+    except DescriptorVersionError:
+        return None  # published as is: every participant refuses it alike
+    return None
+
+
+def _iteration(raw: bytes) -> int | None:
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -88,18 +88,40 @@ class JobControl:
 
     def report_unhealthy(self, cycle: int, node: str, reason: str) -> None:
         """This node will not join `cycle`; the others stop waiting for it."""
-        self._store.set(self._key(f"c{cycle}/unhealthy/{node}"), reason)
+        self._store.set(self.unhealthy_key(cycle, node), reason)
         self._store.add(self._key(f"c{cycle}/unhealthy"), 1)
 
-    def healthy_capacity(self, cycle: int, min_nodes: int, max_nodes: int) -> int:
-        """How many nodes can still join `cycle`; raises once that is fewer than `min_nodes`."""
-        possible = max_nodes - self._store.add(self._key(f"c{cycle}/unhealthy"), 0)
+    def healthy_capacity(self, cycle: int, min_nodes: int, max_nodes: int, arrived: int = 0) -> int:
+        """How many nodes can still join `cycle`; raises once that is fewer than `min_nodes`.
+
+        The healthy nodes are at least those that arrived (standby nodes beyond `max_nodes`
+        included), and at most `max_nodes` less the unhealthy when no more come.
+        """
+        unhealthy = self._store.add(self._key(f"c{cycle}/unhealthy"), 0)
+        possible = max(max_nodes - unhealthy, arrived)
         if possible < min_nodes:
             raise RendezvousFailedError(
                 f"at most {possible} healthy node(s) can join, {min_nodes} needed "
                 "(see the unhealthy node's log)"
             )
         return possible
+
+    def mark_gone(self, node: str, reason: str) -> None:
+        """This node leaves the job for good: rounds stop keeping a slot for it."""
+        self._store.set(self._key(f"gone/{node}"), reason)
+
+    def gone_key(self, node: str) -> str:
+        return self._key(f"gone/{node}")
+
+    def unhealthy_key(self, cycle: int, node: str) -> str:
+        return self._key(f"c{cycle}/unhealthy/{node}")
+
+    def report_progress(self, cycle: int, node: str, iteration: int | None) -> None:
+        """The highest iteration this node's ranks reported in `cycle` (None: none reported)."""
+        self._store.set(self.progress_key(cycle, node), json.dumps(iteration))
+
+    def progress_key(self, cycle: int, node: str) -> str:
+        return self._key(f"c{cycle}/progress/{node}")
 
     def arrive(self, cycle: int, barrier: str) -> int:
         """Count this node into a per-cycle barrier (`succeeded`, `left`); returns the count."""
@@ -111,14 +133,35 @@ class JobControl:
 
 def wait_for_key(store: Store, key: str, timeout: float) -> bool:
     """Block until `key` exists or `timeout` passes; True if it exists."""
+    return wait_for_keys(store, [key], timeout)
+
+
+def wait_for_keys(store: Store, keys: list[str], timeout: float) -> bool:
+    """Block until every one of `keys` exists or `timeout` passes; True if they all exist."""
+    if not keys:
+        return True
     if timeout <= 0:
-        return store.check([key])
+        return store.check(keys)
     try:
-        store.wait([key], datetime.timedelta(seconds=timeout))
+        store.wait(keys, datetime.timedelta(seconds=timeout))
     except RuntimeError:
         # A timeout and a lost store look alike here; `check` tells them apart by raising.
-        return store.check([key])
+        return store.check(keys)
     return True
+
+
+def existing_keys(store: Store, keys: list[str]) -> list[str]:
+    """Those of `keys` that exist, in order, without waiting.
+
+    The store answers only "all of them exist or not", so halve the groups that miss a key: a
+    few missing keys among n cost O(missing * log n) checks, not n.
+    """
+    if not keys or store.check(keys):
+        return keys
+    if len(keys) == 1:
+        return []
+    half = len(keys) // 2
+    return existing_keys(store, keys[:half]) + existing_keys(store, keys[half:])
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float) -> bool:

@@ -7,7 +7,7 @@ from typing import Protocol
 
 from torch.distributed import Store
 
-from ftrun.rendezvous.barrier import BarrierRendezvousHandler
+from ftrun.rendezvous.barrier import BarrierRendezvousHandler, Probe
 from ftrun.rendezvous.config import RendezvousConfig, RendezvousImpl
 from ftrun.rendezvous.control import JobControl
 from ftrun.rendezvous.dynamic import DynamicRendezvous
@@ -25,8 +25,13 @@ class NodeRendezvous(Protocol):
 
 
 def create_rendezvous(
-    config: RendezvousConfig, store: Store, descriptor: Callable[[], NodeDescriptor]
+    config: RendezvousConfig,
+    store: Store,
+    descriptor: Callable[[], NodeDescriptor],
+    probe: Probe | None = None,
+    on_standby: Callable[[int, tuple[str, ...]], None] | None = None,
 ) -> NodeRendezvous:
+    """`probe` and `on_standby`: hot spares, which only the barrier rendezvous has."""
     if config.impl is RendezvousImpl.BARRIER:
-        return BarrierRendezvousHandler(config, store, descriptor)
+        return BarrierRendezvousHandler(config, store, descriptor, probe, on_standby)
     return DynamicRendezvous(config, store, descriptor)

@@ -10,8 +10,9 @@ from typing import NamedTuple
 from ftrun.errors import ExitCode, FtrunError
 
 INFRA_RANK_VARS = ("SLURM_PROCID", "SLURM_NODEID", "GROUP_RANK")
-DESCRIPTOR_VERSION = 2
-"""1: node, host, local_world_size, master_port, infra_rank, unversioned; 2: + peer_port."""
+DESCRIPTOR_VERSION = 3
+"""1: node, host, local_world_size, master_port, infra_rank, unversioned; 2: + peer_port;
+3: same fields, but the barrier's published round carries slots and standbys (hot spares)."""
 
 
 class InfraRankError(FtrunError):
@@ -126,6 +127,10 @@ class Round:
     nodes: tuple[NodeDescriptor, ...]
     """Participants ordered by group rank."""
     group_rank: int
+    standby: tuple[str, ...] = ()
+    """Nodes that arrived but wait as hot spares for a later cycle."""
+    stalled_cycles: int = 0
+    """Cycles in a row, just before this one, whose ranks made no progress (see `published`)."""
 
     @property
     def me(self) -> NodeDescriptor:

@@ -81,7 +81,5 @@ def _open_store(host: str, port: int, serve: bool, timeout: datetime.timedelta) 
     return outcome["store"]  # type: ignore[return-value]
 
 
-
-
 def _one_line(error: Exception | None) -> str:
     return str(error).strip().splitlines()[0] if error and str(error).strip() else repr(error)

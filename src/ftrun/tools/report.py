@@ -74,9 +74,12 @@ class NodeInfo:
     store_host: bool
     exit_code: int | None
     exit_reason: str | None
+    exit_why: str | None
     unhealthy: str | None  # why its health check failed; it left the job then
     unhealthy_at: float | None
     last_ts: float
+    standby_cycles: tuple[int, ...] = ()
+    """Cycles it stood by in as a hot spare (arrived, not in the round)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +220,7 @@ def _node_info(node: str, events: Sequence[Event]) -> NodeInfo:
     started = [e for e in events if e.event == "workers_started"]
     exits = [e for e in events if e.event == "exit"]
     sick = [e for e in events if e.event == "unhealthy"]
+    standby = tuple(e.cycle for e in events if e.event == "standby")
     return NodeInfo(
         name=node,
         group_rank=rdzv[-1].get("group_rank") if rdzv else None,
@@ -224,9 +228,11 @@ def _node_info(node: str, events: Sequence[Event]) -> NodeInfo:
         store_host=any(e.get("store_host") is True for e in rdzv),
         exit_code=exits[-1].get("code") if exits else None,
         exit_reason=exits[-1].get("reason") if exits else None,
+        exit_why=exits[-1].get("why") if exits else None,
         unhealthy=sick[-1].get("reason") if sick else None,
         unhealthy_at=sick[-1].ts if sick else None,
         last_ts=events[-1].ts,
+        standby_cycles=standby,
     )
 
 
@@ -235,7 +241,8 @@ def _outcome(nodes: Iterable[NodeInfo]) -> str:
     codes = [n.exit_code for n in nodes]
     if any(code is None for code in codes):
         return "INCOMPLETE"
-    failed = [code for code in codes if code != 0]
+    # A node excluded at a worker's request left; the job's verdict is the others'.
+    failed = [code for code in codes if code not in (ExitCode.SUCCESS, ExitCode.EXCLUDED)]
     if not failed:
         return "SUCCESS"
     code = failed[0]

@@ -110,8 +110,12 @@ def _node_lines(nodes: tuple[NodeInfo, ...]) -> Iterator[str]:
         ranks = ranks_text(node.ranks) or "-"
         host = "store host" if node.store_host else ""
         ending = "no exit event" if node.exit_code is None else f"exit {node.exit_code}"
+        if node.exit_code and node.exit_why:
+            ending += f" ({node.exit_why})"
         if node.unhealthy:
             ending += f"; UNHEALTHY: {node.unhealthy}"
+        if node.standby_cycles:
+            ending += f"; stood by as a hot spare in cycle(s) {ranks_text(node.standby_cycles)}"
         yield f"  {node.name:<{width}}  group rank {group:<3} ranks {ranks:<9} {host:<10}  {ending}"
 
 

@@ -1,0 +1,196 @@
+"""Hot spare nodes, progress tracking and workers' control requests, with real launchers.
+
+Several `ft_launcher`s on 127.0.0.1 run one job with fewer `--nnodes` than launchers: the extra
+ones stand by. A "node" lost is its launcher's whole process group SIGKILLed (the agent and its
+workers, as when a machine dies); the store host is never the one killed (the job's store lives
+in its agent, as torchrun's c10d store does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+from ftrun.errors import ExitCode
+from launch import Job, Node, node_of, start_job
+from support import wait_for
+
+ROOT = Path(__file__).resolve().parent
+CONTROL = ROOT / "workers" / "control_worker.py"
+PROMPT_EXIT_S = 15.0
+"""Every launcher is gone this soon after the job ended (nobody waits for a rendezvous timeout)."""
+SPARE = ["--nnodes=2", "--max-restarts=3", "--rdzv-conf=last_call_timeout=5"]
+
+
+def rounds(job: Job) -> dict[int, list[str]]:
+    """cycle -> node names of its round, in group-rank order (as every node saw it)."""
+    seen: dict[int, list[str]] = {}
+    for event in job.events("rendezvous_done"):
+        assert seen.setdefault(event["cycle"], event["nodes"]) == event["nodes"]
+    return seen
+
+
+def standby_nodes(job: Job, cycle: int) -> set[str]:
+    return {e["node"] for e in job.events("standby") if e["cycle"] == cycle}
+
+
+def killable(job: Job, cycle: int) -> Node:
+    """An active node of `cycle` that does not host the store."""
+    hosts = {e["node"] for e in job.events("rendezvous_done") if e.get("store_host")}
+    name = next(n for n in rounds(job)[cycle] if n not in hosts)
+    return node_of(job, name)
+
+
+def lose(node: Node) -> None:
+    """The machine dies: its agent and its workers (the launcher's process group) at once."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(node.proc.pid, signal.SIGKILL)
+    node.proc.wait(10)
+
+
+def wait_all(job: Job, timeout: float) -> dict[int, int]:
+    return dict(zip((n.index for n in job.nodes), job.wait(timeout), strict=True))
+
+
+def exit_times(job: Job) -> list[float]:
+    return [e["ts"] for e in job.events("exit")]
+
+
+def test_a_crash_restarts_on_the_same_nodes_with_the_same_group_ranks(tmp_path: Path):
+    job = start_job(tmp_path, 3, [*SPARE], ["--steps", "30", "--crash", "0:1:10"])
+    codes = wait_all(job, 120)
+    assert codes == {0: 0, 1: 0, 2: 0}
+    seen = rounds(job)
+    assert len(seen) == 2 and seen[0] == seen[1]  # same nodes, same order
+    standby = standby_nodes(job, 0) & standby_nodes(job, 1)
+    assert len(standby) == 1 and standby.isdisjoint(seen[0])
+    # The round lists the standby nodes that had arrived when it closed.
+    assert set(job.events("rendezvous_done")[-1]["standby"]) <= standby
+    assert (job.ckpt_dir / "FINISHED").exists()
+    ends = exit_times(job)
+    assert max(ends) - min(ends) < PROMPT_EXIT_S
+
+
+def test_a_lost_node_is_replaced_by_the_spare_in_its_slot(tmp_path: Path):
+    job = start_job(tmp_path, 3, [*SPARE], ["--steps", "60", "--step-time", "0.05"])
+    wait_for(lambda: len(job.progress(0)) >= 5, 90, "training on 2 nodes")
+    first = rounds(job)[0]
+    victim = killable(job, 0)
+    lost = next(n for n in first if node_of(job, n) is victim)
+    lose(victim)
+    codes = wait_all(job, 120)
+    assert codes == {n.index: -signal.SIGKILL if n is victim else 0 for n in job.nodes}
+    final = rounds(job)[max(rounds(job))]
+    spare = (standby_nodes(job, 0)).pop()
+    # The survivor keeps its group rank; the spare takes the lost node's.
+    assert final == [spare if n == lost else n for n in first]
+    assert (job.ckpt_dir / "FINISHED").exists()
+    ends = exit_times(job)
+    assert max(ends) - min(ends) < PROMPT_EXIT_S
+
+
+def test_infra_ranks_pick_the_active_nodes_whatever_the_arrival_order(tmp_path: Path):
+    envs = [{"GROUP_RANK": str(i)} for i in range(3)]
+    job = start_job(
+        tmp_path, 3, [*SPARE, "--ft-use-infra-group-rank"],
+        ["--steps", "60", "--step-time", "0.05"], node_env=envs, order=[2, 1, 0],
+    )  # fmt: skip
+    wait_for(lambda: len(job.progress(0)) >= 5, 90, "training on 2 nodes")
+    first = rounds(job)[0]
+    assert [node_of(job, n).index for n in first] == [0, 1]  # the lowest infra ranks
+    assert {node_of(job, n).index for n in standby_nodes(job, 0)} == {2}
+    victim = killable(job, 0)
+    slot = [node_of(job, n) for n in first].index(victim)
+    lose(victim)
+    codes = wait_all(job, 120)
+    assert codes == {n.index: -signal.SIGKILL if n is victim else 0 for n in job.nodes}
+    final = [node_of(job, n).index for n in rounds(job)[max(rounds(job))]]
+    assert final[slot] == 2 and victim.index not in final
+
+
+def test_two_spares_replace_two_successive_losses(tmp_path: Path):
+    job = start_job(tmp_path, 4, [*SPARE], ["--steps", "120", "--step-time", "0.05"])
+    wait_for(lambda: len(job.progress(0)) >= 5, 90, "training on 2 nodes")
+    lost = []
+    for loss in range(2):
+        cycle = max(rounds(job))
+        victim = killable(job, cycle)
+        lost.append(victim)
+        lose(victim)
+        wait_for(lambda c=cycle: max(rounds(job)) > c, 60, f"a round after loss {loss + 1}")
+        steps = len(job.progress(0))
+        wait_for(lambda s=steps: len(job.progress(0)) > s + 3, 60, "training again")
+    codes = wait_all(job, 180)
+    assert codes == {n.index: -signal.SIGKILL if n in lost else 0 for n in job.nodes}
+    final = {node_of(job, n).index for n in rounds(job)[max(rounds(job))]}
+    assert len(final) == 2 and final.isdisjoint(n.index for n in lost)
+
+
+def test_cycles_without_progress_stop_the_job_with_their_own_code(tmp_path: Path):
+    args = ["--max-restarts=9", "--ft-max-no-progress-cycles=2"]
+    job = start_job(tmp_path, 2, args, ["--stall-at", "4", "--step-time", "0.02"], script=CONTROL)
+    codes = wait_all(job, 120)
+    assert codes == {0: ExitCode.NO_PROGRESS, 1: ExitCode.NO_PROGRESS}
+    # cycle 0 reached iteration 3, cycles 1 and 2 got no further: the round of cycle 3 stops
+    assert max(rounds(job)) == 3
+    reasons = {e["why"] for e in job.events("exit")}
+    assert len(reasons) == 1 and "2 cycles in a row made no progress" in reasons.pop()
+
+
+def test_a_worker_excludes_its_node_and_the_spare_takes_over(tmp_path: Path):
+    job = start_job(
+        tmp_path, 3, [*SPARE], ["--request", "ExcludeThisNode:0:1:5", "--steps", "40"],
+        script=CONTROL,
+    )  # fmt: skip
+    codes = wait_all(job, 120)
+    first = rounds(job)[0]
+    excluded = node_of(job, first[1])
+    assert codes == {n.index: ExitCode.EXCLUDED if n is excluded else 0 for n in job.nodes}
+    assert rounds(job)[1][0] == first[0] and excluded.index not in {
+        node_of(job, n).index for n in rounds(job)[1]
+    }
+    assert job.events("control_request")[0]["action"] == "ExcludeThisNode"
+    assert (job.ckpt_dir / "FINISHED").exists()
+
+
+def test_a_worker_shuts_the_workload_down(tmp_path: Path):
+    job = start_job(
+        tmp_path, 3, [*SPARE], ["--request", "ShutdownWorkload:0:0:5", "--steps", "400"],
+        script=CONTROL,
+    )  # fmt: skip
+    started = time.monotonic()
+    codes = wait_all(job, 60)
+    assert set(codes.values()) == {ExitCode.DO_NOT_RELAUNCH}  # the standby node too
+    assert time.monotonic() - started < 60
+    assert not (job.ckpt_dir / "FINISHED").exists()
+    assert "asked to shut the workload down" in job.events("exit")[0]["why"]
+
+
+def test_a_node_with_a_nic_port_down_is_replaced(tmp_path: Path):
+    roots = [tmp_path / f"ib{i}" for i in range(3)]
+    for root in roots:
+        port = root / "mlx5_0" / "ports" / "1"
+        (port / "counters").mkdir(parents=True)
+        (port / "state").write_text("4: ACTIVE\n")
+        (port / "phys_state").write_text("5: LinkUp\n")
+        (port / "counters" / "link_downed").write_text("0\n")
+    job = start_job(
+        tmp_path, 3, [*SPARE, "--ft-enable-nic-healthcheck"],
+        ["--steps", "60", "--step-time", "0.1", "--crash", "0:0:30"],
+        node_env=[{"FTRUN_NIC_SYSFS_ROOT": str(root)} for root in roots],
+    )  # fmt: skip
+    wait_for(lambda: len(job.progress(0)) >= 3, 90, "training on 2 nodes")
+    first = rounds(job)[0]
+    victim = killable(job, 0)
+    # Its port goes down; rank 0 crashes later: the node fails the check before the restart.
+    (roots[victim.index] / "mlx5_0" / "ports" / "1" / "state").write_text("1: DOWN\n")
+    codes = wait_all(job, 120)
+    assert codes == {n.index: ExitCode.DO_NOT_RELAUNCH if n is victim else 0 for n in job.nodes}
+    assert rounds(job)[1] == [
+        standby_nodes(job, 0).pop() if node_of(job, n) is victim else n for n in first
+    ]
+    assert "mlx5_0" in next(e["reason"] for e in job.events("unhealthy"))
+    assert (job.ckpt_dir / "FINISHED").exists()
