@@ -252,3 +252,21 @@ def test_a_node_of_another_descriptor_version_fails_every_node_of_the_round(stor
         f"node old publishes node descriptor version 1, this ftrun reads version "
         f"{DESCRIPTOR_VERSION}: run the same ftrun release on every node of the job"
     }
+
+
+def test_a_node_gone_between_arrival_and_descriptor_does_not_hold_the_round(store):
+    """A ghost arrives first (it would be the round's planner) and never writes its descriptor:
+    the other two close the round without it within the descriptor grace and the planner
+    takeover, far inside the join timeout (not the store's timeout)."""
+    config = RendezvousConfig(
+        endpoint=f"127.0.0.1:{store.port}", run_id=f"run{next(_ids)}", min_nodes=2,
+        max_nodes=2, join_timeout=25,
+    )  # fmt: skip
+    handlers = [
+        create_rendezvous(config, client(store), lambda d=d: d) for d in (node("a"), node("b"))
+    ]
+    ghost = client(store)
+    ghost.add(f"ftrun/{config.run_id}/c0/arrivals", 1)  # arrived, then died
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        rounds = list(pool.map(lambda h: h.join(lambda: False), handlers))
+    assert {tuple(n.node for n in r.nodes) for r in rounds} in ({("a", "b")}, {("b", "a")})

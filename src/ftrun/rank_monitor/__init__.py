@@ -11,18 +11,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ftrun.rank_monitor.config import RankMonitorConfig
+from ftrun.rank_monitor.records import FirstProgress, ProgressSnapshot, Verdict
 from ftrun.rank_monitor.tracker import HangKind
 from ftrun.rank_monitor.workload import WorkloadAction, WorkloadControl, WorkloadControlRequest
 
 if TYPE_CHECKING:
-    from ftrun.rank_monitor.server import (
-        FirstProgress,
-        ProgressSnapshot,
-        RankMonitorServer,
-        Verdict,
-    )
+    from ftrun.rank_monitor.server import RankMonitorServer
 
-_FROM_SERVER = ("FirstProgress", "ProgressSnapshot", "RankMonitorServer", "Verdict")
+_FROM_SERVER = ("RankMonitorServer",)
 
 __all__ = [
     "FirstProgress",

@@ -37,7 +37,8 @@ from ftrun.rank_monitor.config import (
     ENV_STACK_SIGNAL,
     RankMonitorConfig,
 )
-from ftrun.rank_monitor.tracker import HangKind, NotReadyError, Overdue, RankProgress
+from ftrun.rank_monitor.records import FirstProgress, ProgressSnapshot, Verdict
+from ftrun.rank_monitor.tracker import NotReadyError, Overdue, RankProgress
 from ftrun.rank_monitor.workload import WorkloadAction, WorkloadControl
 
 log = logging.getLogger("ftrun.rank_monitor")
@@ -45,59 +46,6 @@ log = logging.getLogger("ftrun.rank_monitor")
 _MAX_DRAIN = 512  # messages handled per batch, so a flood cannot hold the lock for long
 _MAX_SLEEP_MS = 1000
 _CATCH_UP_S = 0.5
-
-
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    """A rank declared hung: who, why, how long it was waited for, and where it was stuck."""
-
-    rank: int
-    pid: int
-    """The process that registered (may be a descendant of the spawned worker)."""
-    worker_pid: int
-    """The pid the owner registered with `expect_rank`: the worker's process group leader."""
-    kind: HangKind
-    section: str | None
-    timeout: float
-    waited: float
-    deadline: float
-    detected_at: float
-    stack_file: Path | None
-    stack: str
-
-    def describe(self) -> str:
-        what = f"section {self.section!r}" if self.kind is HangKind.SECTION else self.kind.value
-        return (
-            f"rank {self.rank} (pid {self.pid}) hung: {what} timeout {self.timeout:.3g}s, "
-            f"waited {self.waited:.3f}s; stacks: {self.stack_file or 'not captured'}"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class FirstProgress:
-    """A rank showed progress for the first time since it registered."""
-
-    rank: int
-    pid: int
-    worker_pid: int
-    """The pid the owner registered with `expect_rank` (as in `Verdict`)."""
-    at: float
-    """The server's monotonic clock when the heartbeat or section end arrived."""
-    iteration: int | None
-    """The iteration the rank reported with it, if any."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ProgressSnapshot:
-    """Where one rank's current registration got to; times on the server's monotonic clock."""
-
-    rank: int
-    pid: int
-    worker_pid: int
-    first_progress: float | None
-    last_progress: float | None
-    first_iteration: int | None
-    last_iteration: int | None
 
 
 @dataclasses.dataclass
