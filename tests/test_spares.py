@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -67,8 +69,13 @@ def test_a_crash_restarts_on_the_same_nodes_with_the_same_group_ranks(tmp_path: 
     assert len(seen) == 2 and seen[0] == seen[1]  # same nodes, same order
     standby = standby_nodes(job, 0) & standby_nodes(job, 1)
     assert len(standby) == 1 and standby.isdisjoint(seen[0])
-    # The round lists the standby nodes that had arrived when it closed.
+    # The round lists the standby nodes that had arrived when it closed; the report, all.
     assert set(job.events("rendezvous_done")[-1]["standby"]) <= standby
+    text = subprocess.run(
+        [sys.executable, "-m", "ftrun.tools.cli", "report", "--no-timeline", str(job.log_dir)],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout  # fmt: skip
+    assert f"{standby.pop()}" in text and "stood by as a hot spare in cycle(s) 0-1" in text
     assert (job.ckpt_dir / "FINISHED").exists()
     ends = exit_times(job)
     assert max(ends) - min(ends) < PROMPT_EXIT_S
