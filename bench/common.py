@@ -231,6 +231,8 @@ class Job:
     out: Path
     procs: list[subprocess.Popen[bytes]]
     launched_at: float
+    port: int = 0
+    """The rendezvous endpoint's port (on 127.0.0.1)."""
     keep: bool = False  # keep the directory after the clean-up (a run worth a look)
 
     @property
@@ -299,13 +301,16 @@ def start_job(
     extra: Sequence[str] = (),
     worker_args: Sequence[str] = (),
     script: Path = WORKER,
+    launchers: int = NNODES,
 ) -> Job:
-    """Start NNODES launchers of `script` (`bench/worker.py`) on a fresh port and directory."""
+    """Start `launchers` launchers of `script` (`bench/worker.py`) on a fresh port and directory
+    (more than NNODES: the others stand by, with `--nnodes=NNODES` in `extra`)."""
     slug = re.sub(r"[^A-Za-z0-9]+", "-", launcher.name)
     tmp = Path(tempfile.mkdtemp(prefix=f"ftrun-bench-{slug}-"))
     out = tmp / "out"
     extra = [f"--log-dir={tmp / 'logs'}", *launcher.args, *extra]
-    argv = launcher_argv(launcher, free_port(), tmp.name, extra)
+    port = free_port()
+    argv = launcher_argv(launcher, port, tmp.name, extra)
     argv += [str(script), "--out", str(out), *worker_args]
     (tmp / "tmp").mkdir()
     env = {**os.environ, **dict(launcher.env), TAG_ENV: str(tmp), "PYTHONUNBUFFERED": "1"}
@@ -313,14 +318,14 @@ def start_job(
     env.pop("VIRTUAL_ENV", None)
     procs = []
     launched_at = time.time()
-    for node in range(NNODES):
+    for node in range(launchers):
         with (tmp / f"launcher{node}.log").open("wb") as log:
             procs.append(
                 subprocess.Popen(
                     argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
                 )
             )
-    return Job(launcher, tmp, out, procs, launched_at)
+    return Job(launcher, tmp, out, procs, launched_at, port)
 
 
 @contextlib.contextmanager
@@ -329,12 +334,13 @@ def job(
     extra: Sequence[str] = (),
     worker_args: Sequence[str] = (),
     script: Path = WORKER,
+    launchers: int = NNODES,
 ) -> Iterator[Job]:
     """A started job; on exit everything it started is killed and checked gone.
 
     Its directory is removed unless the job raised, its `keep` was set or `BENCH_KEEP` is set in
     the environment."""
-    started = start_job(launcher, extra, worker_args, script)
+    started = start_job(launcher, extra, worker_args, script, launchers)
     failed = True
     try:
         yield started

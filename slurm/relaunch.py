@@ -150,6 +150,8 @@ def decide(
     if ending is JobEnding.CANCELLED:
         return Decision(Action.STOP, "Slurm is cancelling the job: not relaunching", code)
     if finished is None and SUCCESS in codes and all(_left_early(c) for c in codes if c):
+        if all(c == SUCCESS for c in codes):
+            return Decision(Action.STOP, "all launchers succeeded", SUCCESS)
         return Decision(Action.STOP, f"the job succeeded ({_describe(codes)})", SUCCESS)
     for refusal in _REFUSALS:
         if refusal in codes:

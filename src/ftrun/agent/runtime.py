@@ -59,6 +59,8 @@ class AgentRuntime:
     spawner: Spawner
     peer_port: int
     rendezvous: NodeRendezvous = dataclasses.field(init=False)
+    stood_by: tuple[int, int] | None = None
+    """(cycle, its round's size) of the last round this node stood by in, as a hot spare."""
 
     @property
     def control(self) -> JobControl:
@@ -75,22 +77,22 @@ class AgentRuntime:
         )
 
     def standing_by(self, cycle: int, active: tuple[str, ...]) -> None:
+        self.stood_by = (cycle, len(active))
         self.events.cycle = cycle
         self.events.emit("standby", active=list(active))
 
     def leave(self, rnd: Round | None, linger: float) -> None:
-        """Say goodbye; the store host waits (bounded) until the round's other nodes did."""
+        """Say goodbye; the store host waits (bounded) until the last round's nodes did (they
+        may still read why the job ends), also when it stood by in that round."""
         with contextlib.suppress(RuntimeError):
             self.control.mark_gone(self.node, "exited")
-            if rnd is None:
-                return
-            self.control.arrive(rnd.number, "left")
-            if self.is_store_host:
-                wait_until(
-                    lambda: self.control.count(rnd.number, "left") >= len(rnd.nodes),
-                    linger,
-                    0.05,
-                )
+            if rnd is not None:
+                self.control.arrive(rnd.number, "left")
+            rounds = [self.stood_by] if self.stood_by else []
+            rounds += [(rnd.number, len(rnd.nodes))] if rnd is not None else []
+            if self.is_store_host and rounds:
+                cycle, size = max(rounds)
+                wait_until(lambda: self.control.count(cycle, "left") >= size, linger, 0.05)
 
 
 @contextlib.contextmanager

@@ -78,6 +78,8 @@ class _Planning:
     """Descriptor rows by arrival index (descriptors never change once written)."""
     previous: PublishedRound | None = None
     gone: set[str] = dataclasses.field(default_factory=set)
+    gone_unhealthy: set[str] = dataclasses.field(default_factory=set)
+    """Those of `gone` that reported themselves unhealthy (already in the unhealthy count)."""
     min_since: float | None = None
     beat: tuple[int, float] = (-1, 0.0)
     """The planner's beat as last seen, and when it last changed."""
@@ -157,13 +159,13 @@ class BarrierRendezvousHandler(RendezvousHandler):
             if index + 1 >= self._config.max_nodes:  # the filler, or a spare after it
                 self._plan_and_close(planning, index, self._grace, probe=False)
             self._await_close(planning, index, deadline, interrupted)
-            rnd = self._published(cycle).round_for(cycle, index)
+            published = self._published(cycle)
+            rnd = published.round_for(cycle, index)
             if rnd is not None:
                 return rnd
             log.info("round %d closed without this node: standing by for the next", cycle)
             if self._on_standby is not None:
-                active = tuple(n.node for n in self._published(cycle).nodes())
-                self._on_standby(cycle, active)
+                self._on_standby(cycle, tuple(n.node for n in published.nodes()))
             self._await_next(cycle, deadline, interrupted)
 
     def _await_close(
@@ -236,7 +238,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
             owners=owners,
             by_infra=config.use_infra_group_rank,
             gone=frozenset(planning.gone),
-            capacity=config.max_nodes - unhealthy - len(planning.gone),
+            capacity=config.max_nodes - unhealthy - len(planning.gone - planning.gone_unhealthy),
             last_call_over=waited,
         )
 
@@ -248,8 +250,10 @@ class BarrierRendezvousHandler(RendezvousHandler):
             node = str(row[1])
             if node in arrived or node in planning.gone:
                 continue
-            flagged = self._store.check([self.control.gone_key(node)]) or self._store.check(
-                [self.control.unhealthy_key(planning.cycle, node)]
+            if self._store.check([self.control.unhealthy_key(planning.cycle, node)]):
+                planning.gone_unhealthy.add(node)
+            flagged = node in planning.gone_unhealthy or self._store.check(
+                [self.control.gone_key(node)]
             )
             if flagged or (self._probe is not None and not self._answers(row)):
                 log.warning("round %d: node %s of the last round is gone; its slot goes to a "
