@@ -1,0 +1,326 @@
+"""`LocalCheckpointManager`: NVRx's local-checkpoint API over plain files on this node.
+
+This is what runs under plain torchrun. Each rank writes its own part of each iteration
+(see `store` for where, `format` for how); under ft_launcher a later tier will keep parts in
+the node agent's memory and replicate them to peers, behind the same `PartStore` protocol.
+
+Collectives: when `torch.distributed` is initialized, `find_latest` and `load` are collective
+(every rank must call them, as in NVRx): `find_latest` all-reduces (MIN) a CPU int64 tensor
+on the default group, a CUDA one if that group is NCCL-only; gloo needs nothing else. The
+agent-side version will answer from the agents instead and drop these collectives. `save`
+is not collective.
+
+Retention: after a successful write of iteration k, this rank's parts other than k and its
+`keep_complete - 1` newest complete parts below k are removed, leftovers included. Parts
+above k are from a run that was rolled back, and go too. Ranks clean up independently: with
+`keep_complete=1`, if one rank finishes writing k+1 (and drops k) while another dies before
+finishing it, no iteration is complete on both and `find_latest` says -1 (rather than load
+mismatched iterations): the crash during a save that local checkpoints exist for. So the
+default keeps 2 complete parts (plus the one being written) until the agents coordinate the
+clean-up across ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ftrun.checkpointing.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointUsageError,
+)
+from ftrun.checkpointing.format import PartInfo
+from ftrun.checkpointing.state_dict import BasicTensorAwareStateDict
+from ftrun.checkpointing.store import DirectoryStore, PartKey, PartStore, PreparedPart
+
+logger = logging.getLogger(__name__)
+
+WRAPPER_KEY = "ftrun.wrapper"  # in a part's metadata: the state was saved wrapped
+_NO_BOUND = 2**62
+
+
+@dataclass(frozen=True)
+class CkptID:
+    """What `load` loaded. Unpacks like NVRx's tuple: `iteration, rank, session_id = ckpt_id`."""
+
+    iteration: int
+    rank: int
+    session_id: str
+
+    def __iter__(self) -> Iterator[int | str]:
+        return iter((self.iteration, self.rank, self.session_id))
+
+
+class LocalCheckpointManager:
+    """Saves and loads this rank's checkpoint parts under `root_local_ckpt_dir/session_id`.
+
+    `repl_strategy` is accepted for NVRx compatibility and kept as `self.repl_strategy`, but
+    nothing is replicated here: parts stay on this node (replication is the node agent's job
+    under ft_launcher, a later step). `keep_complete` is explained in the module docstring;
+    `store` replaces the directory store (the root is then unused).
+    """
+
+    def __init__(
+        self,
+        root_local_ckpt_dir: str | Path,
+        session_id: str = "",
+        repl_strategy: Any = None,
+        *,
+        keep_complete: int = 2,
+        store: PartStore | None = None,
+    ) -> None:
+        if type(session_id) is not str or "/" in session_id or session_id in (".", ".."):
+            raise CheckpointUsageError(f"session_id must be one path component, not {session_id!r}")
+        if type(keep_complete) is not int or keep_complete < 1:
+            raise CheckpointUsageError(f"keep_complete must be an int >= 1, not {keep_complete!r}")
+        self.root_local_ckpt_dir = Path(root_local_ckpt_dir)
+        self.session_id = session_id
+        self.repl_strategy = repl_strategy
+        self._keep_complete = keep_complete
+        if store is None:
+            store = DirectoryStore(self.root_local_ckpt_dir / session_id)
+        self._store = store
+        self._in_flight: _AsyncSave | None = None
+        self._bad: set[PartKey] = set()  # set aside: never read again, even if renaming failed
+        if repl_strategy is not None:
+            logger.info(
+                "%s given: parts are NOT replicated under plain torchrun; they stay on this "
+                "node (replication to peers will be done by ft_launcher's agent)",
+                repl_strategy,
+            )
+
+    def save(self, state_dict: Any, iteration: int, is_async: bool = False) -> None:
+        """Write this rank's part of `iteration`.
+
+        Synchronous: returns when the part is durable and renamed into place, and older parts
+        are removed. With `is_async`, the call blocks on: (1) the previous async save, if it
+        is still running (one at a time; its error, if any, is raised here instead of starting
+        this save); (2) flattening the state; (3) creating the part's temp file and reserving
+        its size (a full disk fails here, in the caller); (4) the one copy of every tensor's
+        bytes into that file's mapping (for CUDA tensors, the synchronous device-to-host
+        copy). Then the caller may change or free its tensors: checksums, header, fsync,
+        rename and clean-up run in a background thread, which `wait()` joins. Call `save`
+        from one thread.
+        """
+        if type(iteration) is not int or iteration < 0:
+            raise CheckpointUsageError(f"iteration must be a non-negative int, not {iteration!r}")
+        self.wait()
+        key = self._key(iteration)
+        payload, metadata = _unwrap(state_dict)
+        if not is_async:
+            self._after_write(key, self._store.write(key, payload, metadata))
+            return
+        pending = self._store.prepare(key, payload, metadata)
+        try:
+            self._in_flight = _AsyncSave(iteration, lambda: self._commit(key, pending))
+        except BaseException:  # no thread (e.g. none can be started): drop the temp file
+            pending.abort()
+            raise
+
+    def wait(self) -> PartInfo | None:
+        """Wait for the async save in flight; its `PartInfo`, or None if there was none.
+        Raises the save's error (once)."""
+        job, self._in_flight = self._in_flight, None
+        return job.result() if job is not None else None
+
+    def find_latest(self) -> int:
+        """The newest iteration for which every rank has a complete part (header checked,
+        tensor bytes not read), or -1. Collective when torch.distributed is initialized.
+
+        One all-reduce of (min, -max) of each rank's newest: equal means every rank has it.
+        Otherwise each rank looks again at or below the minimum (a rank may already have
+        removed that iteration), until the ranks agree; the bound only goes down.
+        """
+        self._settle()
+        rank, world_size = _rank_and_world_size()
+        bound = _NO_BOUND
+        while True:
+            mine = self._newest_at_most(bound, rank, world_size)
+            low, high = _min_max(mine)
+            if low == high or low < 0:
+                return low
+            bound = low
+
+    def load(self) -> tuple[Any, CkptID]:
+        """Load this rank's part of `find_latest()`; collective when distributed.
+
+        Every tensor's checksum is verified. A part that fails is logged and set aside
+        (renamed `*.corrupt`, never read again), and all ranks go back to the newest iteration
+        they all still have. Returns `(state, ckpt_id)`, the state wrapped in a
+        `BasicTensorAwareStateDict` if it was saved wrapped. Tensors are zero-copy views of the
+        file (see `format`): load them into the model, then drop them.
+        """
+        self._settle()
+        rank, world_size = _rank_and_world_size()
+        while True:
+            iteration = self.find_latest()
+            if iteration < 0:
+                raise CheckpointNotFoundError(
+                    f"no complete checkpoint for rank {rank} of {world_size} in {self._store}"
+                )
+            key = PartKey(iteration, rank, world_size)
+            loaded: tuple[Any, PartInfo] | None = None
+            try:
+                loaded = self._store.read(key, verify=True)
+            except (CheckpointCorruptError, CheckpointNotFoundError) as e:
+                self._set_aside(key, e)
+            if _all_true(loaded is not None) and loaded is not None:
+                state, info = loaded
+                logger.info(
+                    "[rank %d] loaded iteration %d (%d bytes)", rank, iteration, info.nbytes
+                )
+                return _rewrap(state, info), CkptID(iteration, rank, self.session_id)
+
+    def _commit(self, key: PartKey, pending: PreparedPart) -> PartInfo:
+        info = pending.commit()
+        self._after_write(key, info)
+        return info
+
+    def _after_write(self, key: PartKey, info: PartInfo) -> None:
+        logger.debug("[rank %d] saved iteration %d: %s", key.rank, key.iteration, info.path)
+        self._bad.discard(key)  # written anew: the part set aside under this key is not it
+        try:
+            self._remove_others(key)
+        except OSError as e:  # a failed clean-up must not fail the save that succeeded
+            logger.warning("[rank %d] could not remove old parts: %s", key.rank, e)
+
+    def _remove_others(self, key: PartKey) -> None:
+        complete = self._store.list(key.rank, key.world_size)
+        older = [k for k in complete if k.iteration < key.iteration]
+        keep = {key, *older[max(0, len(older) - (self._keep_complete - 1)) :]}
+        for other in self._store.list(key.rank, key.world_size, complete_only=False):
+            if other in keep:
+                continue
+            if other.iteration > key.iteration:
+                logger.info(
+                    "[rank %d] removing iteration %d, newer than %d: left by a rolled-back run",
+                    key.rank,
+                    other.iteration,
+                    key.iteration,
+                )
+            self._store.remove(other)
+
+    def _newest_at_most(self, bound: int, rank: int, world_size: int) -> int:
+        for key in reversed(self._store.list(rank, world_size)):
+            if key.iteration > bound or key in self._bad:
+                continue
+            try:
+                self._store.info(key)
+                return key.iteration
+            except CheckpointCorruptError as e:
+                self._set_aside(key, e)
+            except CheckpointNotFoundError:
+                continue  # removed since it was listed
+        return -1
+
+    def _set_aside(self, key: PartKey, error: CheckpointError) -> None:
+        logger.warning(
+            "[rank %d] setting aside the part of iteration %d: %s", key.rank, key.iteration, error
+        )
+        self._bad.add(key)
+        try:
+            self._store.set_aside(key)
+        except OSError as e:
+            logger.warning("[rank %d] could not set aside %s: %s", key.rank, key, e)
+
+    def _settle(self) -> None:
+        """Let the save in flight finish before looking; its error is logged, not raised."""
+        try:
+            self.wait()
+        except CheckpointError as e:
+            logger.error("the background save failed: %s", e)
+
+    def _key(self, iteration: int) -> PartKey:
+        rank, world_size = _rank_and_world_size()
+        return PartKey(iteration, rank, world_size)
+
+
+class _AsyncSave:
+    """One background write; `result` joins it and re-raises what it raised."""
+
+    def __init__(self, iteration: int, work: Callable[[], PartInfo]) -> None:
+        self._info: PartInfo | None = None
+        self._error: BaseException | None = None
+        # Not a daemon: a save the caller was told had started completes before exit.
+        self._thread = threading.Thread(
+            target=self._run, args=(work,), name=f"ftrun-ckpt-save-{iteration}"
+        )
+        self._thread.start()
+
+    def _run(self, work: Callable[[], PartInfo]) -> None:
+        try:
+            self._info = work()
+        except BaseException as e:
+            self._error = e
+
+    def result(self) -> PartInfo:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._info is not None
+        return self._info
+
+
+def _unwrap(state_dict: Any) -> tuple[Any, dict[str, str]]:
+    if isinstance(state_dict, BasicTensorAwareStateDict):
+        return state_dict.state_dict, {WRAPPER_KEY: "BasicTensorAwareStateDict"}
+    return state_dict, {}
+
+
+def _rewrap(state: Any, info: PartInfo) -> Any:
+    wrapped = info.metadata.get(WRAPPER_KEY) == "BasicTensorAwareStateDict"
+    return BasicTensorAwareStateDict(state) if wrapped else state
+
+
+def _rank_and_world_size() -> tuple[int, int]:
+    """From torch.distributed when initialized, else torchrun's RANK/WORLD_SIZE, else 0 of 1."""
+    if _distributed():
+        return dist.get_rank(), dist.get_world_size()
+    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    if not 0 <= rank < world_size:
+        raise CheckpointUsageError(f"RANK={rank} is not in 0..WORLD_SIZE-1={world_size - 1}")
+    return rank, world_size
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointUsageError(f"{name}={text!r} is not an integer") from None
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _collective_device() -> torch.device:
+    """CPU, unless the default group only speaks NCCL (which cannot reduce CPU tensors)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _min_max(value: int) -> tuple[int, int]:
+    """(min, max) of `value` over all ranks: one all-reduce MIN of (value, -value)."""
+    if not _distributed():
+        return value, value
+    both = torch.tensor([value, -value], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(both, op=dist.ReduceOp.MIN)
+    return int(both[0]), -int(both[1])
+
+
+def _all_true(flag: bool) -> bool:
+    return _min_max(int(flag))[0] == 1

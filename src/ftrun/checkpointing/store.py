@@ -1,0 +1,171 @@
+"""Where parts live: the `PartStore` protocol, and `DirectoryStore` (plain files) behind it.
+
+The manager speaks only to a `PartStore`, so a later tier (parts held in the node agent's
+memory and replicated to peers) replaces `DirectoryStore` without touching the manager.
+
+`DirectoryStore` layout, under its root (`<root_local_ckpt_dir>/<session_id>`):
+
+    iter_0000420/rank3-of8.ftckpt            a complete part
+    iter_0000420/rank3-of8.ftckpt.tmp-4711   being written by process 4711 (or left by a crash)
+    iter_0000420/rank3-of8.ftckpt.corrupt    set aside after failing to load; never read again
+
+A part is named by what it holds, the global rank at save time and the world size, not by the
+node it happens to be on, so a job restarted with its nodes in another order still finds it.
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from ftrun.checkpointing.errors import CheckpointCorruptError, CheckpointWriteError
+from ftrun.checkpointing.format import PartInfo, prepare_part, read_info, read_part
+
+SUFFIX = ".ftckpt"
+CORRUPT_SUFFIX = ".corrupt"
+_ITERATION_DIR = re.compile(r"iter_(\d{7,})")
+
+
+@dataclass(frozen=True, order=True)
+class PartKey:
+    """One rank's part of one iteration; ordered by iteration first."""
+
+    iteration: int
+    rank: int
+    world_size: int
+
+
+class PreparedPart(Protocol):
+    """A part whose bytes the store owns, not yet visible: `commit` or `abort` it, once."""
+
+    def commit(self) -> PartInfo: ...
+
+    def abort(self) -> None: ...
+
+
+class PartStore(Protocol):
+    """Storage of parts. Every method is safe to call from one thread at a time per store."""
+
+    def prepare(self, key: PartKey, state: Any, metadata: Mapping[str, str]) -> PreparedPart:
+        """Copy `state` into storage the store owns; the caller may then change it."""
+        ...
+
+    def write(self, key: PartKey, state: Any, metadata: Mapping[str, str]) -> PartInfo:
+        """`prepare` and `commit` in one call."""
+        ...
+
+    def read(self, key: PartKey, verify: bool = True) -> tuple[Any, PartInfo]:
+        """The part's state; raises `CheckpointNotFoundError` / `CheckpointCorruptError`."""
+        ...
+
+    def info(self, key: PartKey) -> PartInfo:
+        """The part's header only, validated: the cheap check behind `find_latest`."""
+        ...
+
+    def list(self, rank: int, world_size: int, complete_only: bool = True) -> list[PartKey]:
+        """This rank's parts, oldest first; with `complete_only=False` also keys of which only
+        leftovers (temp or set-aside files, an empty directory) remain, to remove them."""
+        ...
+
+    def remove(self, key: PartKey) -> None:
+        """Delete the part and its leftovers; a missing part is not an error."""
+        ...
+
+    def set_aside(self, key: PartKey) -> None:
+        """Keep a bad part for inspection where it will never be read again."""
+        ...
+
+
+class DirectoryStore:
+    """Parts as files under `root` (see the module docstring for the layout)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def __repr__(self) -> str:
+        return f"DirectoryStore({str(self.root)!r})"
+
+    def path_of(self, key: PartKey) -> Path:
+        return self.root / f"iter_{key.iteration:07d}" / _part_name(key.rank, key.world_size)
+
+    def prepare(self, key: PartKey, state: Any, metadata: Mapping[str, str]) -> PreparedPart:
+        path = self.path_of(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointWriteError(f"cannot create {path.parent}: {e.strerror or e}") from e
+        return prepare_part(path, state, key.iteration, metadata)
+
+    def write(self, key: PartKey, state: Any, metadata: Mapping[str, str]) -> PartInfo:
+        return self.prepare(key, state, metadata).commit()
+
+    def read(self, key: PartKey, verify: bool = True) -> tuple[Any, PartInfo]:
+        state, info = read_part(self.path_of(key), verify=verify)
+        _check_iteration(key, info)
+        return state, info
+
+    def info(self, key: PartKey) -> PartInfo:
+        return _check_iteration(key, read_info(self.path_of(key)))
+
+    def list(self, rank: int, world_size: int, complete_only: bool = True) -> list[PartKey]:
+        name = _part_name(rank, world_size)
+        found = []
+        for directory in _iteration_dirs(self.root):
+            key = PartKey(int(directory.name[len("iter_") :]), rank, world_size)
+            if (directory / name).is_file() or (not complete_only and _leftover(directory, name)):
+                found.append(key)
+        return sorted(found)
+
+    def remove(self, key: PartKey) -> None:
+        path = self.path_of(key)
+        if not path.parent.is_dir():
+            return
+        for child in path.parent.iterdir():
+            if _belongs(child.name, path.name):
+                child.unlink(missing_ok=True)
+        try:
+            path.parent.rmdir()  # the last rank out removes the iteration's directory
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                raise
+
+    def set_aside(self, key: PartKey) -> None:
+        path = self.path_of(key)
+        if path.exists():
+            path.replace(path.with_name(path.name + CORRUPT_SUFFIX))
+
+
+def _part_name(rank: int, world_size: int) -> str:
+    return f"rank{rank}-of{world_size}{SUFFIX}"
+
+
+def _belongs(filename: str, part_name: str) -> bool:
+    """The part itself or one of its leftovers (`.tmp-<pid>`, `.corrupt`)."""
+    return filename == part_name or filename.startswith(part_name + ".")
+
+
+def _leftover(directory: Path, part_name: str) -> bool:
+    """Files the part left (or an empty directory: a write that failed before its first byte,
+    which counts as every rank's leftover, so it is removed by the next clean-up)."""
+    children = [child.name for child in directory.iterdir()]
+    return not children or any(_belongs(child, part_name) for child in children)
+
+
+def _iteration_dirs(root: Path) -> list[Path]:
+    try:
+        children = list(root.iterdir())
+    except FileNotFoundError:
+        return []
+    return [c for c in children if _ITERATION_DIR.fullmatch(c.name) and c.is_dir()]
+
+
+def _check_iteration(key: PartKey, info: PartInfo) -> PartInfo:
+    if info.iteration != key.iteration:
+        raise CheckpointCorruptError(
+            f"{info.path}: holds iteration {info.iteration}, its name says {key.iteration}"
+        )
+    return info
