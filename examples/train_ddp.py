@@ -6,6 +6,10 @@ Run it under `ft_launcher` (see README). It:
   saving the monitor's calculated timeouts with the model,
 - resumes from the latest checkpoint, so a restart or a relaunch never goes back past it,
 - appends "<cycle> <step> <time>" to <ckpt-dir>/progress-rank<R>.txt after every step,
+- with --local-ckpt-every N, also saves each rank's own part every N steps with
+  `ftrun.checkpointing.LocalCheckpointManager` (node memory under ft_launcher, kept by the agent
+  and replicated to the next node; <ckpt-dir>/local under torchrun), and resumes from it when it
+  is newer than the global checkpoint,
 - writes <ckpt-dir>/FINISHED when training is complete: the Slurm wiring reads it to decide
   not to relaunch a finished job.
 - exits at once (`os._exit`) when a step raises, typically because a peer died, instead of
@@ -34,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ftrun.checkpointing import CliqueReplicationStrategy, LocalCheckpointManager
 from ftrun.client_lib import RankMonitorClient
 
 CYCLE = int(os.environ.get("FTRUN_CYCLE", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
@@ -56,6 +61,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--calc-timeouts-at", type=int, default=0, help="step; 0 = never")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL")
     parser.add_argument("--ballast-mb", type=int, default=0, help="extra device memory to hold")
+    parser.add_argument(
+        "--local-ckpt-every", type=int, default=0, metavar="N",
+        help="also save each rank's part every N steps with ftrun.checkpointing (0: off)",
+    )  # fmt: skip
     parser.add_argument("--sigterm-grace", type=float, default=3.0, help="seconds to checkpoint")
     return parser.parse_args()
 
@@ -140,6 +149,43 @@ def save(path: Path, state: dict) -> None:
     os.replace(tmp, path)  # atomic: a crash mid-save never leaves a torn checkpoint
 
 
+def local_checkpoints(args: argparse.Namespace) -> LocalCheckpointManager | None:
+    """Each rank's own part, frequent: in node memory under ft_launcher (kept by the agent,
+    replicated to the next node), in <ckpt-dir>/local under torchrun."""
+    if not args.local_ckpt_every:
+        return None
+    clique = CliqueReplicationStrategy.from_replication_params(
+        replication_jump=1, replication_factor=2
+    )
+    return LocalCheckpointManager(args.ckpt_dir / "local", repl_strategy=clique)
+
+
+def resume(
+    ckpt: Path,
+    local: LocalCheckpointManager | None,
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    client: RankMonitorClient,
+    device: torch.device,
+) -> int:
+    """Load the newest checkpoint, global or local; the step it holds (0: none)."""
+    start = 0
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=True, map_location=device)
+        model.load_state_dict(state["model"])
+        optim.load_state_dict(state["optim"])
+        client.load_state_dict(state["monitor"])
+        start = state["step"]
+    if local is not None and local.find_latest() > start:  # newer than the global checkpoint
+        state, ckpt_id = local.load()
+        model.load_state_dict(state["model"])
+        optim.load_state_dict(state["optim"])
+        start = state["step"]
+        print(f"rank {RANK}: resumed from local checkpoint {ckpt_id.iteration}", flush=True)
+        del state  # its tensors map the checkpoint's memory
+    return start
+
+
 def main() -> int:
     args = parse_args()
     watch_sigterm(args.sigterm_grace)
@@ -152,13 +198,8 @@ def main() -> int:
     optim = torch.optim.SGD(model.parameters(), lr=0.01)
     ballast = torch.empty(args.ballast_mb * 2**20, dtype=torch.uint8, device=device)  # noqa: F841
     client = RankMonitorClient()
-    start = 0
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=True, map_location=device)
-        model.module.load_state_dict(state["model"])
-        optim.load_state_dict(state["optim"])
-        client.load_state_dict(state["monitor"])
-        start = state["step"]
+    local = local_checkpoints(args)
+    start = resume(ckpt, local, model.module, optim, client, device)
     client.init_workload_monitoring()
     progress = (args.ckpt_dir / f"progress-rank{RANK}.txt").open("a")
 
@@ -190,6 +231,9 @@ def main() -> int:
         dist.all_reduce(stop)  # everyone agrees to stop at the same step
         if stop.item() or step % args.save_every == 0:
             checkpoint(step)
+        elif local is not None and step % args.local_ckpt_every == 0:
+            part = {"model": model.module.state_dict(), "optim": optim.state_dict(), "step": step}
+            local.save(part, step, is_async=True)  # blocks only for the copy into node memory
         if stop.item():
             print(f"rank {RANK}: stopping on request at step {step}, checkpoint saved", flush=True)
             break

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ftrun.checkpointing.agent_side import agent_tier, restore_decision
 from ftrun.checkpointing.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -62,12 +63,19 @@ class CkptID:
 
 
 class LocalCheckpointManager:
-    """Saves and loads this rank's checkpoint parts under `root_local_ckpt_dir/session_id`.
+    """Saves and loads this rank's checkpoint parts.
 
-    `repl_strategy` is accepted for NVRx compatibility and kept as `self.repl_strategy`, but
-    nothing is replicated here: parts stay on this node (replication is the node agent's job
-    under ft_launcher, a later step). `keep_complete` is explained in the module docstring;
-    `store` replaces the directory store (the root is then unused).
+    Under plain torchrun: files under `root_local_ckpt_dir/session_id`; `repl_strategy` is
+    kept as `self.repl_strategy` but nothing is replicated (parts stay on this node).
+
+    Under ft_launcher (`FTRUN_CKPT_DIR` set, see `node_tier`): parts go to node memory that the
+    node agent keeps across worker restarts; the agent replicates each new part to the nodes of
+    its `repl_strategy` clique off the training path, copies it to `root_local_ckpt_dir` when
+    `persist_to_disk`, and before the workers start, agrees with the other agents on the
+    iteration to resume from and fetches this node's missing parts from peers: `find_latest`
+    and `load` then run no collective.
+
+    `keep_complete` is explained in the module docstring; `store` replaces either store.
     """
 
     def __init__(
@@ -78,6 +86,7 @@ class LocalCheckpointManager:
         *,
         keep_complete: int = 2,
         store: PartStore | None = None,
+        persist_to_disk: bool = False,
     ) -> None:
         if type(session_id) is not str or "/" in session_id or session_id in (".", ".."):
             raise CheckpointUsageError(f"session_id must be one path component, not {session_id!r}")
@@ -87,12 +96,15 @@ class LocalCheckpointManager:
         self.session_id = session_id
         self.repl_strategy = repl_strategy
         self._keep_complete = keep_complete
+        self._tier = agent_tier(session_id, repl_strategy, self.root_local_ckpt_dir,
+                                persist_to_disk)  # fmt: skip
         if store is None:
-            store = DirectoryStore(self.root_local_ckpt_dir / session_id)
+            root = self._tier or self.root_local_ckpt_dir / session_id
+            store = DirectoryStore(root)
         self._store = store
         self._in_flight: _AsyncSave | None = None
         self._bad: set[PartKey] = set()  # set aside: never read again, even if renaming failed
-        if repl_strategy is not None:
+        if repl_strategy is not None and self._tier is None:
             logger.info(
                 "%s given: parts are NOT replicated under plain torchrun; they stay on this "
                 "node (replication to peers will be done by ft_launcher's agent)",
@@ -143,6 +155,8 @@ class LocalCheckpointManager:
         """
         self._settle()
         rank, world_size = _rank_and_world_size()
+        if self._tier is not None and (agreed := restore_decision(self._tier)) is not None:
+            return agreed.iteration if agreed.world_size == world_size else -1
         bound = _NO_BOUND
         while True:
             mine = self._newest_at_most(bound, rank, world_size)
@@ -174,7 +188,12 @@ class LocalCheckpointManager:
                 loaded = self._store.read(key, verify=True)
             except (CheckpointCorruptError, CheckpointNotFoundError) as e:
                 self._set_aside(key, e)
-            if _all_true(loaded is not None) and loaded is not None:
+            if self._tier is not None and loaded is None:
+                # The agents chose this iteration for every rank: a bad part is for them to
+                # replace (a replica, or an older iteration) at the restart this error causes.
+                raise CheckpointCorruptError(f"rank {rank}: part of iteration {iteration} is bad")
+            agreed = self._tier is not None or _all_true(loaded is not None)
+            if agreed and loaded is not None:
                 state, info = loaded
                 logger.info(
                     "[rank %d] loaded iteration %d (%d bytes)", rank, iteration, info.nbytes

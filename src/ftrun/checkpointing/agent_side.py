@@ -1,0 +1,56 @@
+"""The worker's side of the node tier (`node_tier`): where parts go under ft_launcher, what the
+agent is asked to do with them, and what it decided to restore."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from ftrun.checkpointing.errors import CheckpointUsageError
+from ftrun.checkpointing.node_tier import (
+    ENV_CKPT_DIR,
+    POLICY_FILE,
+    RESTORE_FILE,
+    RestoreDecision,
+    TierPolicy,
+    read_json,
+    session_dir,
+    write_json_atomically,
+)
+
+logger = logging.getLogger("ftrun.checkpointing")
+
+
+def agent_tier(
+    session_id: str, repl_strategy: Any, root: Path, persist_to_disk: bool
+) -> Path | None:
+    """Under ft_launcher, this session's directory in node memory, with the policy written for
+    the agent; None under plain torchrun (no agent keeps parts)."""
+    ckpt_dir = os.environ.get(ENV_CKPT_DIR)
+    if not ckpt_dir:
+        return None
+    tier = session_dir(ckpt_dir, session_id)
+    policy = TierPolicy(
+        replication_jump=getattr(repl_strategy, "replication_jump", None),
+        replication_factor=getattr(repl_strategy, "replication_factor", None),
+        persist_dir=str(root) if persist_to_disk else None,
+    )
+    if repl_strategy is not None and policy.replication_factor is None:
+        raise CheckpointUsageError(
+            f"repl_strategy {repl_strategy!r} is not a CliqueReplicationStrategy"
+        )
+    write_json_atomically(tier / POLICY_FILE, policy.to_json())
+    return tier
+
+
+def restore_decision(tier: Path) -> RestoreDecision | None:
+    """What the agents agreed to restore before this cycle's workers started; None when no
+    agent wrote a decision (then the manager agrees through a collective, as under torchrun)."""
+    try:
+        raw = read_json(tier / RESTORE_FILE)
+        return None if raw is None else RestoreDecision.from_json(raw)
+    except (OSError, ValueError) as e:
+        logger.warning("ignoring the agent's restore decision: %s", e)
+        return None

@@ -1,0 +1,96 @@
+"""The contract between a worker's `LocalCheckpointManager` and its node agent's checkpoint
+keeper, under ft_launcher. Torch-free: the agent side imports it too.
+
+The agent gives every worker `FTRUN_CKPT_DIR`: a 0700 directory in node memory (`/dev/shm`)
+that the agent creates, keeps across worker restarts and removes at the job's end. A worker's
+manager writes its parts there, in `DirectoryStore`'s layout under `<dir>/<session_id>/`
+(`iter_<iteration>/rank<r>-of<w>.ftckpt`), so `save()` blocks only for the copy into node memory.
+Parts that peers replicate to this node land in the same tree, named the same way: a node
+holds a part whether its own ranks wrote it or a peer sent it.
+
+Two small JSON files per session, both written atomically (write, rename):
+- `POLICY_FILE`, by the worker's manager: what the agent does with new parts off the training
+  path (replicate to the clique's nodes, copy to a directory on disk).
+- `RESTORE_FILE`, by the agent before the workers start: the iteration every rank of the job can
+  load (complete for every rank somewhere, and fetched to this node for its ranks), or -1. The
+  worker's `find_latest()` reads it instead of running a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+ENV_CKPT_DIR = "FTRUN_CKPT_DIR"
+POLICY_FILE = ".policy.json"
+RESTORE_FILE = ".restore.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class TierPolicy:
+    """What the worker asks its agent to do with each new part."""
+
+    replication_jump: int | None = None
+    replication_factor: int | None = None
+    """None: no replication (no strategy given)."""
+    persist_dir: str | None = None
+    """Also copy each part here (the manager's `root_local_ckpt_dir`); None: memory only."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> TierPolicy:
+        jump, factor = raw.get("replication_jump"), raw.get("replication_factor")
+        persist = raw.get("persist_dir")
+        for name, value in (("replication_jump", jump), ("replication_factor", factor)):
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"{POLICY_FILE}: {name} must be a positive int, not {value!r}")
+        if persist is not None and not isinstance(persist, str):
+            raise ValueError(f"{POLICY_FILE}: persist_dir must be a string, not {persist!r}")
+        return cls(jump, factor, persist)
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreDecision:
+    """The iteration the job's ranks load after this round's rendezvous (-1: none)."""
+
+    iteration: int
+    world_size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> RestoreDecision:
+        iteration, world_size = raw.get("iteration"), raw.get("world_size")
+        if type(iteration) is not int or type(world_size) is not int or world_size < 1:
+            raise ValueError(f"{RESTORE_FILE}: not an iteration and a world size: {raw!r}")
+        return cls(iteration, world_size)
+
+
+def session_dir(ckpt_dir: str | Path, session_id: str) -> Path:
+    return Path(ckpt_dir) / (session_id or "default")
+
+
+def write_json_atomically(path: Path, value: Mapping[str, Any]) -> None:
+    """Readers see the old file or the new one, never half of one."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The file's object; None when it does not exist. Raises ValueError when it is not JSON."""
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return raw

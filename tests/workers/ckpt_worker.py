@@ -1,0 +1,79 @@
+"""A gloo training loop that checkpoints with `ftrun.checkpointing.LocalCheckpointManager`.
+
+Each step is one all_reduce. Every --save-every steps each rank saves its part (async) with a
+clique replication strategy (jump 1, factor 2). At start it loads the newest checkpoint the
+launcher's agents agreed on (or torchrun's collective), and appends "<cycle> <step> <loaded>"
+to <ckpt-dir>/rank<R>.log after every step (loaded: the iteration it resumed from, -1: none).
+Writes <ckpt-dir>/FINISHED after --steps.
+
+Faults (each in one cycle): --crash CYCLE:RANK:STEP exits 1 at STEP; --die-in-save
+CYCLE:RANK:STEP SIGKILLs itself right after starting the save of STEP (mid-write).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ftrun.checkpointing import CliqueReplicationStrategy, LocalCheckpointManager
+
+CYCLE = int(os.environ.get("FTRUN_CYCLE", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+RANK = int(os.environ.get("RANK", "0"))
+
+
+def fires(spec: str, step: int) -> bool:
+    return bool(spec) and [int(x) for x in spec.split(":")] == [CYCLE, RANK, step]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ckpt-dir", dest="out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--save-every", type=int, default=5)
+    parser.add_argument("--step-time", type=float, default=0.05)
+    parser.add_argument("--mb", type=float, default=1.0, help="state size per rank")
+    parser.add_argument("--crash", default="")
+    parser.add_argument("--die-in-save", default="")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    dist.init_process_group("gloo")
+    strategy = CliqueReplicationStrategy.from_replication_params(1, 2)
+    manager = LocalCheckpointManager(args.out / "local", repl_strategy=strategy)
+    weights = torch.zeros(int(args.mb * 2**20) // 4)
+    start, loaded = 0, manager.find_latest()
+    if loaded >= 0:
+        state, _ = manager.load()
+        weights.copy_(state["weights"])
+        start = state["step"]
+        assert state["rank"] == RANK and float(weights[0]) == start, (state["rank"], start)
+        del state
+    log = (args.out / f"rank{RANK}.log").open("a")
+    for step in range(start + 1, args.steps + 1):
+        if fires(args.crash, step):
+            sys.exit(1)
+        value = torch.ones(1)
+        dist.all_reduce(value)
+        weights.fill_(step)
+        time.sleep(args.step_time)
+        if step % args.save_every == 0:
+            manager.save({"weights": weights, "step": step, "rank": RANK}, step, is_async=True)
+            if fires(args.die_in_save, step):
+                os.kill(os.getpid(), signal.SIGKILL)
+        log.write(f"{CYCLE} {step} {loaded}\n")
+        log.flush()
+    manager.wait()
+    if RANK == 0:
+        (args.out / "FINISHED").touch()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
