@@ -7,7 +7,8 @@ to <ckpt-dir>/rank<R>.log after every step (loaded: the iteration it resumed fro
 Writes <ckpt-dir>/FINISHED after --steps.
 
 Faults (each in one cycle): --crash CYCLE:RANK:STEP exits 1 at STEP; --die-in-save
-CYCLE:RANK:STEP SIGKILLs itself right after starting the save of STEP (mid-write).
+CYCLE:RANK:STEP SIGKILLs itself in the middle of the save of STEP: its bytes are written, the
+rename that makes the part visible never happens.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ RANK = int(os.environ.get("RANK", "0"))
 
 def fires(spec: str, step: int) -> bool:
     return bool(spec) and [int(x) for x in spec.split(":")] == [CYCLE, RANK, step]
+
+
+def die(*_args: object) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> int:
@@ -63,9 +68,9 @@ def main() -> int:
         weights.fill_(step)
         time.sleep(args.step_time)
         if step % args.save_every == 0:
-            manager.save({"weights": weights, "step": step, "rank": RANK}, step, is_async=True)
             if fires(args.die_in_save, step):
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.replace = die  # the save's last act before its part is visible
+            manager.save({"weights": weights, "step": step, "rank": RANK}, step, is_async=True)
         log.write(f"{CYCLE} {step} {loaded}\n")
         log.flush()
     manager.wait()

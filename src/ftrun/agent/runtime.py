@@ -21,6 +21,7 @@ from torch.distributed import Store
 from ftrun.agent.cycle_info import CycleInfoService
 from ftrun.agent.gpu_memory import GpuReclaimService
 from ftrun.agent.health import HealthService
+from ftrun.agent.keeper import KeeperService
 from ftrun.agent.monitoring import MonitorService
 from ftrun.agent.peering import PeerService
 from ftrun.agent.prewarm.service import PrewarmService
@@ -113,6 +114,9 @@ def open_runtime(
         store, is_store_host = _connect(config, health.first)
         monitor = services.add(MonitorService(config.monitor, job_dir, inbox.put)).server
         peer = services.add(PeerService(store, config.rendezvous.run_id, host, node))
+        services.add(
+            KeeperService(store, config.rendezvous.run_id, peer.server, peer.client, events.emit)
+        )
         if agent.gpu_memory_reclaim_timeout > 0:
             services.add(
                 GpuReclaimService(

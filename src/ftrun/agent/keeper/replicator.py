@@ -1,0 +1,249 @@
+"""The replicator: a background thread that copies this node's new parts off the training path.
+
+Every `poll_s` it lists the session directories (names only; a header is read only for a part
+it is about to send) for complete parts that this node's ranks wrote in the current round
+(rank in this node's global ranks, the round's world size) and has not handled yet. For each
+rank only the newest such part is handled; older ones it skips. Per the session's policy
+(`POLICY_FILE`, written by the worker's manager) it then:
+
+- pushes the part with `sendfile` to the agents of the nodes hosting the other ranks of the
+  rank's clique (`push_targets`), one after the other, each push bounded by
+  `transfer_timeout(size)`; a failed push costs a WARNING line, the others go on;
+- copies it to `<persist_dir>/<session>/iter_.../rank..-of...ftckpt` (temp, fsync, rename),
+  then applies the manager's retention rule there (`after_write`).
+
+A session without a policy is looked at again next time; a malformed one is logged once and
+its parts are not copied. Nothing here raises out of the thread: an error is logged (once
+while it repeats) and the next poll tries again. `pause` (the agent is restoring) stops new
+work; `resume(round)` takes every part present then as handled, so that only parts the new
+round's workers write are copied.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ftrun.agent.keeper import holdings as plan
+from ftrun.agent.keeper.names import label
+from ftrun.agent.keeper.settings import KeeperSettings
+from ftrun.agent.keeper.tier import NodeTier
+from ftrun.agent.keeper.transfer import open_part, push_part
+from ftrun.checkpointing.errors import CheckpointUsageError
+from ftrun.checkpointing.format import TMP_MARK
+from ftrun.checkpointing.node_tier import TierPolicy
+from ftrun.checkpointing.store import DirectoryStore, PartKey
+from ftrun.peer import PeerClient, PeerError
+from ftrun.rendezvous.ranks import Round
+
+log = logging.getLogger("ftrun.agent")
+Emit = Callable[..., None]
+
+
+class Replicator:
+    """See the module docstring. `start` once, `stop` once."""
+
+    def __init__(
+        self, tier: NodeTier, client: PeerClient, settings: KeeperSettings, emit: Emit
+    ) -> None:
+        self._tier = tier
+        self._client = client
+        self._settings = settings
+        self._emit = emit
+        self._lock = threading.Lock()
+        self._round: Round | None = None
+        self._seen: set[tuple[str, PartKey]] = set()
+        self._complaints: dict[str, str] = {}  # what was logged last, per topic: log once
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name="ftrun-keeper-replicator", daemon=True
+        )
+
+    def start(self) -> Replicator:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop polling; wait (bounded) for a copy in progress. True if the thread ended."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("checkpoint keeper: the replicator still copies %gs after close", timeout)
+        return not self._thread.is_alive()
+
+    def pause(self) -> None:
+        with self._lock:
+            self._round = None
+
+    def resume(self, rnd: Round) -> None:
+        present = {(s, k) for s in self._tier.sessions() for k in self._tier.listed(s)}
+        with self._lock:
+            self._seen = present
+            self._round = rnd
+
+    def tick(self) -> None:
+        """One poll: handle the parts this node's ranks wrote since the last one."""
+        with self._lock:
+            rnd = self._round
+        if rnd is None:
+            return
+        mine = range(rnd.first_global_rank, rnd.first_global_rank + rnd.me.local_world_size)
+        present: set[tuple[str, PartKey]] = set()
+        for session in self._tier.sessions():
+            keys = self._tier.listed(session)
+            present.update((session, k) for k in keys)
+            with self._lock:
+                new = [k for k in keys if (session, k) not in self._seen]
+            new = [k for k in new if k.world_size == rnd.world_size and k.rank in mine]
+            if new and not self._stop.is_set():
+                self._handle_new(session, new, rnd)
+        with self._lock:
+            if self._round is rnd:
+                self._seen &= present  # forget removed parts: a rewrite is new again
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._settings.poll_s):
+            try:
+                self.tick()
+            except Exception as exc:
+                self._complain("tick", f"checkpoint keeper: replication failed: {exc!r}")
+
+    def _handle_new(self, session: str, new: list[PartKey], rnd: Round) -> None:
+        try:
+            policy = self._tier.read_policy(session)
+            self._complaints.pop(session, None)
+        except ValueError as exc:
+            self._complain(session, f"checkpoint keeper: session {session}: {exc}; not copying")
+            policy = TierPolicy()  # copy nothing, and do not look at these parts again
+        if policy is None:
+            return  # the manager has not written it yet: look again next time
+        newest = {k.rank: k for k in sorted(new)}
+        for key in new:
+            if newest[key.rank] == key:
+                self._handle(session, key, policy, rnd)
+            with self._lock:
+                self._seen.add((session, key))
+
+    def _handle(self, session: str, key: PartKey, policy: TierPolicy, rnd: Round) -> None:
+        opened = open_part(self._tier.part_path(session, key))
+        if opened is None:
+            return
+        fd, nbytes = opened
+        try:
+            if policy.replication_factor is not None and policy.replication_factor > 1:
+                self._replicate(session, key, policy, rnd, fd, nbytes)
+            if policy.persist_dir is not None:
+                self._persist(session, key, Path(policy.persist_dir), fd, nbytes)
+        finally:
+            os.close(fd)
+
+    def _replicate(
+        self, session: str, key: PartKey, policy: TierPolicy, rnd: Round, fd: int, nbytes: int
+    ) -> None:
+        jump, factor = policy.replication_jump or 1, policy.replication_factor or 1
+        sizes = [n.local_world_size for n in rnd.nodes]
+        try:
+            targets = plan.push_targets(
+                key.rank, key.world_size, jump, factor, plan.node_ranges(sizes), rnd.group_rank
+            )
+        except CheckpointUsageError as exc:
+            self._complain(f"{session}/clique", f"checkpoint keeper: not replicating: {exc}")
+            return
+        if not targets:
+            self._complain(
+                f"{session}/local",
+                f"checkpoint keeper: the clique of rank {key.rank} lies on this node "
+                f"(replication_jump={jump}): no copy leaves it",
+            )
+            return
+        started, sent = time.monotonic(), []
+        for target in targets:
+            node = rnd.nodes[target]
+            try:
+                push_part(
+                    self._client,
+                    (node.host, node.peer_port),
+                    session,
+                    key,
+                    rnd.number,
+                    fd,
+                    nbytes,
+                    self._settings.transfer_timeout(nbytes),
+                )
+            except PeerError as exc:
+                log.warning(
+                    "checkpoint keeper: could not copy %s to %s: %s", label(key), node.node, exc
+                )
+                continue
+            sent.append(node.node)
+        if sent:
+            self._emit(
+                "ckpt_replicated",
+                session=session,
+                iteration=key.iteration,
+                rank=key.rank,
+                to=sent,
+                bytes=nbytes,
+                seconds=round(time.monotonic() - started, 6),
+            )
+
+    def _persist(self, session: str, key: PartKey, root: Path, fd: int, nbytes: int) -> None:
+        started = time.monotonic()
+        store = DirectoryStore(root / session)
+        path = store.path_of(key)
+        try:
+            copy_into_place(fd, nbytes, path)
+            for old in plan.after_write(
+                store.list(key.rank, key.world_size), key, self._settings.keep_complete
+            ):
+                store.remove(old)
+        except OSError as exc:
+            self._complain(f"{session}/persist", f"checkpoint keeper: cannot copy to {path}: {exc}")
+            return
+        self._emit(
+            "ckpt_persisted",
+            session=session,
+            iteration=key.iteration,
+            rank=key.rank,
+            bytes=nbytes,
+            seconds=round(time.monotonic() - started, 6),
+            path=str(path),
+        )
+
+    def _complain(self, topic: str, message: str, *args: Any) -> None:
+        """Log a problem once while it stays the same (a poll every 0.2 s must not flood)."""
+        if self._complaints.get(topic) != message:
+            self._complaints[topic] = message
+            log.warning(message, *args)
+
+
+def copy_into_place(fd: int, nbytes: int, path: Path) -> None:
+    """Copy the open part to `path` (kernel-side `sendfile`), durable, via temp and rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}.keeper")
+    out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        offset = 0
+        while offset < nbytes:
+            sent = os.sendfile(out, fd, offset, nbytes - offset)
+            if sent == 0:
+                raise OSError(f"the part ended after {offset} of {nbytes} bytes")
+            offset += sent
+        os.fsync(out)
+    except BaseException:
+        os.close(out)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(out)
+    os.replace(tmp, path)
+    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)

@@ -1,0 +1,159 @@
+"""The checkpoint keeper, as a node service: the agent side of `ftrun.checkpointing.node_tier`.
+
+- At start: the node's checkpoint directory (`tier`), the peer handlers (`transfer`) and the
+  replicator thread (`replicator`). Every worker gets the directory as `FTRUN_CKPT_DIR`;
+  parts there outlive worker restarts (nothing is removed when workers stop). `close` stops
+  the thread (bounded) and removes the directory.
+- `on_round`, after the rendezvous and before the workers start: the restore agreement
+  (`restore`), then each session's `RESTORE_FILE` (`RestoreDecision`) written atomically, and
+  the parts of the timeline the job left removed (`holdings.after_restore`). The replicator
+  and pushes from peers pause meanwhile and resume for the new round.
+
+A failing keeper never stops training: the thread logs and goes on; `on_round` never raises.
+If the restore fails on this node (a store error, a bug), every session of this node gets a
+`RESTORE_FILE` saying -1 and an ERROR line is logged, and this node tries to make the whole
+job restore nothing too (the `final` key, see `restore`); its workers then start from scratch
+or from their own files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from torch.distributed import Store
+
+from ftrun.agent.keeper import holdings as plan
+from ftrun.agent.keeper.holdings import Decision
+from ftrun.agent.keeper.replicator import Replicator
+from ftrun.agent.keeper.restore import RestoreRun
+from ftrun.agent.keeper.settings import KeeperSettings
+from ftrun.agent.keeper.tier import DEFAULT_BASES, NodeTier
+from ftrun.agent.keeper.transfer import FETCH, PUSH, PartServer
+from ftrun.agent.services import NodeService
+from ftrun.checkpointing.node_tier import ENV_CKPT_DIR, RestoreDecision
+from ftrun.checkpointing.store import PartKey
+from ftrun.peer import PeerClient, PeerServer
+from ftrun.rendezvous.ranks import Round
+
+log = logging.getLogger("ftrun.agent")
+
+
+class KeeperService(NodeService):
+    name = "checkpoint keeper"
+
+    def __init__(
+        self,
+        store: Store,
+        run_id: str,
+        server: PeerServer,
+        client: PeerClient,
+        emit: Callable[..., None],
+        settings: KeeperSettings | None = None,
+        bases: Sequence[Path] = DEFAULT_BASES,
+    ) -> None:
+        self._store = store
+        self._run_id = run_id
+        self._client = client
+        self._emit = emit
+        self._settings = settings or KeeperSettings()
+        self.tier = NodeTier.create(run_id, bases)
+        try:
+            self._parts = PartServer(self.tier, self._settings)
+            server.register(PUSH, self._parts.handle_push)
+            server.register(FETCH, self._parts.handle_fetch)
+            self.replicator = Replicator(self.tier, client, self._settings, emit).start()
+        except BaseException:
+            self.tier.close()
+            raise
+
+    def worker_env(self, rnd: Round) -> Mapping[str, str]:
+        return {ENV_CKPT_DIR: str(self.tier.root)}
+
+    def on_round(self, rnd: Round) -> None:
+        self._parts.cycle = None
+        self.replicator.pause()
+        try:
+            self._restore(rnd)
+        except Exception:  # the last resort: on_round never fails the agent
+            log.exception("checkpoint keeper: restore bookkeeping failed")
+        finally:
+            try:
+                self.replicator.resume(rnd)
+            except Exception:
+                log.exception("checkpoint keeper: replication stays off this round")
+            self._parts.cycle = rnd.number
+
+    def close(self) -> None:
+        self._parts.cycle = None
+        self.replicator.stop()
+        self.tier.close()
+
+    def _restore(self, rnd: Round) -> None:
+        started = time.monotonic()
+        run = RestoreRun(self._store, self._run_id, rnd, self.tier, self._client, self._settings)
+        try:
+            self.tier.clear_restore()
+            decision = run.run()
+        except Exception as exc:
+            log.error(
+                "checkpoint keeper: restore failed (%s): the workers of this node restore nothing",
+                exc,
+                exc_info=True,
+            )
+            with contextlib.suppress(Exception):
+                run.abort(f"restore failed: {exc}")
+            for session in self.tier.sessions():
+                self.tier.write_restore(session, RestoreDecision(-1, rnd.world_size))
+            return
+        seconds = round(time.monotonic() - started, 6)
+        if decision.aborted:
+            log.error("checkpoint keeper: the job restores nothing: %s", decision.aborted)
+        for session in sorted(set(decision.choices) | set(self.tier.sessions())):
+            iteration = self._apply(rnd, session, decision)
+            got = run.fetched.get(session)
+            self._emit(
+                "ckpt_restore",
+                session=session,
+                iteration=iteration,
+                world_size=rnd.world_size,
+                fetched=got.parts if got else 0,
+                sources=got.sources if got else [],
+                bytes=got.bytes if got else 0,
+                seconds=seconds,
+                attempts=run.attempts,
+            )
+
+    def _apply(self, rnd: Round, session: str, decision: Decision) -> int:
+        """Write the session's decision and drop the parts it leaves behind; the iteration."""
+        choice = decision.choice(session, rnd.world_size)
+        mine = range(rnd.first_global_rank, rnd.first_global_rank + rnd.me.local_world_size)
+        missing = [
+            r
+            for r in mine
+            if choice.iteration >= 0
+            and not self.tier.has(session, PartKey(choice.iteration, r, choice.world_size))
+        ]
+        if missing:  # cannot happen when every node follows the protocol: say so loudly
+            log.error(
+                "checkpoint keeper: session %s: iteration %d was agreed but ranks %s have "
+                "no part here: they restore nothing",
+                session,
+                choice.iteration,
+                missing,
+            )
+            self.tier.write_restore(session, RestoreDecision(-1, rnd.world_size))
+            return -1
+        self.tier.write_restore(session, RestoreDecision(choice.iteration, choice.world_size))
+        doomed = plan.after_restore(self.tier.listed(session), choice, self._settings.keep_complete)
+        self.tier.remove(session, doomed)
+        if choice.iteration >= 0:
+            log.info(
+                "checkpoint keeper: session %s restores iteration %d", session, choice.iteration
+            )
+        else:
+            log.info("checkpoint keeper: session %s restores nothing: %s", session, choice.note)
+        return choice.iteration

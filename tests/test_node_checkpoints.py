@@ -1,0 +1,58 @@
+"""Local checkpoints in node memory under ft_launcher: kept by the agent across restarts,
+replicated to peers, restored before the workers start (issue 15), with real launchers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from pathlib import Path
+
+from launch import Job, node_of, start_job
+from support import wait_for
+
+WORKER = Path(__file__).resolve().parent / "workers" / "ckpt_worker.py"
+ARGS = ["--max-restarts=3", "--rdzv-conf=last_call_timeout=5"]
+
+
+def resumed(job: Job, rank: int) -> dict[int, int]:
+    """cycle -> the iteration that rank resumed from in it (-1: from scratch)."""
+    path = job.ckpt_dir / f"rank{rank}.log"
+    rows = [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+    return {int(cycle): int(loaded) for cycle, _step, loaded in rows}
+
+
+def test_a_crash_resumes_from_node_memory(tmp_path: Path):
+    job = start_job(tmp_path, 2, ARGS, ["--crash", "0:1:12"], script=WORKER)
+    assert job.wait(120) == [0, 0]
+    assert resumed(job, 0) == {0: -1, 1: 10} and resumed(job, 1) == {0: -1, 1: 10}
+    restores = [e for e in job.events("ckpt_restore") if e["cycle"] == 1]
+    assert {e["iteration"] for e in restores} == {10}
+    assert (job.ckpt_dir / "FINISHED").exists()
+    assert not (job.ckpt_dir / "local").exists()  # memory only: nothing persisted on disk
+
+
+def test_a_worker_killed_in_the_middle_of_a_save_resumes_from_the_previous_one(tmp_path: Path):
+    job = start_job(tmp_path, 2, ARGS, ["--die-in-save", "0:1:10"], script=WORKER)
+    assert job.wait(120) == [0, 0]
+    assert resumed(job, 0)[1] == 5 and resumed(job, 1)[1] == 5
+
+
+def test_a_lost_node_restores_from_a_peer_replica(tmp_path: Path):
+    job = start_job(
+        tmp_path, 3, [*ARGS, "--nnodes=2"], ["--steps", "200", "--step-time", "0.05"],
+        script=WORKER,
+    )  # fmt: skip
+    wait_for(lambda: len(job.events("ckpt_replicated")) >= 4, 90, "replicated checkpoints")
+    first = next(e for e in job.events("rendezvous_done") if e["cycle"] == 0)
+    hosts = {e["node"] for e in job.events("rendezvous_done") if e.get("store_host")}
+    victim = node_of(job, next(n for n in first["nodes"] if n not in hosts))
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+    codes = dict(zip((n.index for n in job.nodes), job.wait(180), strict=True))
+    assert codes == {n.index: -signal.SIGKILL if n is victim else 0 for n in job.nodes}
+    after = [e for e in job.events("ckpt_restore") if e["cycle"] == 1]
+    assert len({e["iteration"] for e in after}) == 1 and after[0]["iteration"] >= 5
+    assert any(e.get("fetched") for e in after)  # the spare fetched its rank's part
+    for rank in (0, 1):
+        assert resumed(job, rank)[1] == after[0]["iteration"]
