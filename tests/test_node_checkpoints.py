@@ -8,7 +8,9 @@ import os
 import signal
 from pathlib import Path
 
-from launch import Job, node_of, start_job
+import psutil
+
+from launch import Job, Node, node_of, start_job
 from support import wait_for
 
 WORKER = Path(__file__).resolve().parent / "workers" / "ckpt_worker.py"
@@ -56,3 +58,48 @@ def test_a_lost_node_restores_from_a_peer_replica(tmp_path: Path):
     assert any(e.get("fetched") for e in after)  # the spare fetched its rank's part
     for rank in (0, 1):
         assert resumed(job, rank)[1] == after[0]["iteration"]
+
+
+def test_a_flipped_byte_is_detected_and_a_peers_replica_is_used(tmp_path: Path):
+    """Rank 0 is frozen, every part of it on its own node gets a flipped byte, then it dies:
+    the restart agrees on the newest iteration, rank 0 finds its part corrupt and fails, and
+    at the next restart its node fetches rank 0's replica from the other node."""
+    job = start_job(
+        tmp_path, 2, ARGS, ["--steps", "120", "--step-time", "0.1"], script=WORKER
+    )  # fmt: skip
+    wait_for(lambda: len(job.events("ckpt_replicated")) >= 4, 90, "replicated checkpoints")
+    rank0 = next(e for e in job.events("workers_started") if e["ranks"] == [0])
+    worker = psutil.Process(rank0["pids"][0])
+    worker.suspend()  # no save of rank 0 completes from now on (nor of rank 1: it waits)
+    node = node_of(job, rank0["node"])
+    parts = [p for p in keeper_dir(node).rglob("rank0-of2.ftckpt") if "iter_" in str(p)]
+    assert parts
+    for part in parts:
+        flip_last_byte(part)
+    newest = max(int(p.parent.name.removeprefix("iter_")) for p in parts)
+    worker.kill()
+    assert job.wait(180) == [0, 0]
+    corrupt = job.events("ckpt_corrupt")
+    assert corrupt and {e["rank"] for e in corrupt} == {0}
+    again = [e for e in job.events("ckpt_restore") if e["cycle"] == corrupt[0]["cycle"]]
+    assert {e["iteration"] for e in again} == {newest} and any(e["fetched"] for e in again)
+    assert resumed(job, 0)[corrupt[0]["cycle"]] == newest
+
+
+def keeper_dir(node: Node) -> Path:
+    """The launcher's FTRUN_CKPT_DIR, read from one of its workers' environment."""
+    launcher = psutil.Process(node.proc.pid)
+    for child in launcher.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            found = child.environ().get("FTRUN_CKPT_DIR")
+            if found:
+                return Path(found)
+    raise AssertionError(f"no worker of launcher {node.index} has FTRUN_CKPT_DIR")
+
+
+def flip_last_byte(path: Path) -> None:
+    with path.open("r+b") as part:
+        part.seek(-1, os.SEEK_END)
+        byte = part.read(1)
+        part.seek(-1, os.SEEK_END)
+        part.write(bytes([byte[0] ^ 0xFF]))

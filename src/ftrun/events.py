@@ -155,6 +155,12 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
         _req("seconds", NUM, "the copy to the policy's persist_dir, fsync included"),
         _opt("path", STR),
     ),
+    "ckpt_corrupt": (
+        _req("session", STR),
+        _req("iteration", INT),
+        _req("rank", INT, "the global rank of the save"),
+        _opt("world_size", INT),
+    ),
     "ckpt_restore": (
         _req("session", STR),
         _req("iteration", INT, "what this node's ranks load; -1: nothing"),

@@ -28,6 +28,7 @@ from torch.distributed import Store
 
 from ftrun.agent.keeper import holdings as plan
 from ftrun.agent.keeper.holdings import Decision
+from ftrun.agent.keeper.names import label
 from ftrun.agent.keeper.replicator import Replicator
 from ftrun.agent.keeper.restore import RestoreRun
 from ftrun.agent.keeper.settings import KeeperSettings
@@ -92,7 +93,18 @@ class KeeperService(NodeService):
         self.replicator.stop()
         self.tier.close()
 
+    def _report_set_aside(self) -> None:
+        """A worker refused a part of this node (its checksum failed): say so once; the
+        restore below then takes a replica from a peer or an older iteration."""
+        for session in self.tier.sessions():
+            for key in self.tier.take_set_aside(session):
+                log.warning("checkpoint keeper: a worker found %s of session %s corrupt",
+                            label(key), session)  # fmt: skip
+                self._emit("ckpt_corrupt", session=session, iteration=key.iteration,
+                           rank=key.rank, world_size=key.world_size)  # fmt: skip
+
     def _restore(self, rnd: Round) -> None:
+        self._report_set_aside()
         started = time.monotonic()
         run = RestoreRun(self._store, self._run_id, rnd, self.tier, self._client, self._settings)
         try:

@@ -50,7 +50,7 @@ from ftrun.checkpointing.node_tier import (
     read_json,
     write_json_atomically,
 )
-from ftrun.checkpointing.store import PartKey
+from ftrun.checkpointing.store import CORRUPT_SUFFIX, PartKey
 
 log = logging.getLogger("ftrun.agent")
 
@@ -111,6 +111,22 @@ class NodeTier:
                     if key is not None and entry.is_file(follow_symlinks=False):
                         keys.append(key)
         return sorted(keys)
+
+    def take_set_aside(self, session: str) -> list[PartKey]:
+        """Parts a worker found corrupt and set aside (`*.corrupt`): removed, to free node
+        memory, and returned so that the keeper reports them."""
+        found = []
+        for iteration, directory in self._iteration_dirs(session):
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                for entry in os.scandir(directory):
+                    if not entry.name.endswith(CORRUPT_SUFFIX):
+                        continue
+                    key = parse_part_name(entry.name[: -len(CORRUPT_SUFFIX)], iteration)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
+                    if key is not None:
+                        found.append(key)
+        return sorted(found)
 
     def holdings(self) -> Holdings:
         """Every session's complete parts whose header reads back valid, with their sizes."""

@@ -1,0 +1,766 @@
+"""What a local checkpoint costs the training loop, measured as a user would: ftrun's node tier
+beside torch.save, DCP's async_save and the physical floors, per rank, on CPU.
+
+The state (per `--sizes-mib`, default 1024 and 4096 MiB per rank) is shaped like a mixed-precision
+model + Adam state: bf16 parameters (an embedding and `layers` blocks of differently sized
+matrices, norms and biases), an fp32 master copy and fp32 `exp_avg` / `exp_avg_sq` per parameter,
+an fp32 scalar `step` tensor per parameter, a bf16 buffer that makes the tensor bytes add up to
+the size exactly, and plain values (iteration, loss scale, a config dict, param groups with a
+tuple). Its values are random (`uniform_`), every page is touched before the runs. "The model"
+is a second set of tensors like it, allocated and touched once: the memcpy floor and every
+restore copy into it, as `load_state_dict` copies into a model that exists. glibc's mmap
+threshold is fixed at 128 KiB (`mallopt`), so every large allocation is fresh memory in every
+run (by default, freed blocks of up to 32 MiB would be reused warm from the run before).
+
+Before each size, the bench checks that 4x the size fits in available RAM (the state, the model,
+two parts in /dev/shm during the steady-state async save; or one part and the peer's receive
+buffer), 2x in /dev/shm and 1x on the disk directory, and skips the size with a line saying so
+otherwise. Every measurement runs once on a 4 MiB state first, untimed (imports, threads, first
+connections). Then `--runs` runs, each of every measurement below in this order, so that load
+changes on the machine hit them all; ratios are pair by pair (measurement of run i over the
+floor of run i, median of the ratios). Seconds are `time.perf_counter` wall time; GB/s are 10^9
+bytes per second, of the state's tensor bytes (the peer rows: of the part file's bytes).
+
+Floors:
+- memcpy: `dst.copy_(src)` for every tensor into the model's preallocated tensors: what moving
+  the bytes costs at the least; the targets are ratios to it, taken in the same run;
+- memcpy, fresh: `torch.empty_like` + `copy_` per tensor (page faults and zeroing included);
+- memcpy into a new /dev/shm file: `posix_fallocate` + `mmap` + `copy_` into typed views, as
+  ftrun's save does minus its own bookkeeping: what writing a new part to node memory costs the
+  kernel (tmpfs allocates and zeroes the pages, each is faulted into the mapping);
+- memcpy into that file again: a new mapping of the same, now allocated file with MAP_POPULATE,
+  then `copy_`: what a save into recycled node memory would cost;
+- CRC-32: `zlib.crc32` of every tensor's bytes (one core, as ftrun computes and verifies them).
+
+Saves (`FTRUN_CKPT_DIR` set to a fresh 0700 directory in /dev/shm, as the agent gives a
+worker; `LocalCheckpointManager(root, session_id="bench", keep_complete=1)`, its root unused
+as nothing is persisted to disk):
+- ftrun sync: `save(state, 1)`: flatten, allocate, copy, CRC-32, header, rename (no fsync: tmpfs);
+- ftrun async, stall: `save(state, 2, is_async=True)` until it returns: the training loop's stall
+  (flatten, allocate, the one copy). Target: <= 1.3x memcpy;
+- ftrun async, complete: the same call until `wait()` returns (checksums, header, rename, and the
+  removal of part 1, as every steady-state save removes its oldest part), waited for at once;
+- torch.save + fsync: `torch.save` to a file in a fresh directory on the disk (`--disk-dir`, not
+  /dev/shm), then `flush` and `os.fsync`: the whole call stalls training;
+- DCP async_save, stall and complete: `torch.distributed.checkpoint.async_save(state,
+  checkpoint_id=<fresh disk dir>, no_dist=True)` until it returns (it stages a copy of every
+  tensor in the caller), then until `.result()` (FileSystemWriter with its default
+  `sync_files=True`: fsync). No process group: torch 2.13 saves on one process with
+  `no_dist=True` (it warns; the warning is silenced).
+
+Restores (a restarted worker after a crash, part 2 of the async save):
+- ftrun load: a new manager's `find_latest()` + `load()`: header checks, mmap of the /dev/shm
+  file (zero-copy), CRC-32 of every tensor;
+- ftrun restore: that plus `dst.copy_` of every loaded tensor into the model: the full restore.
+  Target: <= 1.5x memcpy;
+- torch.load restore: `torch.load(weights_only=True)` of the torch.save file, just written, so
+  from the page cache (the best case for it), plus the same copy into the model.
+
+Peer transfer (a lost node fetching the part from a peer's replica), over loopback, both ends in
+this process (threads): a `PeerServer` whose handler replies with a `FileRegion` of the /dev/shm
+part (sent with `os.sendfile`) and a new `PeerClient` per run (connection and handshake
+included) that `fetch_into`s a preallocated, touched buffer. Its floor: a plain TCP connection
+on 127.0.0.1, `sendall` of the same bytes (the part file mapped with MAP_POPULATE) into
+`recv_into` the same buffer.
+
+What moves the figures: everything that writes into memory not touched before (the fresh
+floor, each save's new /dev/shm file, DCP's staging copy, torch.load) pays for the kernel's page
+allocation, zeroing and faults, and on a VM whose balloon driver reports free pages to the host
+(virtio_balloon, noted under the tables) also for host faults on pages freed a few seconds
+before: those vary with which pages the kernel hands out. The async save runs while part 1 is
+still held, so it needs memory the runs before did not just free, as a steady-state save (its
+oldest part removed a checkpoint interval ago) does too.
+
+The first run checks the model against the state after each restore and the fetched bytes
+against the part (CRC-32), untimed. Every directory the bench creates in /dev/shm and on disk is
+removed at the end, on errors, Ctrl-C and SIGTERM too. Raw per-run seconds go to
+bench/out/checkpoint-<time>.json.
+
+    python bench/checkpoint.py [--sizes-mib 1024 4096] [--runs 5] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import json
+import mmap
+import os
+import shutil
+import signal
+import socket
+import statistics
+import tempfile
+import threading
+import time
+import warnings
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from common import BENCH, load_average, machine_line, progress, table
+from torch.distributed.checkpoint.state_dict_saver import async_save
+
+from ftrun.checkpointing import LocalCheckpointManager
+from ftrun.checkpointing.node_tier import ENV_CKPT_DIR
+from ftrun.peer import FileRegion, PeerClient, PeerServer, Reply, Request
+
+MIB = 2**20
+GB = 1e9
+SHM = Path("/dev/shm")
+BALLOON = Path("/sys/bus/virtio/drivers/virtio_balloon")
+HOST = "127.0.0.1"
+SECRET = bytes(range(32))  # any 32 bytes: server and client are this process
+JOB = "bench-checkpoint"
+SESSION = "bench"
+WARMUP_MIB = 4
+MARGIN = 512 * MIB  # besides what the bench holds: the interpreter, torch, headers
+FETCH_TIMEOUT_S = 600.0
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+STALL_TARGET = 1.3  # ftrun async save stall <= 1.3x memcpy into preallocated memory
+RESTORE_TARGET = 1.5  # ftrun find_latest + load + copy into the model <= 1.5x memcpy
+
+
+# ---- the state -----------------------------------------------------------------------------
+
+
+def _matrix(numel: int, cols: int = 1024) -> tuple[int, int]:
+    return max(1, numel // cols), cols
+
+
+def build_state(nbytes: int) -> dict[str, Any]:
+    """A model + optimizer state of exactly `nbytes` tensor bytes (see the module docstring)."""
+    layers = 8 if nbytes >= 256 * MIB else 2
+    # Per parameter: bf16 weight (2) + fp32 master, exp_avg, exp_avg_sq (12) bytes.
+    params_total = nbytes // 14
+    shares = {"embed.weight": 0.12}
+    per_layer = {"attn.qkv.weight": 3, "attn.proj.weight": 1, "mlp.fc1.weight": 4}
+    per_layer["mlp.fc2.weight"] = 4
+    unit = (1 - shares["embed.weight"]) / (layers * sum(per_layer.values()))
+    for i in range(layers):
+        for name, weight in per_layer.items():
+            shares[f"layers.{i}.{name}"] = weight * unit
+    shapes = {name: _matrix(int(params_total * share * 0.98)) for name, share in shares.items()}
+    for i in range(layers):  # small vectors, as real models have many of them
+        for name in ("norm1.weight", "norm2.weight", "mlp.fc1.bias"):
+            shapes[f"layers.{i}.{name}"] = (1024,)
+    model = {name: torch.empty(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
+    master = {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items()}
+    moments = {
+        name: {
+            "step": torch.tensor(1000.0),
+            "exp_avg": torch.empty(shape, dtype=torch.float32),
+            "exp_avg_sq": torch.empty(shape, dtype=torch.float32),
+        }
+        for name, shape in shapes.items()
+    }
+    state: dict[str, Any] = {
+        "model": model,
+        "master_params": master,
+        "optimizer": {
+            "state": moments,
+            "param_groups": [
+                {
+                    "lr": 3e-4,
+                    "betas": (0.9, 0.95),
+                    "eps": 1e-8,
+                    "weight_decay": 0.1,
+                    "params": list(shapes),
+                }
+            ],
+        },
+        "iteration": 1000,
+        "loss_scale": 65536.0,
+        "config": {"model": "bench-llm", "layers": layers, "seq_len": 4096},
+    }
+    rest = nbytes - tensor_bytes(state)
+    if rest < 0 or rest % 2:
+        raise ValueError(f"cannot shape a state of {nbytes} bytes (left: {rest})")
+    state["model"]["rope.cache"] = torch.empty(rest // 2, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(nbytes)
+    for tensor in tensors_of(state):
+        tensor.uniform_(-1.0, 1.0, generator=generator)
+    return state
+
+
+def tensors_of(state: Any) -> Iterator[torch.Tensor]:
+    """The state's tensors in traversal order (dict order), the same for a loaded copy."""
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for value in state.values():
+            yield from tensors_of(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            yield from tensors_of(value)
+
+
+def tensor_bytes(state: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors_of(state))
+
+
+def like(state: Any) -> list[torch.Tensor]:
+    """The model: tensors like the state's, allocated and touched once."""
+    return [torch.zeros_like(t) for t in tensors_of(state)]
+
+
+def copy_into(model: list[torch.Tensor], state: Any) -> None:
+    for dst, src in zip(model, tensors_of(state), strict=True):
+        dst.copy_(src)
+
+
+def same(model: list[torch.Tensor], state: Any, what: str) -> None:
+    if not all(torch.equal(a, b) for a, b in zip(model, tensors_of(state), strict=True)):
+        raise AssertionError(f"{what}: the restored model differs from the state")
+
+
+# ---- what the bench creates, removed whatever happens ------------------------------------------
+
+
+class Scratch:
+    """Directories the bench made; `remove` each when done with it, `close` removes the rest."""
+
+    def __init__(self, disk: Path) -> None:
+        self.disk = disk
+        self.dirs: list[Path] = []
+
+    def mkdtemp(self, where: Path, prefix: str) -> Path:
+        path = Path(tempfile.mkdtemp(prefix=prefix, dir=where))  # mode 0700
+        self.dirs.append(path)
+        return path
+
+    def remove(self, path: Path) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+        self.dirs.remove(path)
+
+    def close(self) -> None:
+        for path in reversed(self.dirs):
+            shutil.rmtree(path, ignore_errors=True)
+        self.dirs.clear()
+
+
+def fixed_malloc_threshold() -> bool:
+    """Make every allocation of 128 KiB or more a fresh mmap (and every free an munmap).
+
+    glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed, after
+    which blocks of that size come from the heap and are reused without page faults: a
+    "fresh" allocation in run 2 would be warm memory from run 1. Fixing the threshold keeps
+    every run alike."""
+    with contextlib.suppress(OSError, AttributeError):
+        return bool(ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 128 * 1024))
+    return False
+
+
+def timed(work: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
+
+
+# ---- floors ------------------------------------------------------------------------------------
+
+
+def measure_floors(scratch: Scratch, state: Any, model: list[torch.Tensor]) -> dict[str, float]:
+    out = {"memcpy": timed(lambda: copy_into(model, state))}
+
+    def fresh() -> list[torch.Tensor]:
+        copies = []
+        for src in tensors_of(state):
+            copies.append(torch.empty_like(src))
+            copies[-1].copy_(src)
+        return copies
+
+    started = time.perf_counter()
+    copies = fresh()
+    out["memcpy_fresh"] = time.perf_counter() - started
+    del copies
+    directory = scratch.mkdtemp(SHM, "ftrun-bench-floor-")
+    try:
+        out.update(shm_file_copies(directory / "floor.bin", state))
+    finally:
+        scratch.remove(directory)
+    out["crc32"] = timed(lambda: checksum_all(state))
+    return out
+
+
+def shm_file_copies(path: Path, state: Any) -> dict[str, float]:
+    """Copy the tensors into a new file in /dev/shm through a mapping, as ftrun's save does;
+    then again into that file, now allocated, through a new mapping made with MAP_POPULATE."""
+    sources = list(tensors_of(state))
+    total = sum(-(-t.numel() * t.element_size() // 8) * 8 for t in sources)
+
+    def copy(mapping: mmap.mmap) -> None:
+        whole = torch.frombuffer(mapping, dtype=torch.uint8)  # must not outlive the mapping
+        offset = 0
+        for src in sources:
+            size = src.numel() * src.element_size()
+            whole[offset : offset + size].view(src.dtype).view(src.shape).copy_(src)
+            offset += -(-size // 8) * 8
+
+    out = {}
+    started = time.perf_counter()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, total)
+        mapping = mmap.mmap(fd, total)
+        copy(mapping)
+        out["memcpy_shm_file"] = time.perf_counter() - started
+        mapping.close()
+        started = time.perf_counter()
+        mapping = mmap.mmap(fd, total, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        copy(mapping)
+        out["memcpy_shm_reused"] = time.perf_counter() - started
+        mapping.close()
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    return out
+
+
+def checksum_all(state: Any) -> None:
+    """CRC-32 (zlib, one core) of every tensor's bytes: what `load` verifies."""
+    for tensor in tensors_of(state):
+        size = tensor.numel() * tensor.element_size()
+        if size:
+            zlib.crc32((ctypes.c_char * size).from_address(tensor.data_ptr()))
+
+
+# ---- ftrun -------------------------------------------------------------------------------------
+
+
+def measure_ftrun(
+    tier: Path, state: Any, model: list[torch.Tensor], verify: bool
+) -> tuple[dict[str, float], Path]:
+    """Sync save (1), async save (2), restore (2) with the node tier in `tier`; returns part 2's
+    path."""
+    os.environ[ENV_CKPT_DIR] = str(tier)
+    try:
+        persist = tier / "not-used"  # the manager's disk root; nothing is persisted there
+        manager = LocalCheckpointManager(persist, session_id=SESSION, keep_complete=1)
+        out = {"ftrun_sync_save": timed(lambda: manager.save(state, 1))}
+        started = time.perf_counter()
+        manager.save(state, 2, is_async=True)
+        out["ftrun_async_stall"] = time.perf_counter() - started
+        info = manager.wait()
+        out["ftrun_async_complete"] = time.perf_counter() - started
+        assert info is not None
+        # A restarted worker: a new manager finds and loads the newest part.
+        restarted = LocalCheckpointManager(persist, session_id=SESSION, keep_complete=1)
+        started = time.perf_counter()
+        iteration = restarted.find_latest()
+        loaded, _ = restarted.load()
+        out["ftrun_load"] = time.perf_counter() - started
+        copy_into(model, loaded)
+        out["ftrun_restore"] = time.perf_counter() - started
+        if iteration != 2:
+            raise AssertionError(f"find_latest() said {iteration}, not 2")
+        if verify:
+            same(model, state, "ftrun restore")
+        del loaded
+    finally:
+        os.environ.pop(ENV_CKPT_DIR, None)
+    return out, Path(info.path)
+
+
+# ---- the peer channel --------------------------------------------------------------------------
+
+
+class PartServer:
+    """A PeerServer that sends the current part file with sendfile (a `FileRegion`)."""
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self.server = PeerServer(HOST, SECRET, JOB)
+        self.server.register("part", self._serve)
+        self.server.start()
+
+    def _serve(self, request: Request) -> Reply:
+        assert self.path is not None
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        size = os.fstat(fd).st_size
+        return Reply({"size": size}, FileRegion(fd, 0, size), release=lambda: os.close(fd))
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@contextlib.contextmanager
+def mapped(path: Path) -> Iterator[mmap.mmap]:
+    """The file, mapped read-only and faulted in (MAP_POPULATE), as a sender's source."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mapping = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    try:
+        yield mapping
+    finally:
+        mapping.close()
+
+
+def touched(size: int) -> mmap.mmap:
+    """`size` bytes of anonymous memory with every page written: a preallocated buffer."""
+    buffer = mmap.mmap(-1, size)
+    block = b"\1" * (1 << 20)
+    with memoryview(buffer) as view:
+        for offset in range(0, size, len(block)):
+            view[offset : offset + len(block)] = block[: size - offset]
+    return buffer
+
+
+def loopback(source: mmap.mmap, dest: mmap.mmap) -> float:
+    """Seconds to move `source` into `dest` over a plain TCP connection on loopback."""
+    with socket.create_server((HOST, 0)) as listener:
+        sender = socket.create_connection(listener.getsockname())
+        receiver, _ = listener.accept()
+    with sender, receiver, memoryview(source) as src, memoryview(dest) as dst:
+        thread = threading.Thread(target=sender.sendall, args=(src,), daemon=True)
+        started = time.perf_counter()
+        thread.start()
+        got = 0
+        while got < len(dst):
+            count = receiver.recv_into(dst[got:])
+            if count == 0:
+                raise ConnectionError("the loopback sender closed early")
+            got += count
+        elapsed = time.perf_counter() - started
+        thread.join()
+    return elapsed
+
+
+def measure_peer(server: PartServer, part: Path, verify: bool) -> dict[str, float]:
+    size = part.stat().st_size
+    dest = touched(size)
+    try:
+        with mapped(part) as source:
+            out = {"loopback_raw": loopback(source, dest)}
+            if verify:  # the check below must see the fetch's bytes, not the loopback's
+                ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(dest)), 0, size)
+            server.path = part
+            with PeerClient(SECRET, JOB) as client:
+                out["peer_fetch"] = timed(
+                    lambda: client.fetch_into(
+                        HOST, server.server.port, "part", {}, dest, timeout=FETCH_TIMEOUT_S
+                    )
+                )
+            if verify and zlib.crc32(dest) != zlib.crc32(source):
+                raise AssertionError("the fetched part differs from the part file")
+    finally:
+        dest.close()
+    return out
+
+
+# ---- torch.save and DCP ------------------------------------------------------------------------
+
+
+def measure_torch(
+    scratch: Scratch, state: Any, model: list[torch.Tensor], verify: bool
+) -> dict[str, float]:
+    directory = scratch.mkdtemp(scratch.disk, "ftrun-bench-torch-")
+    try:
+        path = directory / "state.pt"
+
+        def save() -> None:
+            with path.open("wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+
+        out = {"torch_save_fsync": timed(save)}
+        started = time.perf_counter()
+        loaded = torch.load(path, weights_only=True)
+        out["torch_load"] = time.perf_counter() - started
+        copy_into(model, loaded)
+        out["torch_load_restore"] = time.perf_counter() - started
+        if verify:
+            same(model, state, "torch.load restore")
+        del loaded
+    finally:
+        scratch.remove(directory)
+    return out
+
+
+def measure_dcp(scratch: Scratch, state: Any) -> dict[str, float]:
+    directory = scratch.mkdtemp(scratch.disk, "ftrun-bench-dcp-")
+    try:
+        with warnings.catch_warnings():
+            # "torch.distributed is disabled, unavailable or uninitialized, assuming ..."
+            warnings.simplefilter("ignore", UserWarning)
+            started = time.perf_counter()
+            pending = async_save(state, checkpoint_id=str(directory), no_dist=True)
+            stall = time.perf_counter() - started
+            future = getattr(pending, "upload_completion", pending)
+            future.result()
+            complete = time.perf_counter() - started
+    finally:
+        scratch.remove(directory)
+    return {"dcp_async_stall": stall, "dcp_async_complete": complete}
+
+
+# ---- one run, one size -------------------------------------------------------------------------
+
+
+def one_run(
+    scratch: Scratch, server: PartServer, state: Any, model: list[torch.Tensor], verify: bool
+) -> tuple[dict[str, float], int]:
+    """Every measurement once; their seconds, and the part file's size."""
+    out = measure_floors(scratch, state, model)
+    tier = scratch.mkdtemp(SHM, "ftrun-bench-ckpt-")  # 0700, as the agent makes it
+    try:
+        ftrun, part = measure_ftrun(tier, state, model, verify)
+        out.update(ftrun)
+        part_bytes = part.stat().st_size
+        out.update(measure_peer(server, part, verify))
+    finally:
+        scratch.remove(tier)
+    out.update(measure_torch(scratch, state, model, verify))
+    out.update(measure_dcp(scratch, state))
+    return out, part_bytes
+
+
+def does_not_fit(nbytes: int, disk: Path) -> str | None:
+    """Why a state of `nbytes` cannot be measured without swapping or filling a disk; or None."""
+    needs = (
+        ("RAM (available)", psutil.virtual_memory().available, 4 * nbytes + MARGIN),
+        (f"{SHM} (free)", shutil.disk_usage(SHM).free, 2 * nbytes + 64 * MIB),
+        (f"{disk} (free)", shutil.disk_usage(disk).free, nbytes + MARGIN),
+    )
+    short = [
+        f"{where} has {have / MIB:.0f} MiB, needs {need / MIB:.0f}"
+        for where, have, need in needs
+        if have < need
+    ]
+    return "; ".join(short) or None
+
+
+@dataclasses.dataclass
+class SizeResult:
+    mib: int
+    nbytes: int
+    tensors: int = 0
+    part_bytes: int = 0
+    skipped: str | None = None
+    runs: list[dict[str, float]] = dataclasses.field(default_factory=list)
+
+
+def measure_size(
+    mib: int, runs: int, scratch: Scratch, server: PartServer, result: SizeResult
+) -> None:
+    nbytes = mib * MIB
+    result.skipped = does_not_fit(nbytes, scratch.disk)
+    if result.skipped:
+        progress(f"{mib} MiB: skipped: {result.skipped}")
+        return
+    progress(f"{mib} MiB: building the state")
+    state = build_state(nbytes)
+    model = like(state)
+    result.tensors = len(model)
+    for run in range(runs):
+        figures, result.part_bytes = one_run(scratch, server, state, model, verify=run == 0)
+        result.runs.append(figures)
+        brief = ", ".join(f"{k} {v:.3f}" for k, v in figures.items())
+        progress(f"  run {run + 1}/{runs}: {brief}")
+
+
+def warm_up(scratch: Scratch, server: PartServer) -> None:
+    """Every measurement once on a small state, untimed, checking what it restores."""
+    state = build_state(WARMUP_MIB * MIB)
+    one_run(scratch, server, state, like(state), verify=True)
+
+
+# ---- the table ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    key: str
+    label: str
+    floor: str = "memcpy"  # the floor of its ratio: memcpy | loopback_raw
+    target: float | None = None
+
+
+ROWS = (
+    Row("memcpy", "floor: memcpy into preallocated tensors (dst.copy_)"),
+    Row("memcpy_fresh", "floor: memcpy into fresh tensors (empty_like + copy_)"),
+    Row("memcpy_shm_file", "floor: memcpy into a new /dev/shm file (fallocate + mmap + copy_)"),
+    Row("memcpy_shm_reused", "floor: memcpy into that file again (mmap MAP_POPULATE + copy_)"),
+    Row("crc32", "floor: CRC-32 of every tensor (zlib, one core)"),
+    Row("ftrun_async_stall", "ftrun async save: stall (save returns)", target=STALL_TARGET),
+    Row("ftrun_async_complete", "ftrun async save: complete (save + wait: CRC, rename)"),
+    Row("ftrun_sync_save", "ftrun sync save"),
+    Row("torch_save_fsync", "torch.save to disk + fsync (all stall)"),
+    Row("dcp_async_stall", "DCP async_save to disk: stall (returns)"),
+    Row("dcp_async_complete", "DCP async_save to disk: complete (.result(), fsync)"),
+    Row("ftrun_load", "ftrun restore: find_latest + load (mmap, CRC)"),
+    Row(
+        "ftrun_restore",
+        "ftrun restore: find_latest + load + copy into the model",
+        target=RESTORE_TARGET,
+    ),
+    Row("torch_load", "torch.load (page cache)"),
+    Row("torch_load_restore", "torch.load (page cache) + copy into the model"),
+    Row("loopback_raw", "floor: TCP loopback, sendall -> recv_into", floor="loopback_raw"),
+    Row("peer_fetch", "ftrun peer fetch_into (sendfile from /dev/shm)", floor="loopback_raw"),
+)
+FLOOR_NAMES = {"memcpy": "memcpy", "loopback_raw": "loopback"}
+
+
+def _range(values: list[float], fmt: str) -> str:
+    text = fmt.format(statistics.median(values))
+    if len(values) > 1:
+        text += f" ({fmt.format(min(values))}-{fmt.format(max(values))})"
+    return text
+
+
+def render(result: SizeResult, markdown: bool) -> str:
+    rows = []
+    for row in ROWS:
+        values = [run[row.key] for run in result.runs if row.key in run]
+        if not values:
+            continue
+        ratios = [run[row.key] / run[row.floor] for run in result.runs if run.get(row.floor)]
+        nbytes = result.part_bytes if row.floor == "loopback_raw" else result.nbytes
+        median = statistics.median(values)
+        floor_s = statistics.median(run[row.floor] for run in result.runs)
+        target = ""
+        if row.target is not None:
+            verdict = "PASS" if statistics.median(ratios) <= row.target else "NO"
+            target = f"<= {row.target}x memcpy: {verdict}"
+        rows.append(
+            [
+                row.label,
+                _range(values, "{:.3f}"),
+                f"{nbytes / median / GB:.2f}",
+                _range(ratios, "{:.2f}"),
+                f"{FLOOR_NAMES[row.floor]} {floor_s:.3f} s",
+                target,
+            ]
+        )
+    headers = ["measurement", "s", "GB/s", "x floor", "floor", "target"]
+    return table(headers, rows, markdown)
+
+
+def caption(result: SizeResult) -> str:
+    return (
+        f"{result.mib} MiB per rank ({result.nbytes} tensor bytes in {result.tensors} tensors, "
+        f"part file {result.part_bytes} bytes), {len(result.runs)} run(s)"
+    )
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+
+def default_disk_dir() -> Path:
+    """A temp directory on a real disk: the system's, unless that is a tmpfs."""
+    for candidate in (Path(tempfile.gettempdir()), Path("/var/tmp")):
+        if candidate.is_dir() and filesystem_type(candidate) not in {"tmpfs", "ramfs"}:
+            return candidate
+    return Path(tempfile.gettempdir())
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem `path` is on (the longest mount point above it)."""
+    best, kind = "", "?"
+    real = os.path.realpath(path)
+    for part in psutil.disk_partitions(all=True):
+        mount = part.mountpoint
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) > len(best):
+            best, kind = mount, part.fstype
+    return kind
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--sizes-mib",
+        type=int,
+        nargs="+",
+        default=[1024, 4096],
+        metavar="MIB",
+        help="per-rank state sizes in MiB (default 1024 4096)",
+    )
+    parser.add_argument("--runs", type=int, default=5, help="interleaved runs (default 5)")
+    parser.add_argument(
+        "--disk-dir",
+        type=Path,
+        default=None,
+        help="where torch.save and DCP write (default: the temp dir, if not a tmpfs; /var/tmp)",
+    )
+    parser.add_argument("--markdown", action="store_true", help="print markdown tables")
+    parser.add_argument("--json", type=Path, help="raw results (default bench/out/checkpoint-*)")
+    args = parser.parse_args()
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    if any(m < WARMUP_MIB for m in args.sizes_mib):
+        parser.error(f"sizes must be at least {WARMUP_MIB} MiB")
+    args.disk_dir = args.disk_dir or default_disk_dir()
+    if not args.disk_dir.is_dir():
+        parser.error(f"--disk-dir {args.disk_dir} is not a directory")
+    return args
+
+
+def _terminate(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the clean-up
+
+
+def main() -> None:
+    args = parse_args()
+    signal.signal(signal.SIGTERM, _terminate)
+    if not fixed_malloc_threshold():
+        progress("could not fix malloc's mmap threshold: fresh allocations may reuse memory")
+    load = load_average()
+    started = time.strftime("%Y%m%d-%H%M%S")
+    disk_fs = filesystem_type(args.disk_dir)
+    results = [SizeResult(mib, mib * MIB) for mib in args.sizes_mib]
+    scratch = Scratch(args.disk_dir)
+    server = None
+    try:
+        server = PartServer()
+        progress(f"warm-up ({WARMUP_MIB} MiB); disk dir {args.disk_dir} ({disk_fs})")
+        warm_up(scratch, server)
+        for result in results:
+            measure_size(result.mib, args.runs, scratch, server, result)
+    finally:
+        if server is not None:
+            server.close()
+        scratch.close()
+    for result in results:
+        if result.skipped:
+            print(f"\n{result.mib} MiB per rank: skipped: {result.skipped}")
+        else:
+            print(f"\n{caption(result)}\n{render(result, args.markdown)}")
+    print(
+        "\ns: median (min-max) over runs; GB/s: bytes / median s (10^9 B/s; tensor bytes, peer "
+        "rows the part file); x floor: median (min-max) of run i / its floor of run i; "
+        f"disk dir {args.disk_dir} ({disk_fs})"
+    )
+    threads = torch.get_num_threads()
+    machine = f"{machine_line(load)}; torch {torch.__version__}, {threads} intra-op threads"
+    if BALLOON.is_dir():
+        machine += "; a VM with virtio_balloon (freed memory may go back to the host)"
+    print(machine)
+    path = args.json or BENCH / "out" / f"checkpoint-{started}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    raw = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "machine": machine,
+        "torch": torch.__version__,
+        "torch_threads": threads,
+        "disk_dir_fs": disk_fs,
+        "sizes": [dataclasses.asdict(r) for r in results],
+    }
+    path.write_text(json.dumps(raw, indent=1))
+    progress(f"raw results: {path}")
+
+
+if __name__ == "__main__":
+    main()
