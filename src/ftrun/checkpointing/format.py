@@ -26,6 +26,13 @@ makes the part appear whole, on tmpfs and on disks alike.
 On any failure the temp file is removed and `CheckpointWriteError` is raised (one line); the
 part already at `path`, if any, and parts at other paths are never touched.
 
+Reusing an old part's memory (`Spare`): a new file in node memory costs far more than the copy
+into it (every page allocated, zeroed and faulted in: ~7x a memcpy here), so a store may hand
+`prepare_part` the file of a part it retired, still mapped from when this process wrote it
+(`keep_mapping`): the copy then lands in pages that are already there, at memcpy speed. The
+retired file is renamed to the temp name first: nobody finds it under a part's name while it is
+rewritten. A file that some reader in this process mapped (`read_part`) is never reused.
+
 Reading, `read_part`, maps the file copy-on-write (`mmap.ACCESS_COPY`) and builds the tensors
 on the mapping with `torch.frombuffer`: zero-copy. The pages are shared with the page cache
 (on /dev/shm: with the file itself) until a tensor is written to; a write copies just that page
@@ -91,19 +98,40 @@ class PartInfo:
     metadata: Mapping[str, str]
 
 
+@dataclass
+class Spare:
+    """A retired part's file, out of sight, whose memory the next part may reuse."""
+
+    path: Path
+    size: int
+    mapping: mmap.mmap | None = None
+    """Still mapped (shared, pages present) from when this process wrote it; None: map anew."""
+
+
 class PendingPart:
     """A part whose tensor bytes are in its temp file; nothing exists at `path` until `commit`.
 
-    Call `commit` (it aborts itself on failure) or `abort`, once.
+    Call `commit` (it aborts itself on failure) or `abort`, once. With `keep_mapping`, the
+    file stays mapped after `commit` (`kept_mapping`), for a later `Spare`.
     """
 
-    def __init__(self, path: Path, tmp: Path, fd: int, mapping: mmap.mmap, layout: Layout) -> None:
+    def __init__(
+        self,
+        path: Path,
+        tmp: Path,
+        fd: int,
+        mapping: mmap.mmap,
+        layout: Layout,
+        keep_mapping: bool = False,
+    ) -> None:
         self.path = path
         self._tmp = tmp
         self._fd = fd
         self._mm: mmap.mmap | None = mapping
         self._layout = layout
         self._durable = not _is_volatile(path)
+        self._keep = keep_mapping
+        self.kept_mapping: mmap.mmap | None = None
 
     def commit(self) -> PartInfo:
         """Checksum, write the header, make the file durable, and rename it into place."""
@@ -117,7 +145,8 @@ class PendingPart:
             if self._durable:
                 mm.flush()
                 os.fsync(self._fd)
-            self._release()
+            self.kept_mapping = mm if self._keep else None
+            self._release(unmap=not self._keep)
             os.replace(self._tmp, self.path)
             if self._durable:
                 _fsync_dir(self.path.parent)
@@ -166,9 +195,17 @@ def write_part(
 
 
 def prepare_part(
-    path: _PathLike, state: Any, iteration: int, metadata: Mapping[str, str] | None = None
+    path: _PathLike,
+    state: Any,
+    iteration: int,
+    metadata: Mapping[str, str] | None = None,
+    spare: Spare | None = None,
+    keep_mapping: bool = False,
 ) -> PendingPart:
-    """Copy `state` into a temp file next to `path`; `commit` the result to make it the part."""
+    """Copy `state` into a temp file next to `path`; `commit` the result to make it the part.
+
+    `spare`: a retired part's file to write into instead of a new one (used if big enough).
+    """
     if type(iteration) is not int or iteration < 0:
         raise CheckpointUsageError(f"iteration must be a non-negative int, not {iteration!r}")
     path = Path(path)
@@ -177,9 +214,11 @@ def prepare_part(
     tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}")
     fd, mapping = -1, None
     try:
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        _reserve(fd, layout.total)
-        mapping = mmap.mmap(fd, layout.total)
+        fd, mapping = _open_spare(spare, tmp, layout.total) if spare else (-1, None)
+        if mapping is None:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            _reserve(fd, layout.total)
+            mapping = mmap.mmap(fd, layout.total)
         _copy_tensors(mapping, layout, flat.tensors)
     except BaseException as e:
         # Not mapping.close(): views of it may live on in the traceback's frames, and torch
@@ -191,7 +230,25 @@ def prepare_part(
         if isinstance(e, OSError):
             raise _write_error(path, e) from e
         raise
-    return PendingPart(path, tmp, fd, mapping, layout)
+    return PendingPart(path, tmp, fd, mapping, layout, keep_mapping)
+
+
+def _open_spare(spare: Spare, tmp: Path, total: int) -> tuple[int, mmap.mmap | None]:
+    """The spare's file under the temp name, cut to `total` and mapped; (-1, None) when it is
+    too small or gone (the caller then writes a new file)."""
+    if spare.size < total:
+        spare.path.unlink(missing_ok=True)
+        return -1, None
+    try:
+        os.replace(spare.path, tmp)
+    except FileNotFoundError:
+        return -1, None
+    fd = os.open(tmp, os.O_RDWR | os.O_CLOEXEC)
+    os.ftruncate(fd, total)  # the mapping may be longer: only its first `total` bytes are used
+    mapping = spare.mapping
+    if mapping is None:
+        mapping = mmap.mmap(fd, total, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    return fd, mapping
 
 
 def read_part(path: _PathLike, verify: bool = True) -> tuple[Any, PartInfo]:

@@ -99,8 +99,12 @@ class LocalCheckpointManager:
         self._tier = agent_tier(session_id, repl_strategy, self.root_local_ckpt_dir,
                                 persist_to_disk)  # fmt: skip
         if store is None:
-            root = self._tier or self.root_local_ckpt_dir / session_id
-            store = DirectoryStore(root)
+            tier = self._tier
+            store = (
+                DirectoryStore(tier, recycle=True)
+                if tier
+                else DirectoryStore(self.root_local_ckpt_dir / session_id)
+            )
         self._store = store
         self._in_flight: _AsyncSave | None = None
         self._bad: set[PartKey] = set()  # set aside: never read again, even if renaming failed

@@ -16,6 +16,7 @@ node it happens to be on, so a job restarted with its nodes in another order sti
 from __future__ import annotations
 
 import errno
+import mmap
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,9 +24,17 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ftrun.checkpointing.errors import CheckpointCorruptError, CheckpointWriteError
-from ftrun.checkpointing.format import PartInfo, prepare_part, read_info, read_part
+from ftrun.checkpointing.format import (
+    PartInfo,
+    PendingPart,
+    Spare,
+    prepare_part,
+    read_info,
+    read_part,
+)
 
 SUFFIX = ".ftckpt"
+SPARE_PREFIX = ".spare-"
 CORRUPT_SUFFIX = ".corrupt"
 _ITERATION_DIR = re.compile(r"iter_(\d{7,})")
 
@@ -75,16 +84,53 @@ class PartStore(Protocol):
         """Delete the part and its leftovers; a missing part is not an error."""
         ...
 
+    def _retire(self, path: Path) -> None:
+        """Keep the part's file as its rank's spare (recycle), else forget its mapping."""
+        mapping = self._kept.pop(path, None)
+        if not self._recycle or path in self._read or path.name in self._spares:
+            if mapping is not None:
+                mapping.close()
+            return
+        spare = self.root / f"{SPARE_PREFIX}{path.name}"
+        try:
+            size = path.stat().st_size
+            path.replace(spare)
+        except OSError:  # gone already: nothing to reuse
+            if mapping is not None:
+                mapping.close()
+            return
+        self._spares[path.name] = Spare(spare, size, mapping)
+
+    def _found_spare(self, part_name: str) -> Spare | None:
+        """A spare left by this rank's previous process (a worker restart): map it anew."""
+        spare = self.root / f"{SPARE_PREFIX}{part_name}"
+        try:
+            return Spare(spare, spare.stat().st_size)
+        except OSError:
+            return None
+
     def set_aside(self, key: PartKey) -> None:
         """Keep a bad part for inspection where it will never be read again."""
         ...
 
 
 class DirectoryStore:
-    """Parts as files under `root` (see the module docstring for the layout)."""
+    """Parts as files under `root` (see the module docstring for the layout).
 
-    def __init__(self, root: str | Path) -> None:
+    With `recycle` (node memory under ft_launcher), a removed part's file is not deleted but
+    kept out of sight as `.spare-<part name>` (one per rank) and written again by the next save
+    of that rank, still mapped: the save's copy then costs a memcpy, not a new file's page
+    allocation (see `format`). A part this process read is never recycled (its readers map it).
+    """
+
+    def __init__(self, root: str | Path, recycle: bool = False) -> None:
         self.root = Path(root)
+        self._recycle = recycle
+        self._kept: dict[Path, mmap.mmap] = {}
+        """Parts this process wrote, still mapped (recycle only)."""
+        self._read: set[Path] = set()
+        self._spares: dict[str, Spare] = {}
+        """Part name (rank, world size) -> its spare."""
 
     def __repr__(self) -> str:
         return f"DirectoryStore({str(self.root)!r})"
@@ -98,12 +144,17 @@ class DirectoryStore:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CheckpointWriteError(f"cannot create {path.parent}: {e.strerror or e}") from e
-        return prepare_part(path, state, key.iteration, metadata)
+        if not self._recycle:
+            return prepare_part(path, state, key.iteration, metadata)
+        spare = self._spares.pop(path.name, None) or self._found_spare(path.name)
+        pending = prepare_part(path, state, key.iteration, metadata, spare, keep_mapping=True)
+        return _Kept(pending, self._kept)
 
     def write(self, key: PartKey, state: Any, metadata: Mapping[str, str]) -> PartInfo:
         return self.prepare(key, state, metadata).commit()
 
     def read(self, key: PartKey, verify: bool = True) -> tuple[Any, PartInfo]:
+        self._read.add(self.path_of(key))
         state, info = read_part(self.path_of(key), verify=verify)
         _check_iteration(key, info)
         return state, info
@@ -124,6 +175,7 @@ class DirectoryStore:
         path = self.path_of(key)
         if not path.parent.is_dir():
             return
+        self._retire(path)
         for child in path.parent.iterdir():
             if _belongs(child.name, path.name):
                 child.unlink(missing_ok=True)
@@ -133,10 +185,52 @@ class DirectoryStore:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
                 raise
 
+    def _retire(self, path: Path) -> None:
+        """Keep the part's file as its rank's spare (recycle), else forget its mapping."""
+        mapping = self._kept.pop(path, None)
+        if not self._recycle or path in self._read or path.name in self._spares:
+            if mapping is not None:
+                mapping.close()
+            return
+        spare = self.root / f"{SPARE_PREFIX}{path.name}"
+        try:
+            size = path.stat().st_size
+            path.replace(spare)
+        except OSError:  # gone already: nothing to reuse
+            if mapping is not None:
+                mapping.close()
+            return
+        self._spares[path.name] = Spare(spare, size, mapping)
+
+    def _found_spare(self, part_name: str) -> Spare | None:
+        """A spare left by this rank's previous process (a worker restart): map it anew."""
+        spare = self.root / f"{SPARE_PREFIX}{part_name}"
+        try:
+            return Spare(spare, spare.stat().st_size)
+        except OSError:
+            return None
+
     def set_aside(self, key: PartKey) -> None:
         path = self.path_of(key)
         if path.exists():
             path.replace(path.with_name(path.name + CORRUPT_SUFFIX))
+
+
+class _Kept:
+    """A pending part whose mapping the store keeps once committed (for its later spare)."""
+
+    def __init__(self, pending: PendingPart, kept: dict[Path, mmap.mmap]) -> None:
+        self._pending = pending
+        self._kept = kept
+
+    def commit(self) -> PartInfo:
+        info = self._pending.commit()
+        if self._pending.kept_mapping is not None:
+            self._kept[self._pending.path] = self._pending.kept_mapping
+        return info
+
+    def abort(self) -> None:
+        self._pending.abort()
 
 
 def _part_name(rank: int, world_size: int) -> str:
