@@ -154,8 +154,11 @@ def local_checkpoints(args: argparse.Namespace) -> LocalCheckpointManager | None
     replicated to the next node), in <ckpt-dir>/local under torchrun."""
     if not args.local_ckpt_every:
         return None
+    # A rank's copy goes to the rank one node further (jump = ranks per node): a lost node's
+    # parts then live on its neighbour.
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     clique = CliqueReplicationStrategy.from_replication_params(
-        replication_jump=1, replication_factor=2
+        replication_jump=per_node, replication_factor=2
     )
     return LocalCheckpointManager(args.ckpt_dir / "local", repl_strategy=clique)
 

@@ -239,6 +239,9 @@ def _node_info(node: str, events: Sequence[Event]) -> NodeInfo:
 def _outcome(nodes: Iterable[NodeInfo]) -> str:
     """The job's verdict: the worst node's, and INCOMPLETE when a node never said goodbye."""
     codes = [n.exit_code for n in nodes]
+    left = (None, ExitCode.EXCLUDED, ExitCode.DO_NOT_RELAUNCH)  # lost, excluded, unhealthy
+    if ExitCode.SUCCESS in codes and all(code in (ExitCode.SUCCESS, *left) for code in codes):
+        return "SUCCESS"  # a launcher exits 0 only once the job's workers all finished
     if any(code is None for code in codes):
         return "INCOMPLETE"
     # A node excluded at a worker's request left; the job's verdict is the others'.
