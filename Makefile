@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(VPY) bench/restart.py --runs $(or $(BENCH_RUNS),5)
 	$(VPY) bench/compare.py --runs $(or $(BENCH_RUNS),5)
 	$(VPY) bench/spares.py --runs $(or $(BENCH_RUNS),5)
+	$(VPY) bench/checkpoint.py --runs $(or $(BENCH_RUNS),5)
 	$(VPY) bench/rendezvous_scale.py --repeats $(or $(BENCH_RUNS),3)
 
 faults: $(STAMP)
