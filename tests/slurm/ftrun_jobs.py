@@ -132,15 +132,25 @@ class Chain:
             lines += [f"  | {ln}" for ln in self.output(job_id).splitlines()[-25:]]
         return "\n".join(lines)
 
+    def events(self, name: str) -> list[dict]:
+        """Events `name` of every launcher of every run of the chain (their --log-dir)."""
+        found = []
+        for path in sorted(self.job_dir.glob("runs/*/logs/events-*.jsonl")):
+            lines = path.read_text().splitlines()
+            found += [json.loads(line) for line in lines if line.strip()]
+        return [e for e in found if e["event"] == name]
+
     def launcher_of(self, node: str) -> psutil.Process:
         """The ft_launcher process this chain's first job runs on Slurm node `node`."""
         marks = {f"SLURMD_NODENAME={node}".encode(), f"SLURM_JOB_ID={self.first_job}".encode()}
 
         def find() -> psutil.Process | None:
-            for proc in psutil.process_iter(["cmdline"]):
-                if "ftrun.ft_launcher" not in " ".join(proc.info["cmdline"] or []) and not any(
-                    part.endswith("ft_launcher") for part in proc.info["cmdline"] or []
-                ):
+            for proc in psutil.process_iter(["cmdline", "name"]):
+                argv = proc.info["cmdline"] or []
+                # srun and the template's per-task wrapper name the launcher too: not them.
+                wrapper = proc.info["name"] in ("srun", "bash", "sh") or "--ft-run-task" in argv
+                named = any(part.endswith("ft_launcher") for part in argv[:2])
+                if wrapper or not (named or "ftrun.ft_launcher.cli" in argv):
                     continue
                 with contextlib.suppress(OSError):
                     env = set(Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0"))

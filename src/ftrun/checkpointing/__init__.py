@@ -5,6 +5,12 @@ and loads the newest iteration every rank has. Parts are written by `format`, la
 `layout`, kept by a `store.PartStore`; `replication` holds NVRx's clique arithmetic.
 """
 
+from ftrun.checkpointing.async_calls import (
+    AsyncCallError,
+    AsyncCallsQueue,
+    AsyncCallTimeoutError,
+    AsyncRequest,
+)
 from ftrun.checkpointing.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -22,6 +28,10 @@ from ftrun.checkpointing.replication import (
 from ftrun.checkpointing.state_dict import BasicTensorAwareStateDict
 
 __all__ = [
+    "AsyncCallError",
+    "AsyncCallTimeoutError",
+    "AsyncCallsQueue",
+    "AsyncRequest",
     "BasicTensorAwareStateDict",
     "CheckpointCorruptError",
     "CheckpointError",
