@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import socket
+import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -59,3 +61,33 @@ def reap_zombies() -> None:
 
 def python_cmd(script: str, *args: str) -> list[str]:
     return [sys.executable, "-u", str(WORKERS / script), *args]
+
+
+def run_gloo_ranks(script: str, args: Sequence[str], timeout: float, ranks: int = 2) -> list[str]:
+    """Run `python -c script *args` as `ranks` torch.distributed ranks on 127.0.0.1 (env://);
+    every one must exit 0. Returns each rank's last stdout line; no process outlives the call."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, *args],
+            env={**env, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(ranks)
+    ]
+    try:
+        outputs = [proc.communicate(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    for proc, (_, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, err[-2000:]
+    return [out.strip().splitlines()[-1] for out, _ in outputs]

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +24,7 @@ from ftrun.checkpointing import (
     CheckpointUsageError,
 )
 from ftrun.checkpointing.async_progress import NONE, Decision, Progress, decide
-from support import wait_for
+from support import run_gloo_ranks, wait_for
 
 WAIT_S = 10
 
@@ -371,35 +368,9 @@ print(json.dumps(out))
 """
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_gloo_ranks_finalize_together_and_fail_together(tmp_path: Path) -> None:
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
-    env["MASTER_PORT"] = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", TWO_RANKS, str(tmp_path)],
-            env={**env, "RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        outputs = [proc.communicate(timeout=60) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(WAIT_S)
-    for proc, (_, err) in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, err[-2000:]
-    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    lines = run_gloo_ranks(TWO_RANKS, [str(tmp_path)], timeout=60)
+    results = [json.loads(line) for line in lines]
     for rank, result in enumerate(results):
         # Rank 0's write was done, rank 1's not: nothing finalized, one all_reduce per check.
         assert result["early"] == [[], [], []]

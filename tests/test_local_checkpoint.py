@@ -8,9 +8,7 @@ import gc
 import json
 import logging
 import os
-import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -31,6 +29,7 @@ from ftrun.checkpointing import (
 )
 from ftrun.checkpointing.format import PartInfo, read_part, write_part
 from ftrun.checkpointing.store import DirectoryStore, PartKey, PreparedPart
+from support import run_gloo_ranks
 
 WAIT_S = 10
 
@@ -281,36 +280,10 @@ print(json.dumps(out))
 """
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_gloo_ranks_agree_on_the_iteration(tmp_path: Path) -> None:
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
-    env["MASTER_PORT"] = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", TWO_RANKS, str(tmp_path)],
-            env={**env, "RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        outputs = [proc.communicate(timeout=90) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(WAIT_S)
-    for proc, (_, err) in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, err[-2000:]
-    for rank, (out, _) in enumerate(outputs):
-        result = json.loads(out.strip().splitlines()[-1])
+    lines = run_gloo_ranks(TWO_RANKS, [str(tmp_path)], timeout=90)
+    for rank, line in enumerate(lines):
+        result = json.loads(line)
         assert result == {"a": [2, 2, 2, rank], "b": [1, 1, 1, rank], "c": [2, 1, 1, rank]}
 
 
