@@ -12,9 +12,12 @@ import enum
 import errno
 import itertools
 import json
+import logging
 import math
 import pickle
+import shutil
 import struct
+import tempfile
 import zlib
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ import pytest
 import torch
 
 from ftrun.checkpointing import format as fmt
+from ftrun.checkpointing import pinning
 from ftrun.checkpointing.errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
@@ -378,12 +382,71 @@ def test_reserved_metadata_keys_are_refused(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_tensors_are_copied_to_host(tmp_path: Path) -> None:
+def test_cuda_tensors_are_copied_to_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     state = {
         "w": torch.randn(64, 32, device="cuda").t(),
         "b": torch.ones(3, device="cuda", dtype=torch.bfloat16),
+        "big": torch.randn(2**24, device="cuda"),  # 64 MiB: a DMA still running would show
+        "step": torch.tensor(7.0),
     }
-    write_part(tmp_path / "p", state, 1)
+    write_part(tmp_path / "p", state, 1)  # a one-shot mapping: not page-locked
     loaded, _ = read_part(tmp_path / "p")
     assert loaded["w"].device.type == "cpu"
-    assert torch.equal(loaded["w"], state["w"].cpu()) and torch.equal(loaded["b"], state["b"].cpu())
+    assert all(torch.equal(loaded[k], v.cpu()) for k, v in state.items())
+    # A kept mapping in node memory (the store's recycling) is page-locked once and written by
+    # async copies, complete when prepare_part returns: commit checksums the mapping at once.
+    registered = []
+    real = pinning._register
+    monkeypatch.setattr(pinning, "_register", lambda *a: registered.append(a) or real(*a))
+    on_disk = fmt.prepare_part(tmp_path / "d", state, 2, keep_mapping=True)
+    on_disk.commit()
+    assert not registered and on_disk.kept_mapping is not None  # a disk file's: never pinned
+    on_disk.kept_mapping.close()
+    shm = Path(tempfile.mkdtemp(prefix="ftrun-test-pin-", dir="/dev/shm"))
+    try:
+        pending = fmt.prepare_part(shm / "k", state, 2, keep_mapping=True)
+        info = pending.commit()
+        mapping = pending.kept_mapping
+        assert isinstance(mapping, pinning.Mapping) and mapping._pinned is not None
+        loaded, _ = read_part(shm / "k")  # its checksums were taken as commit began
+        assert all(torch.equal(loaded[k], v.cpu()) for k, v in state.items())
+        del loaded
+        state2 = {k: v * 2 for k, v in state.items()}
+        spare = fmt.Spare(shm / "k", info.nbytes, mapping)
+        fmt.prepare_part(shm / "k", state2, 3, spare=spare, keep_mapping=True).commit()
+        assert len(registered) == 1 and mapping._pinned is not None  # the spare: still pinned
+        loaded, _ = read_part(shm / "k")
+        assert all(torch.equal(loaded[k], v.cpu()) for k, v in state2.items())
+        del loaded
+        mapping.close()  # unregisters first
+        assert mapping._pinned is None and torch.ones(2, device="cuda").sum().item() == 2.0
+    finally:
+        shutil.rmtree(shm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_copies_fall_back_when_memory_cannot_be_pinned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    cudart = torch.cuda.cudart()
+    monkeypatch.setattr(pinning, "_disabled", False)
+    # A real failure (NULL address): CUDA keeps it as its last error, which must not surface in
+    # torch's next kernel launch.
+    null_register = lambda _, size: int(cudart.cudaHostRegister(0, size, 1))  # noqa: E731
+    monkeypatch.setattr(pinning, "_register", null_register)
+    state = {"w": torch.randn(1000, device="cuda"), "b": torch.ones(3, device="cuda")}
+    shm = Path(tempfile.mkdtemp(prefix="ftrun-test-pin-", dir="/dev/shm"))
+    try:
+        with caplog.at_level(logging.WARNING, logger=pinning.__name__):
+            pending = fmt.prepare_part(shm / "p", state, 1, keep_mapping=True)
+            pending.commit()
+        assert pending.kept_mapping is not None and pending.kept_mapping._pinned is None
+        assert "cannot page-lock checkpoint memory" in caplog.text and pinning._disabled
+        assert torch.ones(8, device="cuda").add_(1).sum().item() == 16.0
+        loaded, _ = read_part(shm / "p")
+        assert all(torch.equal(loaded[k], v.cpu()) for k, v in state.items())
+        del loaded
+        pending.kept_mapping.close()
+    finally:
+        shutil.rmtree(shm)

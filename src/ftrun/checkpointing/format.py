@@ -9,8 +9,8 @@ Writing, `write_part` = `prepare_part` + `PendingPart.commit`:
    cannot be stored fails here), creates `<path>.tmp-<pid>`, reserves its full size with
    `posix_fallocate`, maps it, and copies every tensor into a typed view of the mapping: one
    copy, with torch gathering non-contiguous tensors and doing the device-to-host copy of CUDA
-   tensors on the way. After it returns, the part owns its bytes: the caller may change its
-   tensors.
+   tensors on the way (into a kept mapping, page-locked once: see `pinning`). After it returns,
+   the part owns its bytes: the caller may change its tensors.
 2. `commit` computes the CRC-32 of each tensor from the mapping (what landed in the file), writes
    the header, flushes and fsyncs the file, renames it to `path` and fsyncs the directory.
 
@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 
+from ftrun.checkpointing import pinning
 from ftrun.checkpointing.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -221,8 +222,8 @@ def prepare_part(
         if mapping is None:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             _reserve(fd, layout.total)
-            mapping = mmap.mmap(fd, layout.total)
-        _copy_tensors(mapping, layout, flat.tensors)
+            mapping = pinning.Mapping(fd, layout.total)
+        _copy_tensors(mapping, layout, flat.tensors, pin=keep_mapping and _is_volatile(path))
     except BaseException as e:
         # Not mapping.close(): views of it may live on in the traceback's frames, and torch
         # views do not pin a buffer export. Dropping our reference unmaps it once they are gone.
@@ -250,7 +251,7 @@ def _open_spare(spare: Spare, tmp: Path, total: int) -> tuple[int, mmap.mmap | N
     os.ftruncate(fd, total)  # the mapping may be longer: only its first `total` bytes are used
     mapping = spare.mapping
     if mapping is None:
-        mapping = mmap.mmap(fd, total, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        mapping = pinning.Mapping(fd, total, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     return fd, mapping
 
 
@@ -301,17 +302,31 @@ def read_info(path: _PathLike) -> PartInfo:
         os.close(fd)
 
 
-def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+def _copy_into(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
     """The one copy of a tensor's bytes into the file (a seam for tests to fail)."""
-    dst.copy_(src)
+    dst.copy_(src, non_blocking=non_blocking)
 
 
-def _copy_tensors(mapping: mmap.mmap, layout: Layout, tensors: Sequence[torch.Tensor]) -> None:
+def _copy_tensors(
+    mapping: mmap.mmap, layout: Layout, tensors: Sequence[torch.Tensor], pin: bool = False
+) -> None:
+    """With `pin` (a kept mapping) and CUDA tensors, the mapping is page-locked and their
+    copies are queued, then waited for: complete when this returns, as the others are."""
+    devices = pinning.cuda_devices(tensors) if pin else []
+    pinned = bool(devices) and pinning.pin(mapping, devices[0])
     whole = torch.frombuffer(mapping, dtype=torch.uint8)  # must not outlive the mapping
-    for entry, tensor in zip(layout.entries, tensors, strict=True):
-        if entry.end > entry.begin:
-            span = whole[layout.data_start + entry.begin : layout.data_start + entry.end]
-            _copy_into(span.view(entry.dtype).view(entry.shape), tensor)
+    try:
+        for entry, tensor in zip(layout.entries, tensors, strict=True):
+            if entry.end > entry.begin:
+                span = whole[layout.data_start + entry.begin : layout.data_start + entry.end]
+                dst = span.view(entry.dtype).view(entry.shape)
+                if pinned and tensor.is_cuda:
+                    _copy_into(dst, tensor, non_blocking=True)
+                else:
+                    _copy_into(dst, tensor)
+    finally:
+        if pinned:  # also on errors: no DMA may still land in a mapping being dropped
+            pinning.synchronize(devices)
 
 
 def _checksums(mapping: mmap.mmap, data_start: int, entries: Sequence[Entry]) -> list[int]:
