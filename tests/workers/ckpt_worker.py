@@ -1,9 +1,10 @@
 """A gloo training loop that checkpoints with `ftrun.checkpointing.LocalCheckpointManager`.
 
 Each step is one all_reduce. Every --save-every steps each rank saves its part (async) with a
-clique replication strategy (jump 1, factor 2). At start it loads the newest checkpoint the
-launcher's agents agreed on (or torchrun's collective), and appends "<cycle> <step> <loaded>"
-to <ckpt-dir>/rank<R>.log after every step (loaded: the iteration it resumed from, -1: none).
+clique replication strategy (jump = ranks per node, factor 2: copies on the next node). At
+start it loads the newest checkpoint the launcher's agents agreed on (or torchrun's
+collective), and appends "<cycle> <step> <loaded>" to <ckpt-dir>/rank<R>.log after every step
+(loaded: the iteration it resumed from, -1: none).
 Writes <ckpt-dir>/FINISHED after --steps.
 
 Faults (each in one cycle): --crash CYCLE:RANK:STEP exits 1 at STEP; --die-in-save
@@ -49,7 +50,8 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo")
-    strategy = CliqueReplicationStrategy.from_replication_params(1, 2)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # copies go to the next node
+    strategy = CliqueReplicationStrategy.from_replication_params(per_node, 2)
     manager = LocalCheckpointManager(args.out / "local", repl_strategy=strategy)
     weights = torch.zeros(int(args.mb * 2**20) // 4)
     start, loaded = 0, manager.find_latest()
