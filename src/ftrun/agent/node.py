@@ -176,6 +176,8 @@ class NodeAgent:
             return self._decide(p.JoinFailed(str(exc), exc.exit_code))
         self._round = rnd
         self.events.cycle = rnd.number
+        # A standby node arrived again when the cycle it waited through ended.
+        started = max(started, getattr(self.rt.rendezvous, "arrived_at", started))
         self.events.emit(
             "rendezvous_done",
             duration=round(time.monotonic() - started, 6),

@@ -105,6 +105,9 @@ class BarrierRendezvousHandler(RendezvousHandler):
         self._probe = probe
         self._on_standby = on_standby
         self._grace = descriptor_grace
+        self.arrived_at = 0.0
+        """When this node last arrived at a round (monotonic): a standby node's wait for earlier
+        cycles to end is not its rendezvous time."""
 
     # ---- torch's RendezvousHandler -------------------------------------------------------
 
@@ -153,6 +156,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
             cycle = self.control.cycle()
             # Built before arriving: a closer gives an arrival only a short grace to write it.
             mine = self._descriptor().to_json()
+            self.arrived_at = time.monotonic()
             index = self._store.add(self._key(cycle, "arrivals"), 1) - 1
             self._store.set(self._key(cycle, f"node/{index}"), mine)
             planning = _Planning(cycle)

@@ -184,6 +184,8 @@ class _Lane:
             if self.state != RENDEZVOUS:  # its health_check line was lost or malformed
                 self._switch(RENDEZVOUS, event.ts - event.num("duration"), None)
             self.cycle = event.cycle  # known only now: the bar belongs to the cycle it forms
+        elif kind == "standby":  # a hot spare idles until a later round takes it in
+            self._switch(None, event.ts, None)
         elif kind == "workers_started":
             self._switch(STARTING if self.by_progress else RUNNING, event.ts, event.cycle)
             self.unfinished = set(event.get("ranks", []))

@@ -157,7 +157,7 @@ class Replicator:
             return
         if not targets:
             self._complain(
-                f"{session}/local",
+                f"{session}/local/{key.rank}",
                 f"checkpoint keeper: the clique of rank {key.rank} lies on this node "
                 f"(replication_jump={jump}): no copy leaves it",
             )
