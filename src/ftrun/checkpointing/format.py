@@ -26,12 +26,10 @@ makes the part appear whole, on tmpfs and on disks alike.
 On any failure the temp file is removed and `CheckpointWriteError` is raised (one line); the
 part already at `path`, if any, and parts at other paths are never touched.
 
-Reusing an old part's memory (`Spare`): a new file in node memory costs far more than the copy
-into it (every page allocated, zeroed and faulted in: ~7x a memcpy here), so a store may hand
-`prepare_part` the file of a part it retired, still mapped from when this process wrote it
-(`keep_mapping`): the copy then lands in pages that are already there, at memcpy speed. The
-retired file is renamed to the temp name first: nobody finds it under a part's name while it is
-rewritten. A file that some reader in this process mapped (`read_part`) is never reused.
+Reusing an old part's memory: a store may hand `prepare_part` the `Spare` file of a part it
+retired, still mapped from when this process wrote it (`keep_mapping`): the copy then lands in
+pages that are already there, at memcpy speed (see `spares` for why and when). The retired file
+is renamed to the temp name first: nobody finds it under a part's name while it is rewritten.
 
 Reading, `read_part`, maps the file copy-on-write (`mmap.ACCESS_COPY`) and builds the tensors
 on the mapping with `torch.frombuffer`: zero-copy. The pages are shared with the page cache
@@ -80,6 +78,7 @@ from ftrun.checkpointing.layout import (
     encode_header,
     plan,
 )
+from ftrun.checkpointing.spares import Spare, open_spare
 
 TMP_MARK = ".tmp-"
 _PARALLEL_CRC_BYTES = 64 * 2**20
@@ -100,16 +99,6 @@ class PartInfo:
     tensor_bytes: int
     checksums_verified: bool
     metadata: Mapping[str, str]
-
-
-@dataclass
-class Spare:
-    """A retired part's file, out of sight, whose memory the next part may reuse."""
-
-    path: Path
-    size: int
-    mapping: mmap.mmap | None = None
-    """Still mapped (shared, pages present) from when this process wrote it; None: map anew."""
 
 
 class PendingPart:
@@ -218,7 +207,7 @@ def prepare_part(
     tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}")
     fd, mapping = -1, None
     try:
-        fd, mapping = _open_spare(spare, tmp, layout.total) if spare else (-1, None)
+        fd, mapping = open_spare(spare, tmp, layout.total) if spare else (-1, None)
         if mapping is None:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             _reserve(fd, layout.total)
@@ -235,24 +224,6 @@ def prepare_part(
             raise _write_error(path, e) from e
         raise
     return PendingPart(path, tmp, fd, mapping, layout, keep_mapping)
-
-
-def _open_spare(spare: Spare, tmp: Path, total: int) -> tuple[int, mmap.mmap | None]:
-    """The spare's file under the temp name, cut to `total` and mapped; (-1, None) when it is
-    too small or gone (the caller then writes a new file)."""
-    if spare.size < total:
-        spare.path.unlink(missing_ok=True)
-        return -1, None
-    try:
-        os.replace(spare.path, tmp)
-    except FileNotFoundError:
-        return -1, None
-    fd = os.open(tmp, os.O_RDWR | os.O_CLOEXEC)
-    os.ftruncate(fd, total)  # the mapping may be longer: only its first `total` bytes are used
-    mapping = spare.mapping
-    if mapping is None:
-        mapping = pinning.Mapping(fd, total, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-    return fd, mapping
 
 
 def read_part(path: _PathLike, verify: bool = True) -> tuple[Any, PartInfo]:

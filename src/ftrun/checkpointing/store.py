@@ -16,7 +16,6 @@ node it happens to be on, so a job restarted with its nodes in another order sti
 from __future__ import annotations
 
 import errno
-import mmap
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,17 +23,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ftrun.checkpointing.errors import CheckpointCorruptError, CheckpointWriteError
-from ftrun.checkpointing.format import (
-    PartInfo,
-    PendingPart,
-    Spare,
-    prepare_part,
-    read_info,
-    read_part,
-)
+from ftrun.checkpointing.format import PartInfo, PendingPart, prepare_part, read_info, read_part
+from ftrun.checkpointing.spares import SparePool
 
 SUFFIX = ".ftckpt"
-SPARE_PREFIX = ".spare-"
 CORRUPT_SUFFIX = ".corrupt"
 _ITERATION_DIR = re.compile(r"iter_(\d{7,})")
 
@@ -84,31 +76,6 @@ class PartStore(Protocol):
         """Delete the part and its leftovers; a missing part is not an error."""
         ...
 
-    def _retire(self, path: Path) -> None:
-        """Keep the part's file as its rank's spare (recycle), else forget its mapping."""
-        mapping = self._kept.pop(path, None)
-        if not self._recycle or path in self._read or path.name in self._spares:
-            if mapping is not None:
-                mapping.close()
-            return
-        spare = self.root / f"{SPARE_PREFIX}{path.name}"
-        try:
-            size = path.stat().st_size
-            path.replace(spare)
-        except OSError:  # gone already: nothing to reuse
-            if mapping is not None:
-                mapping.close()
-            return
-        self._spares[path.name] = Spare(spare, size, mapping)
-
-    def _found_spare(self, part_name: str) -> Spare | None:
-        """A spare left by this rank's previous process (a worker restart): map it anew."""
-        spare = self.root / f"{SPARE_PREFIX}{part_name}"
-        try:
-            return Spare(spare, spare.stat().st_size)
-        except OSError:
-            return None
-
     def set_aside(self, key: PartKey) -> None:
         """Keep a bad part for inspection where it will never be read again."""
         ...
@@ -125,12 +92,7 @@ class DirectoryStore:
 
     def __init__(self, root: str | Path, recycle: bool = False) -> None:
         self.root = Path(root)
-        self._recycle = recycle
-        self._kept: dict[Path, mmap.mmap] = {}
-        """Parts this process wrote, still mapped (recycle only)."""
-        self._read: set[Path] = set()
-        self._spares: dict[str, Spare] = {}
-        """Part name (rank, world size) -> its spare."""
+        self._spares = SparePool(self.root) if recycle else None
 
     def __repr__(self) -> str:
         return f"DirectoryStore({str(self.root)!r})"
@@ -144,17 +106,18 @@ class DirectoryStore:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CheckpointWriteError(f"cannot create {path.parent}: {e.strerror or e}") from e
-        if not self._recycle:
+        if self._spares is None:
             return prepare_part(path, state, key.iteration, metadata)
-        spare = self._spares.pop(path.name, None) or self._found_spare(path.name)
+        spare = self._spares.take(path.name)
         pending = prepare_part(path, state, key.iteration, metadata, spare, keep_mapping=True)
-        return _Kept(pending, self._kept)
+        return _Kept(pending, self._spares)
 
     def write(self, key: PartKey, state: Any, metadata: Mapping[str, str]) -> PartInfo:
         return self.prepare(key, state, metadata).commit()
 
     def read(self, key: PartKey, verify: bool = True) -> tuple[Any, PartInfo]:
-        self._read.add(self.path_of(key))
+        if self._spares is not None:
+            self._spares.read.add(self.path_of(key))
         state, info = read_part(self.path_of(key), verify=verify)
         _check_iteration(key, info)
         return state, info
@@ -175,7 +138,8 @@ class DirectoryStore:
         path = self.path_of(key)
         if not path.parent.is_dir():
             return
-        self._retire(path)
+        if self._spares is not None:
+            self._spares.retire(path)
         for child in path.parent.iterdir():
             if _belongs(child.name, path.name):
                 child.unlink(missing_ok=True)
@@ -184,31 +148,6 @@ class DirectoryStore:
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
                 raise
-
-    def _retire(self, path: Path) -> None:
-        """Keep the part's file as its rank's spare (recycle), else forget its mapping."""
-        mapping = self._kept.pop(path, None)
-        if not self._recycle or path in self._read or path.name in self._spares:
-            if mapping is not None:
-                mapping.close()
-            return
-        spare = self.root / f"{SPARE_PREFIX}{path.name}"
-        try:
-            size = path.stat().st_size
-            path.replace(spare)
-        except OSError:  # gone already: nothing to reuse
-            if mapping is not None:
-                mapping.close()
-            return
-        self._spares[path.name] = Spare(spare, size, mapping)
-
-    def _found_spare(self, part_name: str) -> Spare | None:
-        """A spare left by this rank's previous process (a worker restart): map it anew."""
-        spare = self.root / f"{SPARE_PREFIX}{part_name}"
-        try:
-            return Spare(spare, spare.stat().st_size)
-        except OSError:
-            return None
 
     def set_aside(self, key: PartKey) -> None:
         path = self.path_of(key)
@@ -219,14 +158,14 @@ class DirectoryStore:
 class _Kept:
     """A pending part whose mapping the store keeps once committed (for its later spare)."""
 
-    def __init__(self, pending: PendingPart, kept: dict[Path, mmap.mmap]) -> None:
+    def __init__(self, pending: PendingPart, pool: SparePool) -> None:
         self._pending = pending
-        self._kept = kept
+        self._pool = pool
 
     def commit(self) -> PartInfo:
         info = self._pending.commit()
         if self._pending.kept_mapping is not None:
-            self._kept[self._pending.path] = self._pending.kept_mapping
+            self._pool.kept[self._pending.path] = self._pending.kept_mapping
         return info
 
     def abort(self) -> None:
