@@ -1,15 +1,21 @@
-"""Suite-wide fixtures: every process a test starts must be gone when it ends."""
+"""Suite-wide fixtures: every process a test starts must be gone when it ends; an in-process
+RankMonitorClient registered with a server (rank monitor and workload control tests)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import psutil
 import pytest
 
+from ftrun.client_lib import RankMonitorClient
 from support import become_subreaper, live_descendants, reap_zombies, wait_for
+
+if TYPE_CHECKING:
+    from ftrun.rank_monitor import RankMonitorServer
 
 become_subreaper()
 # c10d reverse-resolves the address of every socket it connects or accepts; where the resolver
@@ -39,3 +45,22 @@ def no_leftover_processes() -> Iterator[None]:
                 proc.kill()
         reap_zombies()
         pytest.fail(f"processes left behind: {names}")
+
+
+@pytest.fixture
+def in_process_client(monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    """A client in this process, registered as `rank` with `server`."""
+    clients: list[RankMonitorClient] = []
+
+    def connect(server: RankMonitorServer, rank: int) -> RankMonitorClient:
+        for key, value in {**server.worker_env(), "RANK": str(rank)}.items():
+            monkeypatch.setenv(key, value)
+        server.expect_rank(rank, os.getpid())
+        client = RankMonitorClient()
+        client.init_workload_monitoring()
+        clients.append(client)
+        return client
+
+    yield connect
+    for client in clients:
+        client.shutdown_workload_monitoring()

@@ -244,25 +244,6 @@ def test_a_rank_counts_as_progressing_from_its_first_heartbeat(make_server, monk
 # ---- training progress, for reports ----------------------------------------------------------
 
 
-@pytest.fixture
-def in_process_client(monkeypatch):
-    """A client in this process, registered as `rank` with `server`."""
-    clients: list[RankMonitorClient] = []
-
-    def connect(server: RankMonitorServer, rank: int) -> RankMonitorClient:
-        for key, value in {**server.worker_env(), "RANK": str(rank)}.items():
-            monkeypatch.setenv(key, value)
-        server.expect_rank(rank, os.getpid())
-        client = RankMonitorClient()
-        client.init_workload_monitoring()
-        clients.append(client)
-        return client
-
-    yield connect
-    for client in clients:
-        client.shutdown_workload_monitoring()
-
-
 def test_first_progress_is_noted_once_per_registration_with_its_iteration(
     make_server, in_process_client
 ):

@@ -70,25 +70,6 @@ def make_server(tmp_path: Path) -> Iterator:
 
 
 @pytest.fixture
-def connect(monkeypatch) -> Iterator:
-    """A client in this process, registered as `rank` with `server`."""
-    clients: list[RankMonitorClient] = []
-
-    def connect(server: RankMonitorServer, rank: int) -> RankMonitorClient:
-        for key, value in {**server.worker_env(), "RANK": str(rank)}.items():
-            monkeypatch.setenv(key, value)
-        server.expect_rank(rank, os.getpid())
-        client = RankMonitorClient()
-        client.init_workload_monitoring()
-        clients.append(client)
-        return client
-
-    yield connect
-    for client in clients:
-        client.shutdown_workload_monitoring()
-
-
-@pytest.fixture
 def raw_peer() -> Iterator:
     """A bare DEALER socket on `server`: sends any frames, reads replies with a deadline."""
     socks: list[zmq.Socket] = []
@@ -177,10 +158,10 @@ def test_malformed_control_messages_are_refused(fields, error):
 
 @pytest.mark.parametrize("action", list(WorkloadAction))
 def test_each_action_reaches_the_owner_before_the_call_returns(
-    make_server, connect, controls, action
+    make_server, in_process_client, controls, action
 ):
     server = make_server(on_control=controls.put)
-    client = connect(server, 3)
+    client = in_process_client(server, 3)
     before = time.monotonic()
     client.send_workload_control_request(WorkloadControlRequest(action, f"because {action.name}"))
     control = controls.get_nowait()  # acknowledged only once the owner had it
@@ -218,7 +199,7 @@ def test_a_worker_that_exits_right_after_sending_was_heard(make_server, controls
 
 
 def test_unregistered_and_malformed_requests_are_dropped_and_counted(
-    make_server, raw_peer, controls, connect
+    make_server, raw_peer, controls, in_process_client
 ):
     server = make_server(on_control=controls.put)
     stranger, stranger_reply = raw_peer(server)
@@ -243,7 +224,7 @@ def test_unregistered_and_malformed_requests_are_dropped_and_counted(
     # ... and the server keeps serving: the same peer's valid request, and a client's.
     peer.send(wire.encode(wire.Control(8, 0, "all good")))
     assert (peer_reply().seq, controls.get_nowait().description) == (8, "all good")
-    connect(server, 2).send_workload_control_request(
+    in_process_client(server, 2).send_workload_control_request(
         WorkloadControlRequest(WorkloadAction.ShutdownWorkload, "fatal")
     )
     control = controls.get_nowait()
@@ -263,7 +244,7 @@ def test_sending_before_init_or_a_wrong_type_raises():
         client.send_workload_control_request(WorkloadAction.ShutdownWorkload.value)  # type: ignore[arg-type]
 
 
-def test_a_request_nobody_takes_raises(make_server, connect):
+def test_a_request_nobody_takes_raises(make_server, in_process_client):
     """Without an `on_control` owner, or with one that fails, the rank learns it was not heard;
     the server goes on serving."""
 
@@ -272,7 +253,7 @@ def test_a_request_nobody_takes_raises(make_server, connect):
 
     for on_control, rank in ((None, 0), (broken, 1)):
         server = make_server(on_control=on_control)
-        client = connect(server, rank)
+        client = in_process_client(server, rank)
         request = WorkloadControlRequest(WorkloadAction.ExcludeThisNode)
         with pytest.raises(RankMonitorClientError, match="refused: the launcher did not take it"):
             client.send_workload_control_request(request)
@@ -280,9 +261,9 @@ def test_a_request_nobody_takes_raises(make_server, connect):
         wait_for(lambda s=server, r=rank: s.progressing_ranks() == {r}, 5, "the server serving")
 
 
-def test_no_reply_within_the_request_timeout_raises(make_server, connect, monkeypatch):
+def test_no_reply_within_the_request_timeout_raises(make_server, in_process_client, monkeypatch):
     server = make_server(on_control=lambda _control: None)
-    client = connect(server, 0)
+    client = in_process_client(server, 0)
     server.stop()  # the monitor is gone
     monkeypatch.setattr(client_module, "REQUEST_TIMEOUT_S", 0.2)
     with pytest.raises(RankMonitorClientError, match=r"^no answer from the monitor within 0.2s$"):
