@@ -137,11 +137,8 @@ def _matrix(numel: int, cols: int = 1024) -> tuple[int, int]:
     return max(1, numel // cols), cols
 
 
-def build_state(nbytes: int) -> dict[str, Any]:
-    """A model + optimizer state of exactly `nbytes` tensor bytes (see the module docstring)."""
-    layers = 8 if nbytes >= 256 * MIB else 2
-    # Per parameter: bf16 weight (2) + fp32 master, exp_avg, exp_avg_sq (12) bytes.
-    params_total = nbytes // 14
+def matrix_shares(layers: int) -> dict[str, float]:
+    """Each weight matrix's share of the parameters: an embedding and `layers` blocks."""
     shares = {"embed.weight": 0.12}
     per_layer = {"attn.qkv.weight": 3, "attn.proj.weight": 1, "mlp.fc1.weight": 4}
     per_layer["mlp.fc2.weight"] = 4
@@ -149,10 +146,26 @@ def build_state(nbytes: int) -> dict[str, Any]:
     for i in range(layers):
         for name, weight in per_layer.items():
             shares[f"layers.{i}.{name}"] = weight * unit
+    return shares
+
+
+def vector_names(layers: int) -> list[str]:
+    """Small vectors of 1024, as real models have many of them."""
+    return [
+        f"layers.{i}.{name}"
+        for i in range(layers)
+        for name in ("norm1.weight", "norm2.weight", "mlp.fc1.bias")
+    ]
+
+
+def build_state(nbytes: int) -> dict[str, Any]:
+    """A model + optimizer state of exactly `nbytes` tensor bytes (see the module docstring)."""
+    layers = 8 if nbytes >= 256 * MIB else 2
+    # Per parameter: bf16 weight (2) + fp32 master, exp_avg, exp_avg_sq (12) bytes.
+    params_total = nbytes // 14
+    shares = matrix_shares(layers)
     shapes = {name: _matrix(int(params_total * share * 0.98)) for name, share in shares.items()}
-    for i in range(layers):  # small vectors, as real models have many of them
-        for name in ("norm1.weight", "norm2.weight", "mlp.fc1.bias"):
-            shapes[f"layers.{i}.{name}"] = (1024,)
+    shapes.update(dict.fromkeys(vector_names(layers), (1024,)))
     model = {name: torch.empty(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
     master = {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items()}
     moments = {

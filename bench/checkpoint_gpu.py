@@ -67,7 +67,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from checkpoint import Scratch, default_disk_dir, filesystem_type, tensors_of
+from checkpoint import (
+    Scratch,
+    default_disk_dir,
+    filesystem_type,
+    matrix_shares,
+    tensors_of,
+    vector_names,
+)
 from common import BENCH, load_average, machine_line, progress, table
 
 from ftrun.checkpointing import LocalCheckpointManager, pinning
@@ -108,17 +115,9 @@ def aligned(tensor: torch.Tensor) -> int:
 def build_state(nbytes: int, device: torch.device) -> dict[str, Any]:
     """A model + Adam state on `device` of exactly `nbytes` (8-byte aligned tensor bytes)."""
     params_total = nbytes // 14  # per parameter: bf16 weight + 3 fp32 (master, 2 moments)
-    shares = {"embed.weight": 0.12}
-    per_layer = {"attn.qkv.weight": 3, "attn.proj.weight": 1, "mlp.fc1.weight": 4}
-    per_layer["mlp.fc2.weight"] = 4
-    unit = (1 - shares["embed.weight"]) / (LAYERS * sum(per_layer.values()))
-    for i in range(LAYERS):
-        for name, weight in per_layer.items():
-            shares[f"layers.{i}.{name}"] = weight * unit
+    shares = matrix_shares(LAYERS)
     shapes = {n: (max(1, int(params_total * s * 0.98) // 1024), 1024) for n, s in shares.items()}
-    for i in range(LAYERS):
-        for name in ("norm1.weight", "norm2.weight", "mlp.fc1.bias"):
-            shapes[f"layers.{i}.{name}"] = (1024,)
+    shapes.update(dict.fromkeys(vector_names(LAYERS), (1024,)))
 
     def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=device)
