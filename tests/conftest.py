@@ -1,21 +1,19 @@
-"""Suite-wide fixtures: every process a test starts must be gone when it ends; an in-process
-RankMonitorClient registered with a server (rank monitor and workload control tests)."""
+"""Suite-wide fixtures: every process a test starts must be gone when it ends; rank monitor
+servers and in-process clients registered with them (rank monitor and workload control tests)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import psutil
 import pytest
 
 from ftrun.client_lib import RankMonitorClient
+from ftrun.rank_monitor import RankMonitorConfig, RankMonitorServer
 from support import become_subreaper, live_descendants, reap_zombies, wait_for
-
-if TYPE_CHECKING:
-    from ftrun.rank_monitor import RankMonitorServer
 
 become_subreaper()
 # c10d reverse-resolves the address of every socket it connects or accepts; where the resolver
@@ -64,3 +62,28 @@ def in_process_client(monkeypatch: pytest.MonkeyPatch) -> Iterator:
     yield connect
     for client in clients:
         client.shutdown_workload_monitoring()
+
+
+@pytest.fixture
+def make_server(tmp_path: Path) -> Iterator:
+    """Started RankMonitorServers (heartbeat timeouts 60 s unless given), stopped at the end."""
+    servers: list[RankMonitorServer] = []
+
+    def make(
+        on_progress: Callable | None = None,
+        on_control: Callable | None = None,
+        **timeouts: object,
+    ) -> RankMonitorServer:
+        config = RankMonitorConfig(
+            **{"initial_rank_heartbeat_timeout": 60.0, "rank_heartbeat_timeout": 60.0, **timeouts}
+        )
+        job_dir = tmp_path / f"job{len(servers)}"
+        server = RankMonitorServer(
+            config, job_dir=job_dir, on_progress=on_progress, on_control=on_control
+        ).start()
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()

@@ -8,7 +8,6 @@ import queue
 import select
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,6 @@ from ftrun.rank_monitor import (
     FirstProgress,
     HangKind,
     ProgressSnapshot,
-    RankMonitorConfig,
     RankMonitorServer,
     Verdict,
 )
@@ -27,24 +25,6 @@ from support import python_cmd, wait_for
 
 # How soon after its deadline a verdict comes is measured by the fault matrix
 # (tests/faults/run_matrix.py, detection latency in bench/RESULTS.md), not asserted here.
-
-
-@pytest.fixture
-def make_server(tmp_path: Path) -> Iterator:
-    servers: list[RankMonitorServer] = []
-
-    def make(on_progress=None, **timeouts: object) -> RankMonitorServer:
-        config = RankMonitorConfig(
-            **{"initial_rank_heartbeat_timeout": 60.0, "rank_heartbeat_timeout": 60.0, **timeouts}
-        )
-        job_dir = tmp_path / f"job{len(servers)}"
-        server = RankMonitorServer(config, job_dir=job_dir, on_progress=on_progress).start()
-        servers.append(server)
-        return server
-
-    yield make
-    for server in servers:
-        server.stop()
 
 
 def spawn_rank(server: RankMonitorServer, rank: int, *args: str) -> subprocess.Popen[str]:

@@ -10,7 +10,6 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import msgpack
 import pytest
@@ -25,7 +24,7 @@ from ftrun.client_lib import (
     WorkloadControlRequest,
 )
 from ftrun.errors import ProtocolError
-from ftrun.rank_monitor import RankMonitorConfig, RankMonitorServer, WorkloadControl
+from ftrun.rank_monitor import RankMonitorServer, WorkloadControl
 from ftrun.rank_monitor import protocol as wire
 from ftrun.rank_monitor.workload import MAX_DESCRIPTION_LEN
 from support import wait_for
@@ -51,22 +50,6 @@ SPAWNED = "import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c
 @pytest.fixture
 def controls() -> queue.SimpleQueue[WorkloadControl]:
     return queue.SimpleQueue()
-
-
-@pytest.fixture
-def make_server(tmp_path: Path) -> Iterator:
-    servers: list[RankMonitorServer] = []
-
-    def make(on_control=None) -> RankMonitorServer:
-        config = RankMonitorConfig(initial_rank_heartbeat_timeout=60.0, rank_heartbeat_timeout=60.0)
-        job_dir = tmp_path / f"job{len(servers)}"
-        server = RankMonitorServer(config, job_dir=job_dir, on_control=on_control).start()
-        servers.append(server)
-        return server
-
-    yield make
-    for server in servers:
-        server.stop()
 
 
 @pytest.fixture
