@@ -105,6 +105,8 @@ class BarrierRendezvousHandler(RendezvousHandler):
         self._probe = probe
         self._on_standby = on_standby
         self._grace = descriptor_grace
+        self._closed_size = (-1, 0)
+        """(cycle, size) of the last closed round `num_nodes_waiting` looked at."""
         self.arrived_at = 0.0
         """When this node last arrived at a round (monotonic): a standby node's wait for earlier
         cycles to end is not its rendezvous time."""
@@ -136,8 +138,9 @@ class BarrierRendezvousHandler(RendezvousHandler):
         closed = self._key(cycle, "closed")
         if not self._store.check([closed]):
             return 0
-        size = len(self._published(cycle).indices)
-        return max(0, self._store.add(self._key(cycle, "arrivals"), 0) - size)
+        if self._closed_size[0] != cycle:  # a closed round never changes: read its blob once
+            self._closed_size = (cycle, len(self._published(cycle).indices))
+        return max(0, self._store.add(self._key(cycle, "arrivals"), 0) - self._closed_size[1])
 
     def get_run_id(self) -> str:
         return self._config.run_id
