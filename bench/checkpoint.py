@@ -30,7 +30,7 @@ Floors:
   kernel (tmpfs allocates and zeroes the pages, each is faulted into the mapping);
 - memcpy into that file again: a new mapping of the same, now allocated file with MAP_POPULATE,
   then `copy_`: what a save into recycled node memory would cost;
-- CRC-32: `zlib.crc32` of every tensor's bytes (one core, as ftrun computes and verifies them).
+- CRC-32C of every tensor's bytes on one core (ftrun computes and verifies them on every core).
 
 Saves (`FTRUN_CKPT_DIR` set to a fresh 0700 directory in /dev/shm, as the agent gives a
 worker; `LocalCheckpointManager(root, session_id="bench", keep_complete=1)`, its root unused
@@ -99,7 +99,6 @@ import tempfile
 import threading
 import time
 import warnings
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -110,6 +109,7 @@ from common import BENCH, load_average, machine_line, progress, table
 from torch.distributed.checkpoint.state_dict_saver import async_save
 
 from ftrun.checkpointing import LocalCheckpointManager
+from ftrun.checkpointing.layout import checksum
 from ftrun.checkpointing.node_tier import ENV_CKPT_DIR
 from ftrun.peer import FileRegion, PeerClient, PeerServer, Reply, Request
 
@@ -340,11 +340,11 @@ def shm_file_copies(path: Path, state: Any) -> dict[str, float]:
 
 
 def checksum_all(state: Any) -> None:
-    """CRC-32 (zlib, one core) of every tensor's bytes: what `load` verifies."""
+    """CRC-32C (one core) of every tensor's bytes: what `load` verifies."""
     for tensor in tensors_of(state):
         size = tensor.numel() * tensor.element_size()
         if size:
-            zlib.crc32((ctypes.c_char * size).from_address(tensor.data_ptr()))
+            checksum((ctypes.c_char * size).from_address(tensor.data_ptr()))
 
 
 # ---- ftrun -------------------------------------------------------------------------------------
@@ -471,7 +471,7 @@ def measure_peer(server: PartServer, part: Path, verify: bool) -> dict[str, floa
                         HOST, server.server.port, "part", {}, dest, timeout=FETCH_TIMEOUT_S
                     )
                 )
-            if verify and zlib.crc32(dest) != zlib.crc32(source):
+            if verify and checksum(dest) != checksum(source):
                 raise AssertionError("the fetched part differs from the part file")
     finally:
         dest.close()
@@ -612,7 +612,7 @@ ROWS = (
     Row("memcpy_fresh", "floor: memcpy into fresh tensors (empty_like + copy_)"),
     Row("memcpy_shm_file", "floor: memcpy into a new /dev/shm file (fallocate + mmap + copy_)"),
     Row("memcpy_shm_reused", "floor: memcpy into that file again (mmap MAP_POPULATE + copy_)"),
-    Row("crc32", "floor: CRC-32 of every tensor (zlib, one core)"),
+    Row("crc32", "floor: CRC-32C of every tensor (one core)"),
     Row("ftrun_async_first_stall", "ftrun async save, first (new memory): stall"),
     Row(
         "ftrun_async_stall",

@@ -18,10 +18,10 @@ import pickle
 import shutil
 import struct
 import tempfile
-import zlib
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import pytest
 import torch
 
@@ -162,13 +162,13 @@ def test_file_follows_the_safetensors_layout(tmp_path: Path) -> None:
     assert (len(blob) - len(data)) % 8 == 0, "tensor data must start 8-byte aligned"
     metadata = header.pop("__metadata__")
     assert all(isinstance(v, str) for v in metadata.values())
-    assert metadata["ftckpt.iteration"] == "7" and metadata["ftckpt.version"] == "1"
+    assert metadata["ftckpt.iteration"] == "7" and metadata["ftckpt.version"] == "2"
     names = [f"t{i}" for i in range(len(header))]
     assert sorted(header) == sorted(names)
     spans = sorted(tuple(header[n]["data_offsets"]) for n in names)
     assert spans[0][0] == 0 and spans[-1][1] == len(data)
     assert all(prev[1] == nxt[0] for prev, nxt in itertools.pairwise(spans))
-    crcs = metadata["ftckpt.crc32"].split(",")
+    crcs = metadata["ftckpt.crc32c"].split(",")
     by_dtype = {}
     for name in names:
         entry = header[name]
@@ -176,7 +176,7 @@ def test_file_follows_the_safetensors_layout(tmp_path: Path) -> None:
         itemsize = SAFETENSORS_ITEMSIZE[entry["dtype"]]
         assert end - begin == math.prod(entry["shape"]) * itemsize
         assert begin % itemsize == 0
-        assert f"{zlib.crc32(data[begin:end]):08x}" == crcs[int(name[1:])]
+        assert f"{crc32c.crc32c(data[begin:end]):08x}" == crcs[int(name[1:])]
         by_dtype[entry["dtype"], tuple(entry["shape"])] = data[begin:end]
     for dtype, tensor in state["dtypes"].items():
         assert by_dtype[DTYPE_NAMES[getattr(torch, dtype[len("torch.") :])], (3, 5)] == raw_bytes(
@@ -246,15 +246,15 @@ def test_a_flipped_data_byte_is_found(tmp_path: Path) -> None:
 
 
 def resign(path: Path, change: Any) -> None:
-    """Rewrite the header through `change(header)`, re-signing it as the spec says (CRC-32 of
+    """Rewrite the header through `change(header)`, re-signing it as the spec says (CRC-32C of
     the canonical JSON without the header checksum) and keeping its length."""
     blob = path.read_bytes()
     (length,) = struct.unpack("<Q", blob[:8])
     header = json.loads(blob[8 : 8 + length])
-    header["__metadata__"].pop("ftckpt.header_crc32")
+    header["__metadata__"].pop("ftckpt.header_crc32c")
     change(header)
     canonical = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    header["__metadata__"]["ftckpt.header_crc32"] = f"{zlib.crc32(canonical):08x}"
+    header["__metadata__"]["ftckpt.header_crc32c"] = f"{crc32c.crc32c(canonical):08x}"
     raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode().ljust(length)
     assert len(raw) == length
     path.write_bytes(blob[:8] + raw + blob[8 + length :])
@@ -279,7 +279,7 @@ def set_dtype(name: str) -> Any:
         (lambda b: b + b"\0", "1 unexpected bytes after the last tensor"),
         (lambda b: bytes(range(256)) * 4, "header length"),
         (lambda b: struct.pack("<Q", 8) + b"garbage!" + b[16:], "the header is not JSON"),
-        (lambda b: b.replace(b'version":"1"', b'version":"9"'), "format version '9' is not"),
+        (lambda b: b.replace(b'version":"2"', b'version":"9"'), "format version '9' is not"),
         (lambda b: b.replace(b'iteration":"3"', b'iteration":"4"'), "header checksum mismatch"),
         (lambda b: b.replace(b"ftckpt.", b"xtckpt."), "not an ftrun checkpoint part"),
     ],
@@ -301,7 +301,7 @@ def test_damaged_files_are_refused(tmp_path: Path, damage: Any, message: str) ->
     [
         (set_dtype("F128"), "tensor t0: unknown dtype 'F128'"),
         (set_dtype("I32"), "tensor t0: data_offsets [0, 80] do not hold 40 bytes"),
-        (set_meta("ftckpt.crc32", "zz"), "does not hold 1 checksums"),
+        (set_meta("ftckpt.crc32c", "zz"), "does not hold 1 checksums"),
         (
             set_meta("ftckpt.skeleton", '{"$tensor": 5}'),
             "bad skeleton: tensor index 5 out of range",

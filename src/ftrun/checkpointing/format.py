@@ -11,7 +11,7 @@ Writing, `write_part` = `prepare_part` + `PendingPart.commit`:
    copy, with torch gathering non-contiguous tensors and doing the device-to-host copy of CUDA
    tensors on the way (into a kept mapping, page-locked once: see `pinning`). After it returns,
    the part owns its bytes: the caller may change its tensors.
-2. `commit` computes the CRC-32 of each tensor from the mapping (what landed in the file), writes
+2. `commit` computes the CRC-32C of each tensor from the mapping (what landed in the file), writes
    the header, flushes and fsyncs the file, renames it to `path` and fsyncs the directory.
 
 Why reserve with `posix_fallocate` rather than only `ftruncate`: a store through a shared mapping
@@ -48,7 +48,6 @@ import math
 import mmap
 import os
 import struct
-import zlib
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -74,6 +73,7 @@ from ftrun.checkpointing.layout import (
     Entry,
     Header,
     Layout,
+    checksum,
     decode_header,
     encode_header,
     plan,
@@ -301,15 +301,15 @@ def _copy_tensors(
 
 
 def _checksums(mapping: mmap.mmap, data_start: int, entries: Sequence[Entry]) -> list[int]:
-    """Each entry's CRC-32, on every core: zlib releases the GIL while it hashes a large buffer,
-    and one core's crc32 is ~3x slower than a memcpy (it would dominate a restore)."""
+    """Each entry's CRC-32C, on every core (the hash releases the GIL on a large buffer): a
+    restore reads the bytes once to verify them, then the trainer copies them into its model."""
     with memoryview(mapping) as view:
         spans = [view[data_start + e.begin : data_start + e.end] for e in entries]
         try:
             if len(spans) < 2 or sum(len(s) for s in spans) < _PARALLEL_CRC_BYTES:
-                return [zlib.crc32(span) for span in spans]
+                return [checksum(span) for span in spans]
             with ThreadPoolExecutor(_CRC_THREADS, thread_name_prefix="ftrun-crc") as pool:
-                return list(pool.map(zlib.crc32, spans))
+                return list(pool.map(checksum, spans))
         finally:
             for span in spans:
                 span.release()

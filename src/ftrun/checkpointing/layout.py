@@ -9,8 +9,8 @@ offsets counted from the first byte after the header, plus `"__metadata__"`, a s
 * `ftckpt.version`   - the format version (`FORMAT_VERSION`);
 * `ftckpt.iteration` - the training iteration the part belongs to;
 * `ftckpt.skeleton`  - the JSON skeleton of the state (see `flatten`);
-* `ftckpt.crc32`     - one CRC-32 per tensor, in name order, 8 hex digits each, comma-joined;
-* `ftckpt.header_crc32` - the CRC-32 of the canonical header JSON without this key.
+* `ftckpt.crc32c`    - one CRC-32C per tensor, in name order, 8 hex digits each, comma-joined;
+* `ftckpt.header_crc32c` - the CRC-32C of the canonical header JSON without this key.
 
 Tensors are named `t0`, `t1`, ... in flatten order. Their bytes are laid out by element size,
 largest first, and N is padded so the data starts 8-byte aligned: every tensor then starts at a
@@ -18,9 +18,10 @@ multiple of its element size, which safetensors' own writer also arranges and wh
 writer copy into typed views of the file mapping. The data is packed with no gaps (standard
 readers reject gaps).
 
-CRC-32 (`zlib.crc32`, no new dependency, fast and releasing the GIL on large buffers) catches
-flipped bytes and truncation. It is not a defence against someone who edits the file on purpose:
-they can recompute it. The header checksum covers the checksums themselves and the skeleton.
+CRC-32C (the `crc32c` package: the CPU's crc32 instruction, about one memcpy per byte on one
+core, releasing the GIL on large buffers; zlib's CRC-32 was 4x slower and dominated a restore)
+catches flipped bytes and truncation. It is not a defence against someone who edits the file on
+purpose: they can recompute it. The header checksum covers the checksums and the skeleton.
 
 Everything here is pure (no I/O): `plan` before writing, `encode_header` once the tensor bytes
 are in place, `decode_header` on read. Decoding raises `ValueError`; the reader adds the file name.
@@ -30,17 +31,17 @@ from __future__ import annotations
 
 import json
 import math
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+import crc32c
 import torch
 
 from ftrun.checkpointing.errors import CheckpointFormatError
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: CRC-32C instead of zlib's CRC-32
 PREFIX_BYTES = 8
 ALIGN = 8
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own bound; refuse before reading more
@@ -49,9 +50,14 @@ RESERVED = "ftckpt."
 KEY_VERSION = "ftckpt.version"
 KEY_ITERATION = "ftckpt.iteration"
 KEY_SKELETON = "ftckpt.skeleton"
-KEY_CRC = "ftckpt.crc32"
-KEY_HEADER_CRC = "ftckpt.header_crc32"
+KEY_CRC = "ftckpt.crc32c"
+KEY_HEADER_CRC = "ftckpt.header_crc32c"
 _CRC_PLACEHOLDER = "0" * 8
+
+
+def checksum(data: Any) -> int:
+    """The CRC-32C of a bytes-like object (a memoryview of a mapping hashes without a copy)."""
+    return crc32c.crc32c(data)
 
 
 def _dtype_names() -> dict[torch.dtype, str]:
@@ -162,7 +168,7 @@ def plan(
 def encode_header(layout: Layout, crcs: Sequence[int]) -> bytes:
     """The header bytes, exactly `layout.header_len` long, with the checksums filled in."""
     header = _header(layout.entries, layout.metadata, crcs)
-    header[METADATA][KEY_HEADER_CRC] = f"{zlib.crc32(_canonical(header)):08x}"
+    header[METADATA][KEY_HEADER_CRC] = f"{checksum(_canonical(header)):08x}"
     raw = _canonical(header)
     if len(raw) > layout.header_len:  # cannot happen: every checksum field is fixed-width
         raise AssertionError(f"header grew from {layout.header_len} to {len(raw)} bytes")
@@ -188,7 +194,7 @@ def decode_header(raw: bytes, data_size: int) -> Header:
             f"format version {version[:20]!r} is not supported (reads {FORMAT_VERSION})"
         )
     stored_crc = metadata.pop(KEY_HEADER_CRC, None)
-    if stored_crc != f"{zlib.crc32(_canonical(header)):08x}":
+    if stored_crc != f"{checksum(_canonical(header)):08x}":
         raise ValueError("header checksum mismatch (the header was altered or damaged)")
     del header[METADATA]
     entries = _entries(header)
