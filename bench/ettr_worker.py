@@ -42,6 +42,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--state-mib", type=int, default=256, help="per-rank state")
     parser.add_argument("--step-sleep", type=float, default=0.05, help="s of 'compute' per step")
     parser.add_argument("--steps", type=int, default=10**9)
+    parser.add_argument(
+        "--replicate", action="store_true", help="ftrun: copy each part to the next node"
+    )
+    parser.add_argument(
+        "--memcpy-floor", action="store_true", help="log one timed copy of the state first"
+    )
     return parser.parse_args()
 
 
@@ -107,10 +113,14 @@ class LocalSync:
 class Ftrun:
     """ftrun's LocalCheckpointManager, async: the step loop waits only for the copy."""
 
-    def __init__(self, directory: Path) -> None:
-        from ftrun.checkpointing import LocalCheckpointManager
+    def __init__(self, directory: Path, replicate: bool) -> None:
+        from ftrun.checkpointing import CliqueReplicationStrategy, LocalCheckpointManager
 
-        self.manager = LocalCheckpointManager(str(directory))
+        strategy = None
+        if replicate:  # a clique of 2: this rank and the same local rank on the next node
+            jump = int(os.environ["LOCAL_WORLD_SIZE"])
+            strategy = CliqueReplicationStrategy.from_replication_params(jump, 2)
+        self.manager = LocalCheckpointManager(str(directory), repl_strategy=strategy)
 
     def save(self, state: list[torch.Tensor], step: int) -> None:
         self.manager.save({"state": state}, step, is_async=True)
@@ -129,7 +139,7 @@ def make_saver(args: argparse.Namespace, rank: int) -> TorchSave | LocalSync | F
         return TorchSave(args.ckpt_dir / "global", rank)
     if args.save == "local-sync":
         return LocalSync(args.ckpt_dir / f"node{node}-local", rank)
-    return Ftrun(args.ckpt_dir / f"node{node}-local")
+    return Ftrun(args.ckpt_dir / f"node{node}-local", args.replicate)
 
 
 def new_state(mib: int) -> list[torch.Tensor]:
@@ -147,6 +157,15 @@ def main() -> None:
 
     saver = make_saver(args, rank)
     state = new_state(args.state_mib)
+    if args.memcpy_floor:
+        copies = [torch.empty_like(t) for t in state]
+        for dst, src in zip(copies, state, strict=True):
+            dst.copy_(src)  # faults the pages in, so the timed copy below is a plain memcpy
+        began = time.perf_counter()
+        for dst, src in zip(copies, state, strict=True):
+            dst.copy_(src)
+        print(f"{time.time():.6f} {who} memcpy={time.perf_counter() - began:.4f}", file=log)
+        del copies
     began = time.perf_counter()
     start, loaded = saver.load()
     if loaded is not None:
