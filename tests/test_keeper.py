@@ -7,7 +7,10 @@ import dataclasses
 import datetime
 import logging
 import os
+import signal
 import stat
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -33,7 +36,7 @@ from ftrun.agent.keeper.messages import (
     parse_part_request,
 )
 from ftrun.agent.keeper.names import parse_iteration_dir, parse_part_name, valid_session
-from ftrun.agent.keeper.tier import NodeTier
+from ftrun.agent.keeper.tier import OWNER_LOCK, NodeTier, remove_abandoned
 from ftrun.agent.keeper.transfer import PUSH, push_part
 from ftrun.agent.peering import PeerService
 from ftrun.checkpointing.errors import CheckpointUsageError
@@ -202,6 +205,52 @@ def test_the_directory_is_private_and_falls_back_to_the_temp_dir(
         fallback.close()
 
 
+def test_a_dead_agents_directory_is_removed_by_the_next_keeper(tmp_path: Path) -> None:
+    """An agent SIGKILLed cannot clean up; the next keeper on the node removes what it left,
+    and never the directory of an agent that is alive."""
+    code = (
+        "import sys; from pathlib import Path; from ftrun.agent.keeper.tier import NodeTier; "
+        "t = NodeTier.create('dead', (Path(sys.argv[1]),)); print(t.root, flush=True); "
+        "sys.stdin.read()"
+    )
+    dying = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert dying.stdout is not None
+    left = Path(dying.stdout.readline().strip())
+    (left / "session").mkdir()
+    alive = NodeTier.create("alive", (tmp_path,))
+    try:
+        assert left.is_dir(), "removed while its agent was alive"
+        dying.send_signal(signal.SIGKILL)
+        dying.wait(timeout=30)
+        dying.stdin.close()  # type: ignore[union-attr]
+        dying.stdout.close()
+        newcomer = NodeTier.create("new", (tmp_path,))
+        try:
+            assert not left.exists()
+            assert alive.root.is_dir() and newcomer.root.is_dir()
+        finally:
+            newcomer.close()
+    finally:
+        alive.close()
+
+
+def test_a_directory_without_its_lock_is_removed_only_after_a_grace_period(
+    tmp_path: Path,
+) -> None:
+    """One being created right now has no lock yet: kept; an old one is abandoned."""
+    young = tmp_path / "ftrun-ckpt-young"
+    young.mkdir()
+    other = tmp_path / "not-ours"
+    other.mkdir()
+    now = time.time()
+    assert remove_abandoned(tmp_path, now=now) == []
+    assert remove_abandoned(tmp_path, now=now + 3600) == [young]
+    assert other.is_dir() and not young.exists()
+
+
 # ---- keepers on 127.0.0.1 ---------------------------------------------------------------------
 
 
@@ -349,7 +398,7 @@ def test_malformed_pushes_are_refused_and_leave_nothing(cluster: Any) -> None:
     push({}, bytes(corrupt))
     push({}, bytes(data[:-10]))  # truncated
     assert all(not list(d.iterdir()) for d in b.tier.root.rglob("iter_*"))
-    assert [p.name for p in b.tier.root.iterdir()] in ([], [S])
+    assert sorted(p.name for p in b.tier.root.iterdir()) in ([OWNER_LOCK], [OWNER_LOCK, S])
     assert not (b.tier.root.parent / "escape").exists()
     # The same bytes, well named, are taken (zero-copy from the file).
     fd = os.open(good, os.O_RDONLY)

@@ -4,7 +4,10 @@ it. The planning is elsewhere (`holdings`); this module only lists, installs and
 Where: a 0700 directory made with `mkdtemp` in `/dev/shm` (node memory), named after the run id
 and the agent's pid; if `/dev/shm` is absent or not writable, in the system's temp directory
 (a disk, slower, but the keeper still works), and a log line says which. It lives as long as
-the agent (worker restarts keep it) and `close` removes it.
+the agent (worker restarts keep it) and `close` removes it. An agent that was SIGKILLed cannot
+remove it, and node memory would stay taken until the node reboots; so the agent holds an
+exclusive `flock` on `<dir>/owner.lock` for its lifetime (the kernel drops it when the process
+dies), and every new keeper first removes its user's directories whose lock it can take.
 
 Installing a part that came from a peer (a push or a restore fetch): a temp file next to its
 place, its full size reserved with `posix_fallocate` (no SIGBUS on a full tmpfs), filled through
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import itertools
 import logging
 import mmap
@@ -26,6 +30,7 @@ import shutil
 import stat
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -56,6 +61,10 @@ log = logging.getLogger("ftrun.agent")
 
 DEFAULT_BASES = (Path("/dev/shm"),)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+DIR_PREFIX = "ftrun-ckpt-"
+OWNER_LOCK = "owner.lock"
+# A directory without its lock file may be one another agent is creating right now.
+_UNLOCKED_GRACE_S = 600.0
 
 
 class NodeTier:
@@ -66,13 +75,15 @@ class NodeTier:
         self.root = root
         self._seq = itertools.count()
         self._lock = threading.Lock()  # session creation only: files are renamed into place
+        self._owner_fd = _hold_owner_lock(root)
 
     @classmethod
     def create(cls, run_id: str, bases: Sequence[Path] = DEFAULT_BASES) -> NodeTier:
         """A new 0700 directory in the first usable base, else in the system temp directory."""
-        prefix = f"ftrun-ckpt-{_UNSAFE.sub('_', run_id)[:64]}-{os.getpid()}-"
+        prefix = f"{DIR_PREFIX}{_UNSAFE.sub('_', run_id)[:64]}-{os.getpid()}-"
         for base in bases:
             if base.is_dir() and os.access(base, os.W_OK | os.X_OK):
+                remove_abandoned(base)
                 try:
                     root = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
                 except OSError as exc:
@@ -90,6 +101,9 @@ class NodeTier:
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+        if self._owner_fd is not None:
+            os.close(self._owner_fd)
+            self._owner_fd = None
 
     # ---- listing -------------------------------------------------------------------------
 
@@ -280,3 +294,57 @@ def _remove_empty(directory: Path) -> None:
     except OSError as exc:
         if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
             log.debug("checkpoint keeper: cannot remove %s: %s", directory, exc)
+
+
+def _hold_owner_lock(root: Path) -> int | None:
+    """Lock `root/owner.lock` for this process's lifetime (None if the filesystem refuses)."""
+    try:
+        fd = os.open(
+            root / OWNER_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+    except OSError as exc:
+        log.warning("checkpoint keeper: no owner lock in %s: %s", root, exc)
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        log.warning("checkpoint keeper: cannot lock %s: %s", root / OWNER_LOCK, exc)
+        return None
+    return fd
+
+
+def remove_abandoned(base: Path, now: float | None = None) -> list[Path]:
+    """Remove this user's keeper directories in `base` whose agent is gone: its owner lock is
+    free, or it has none and is older than a grace period. Returns what was removed."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(base):
+            if entry.name.startswith(DIR_PREFIX) and _abandoned(entry, now):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                log.warning("checkpoint keeper: removed %s, left by an agent that died", entry.path)
+                removed.append(Path(entry.path))
+    return removed
+
+
+def _abandoned(entry: os.DirEntry[str], now: float | None) -> bool:
+    try:
+        st = entry.stat(follow_symlinks=False)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        return False
+    try:
+        fd = os.open(Path(entry.path) / OWNER_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        age = (now if now is not None else time.time()) - st.st_mtime
+        return age > _UNLOCKED_GRACE_S
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # held: its agent is alive
+    finally:
+        os.close(fd)  # also releases the lock just taken
+    return True
