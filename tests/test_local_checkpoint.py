@@ -214,6 +214,65 @@ def test_a_corrupt_newest_part_is_set_aside_and_the_previous_loaded(
     assert manager.find_latest() == 2 and manager.load()[0]["w"].eq(3.0).all()
 
 
+def test_load_into_reads_into_the_models_own_tensors(tmp_path: Path) -> None:
+    """In place, matched by path (not order), every dtype, the tied weight once; what the
+    target lacks comes back new, and plain values come from the checkpoint."""
+    manager = LocalCheckpointManager(tmp_path)
+    tied = torch.randn(4, 3)
+    saved = {
+        "model": {"w": tied, "b": torch.arange(5, dtype=torch.bfloat16), "head": tied},
+        "optim": [{"m": torch.randint(0, 9, (7,), dtype=torch.int64)}, (torch.ones(2, 2),)],
+        "flags": torch.tensor([True, False]),
+        "extra": torch.full((3,), 7.0),
+        "step": 42,
+    }
+    manager.save(BasicTensorAwareStateDict(saved), 42)
+    target = {
+        "step": 0,
+        "optim": [{"m": torch.zeros(7, dtype=torch.int64)}, (torch.zeros(2, 2),)],
+        "model": {"head": torch.zeros(4, 3), "b": torch.zeros(5, dtype=torch.bfloat16)},
+        "flags": torch.zeros(2, dtype=torch.bool),
+    }
+    own = {
+        "b": target["model"]["b"].data_ptr(),
+        "m": target["optim"][0]["m"].data_ptr(),
+        "head": target["model"]["head"].data_ptr(),
+    }
+    loaded, ckpt_id = manager.load(into=BasicTensorAwareStateDict(target))
+    state = loaded.state_dict
+    assert ckpt_id.iteration == 42 and state["step"] == 42
+    assert (
+        state["model"]["b"].data_ptr() == own["b"] and state["optim"][0]["m"].data_ptr() == own["m"]
+    )
+    assert state["model"]["head"].data_ptr() == own["head"]
+    assert state["model"]["w"] is state["model"]["head"], "a tied weight is one tensor"
+    for got, want in (
+        (target["model"]["b"], saved["model"]["b"]),
+        (target["model"]["head"], tied),
+        (target["optim"][0]["m"], saved["optim"][0]["m"]),
+        (target["optim"][1][0], saved["optim"][1][0]),
+        (target["flags"], saved["flags"]),
+        (state["extra"], saved["extra"]),  # not in the target: a new tensor
+    ):
+        assert torch.equal(got, want)
+
+
+def test_load_into_falls_back_past_a_corrupt_part_and_refuses_a_wrong_shape(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    manager = LocalCheckpointManager(tmp_path, keep_complete=2)
+    manager.save({"w": torch.full((64,), 1.0)}, 1)
+    manager.save({"w": torch.full((64,), 2.0)}, 2)
+    flip_last_byte(tmp_path / "iter_0000002" / "rank0-of1.ftckpt")
+    model = {"w": torch.zeros(64)}
+    with caplog.at_level(logging.WARNING):
+        _, ckpt_id = manager.load(into=model)
+    assert ckpt_id.iteration == 1 and model["w"].eq(1.0).all()
+    assert "checksum mismatch in tensor t0" in caplog.text
+    with pytest.raises(CheckpointUsageError, match=r"is torch.float32 \[64\]; the target's is "):
+        manager.load(into={"w": torch.zeros(65)})
+
+
 def test_a_truncated_part_is_skipped_by_find_latest(tmp_path: Path) -> None:
     manager = LocalCheckpointManager(tmp_path, keep_complete=2)
     manager.save({"x": 1}, 1)

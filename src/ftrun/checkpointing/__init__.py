@@ -3,6 +3,8 @@
 `LocalCheckpointManager` saves each rank's part of an iteration as one safetensors-layout file
 and loads the newest iteration every rank has. Parts are written by `format`, laid out by
 `layout`, kept by a `store.PartStore`; `replication` holds NVRx's clique arithmetic.
+`GlobalCheckpointManager` saves to shared storage through DCP; `restore` takes the newest good
+copy across tiers.
 """
 
 from ftrun.checkpointing.async_calls import (
@@ -27,6 +29,28 @@ from ftrun.checkpointing.replication import (
 )
 from ftrun.checkpointing.state_dict import BasicTensorAwareStateDict
 
+# The global tier and `restore` import torch.distributed.checkpoint (~0.5 s): only when used,
+# so that a worker that saves locally restarts without paying for it.
+_LAZY = {
+    "GlobalCheckpointConfig": "ftrun.checkpointing.global_tier",
+    "GlobalCheckpointManager": "ftrun.checkpointing.global_tier",
+    "GlobalTier": "ftrun.checkpointing.hierarchy",
+    "LocalTier": "ftrun.checkpointing.hierarchy",
+    "Restored": "ftrun.checkpointing.hierarchy",
+    "Tier": "ftrun.checkpointing.hierarchy",
+    "restore": "ftrun.checkpointing.hierarchy",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
 __all__ = [
     "AsyncCallError",
     "AsyncCallTimeoutError",
@@ -41,9 +65,16 @@ __all__ = [
     "CheckpointWriteError",
     "CkptID",
     "CliqueReplicationStrategy",
+    "GlobalCheckpointConfig",
+    "GlobalCheckpointManager",
+    "GlobalTier",
     "LazyCliqueReplicationStrategy",
     "LocalCheckpointManager",
+    "LocalTier",
     "PartInfo",
+    "Restored",
+    "Tier",
     "read_part",
+    "restore",
     "write_part",
 ]

@@ -82,7 +82,7 @@ from ftrun.checkpointing.spares import Spare, open_spare
 
 TMP_MARK = ".tmp-"
 _PARALLEL_CRC_BYTES = 64 * 2**20
-_CRC_THREADS = max(1, min(8, len(os.sched_getaffinity(0))))
+CRC_THREADS = max(1, min(8, len(os.sched_getaffinity(0))))
 _VOLATILE_ROOTS = ("/dev/shm/", "/run/shm/")
 _PathLike = str | os.PathLike[str]
 
@@ -234,10 +234,8 @@ def read_part(path: _PathLike, verify: bool = True) -> tuple[Any, PartInfo]:
     truncated, altered, or not an ftrun part.
     """
     path = Path(path)
-    fd = _open_for_reading(path)
+    fd, size, header = open_for_read(path)
     try:
-        size = os.fstat(fd).st_size
-        header = _read_header(fd, size, path)
         mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
     except OSError as e:
         raise _unreadable(path, e) from e
@@ -257,20 +255,27 @@ def read_part(path: _PathLike, verify: bool = True) -> tuple[Any, PartInfo]:
         state = unflatten(json.loads(header.skeleton_json), tensors)
     except (ValueError, RecursionError) as e:
         raise CheckpointCorruptError(f"{path}: bad skeleton: {e}") from None
-    return state, _info(path, size, header, verified=verify)
+    return state, part_info(path, size, header, verified=verify)
+
+
+def open_for_read(path: Path) -> tuple[int, int, Header]:
+    """The part's open file descriptor (the caller closes it), size and validated header."""
+    fd = _open_for_reading(path)
+    try:
+        size = os.fstat(fd).st_size
+        return fd, size, _read_header(fd, size, path)
+    except BaseException as e:
+        os.close(fd)
+        if isinstance(e, OSError):
+            raise _unreadable(path, e) from e
+        raise
 
 
 def read_info(path: _PathLike) -> PartInfo:
     """The part's header, validated (header checksum, sizes); tensor bytes are not read."""
-    path = Path(path)
-    fd = _open_for_reading(path)
-    try:
-        size = os.fstat(fd).st_size
-        return _info(path, size, _read_header(fd, size, path), verified=False)
-    except OSError as e:
-        raise _unreadable(path, e) from e
-    finally:
-        os.close(fd)
+    fd, size, header = open_for_read(Path(path))
+    os.close(fd)
+    return part_info(Path(path), size, header, verified=False)
 
 
 def _copy_into(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
@@ -308,7 +313,7 @@ def _checksums(mapping: mmap.mmap, data_start: int, entries: Sequence[Entry]) ->
         try:
             if len(spans) < 2 or sum(len(s) for s in spans) < _PARALLEL_CRC_BYTES:
                 return [checksum(span) for span in spans]
-            with ThreadPoolExecutor(_CRC_THREADS, thread_name_prefix="ftrun-crc") as pool:
+            with ThreadPoolExecutor(CRC_THREADS, thread_name_prefix="ftrun-crc") as pool:
                 return list(pool.map(checksum, spans))
         finally:
             for span in spans:
@@ -345,7 +350,7 @@ def _read_header(fd: int, size: int, path: Path) -> Header:
         raise CheckpointCorruptError(f"{path}: {e}") from None
 
 
-def _info(path: Path, size: int, header: Header, verified: bool) -> PartInfo:
+def part_info(path: Path, size: int, header: Header, verified: bool) -> PartInfo:
     return PartInfo(
         path=str(path),
         iteration=header.iteration,

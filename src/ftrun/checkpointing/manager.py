@@ -169,7 +169,7 @@ class LocalCheckpointManager:
                 return low
             bound = low
 
-    def load(self) -> tuple[Any, CkptID]:
+    def load(self, into: Any = None) -> tuple[Any, CkptID]:
         """Load this rank's part of `find_latest()`; collective when distributed.
 
         Every tensor's checksum is verified. A part that fails is logged and set aside
@@ -177,7 +177,15 @@ class LocalCheckpointManager:
         they all still have. Returns `(state, ckpt_id)`, the state wrapped in a
         `BasicTensorAwareStateDict` if it was saved wrapped. Tensors are zero-copy views of the
         file (see `format`): load them into the model, then drop them.
+
+        `into` (an ftrun extension, in place like `torch.distributed.checkpoint.load`): a state
+        of the saved structure whose tensors are the model's, e.g. `{"model":
+        model.state_dict(), ...}`; each tensor is read straight into it and checked as it
+        lands, one pass over the bytes instead of a check and a copy (see `read_into`). The
+        returned state holds those tensors. After a corrupt part it has been partly
+        overwritten, and the next copy loaded overwrites it again.
         """
+        target = _unwrap(into)[0] if into is not None else None
         self._settle()
         rank, world_size = _rank_and_world_size()
         while True:
@@ -189,7 +197,7 @@ class LocalCheckpointManager:
             key = PartKey(iteration, rank, world_size)
             loaded: tuple[Any, PartInfo] | None = None
             try:
-                loaded = self._store.read(key, verify=True)
+                loaded = self._store.read(key, verify=True, into=target)
             except (CheckpointCorruptError, CheckpointNotFoundError) as e:
                 self._set_aside(key, e)
             if self._tier is not None and loaded is None:

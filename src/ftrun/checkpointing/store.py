@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from ftrun.checkpointing.errors import CheckpointCorruptError, CheckpointWriteError
 from ftrun.checkpointing.format import PartInfo, PendingPart, prepare_part, read_info, read_part
+from ftrun.checkpointing.read_into import read_part_into
 from ftrun.checkpointing.spares import SparePool
 
 SUFFIX = ".ftckpt"
@@ -59,8 +60,9 @@ class PartStore(Protocol):
         """`prepare` and `commit` in one call."""
         ...
 
-    def read(self, key: PartKey, verify: bool = True) -> tuple[Any, PartInfo]:
-        """The part's state; raises `CheckpointNotFoundError` / `CheckpointCorruptError`."""
+    def read(self, key: PartKey, verify: bool = True, into: Any = None) -> tuple[Any, PartInfo]:
+        """The part's state (read into `into`'s tensors if given: see `read_into`); raises
+        `CheckpointNotFoundError` / `CheckpointCorruptError`."""
         ...
 
     def info(self, key: PartKey) -> PartInfo:
@@ -115,8 +117,11 @@ class DirectoryStore:
     def write(self, key: PartKey, state: Any, metadata: Mapping[str, str]) -> PartInfo:
         return self.prepare(key, state, metadata).commit()
 
-    def read(self, key: PartKey, verify: bool = True) -> tuple[Any, PartInfo]:
-        if self._spares is not None:
+    def read(self, key: PartKey, verify: bool = True, into: Any = None) -> tuple[Any, PartInfo]:
+        if into is not None:  # always verified: the check rides along with the one read
+            state, info = read_part_into(self.path_of(key), into)
+            return state, _check_iteration(key, info)
+        if self._spares is not None:  # views of it stay mapped: never reuse it as a spare
             self._spares.read.add(self.path_of(key))
         state, info = read_part(self.path_of(key), verify=verify)
         _check_iteration(key, info)
