@@ -8,7 +8,9 @@ stepped since the last one, so every failure hits a training job). Three setting
 - torchrun + torch.save: a global checkpoint (every rank's shard, fsync, a barrier, `latest`);
 - NVRx + sync local saves: NVRx's ft_launcher, each rank's shard torch.saved to a node-local
   directory, a restart resumes from the newest step every rank holds;
-- ft_launcher + ftrun: `LocalCheckpointManager.save(is_async=True)` into node memory.
+- ft_launcher + ftrun: `LocalCheckpointManager.save(is_async=True)` into node memory, and every
+  10th save also `GlobalCheckpointManager.save` (DCP, async) to the shared directory; a restart
+  takes the newest of both with `restore`, read straight into the state.
 
 Each setting first runs `--calibrate` seconds without failures to measure its save stall and its
 step time, then checkpoints every K steps, K from Young's formula: the interval sqrt(2 x stall x
@@ -58,6 +60,7 @@ CALIBRATION_SAVE_EVERY = 10
 MIN_CALIBRATION_SAVES = 4
 WARM_SAVES = 3
 KILL_WAIT_S = 60.0
+GLOBAL_EVERY = 10  # local saves per global one: the durable copy, for what node memory loses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +68,18 @@ class Setting:
     name: str
     launcher: Launcher
     save: str
+    worker_extra: tuple[str, ...] = ()
 
 
 SETTINGS = (
     Setting("torchrun + torch.save (global)", TORCHRUN_NO_SHARE, "torch"),
     Setting("NVRx + sync local saves", NVRX, "local-sync"),
-    Setting("ft_launcher + ftrun async local", FT, "ftrun"),
+    Setting(
+        f"ft_launcher + ftrun async local + async global (every {GLOBAL_EVERY}th)",
+        FT,
+        "ftrun",
+        ("--global-every", str(GLOBAL_EVERY)),
+    ),
 )
 
 
@@ -127,6 +136,7 @@ def worker_args(args: argparse.Namespace, setting: Setting, ckpt: Path, every: i
     return [
         "--ckpt-dir", str(ckpt), "--save", setting.save, "--save-every", str(every),
         "--state-mib", str(args.state_mib), "--step-sleep", str(args.step_sleep),
+        *setting.worker_extra,
     ]  # fmt: skip
 
 

@@ -46,12 +46,25 @@ def parse_args() -> argparse.Namespace:
         "--replicate", action="store_true", help="ftrun: copy each part to the next node"
     )
     parser.add_argument(
+        "--global-every", type=int, default=0, help="ftrun: a global save every N local ones"
+    )
+    parser.add_argument(
         "--memcpy-floor", action="store_true", help="log one timed copy of the state first"
     )
     return parser.parse_args()
 
 
-class TorchSave:
+class Saver:
+    def after_step(self) -> None:
+        """Work between steps (finishing background saves); none by default."""
+
+
+def copy_into(state: list[torch.Tensor], loaded: list[torch.Tensor]) -> None:
+    for dst, src in zip(state, loaded, strict=True):
+        dst.copy_(src)
+
+
+class TorchSave(Saver):
     """A global checkpoint: every rank's shard, fsynced, then `latest` names the step."""
 
     def __init__(self, directory: Path, rank: int) -> None:
@@ -73,15 +86,16 @@ class TorchSave:
                 if int(old.name[4:].split("-")[0]) < step:
                     old.unlink(missing_ok=True)
 
-    def load(self) -> tuple[int, list[torch.Tensor] | None]:
+    def load_into(self, state: list[torch.Tensor]) -> int:
         latest = self.dir / "latest"
         if not latest.exists():
-            return 0, None
+            return 0
         step = int(latest.read_text())
-        return step, torch.load(self.dir / f"step{step}-rank{self.rank}.pt")
+        copy_into(state, torch.load(self.dir / f"step{step}-rank{self.rank}.pt"))
+        return step
 
 
-class LocalSync:
+class LocalSync(Saver):
     """Each rank's shard to a node-local directory; a restart takes the newest common step."""
 
     def __init__(self, directory: Path, rank: int) -> None:
@@ -100,37 +114,60 @@ class LocalSync:
             int(p.stem.split("step")[1]) for p in self.dir.glob(f"rank{self.rank}-step*.pt")
         )
 
-    def load(self) -> tuple[int, list[torch.Tensor] | None]:
+    def load_into(self, state: list[torch.Tensor]) -> int:
         held = self._steps()
         newest = torch.tensor([max(held, default=0)])
         dist.all_reduce(newest, op=dist.ReduceOp.MIN)
         step = int(newest)
         if step == 0 or step not in held:
-            return 0, None
-        return step, torch.load(self.dir / f"rank{self.rank}-step{step}.pt")
+            return 0
+        copy_into(state, torch.load(self.dir / f"rank{self.rank}-step{step}.pt"))
+        return step
 
 
-class Ftrun:
-    """ftrun's LocalCheckpointManager, async: the step loop waits only for the copy."""
+class Ftrun(Saver):
+    """ftrun's LocalCheckpointManager, async: the step loop waits only for the copy; with
+    `global_every`, also an async global save through DCP every that many local saves, and a
+    restart restores the newest copy of either tier, read straight into the state."""
 
-    def __init__(self, directory: Path, replicate: bool) -> None:
-        from ftrun.checkpointing import CliqueReplicationStrategy, LocalCheckpointManager
+    def __init__(self, local: Path, shared: Path, replicate: bool, global_every: int) -> None:
+        from ftrun.checkpointing import (
+            CliqueReplicationStrategy,
+            GlobalCheckpointManager,
+            LocalCheckpointManager,
+        )
 
         strategy = None
         if replicate:  # a clique of 2: this rank and the same local rank on the next node
             jump = int(os.environ["LOCAL_WORLD_SIZE"])
             strategy = CliqueReplicationStrategy.from_replication_params(jump, 2)
-        self.manager = LocalCheckpointManager(str(directory), repl_strategy=strategy)
+        self.manager = LocalCheckpointManager(str(local), repl_strategy=strategy)
+        self.glob = GlobalCheckpointManager(shared) if global_every else None
+        self.global_every, self.saves = global_every, 0
 
     def save(self, state: list[torch.Tensor], step: int) -> None:
-        self.manager.save({"state": state}, step, is_async=True)
+        self.manager.save(named(state), step, is_async=True)
+        self.saves += 1
+        if self.glob is not None and self.saves % self.global_every == 0:
+            self.glob.save(named(state), step)
 
-    def load(self) -> tuple[int, list[torch.Tensor] | None]:
-        step = self.manager.find_latest()
-        if step < 0:
-            return 0, None
-        loaded, _ = self.manager.load()
-        return step, loaded["state"]
+    def after_step(self) -> None:
+        if self.glob is not None:
+            self.glob.maybe_finalize()
+
+    def load_into(self, state: list[torch.Tensor]) -> int:
+        from ftrun.checkpointing import CheckpointNotFoundError, restore
+
+        tiers = [self.manager] + ([self.glob] if self.glob is not None else [])
+        try:
+            return restore(tiers, named(state)).iteration
+        except CheckpointNotFoundError:
+            return 0
+
+
+def named(state: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The rank's tensors under keys of its own (DCP saves equal keys of all ranks once)."""
+    return {f"rank{dist.get_rank()}.t{i}": t for i, t in enumerate(state)}
 
 
 def make_saver(args: argparse.Namespace, rank: int) -> TorchSave | LocalSync | Ftrun:
@@ -139,7 +176,10 @@ def make_saver(args: argparse.Namespace, rank: int) -> TorchSave | LocalSync | F
         return TorchSave(args.ckpt_dir / "global", rank)
     if args.save == "local-sync":
         return LocalSync(args.ckpt_dir / f"node{node}-local", rank)
-    return Ftrun(args.ckpt_dir / f"node{node}-local", args.replicate)
+    return Ftrun(
+        args.ckpt_dir / f"node{node}-local", args.ckpt_dir / "global", args.replicate,
+        args.global_every,
+    )  # fmt: skip
 
 
 def new_state(mib: int) -> list[torch.Tensor]:
@@ -167,11 +207,8 @@ def main() -> None:
         print(f"{time.time():.6f} {who} memcpy={time.perf_counter() - began:.4f}", file=log)
         del copies
     began = time.perf_counter()
-    start, loaded = saver.load()
-    if loaded is not None:
-        for dst, src in zip(state, loaded, strict=True):
-            dst.copy_(src)
-        del loaded
+    start = saver.load_into(state)
+    if start:
         if any(float(t[0]) != start for t in state):
             raise RuntimeError(f"restored state is not step {start}'s")
         print(f"{time.time():.6f} {who} restore={start} took={time.perf_counter() - began:.4f}",
@@ -185,6 +222,7 @@ def main() -> None:
         for tensor in state:
             tensor[0] = step
         print(f"{time.time():.6f} {who} step={step} loss=0", file=log)
+        saver.after_step()
         if step % args.save_every == 0:
             began = time.perf_counter()
             saver.save(state, step)

@@ -67,7 +67,8 @@ class Tier(Protocol):
 
 
 class LocalTier:
-    """A `LocalCheckpointManager` as a tier: it loads its own newest (falling back inside)."""
+    """A `LocalCheckpointManager` as a tier: it loads its own newest (falling back inside),
+    straight into `state_dict`'s tensors when one is given (`load(into=...)`)."""
 
     def __init__(self, manager: LocalCheckpointManager, name: str = "local") -> None:
         self.manager, self.name = manager, name
@@ -76,7 +77,7 @@ class LocalTier:
         return self.manager.find_latest()
 
     def load(self, iteration: int, state_dict: Any) -> tuple[Any, int]:
-        state, ckpt_id = self.manager.load()
+        state, ckpt_id = self.manager.load(into=state_dict)
         return state, ckpt_id.iteration
 
 
