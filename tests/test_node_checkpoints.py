@@ -34,6 +34,26 @@ def test_a_crash_resumes_from_node_memory(tmp_path: Path):
     assert not (job.ckpt_dir / "local").exists()  # memory only: nothing persisted on disk
 
 
+def test_global_saves_under_two_launchers_and_a_crash_resumes_from_the_newest_tier(
+    tmp_path: Path,
+):
+    """Async global saves (DCP) beside the local ones, 2 nodes x 2 ranks: after a crash at 17,
+    node memory's 15 beats the global 10; at the end the two newest global saves are visible,
+    complete, and nothing half-written is."""
+    worker_args = ["--crash", "0:1:17", "--global-every", "2", "--steps", "40"]
+    job = start_job(tmp_path, 2, ARGS, worker_args, script=WORKER, nproc=2)
+    assert job.wait(150) == [0, 0]
+    for rank in range(4):
+        rows = [
+            line.split() for line in (job.ckpt_dir / f"rank{rank}.log").read_text().splitlines()
+        ]
+        resumes = {int(cycle): (int(loaded), tier) for cycle, _step, loaded, tier in rows}
+        assert resumes == {0: (-1, "none"), 1: (15, "local")}, (rank, resumes)
+    published = sorted(p.name for p in (job.ckpt_dir / "global").iterdir())
+    assert published == ["iter_0000030", "iter_0000040"], published
+    assert (job.ckpt_dir / "global" / "iter_0000040" / "MANIFEST.json").is_file()
+
+
 def test_a_worker_killed_in_the_middle_of_a_save_resumes_from_the_previous_one(tmp_path: Path):
     job = start_job(tmp_path, 2, ARGS, ["--die-in-save", "0:1:10"], script=WORKER)
     assert job.wait(120) == [0, 0]

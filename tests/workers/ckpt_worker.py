@@ -10,6 +10,9 @@ Writes <ckpt-dir>/FINISHED after --steps.
 Faults (each in one cycle): --crash CYCLE:RANK:STEP exits 1 at STEP; --die-in-save
 CYCLE:RANK:STEP SIGKILLs itself in the middle of the save of STEP: its bytes are written, the
 rename that makes the part visible never happens.
+
+With --global-every N, every Nth save is also an async global save (`GlobalCheckpointManager`,
+DCP) to <ckpt-dir>/global, and a restart restores with `restore` across both tiers.
 """
 
 from __future__ import annotations
@@ -47,7 +50,10 @@ def main() -> int:
     parser.add_argument("--mb", type=float, default=1.0, help="state size per rank")
     parser.add_argument("--crash", default="")
     parser.add_argument("--die-in-save", default="")
+    parser.add_argument("--global-every", type=int, default=0)
     args = parser.parse_args()
+    if args.global_every:
+        return with_global_tier(args)
     args.out.mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo")
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # copies go to the next node
@@ -76,6 +82,49 @@ def main() -> int:
         log.write(f"{CYCLE} {step} {loaded}\n")
         log.flush()
     manager.wait()
+    if RANK == 0:
+        (args.out / "FINISHED").touch()
+    dist.destroy_process_group()
+    return 0
+
+
+def with_global_tier(args: argparse.Namespace) -> int:
+    """The loop with both tiers; logs "<cycle> <step> <loaded> <tier>"."""
+    from ftrun.checkpointing import CheckpointNotFoundError, GlobalCheckpointManager, restore
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    dist.init_process_group("gloo")
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    strategy = CliqueReplicationStrategy.from_replication_params(per_node, 2)
+    local = LocalCheckpointManager(args.out / "local", repl_strategy=strategy)
+    glob = GlobalCheckpointManager(args.out / "global", keep_last=2, timeout_s=60)
+    weights = torch.zeros(int(args.mb * 2**20) // 4)
+    state = {f"weights.r{RANK}": weights, "step": 0}
+    try:
+        restored = restore([local, glob], state)
+        loaded, tier, start = restored.iteration, restored.tier, restored.state["step"]
+        assert float(weights[0]) == start == loaded, (float(weights[0]), start, loaded)
+    except CheckpointNotFoundError:
+        loaded, tier, start = -1, "none", 0
+    log = (args.out / f"rank{RANK}.log").open("a")
+    for step in range(start + 1, args.steps + 1):
+        if fires(args.crash, step):
+            sys.exit(1)
+        value = torch.ones(1)
+        dist.all_reduce(value)
+        weights.fill_(step)
+        time.sleep(args.step_time)
+        glob.maybe_finalize()
+        if step % args.save_every == 0:
+            state["step"] = step
+            local.save(state, step, is_async=True)
+            if step % (args.save_every * args.global_every) == 0:
+                glob.save(state, step)
+        log.write(f"{CYCLE} {step} {loaded} {tier}\n")
+        log.flush()
+    local.wait()
+    glob.maybe_finalize(blocking=True)
+    glob.close()
     if RANK == 0:
         (args.out / "FINISHED").touch()
     dist.destroy_process_group()
