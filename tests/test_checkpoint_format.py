@@ -201,7 +201,7 @@ class Color(enum.IntEnum):
             "a function cannot be stored without pickle",
         ),
         ({"s": {1, 2}}, "state['s']: a set (store a sorted list instead) cannot be stored"),
-        ({"d": {1: "x"}}, "state['d']: dict key '1' is a int; only str keys"),
+        ({"d": {1.5: "x"}}, "state['d']: dict key '1.5' is a float; only str and int keys"),
         ({"o": [object()]}, "state['o'][0]: a builtins.object cannot be stored without pickle"),
         ({"e": Color.RED}, "state['e']: a Color (a subclass of int"),
         ({"p": collections.namedtuple("P", "x")(1)}, "state['p']: a P (a subclass of tuple"),

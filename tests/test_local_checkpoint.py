@@ -257,6 +257,33 @@ def test_load_into_reads_into_the_models_own_tensors(tmp_path: Path) -> None:
         assert torch.equal(got, want)
 
 
+def test_an_optimizer_state_dict_round_trips_and_loads_into_a_new_optimizer(
+    tmp_path: Path,
+) -> None:
+    """Its state is keyed by int (what `torch.save` users save first of all)."""
+
+    def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = torch.nn.Linear(4, 3)
+        optim = torch.optim.AdamW(model.parameters())
+        model(torch.randn(2, 4)).sum().backward()
+        optim.step()
+        return model, optim
+
+    model, optim = trained()
+    manager = LocalCheckpointManager(tmp_path)
+    manager.save({"model": model.state_dict(), "optim": optim.state_dict()}, 1)
+    loaded, _ = manager.load()
+    assert sorted(loaded["optim"]["state"]) == [0, 1]
+    fresh = torch.optim.AdamW(model.parameters())
+    fresh.load_state_dict(loaded["optim"])
+    other_model, other_optim = trained()
+    manager.load(into={"model": other_model.state_dict(), "optim": other_optim.state_dict()})
+    assert torch.equal(other_model.weight, model.weight)
+    assert torch.equal(
+        other_optim.state[other_model.weight]["exp_avg"], optim.state[model.weight]["exp_avg"]
+    )
+
+
 def test_load_into_falls_back_past_a_corrupt_part_and_refuses_a_wrong_shape(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

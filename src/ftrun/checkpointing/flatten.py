@@ -3,8 +3,9 @@
 A checkpoint part stores tensors as raw bytes and everything else as JSON, so loading one can
 never run code (pickle, `torch.load` and `eval` can). What can be stored:
 
-* dicts with `str` keys (any `dict` subclass, e.g. `OrderedDict`, comes back as a plain
-  `dict`: equal, but not the same type), lists, tuples (they come back as tuples);
+* dicts with `str` or `int` keys (an optimizer's `state_dict()` keys its state by int; any
+  `dict` subclass, e.g. `OrderedDict`, comes back as a plain `dict`: equal, but not the same
+  type), lists, tuples (they come back as tuples);
 * dense tensors (`torch.Tensor` or `nn.Parameter`, which comes back as a plain tensor) of a
   dtype that safetensors names (see `layout.DTYPE_NAMES`), on any device that has data: CUDA
   tensors are copied to host when the part is written;
@@ -22,7 +23,8 @@ twice) are stored once and come back as one tensor, as `torch.save` would keep t
 Other overlapping views are stored separately and come back independent.
 
 Skeleton nodes: JSON scalars stand for themselves, JSON arrays are lists, and every other node
-is a one-key object whose key is a tag: `{"$dict": {...}}`, `{"$tuple": [...]}`,
+is a one-key object whose key is a tag: `{"$dict": {...}}` (str keys), `{"$kdict": [[key,
+node], ...]}` (a dict with an int key: JSON object keys are strings only), `{"$tuple": [...]}`,
 `{"$tensor": i}`, `{"$bytes": i}`, `{"$float": "nan" | "inf" | "-inf"}`. Because dicts are
 always wrapped, a user key that looks like a tag is never mistaken for one.
 """
@@ -43,6 +45,7 @@ from ftrun.checkpointing.errors import CheckpointFormatError
 from ftrun.checkpointing.layout import DTYPE_NAMES
 
 TAG_DICT = "$dict"
+TAG_KEYED_DICT = "$kdict"
 TAG_TUPLE = "$tuple"
 TAG_TENSOR = "$tensor"
 TAG_BYTES = "$bytes"
@@ -83,6 +86,8 @@ def unflatten(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Any:
             ((tag, body),) = item.items()
             if tag == TAG_DICT and type(body) is dict:
                 return {key: node(v) for key, v in body.items()}
+            if tag == TAG_KEYED_DICT and type(body) is list:
+                return {_pair_key(pair): node(pair[1]) for pair in body}
             if tag == TAG_TUPLE and type(body) is list:
                 return tuple(node(v) for v in body)
             if tag == TAG_TENSOR:
@@ -130,10 +135,12 @@ class _Flattener:
         self._open.add(id(value))
         try:
             if isinstance(value, dict):
+                if all(type(k) is str for k in value):
+                    return {TAG_DICT: {k: self.node(v, f"{path}[{k!r}]") for k, v in value.items()}}
                 return {
-                    TAG_DICT: {
-                        _key(k, path): self.node(v, f"{path}[{k!r}]") for k, v in value.items()
-                    }
+                    TAG_KEYED_DICT: [
+                        [_key(k, path), self.node(v, f"{path}[{k!r}]")] for k, v in value.items()
+                    ]
                 }
             items = [self.node(v, f"{path}[{i}]") for i, v in enumerate(value)]
             return items if type(value) is list else {TAG_TUPLE: items}
@@ -180,13 +187,19 @@ def _check_tensor(tensor: torch.Tensor, path: str) -> None:
     raise CheckpointFormatError(f"{path}: {what} cannot be stored")
 
 
-def _key(key: Any, path: str) -> str:
-    if type(key) is not str:
+def _key(key: Any, path: str) -> str | int:
+    if type(key) is not str and (type(key) is not int or key.bit_length() > _MAX_INT_BITS):
         raise CheckpointFormatError(
             f"{path}: dict key {str(key)[:60]!r} is a {type(key).__qualname__}; "
-            "only str keys can be stored without pickle"
+            "only str and int keys can be stored without pickle"
         )
     return key
+
+
+def _pair_key(pair: Any) -> str | int:
+    if type(pair) is not list or len(pair) != 2 or type(pair[0]) not in (str, int):
+        raise ValueError(f"unexpected keyed-dict entry {str(pair)[:80]}")
+    return pair[0]
 
 
 def _describe(value: Any) -> str:

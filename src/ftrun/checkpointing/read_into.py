@@ -33,7 +33,13 @@ import crc32c
 import torch
 
 from ftrun.checkpointing.errors import CheckpointCorruptError, CheckpointUsageError
-from ftrun.checkpointing.flatten import TAG_DICT, TAG_TENSOR, TAG_TUPLE, unflatten
+from ftrun.checkpointing.flatten import (
+    TAG_DICT,
+    TAG_KEYED_DICT,
+    TAG_TENSOR,
+    TAG_TUPLE,
+    unflatten,
+)
 from ftrun.checkpointing.format import CRC_THREADS, PartInfo, open_for_read, part_info
 from ftrun.checkpointing.layout import PREFIX_BYTES, Entry, Header
 
@@ -115,6 +121,11 @@ def _match(node: Any, target: Any, found: dict[int, torch.Tensor]) -> None:
         for key, child in body.items():
             if key in target:
                 _match(child, target[key], found)
+    elif tag == TAG_KEYED_DICT and type(body) is list and isinstance(target, dict):
+        for pair in body:
+            keyed = type(pair) is list and len(pair) == 2 and type(pair[0]) in (str, int)
+            if keyed and pair[0] in target:
+                _match(pair[1], target[pair[0]], found)
     elif tag == TAG_TUPLE and type(body) is list and isinstance(target, list | tuple):
         for i, child in enumerate(body[: len(target)]):
             _match(child, target[i], found)
