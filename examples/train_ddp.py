@@ -180,12 +180,12 @@ def resume(
         client.load_state_dict(state["monitor"])
         start = state["step"]
     if local is not None and local.find_latest() > start:  # newer than the global checkpoint
-        state, ckpt_id = local.load()
-        model.load_state_dict(state["model"])
-        optim.load_state_dict(state["optim"])
+        # Read straight into the model's tensors (checked as they land): one pass, no copy.
+        into = {"model": model.state_dict(), "optim": optim.state_dict()}
+        state, ckpt_id = local.load(into=into)
+        optim.load_state_dict(state["optim"])  # its hyper-parameters come from the checkpoint
         start = state["step"]
         print(f"rank {RANK}: resumed from local checkpoint {ckpt_id.iteration}", flush=True)
-        del state  # its tensors map the checkpoint's memory
     return start
 
 
