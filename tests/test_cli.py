@@ -47,6 +47,14 @@ NVRX_YAML_KEYS = {
     "nic_sysfs_root",
     "gpu_memory_reclaim_timeout",
     "gpu_memory_tolerance_mb",
+    # ftrun's own (NVRx configures its straggler detection in the training script)
+    "straggler_detection",
+    "straggler_report_interval",
+    "straggler_gpu_relative_threshold",
+    "straggler_gpu_individual_threshold",
+    "straggler_section_relative_threshold",
+    "straggler_section_individual_threshold",
+    "straggler_action",
 }
 
 
@@ -467,6 +475,19 @@ EFFECTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("--ft-gpu-memory-tolerance-mb=1",),
     ),
     "prewarm_modules": ((), ("--ft-prewarm-modules=none",)),
+    "straggler_detection": ((), ("--ft-no-straggler-detection",)),
+    "straggler_report_interval": ((), ("--ft-straggler-report-interval=5",)),
+    "straggler_gpu_relative_threshold": ((), ("--ft-straggler-gpu-relative-threshold=0.5",)),
+    "straggler_gpu_individual_threshold": ((), ("--ft-straggler-gpu-individual-threshold=0.5",)),
+    "straggler_section_relative_threshold": (
+        (),
+        ("--ft-straggler-section-relative-threshold=0.5",),
+    ),
+    "straggler_section_individual_threshold": (
+        (),
+        ("--ft-straggler-section-individual-threshold=0.5",),
+    ),
+    "straggler_action": ((), ("--ft-straggler-action=exclude",)),
 }
 
 

@@ -33,14 +33,14 @@ def test_tables_list_each_group_in_declaration_order() -> None:
 def test_render_replaces_only_the_marked_blocks() -> None:
     stale = (
         "intro\n"
-        "<!-- BEGIN GENERATED: ft-options (anything) -->\nold\n<!-- END GENERATED: ft-options -->\n"
+        "<!-- BEGIN GENERATED: ft-options (anything) -->\nOLD\n<!-- END GENERATED: ft-options -->\n"
         "middle\n"
         "<!-- BEGIN GENERATED: torchrun-options -->\n<!-- END GENERATED: torchrun-options -->\n"
         "outro\n"
     )
     fresh = docs.render(stale)
     assert fresh.startswith("intro\n<!-- BEGIN GENERATED: ft-options (anything) -->\n| option |")
-    assert "old" not in fresh
+    assert "OLD" not in fresh  # not "old": a substring of the *threshold options
     assert "\nmiddle\n" in fresh
     assert fresh.endswith("<!-- END GENERATED: torchrun-options -->\noutro\n")
     assert docs.render(fresh) == fresh

@@ -11,6 +11,7 @@ import dataclasses
 from ftrun.agent.config import AgentConfig
 from ftrun.rank_monitor.config import RankMonitorConfig
 from ftrun.rendezvous.config import HealthCheckConfig, RendezvousConfig
+from ftrun.straggler.config import StragglerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,3 +25,5 @@ class LaunchConfig:
     log_level: str = "INFO"
     warnings: tuple[str, ...] = ()
     """Settings worth a warning (ignored flags, OMP_NUM_THREADS); `main` logs them."""
+    straggler: StragglerConfig = dataclasses.field(default_factory=StragglerConfig)
+    """The agents' straggler detection (`--ft-straggler-*`)."""

@@ -171,6 +171,21 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
         _req("seconds", NUM, "the whole agreement, fetches included, before the workers start"),
         _opt("attempts", INT, "fetch attempts (0: every node held its parts already)"),
     ),
+    "straggler_report": (
+        _req("seq", INT, "the report's number in its cycle (written by the reporting node)"),
+        _req("ranks", INT, "ranks scored"),
+        _req("worst", LIST, "[rank, node, lowest score of any kind] of the worst ranks"),
+        _opt("median", NUM, "the median over every rank of its lowest score"),
+    ),
+    "straggler": (
+        _req("seq", INT, "the report that found the stragglers"),
+        _req("ranks", LIST),
+        _req("nodes", LIST),
+        _req("findings", LIST, "{rank, node, kind, section, score, threshold}, worst first"),
+        _req("action", STR, "'log', 'stop' or 'exclude' (what the reporting node did)"),
+        _opt("exclude", STR, "the node asked to leave"),
+        _opt("note", STR, "why an exclusion was not possible"),
+    ),
     "exit": (
         _req("code", INT),
         _opt("reason", STR, "the code's name"),

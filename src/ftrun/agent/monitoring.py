@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ftrun.agent.services import NodeService
 from ftrun.rank_monitor import RankMonitorConfig, RankMonitorServer
+from ftrun.rank_monitor.timings import TimingBatch
 from ftrun.rendezvous.ranks import Round
 
 
@@ -15,11 +16,16 @@ class MonitorService(NodeService):
     name = "rank monitor"
 
     def __init__(
-        self, config: RankMonitorConfig, job_dir: Path, post: Callable[[object], None]
+        self,
+        config: RankMonitorConfig,
+        job_dir: Path,
+        post: Callable[[object], None],
+        on_timings: Callable[[TimingBatch], None] | None = None,
     ) -> None:
         self.server = RankMonitorServer(
-            config, job_dir=job_dir, on_verdict=post, on_progress=post, on_control=post
-        ).start()
+            config, job_dir=job_dir, on_verdict=post, on_progress=post, on_control=post,
+            on_timings=on_timings,
+        ).start()  # fmt: skip
 
     def worker_env(self, rnd: Round) -> Mapping[str, str]:
         return self.server.worker_env()

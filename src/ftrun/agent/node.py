@@ -30,6 +30,7 @@ from ftrun.agent.inbox import SignalReceived, SignalRecorder, take_queued
 from ftrun.agent.policy import Action, AgentEvent, Facts, Outcome, Policy
 from ftrun.agent.reporting import CycleReport
 from ftrun.agent.runtime import AgentRuntime
+from ftrun.agent.services import ServiceRequest
 from ftrun.agent.state import AgentState, check_transition
 from ftrun.agent.termination import StopResult, become_subreaper, stop_process_groups
 from ftrun.agent.worker_env import worker_envs
@@ -253,6 +254,9 @@ class NodeAgent:
             return self._signal_event(item)
         if isinstance(item, WorkloadControl) and item.worker_pid in running:
             return self._control_event(item)
+        if isinstance(item, ServiceRequest):
+            log.warning("the %s asks for %s: %s", item.service, item.action.name, item.reason)
+            return p.ControlRequested(-1, item.action, item.reason, by=f"the {item.service}")
         if isinstance(item, FirstProgress):
             self.report.first_progress(item)
         return None

@@ -128,6 +128,8 @@ class ControlRequested:
     rank: int
     action: WorkloadAction
     description: str
+    by: str = ""
+    """Who asked when it is no rank (a node service, e.g. the straggler detector)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,7 +282,7 @@ class Policy:
         return dataclasses.replace(_restart(cause), kill=event.pids)
 
     def _control(self, event: ControlRequested, facts: Facts) -> Action:
-        asked = f"rank {event.rank} on {facts.node} asked to"
+        asked = f"{event.by or f'rank {event.rank}'} on {facts.node} asked to"
         if event.action is WorkloadAction.ExcludeThisNode:
             why = f"{asked} exclude its node: {event.description}"
             return Action(

@@ -27,6 +27,7 @@ from ftrun.agent.peering import PeerService
 from ftrun.agent.prewarm.service import PrewarmService
 from ftrun.agent.prewarm.target import python_target
 from ftrun.agent.services import NodeServices
+from ftrun.agent.stragglers import StragglerService
 from ftrun.agent.worker_env import shared_env
 from ftrun.agent.workers import PlainSpawner, Spawner
 from ftrun.config import LaunchConfig
@@ -112,7 +113,15 @@ def open_runtime(
         stack.callback(services.close)
         health = services.add(HealthService(config.health, events.emit))
         store, is_store_host = _connect(config, health.first)
-        monitor = services.add(MonitorService(config.monitor, job_dir, inbox.put)).server
+        stragglers = services.add(
+            StragglerService(
+                config.straggler, store, config.rendezvous.run_id, node, job_dir, log_dir,
+                config.rendezvous.min_nodes, events.emit, inbox.put,
+            )
+        )  # fmt: skip
+        monitor = services.add(
+            MonitorService(config.monitor, job_dir, inbox.put, stragglers.on_timings)
+        ).server
         peer = services.add(PeerService(store, config.rendezvous.run_id, host, node))
         services.add(
             KeeperService(store, config.rendezvous.run_id, peer.server, peer.client, events.emit)

@@ -11,6 +11,9 @@ not a new branch in the agent loop. A service overrides the hooks it needs:
 - `kept_pids()`        processes of the service that the agent's stop routine must not signal
 - `close()`            once, at the end; must not raise
 
+A service that needs the workload to change (the straggler detector excluding its node) posts
+a `ServiceRequest` on the agent's inbox: the agent treats it as a worker's control request.
+
 `NodeServices` starts them in order and closes them in reverse, also when a later one fails to
 start: whatever was started is closed (an `ExitStack`).
 """
@@ -18,13 +21,24 @@ start: whatever was started is closed (an `ExitStack`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 from typing import TypeVar
 
+from ftrun.rank_monitor.workload import WorkloadAction
 from ftrun.rendezvous.ranks import Round
 
 log = logging.getLogger("ftrun.agent")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceRequest:
+    """A node service asks the agent for a workload action while the workers run."""
+
+    service: str
+    action: WorkloadAction
+    reason: str
 
 
 class NodeService:

@@ -33,6 +33,7 @@ from ftrun.ft_launcher.options import (
 )
 from ftrun.rank_monitor.config import RankMonitorConfig
 from ftrun.rendezvous.config import HealthCheckConfig, RendezvousConfig, RendezvousImpl
+from ftrun.straggler.config import StragglerAction, StragglerConfig
 
 MASTER_PORT = 29500
 """torchrun's --master-port default (static rendezvous)."""
@@ -119,6 +120,15 @@ def config_from(
         health=_health(opts, notes),
         log_level=opts["log_level"],
         warnings=tuple(notes),
+        straggler=StragglerConfig(
+            enabled=opts["straggler_detection"],
+            report_interval=opts["straggler_report_interval"],
+            gpu_relative_threshold=opts["straggler_gpu_relative_threshold"],
+            gpu_individual_threshold=opts["straggler_gpu_individual_threshold"],
+            section_relative_threshold=opts["straggler_section_relative_threshold"],
+            section_individual_threshold=opts["straggler_section_individual_threshold"],
+            action=StragglerAction(opts["straggler_action"]),
+        ),
     )
 
 

@@ -21,6 +21,7 @@ from ftrun.errors import ConfigError
 from ftrun.ft_launcher import values as v
 from ftrun.rank_monitor.config import RankMonitorConfig
 from ftrun.rendezvous.config import HealthCheckConfig, RendezvousConfig, RendezvousImpl
+from ftrun.straggler.config import StragglerAction, StragglerConfig, threshold
 
 PROG = "ft_launcher"
 YAML_SECTION = "fault_tolerance"
@@ -100,6 +101,8 @@ _DUP = (
 )
 _RANKS = {"metavar": "N|RANK:N,..."}
 _MONITOR, _AGENT, _HEALTH = RankMonitorConfig, AgentConfig, HealthCheckConfig
+_STRAGGLER = StragglerConfig
+_SCORE = "Straggler threshold: a rank whose {} score is below it is a straggler (0..1)."
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
 """torch.numa.binding.AffinityMode values (torchrun's --numa-binding choices)."""
 
@@ -226,6 +229,27 @@ FT_OPTIONS: tuple[Option, ...] = (
         "Modules the node's fork server imports once at launch; every worker of every cycle is "
         "forked from it (none: spawn each worker fresh).",
         metavar="MOD,..."),
+    _ft("straggler_detection", _default(_STRAGGLER, "enabled"), v.boolean,
+        "Score the sections that workers time with ftrun.straggler.Detector and report "
+        "stragglers (costs nothing when no worker uses it).", off_flags=True, **_ON),
+    _ft("straggler_report_interval", _default(_STRAGGLER, "report_interval"),
+        v.positive_number, "Seconds between straggler reports (NVRx's report_time_interval).",
+        metavar="SECONDS"),
+    _ft("straggler_gpu_relative_threshold", _default(_STRAGGLER, "gpu_relative_threshold"),
+        threshold, _SCORE.format("GPU relative"), metavar="X"),
+    _ft("straggler_gpu_individual_threshold", _default(_STRAGGLER, "gpu_individual_threshold"),
+        threshold, _SCORE.format("GPU individual"), metavar="X"),
+    _ft("straggler_section_relative_threshold",
+        _default(_STRAGGLER, "section_relative_threshold"), threshold,
+        _SCORE.format("section relative"), metavar="X"),
+    _ft("straggler_section_individual_threshold",
+        _default(_STRAGGLER, "section_individual_threshold"), threshold,
+        _SCORE.format("section individual"), metavar="X"),
+    _ft("straggler_action", _default(_STRAGGLER, "action").value,
+        v.choice(*(a.value for a in StragglerAction)),
+        "What a straggler causes besides the report and a straggler event: log, stop (the job "
+        "ends, exit 3) or exclude (its node leaves when the minimum size or a standby node "
+        "allows; else log)."),
 )
 # fmt: on
 

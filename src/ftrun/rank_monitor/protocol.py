@@ -11,8 +11,10 @@ version-1 frames they always were (byte for byte), so a client and a server of d
 releases still understand each other unless the iteration is used.
 
 Fire-and-forget (client -> server, no reply): HEARTBEAT, SECTION_START, SECTION_END,
-END_ALL_SECTIONS, GOODBYE. Request/reply (the reply echoes `seq`): HELLO, CALC_TIMEOUTS,
-SET_TIMEOUTS, CONTROL (a workload control request). The server answers a request with REPLY
+END_ALL_SECTIONS, GOODBYE, and TIMINGS (a straggler detector's batch of section durations; it
+names its rank and pid itself, so it needs no HELLO on its connection: see `timings`).
+Request/reply (the reply echoes `seq`): HELLO, CALC_TIMEOUTS, SET_TIMEOUTS, CONTROL (a workload
+control request). The server answers a request with REPLY
 (`ok`, `error`, `data`). A new message type needs no new version: a server that predates it
 drops the frame as of an unknown type, and the client's request times out.
 
@@ -29,6 +31,7 @@ from typing import Any, TypeAlias
 import msgpack
 
 from ftrun.errors import ProtocolError
+from ftrun.rank_monitor.timings import SectionTimes, parse_sections
 from ftrun.rank_monitor.workload import MAX_DESCRIPTION_LEN, WorkloadAction
 
 VERSION = 2
@@ -136,6 +139,15 @@ class Control:
 
 
 @dataclasses.dataclass(frozen=True)
+class Timings:
+    """Section durations of rank `rank` (process `pid`), a batch since the previous one."""
+
+    rank: int
+    pid: int
+    sections: tuple[SectionTimes, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Goodbye:
     """The rank stops being monitored (clean shutdown)."""
 
@@ -159,6 +171,7 @@ Message: TypeAlias = (
     | CalcTimeouts
     | SetTimeouts
     | Control
+    | Timings
     | Goodbye
     | Reply
 )
@@ -172,6 +185,7 @@ _TAGS: dict[type, str] = {
     CalcTimeouts: "calc",
     SetTimeouts: "set",
     Control: "ctl",
+    Timings: "tm",
     Goodbye: "bye",
     Reply: "reply",
 }
@@ -185,6 +199,8 @@ def encode(message: Message) -> bytes:
         value = getattr(message, field.name)
         if isinstance(value, Timeouts):
             value = value.to_wire()
+        elif field.name == "sections" and isinstance(message, Timings):
+            value = [[s.name, s.gpu, list(s.durations)] for s in value]
         elif isinstance(value, tuple):
             value = list(value)
         fields.append(value)
@@ -295,6 +311,15 @@ def _parse_control(fields: list[Any]) -> Control:
     return Control(seq=_int(seq, "seq"), action=action, description=description)
 
 
+def _parse_timings(fields: list[Any]) -> Timings:
+    rank, pid, sections = _arity(fields, 3, "tm")
+    return Timings(
+        rank=_int(rank, "rank", high=2**31),
+        pid=_int(pid, "pid"),
+        sections=parse_sections(sections, _name),
+    )
+
+
 def _bare(message: Message, tag: str):
     def parse(fields: list[Any]) -> Message:
         _arity(fields, 0, tag)
@@ -312,6 +337,7 @@ _PARSERS = {
     "calc": _parse_calc,
     "set": _parse_set,
     "ctl": _parse_control,
+    "tm": _parse_timings,
     "bye": _bare(Goodbye(), "bye"),
     "reply": _parse_reply,
 }

@@ -8,7 +8,8 @@ a callback (default: the `verdicts` queue).
 It also notes training progress for reports: each registration's first progress (heartbeat or
 section end) goes to the `on_progress` callback as a `FirstProgress`, and `progress_snapshot()`
 tells where every rank last was (before the owner stops the workers, say). A registered rank's
-workload control request goes to the `on_control` callback as a `WorkloadControl`.
+workload control request goes to the `on_control` callback as a `WorkloadControl`, and a
+straggler detector's section timings to `on_timings` as a `TimingBatch` (see `timings`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ftrun.rank_monitor.config import (
     RankMonitorConfig,
 )
 from ftrun.rank_monitor.records import FirstProgress, ProgressSnapshot, Verdict
+from ftrun.rank_monitor.timings import TimingBatch, TimingSenders
 from ftrun.rank_monitor.tracker import NotReadyError, Overdue, RankProgress
 from ftrun.rank_monitor.workload import WorkloadAction, WorkloadControl
 
@@ -66,9 +68,11 @@ class RankMonitorServer:
         on_verdict: Callable[[Verdict], None] | None = None,
         on_progress: Callable[[FirstProgress], None] | None = None,
         on_control: Callable[[WorkloadControl], None] | None = None,
+        on_timings: Callable[[TimingBatch], None] | None = None,
     ) -> None:
         """The callbacks run on the monitor thread: they must only enqueue. Without
-        `on_control`, workload control requests are refused."""
+        `on_control`, workload control requests are refused; without `on_timings`, timings
+        are dropped uncounted."""
         self.config = config
         self.job_dir = Path(job_dir or tempfile.mkdtemp(prefix="ftrun-"))
         self.job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -79,6 +83,9 @@ class RankMonitorServer:
         self._on_verdict = on_verdict or self.verdicts.put
         self._on_progress = on_progress
         self._on_control = on_control
+        self._on_timings = on_timings
+        self._timing_senders = TimingSenders(_is_self_or_descendant)
+        self._timings: list[TimingBatch] = []  # likewise
         self._lock = threading.Lock()
         self._expected: dict[int, int] = {}  # rank -> pid the owner spawned
         self._peers: dict[bytes, _Peer] = {}  # ZeroMQ identity -> rank state
@@ -145,6 +152,7 @@ class RankMonitorServer:
             self._expected.clear()
             self._peers.clear()
             self._registered.clear()
+            self._timing_senders.clear()
 
     def progress_snapshot(self) -> list[ProgressSnapshot]:
         """Where each expected rank's current registration got to, in rank order: taken right
@@ -226,7 +234,7 @@ class RankMonitorServer:
             now = time.monotonic()
             with self._lock:
                 self._handle(frames, now)
-            if self._first_progress or self._controls:
+            if self._first_progress or self._controls or self._timings:
                 self._deliver()
         return True
 
@@ -235,6 +243,9 @@ class RankMonitorServer:
         callback took it, so the owner has it when the rank's call returns."""
         noted, self._first_progress = self._first_progress, []
         controls, self._controls = self._controls, []
+        timings, self._timings = self._timings, []
+        for batch in timings:
+            self._call(self._on_timings, batch)
         for note in noted:
             self._call(self._on_progress, note)
         for identity, seq, control in controls:
@@ -263,6 +274,9 @@ class RankMonitorServer:
             return
         if isinstance(message, wire.Hello):
             self._hello(identity, message, now)
+            return
+        if isinstance(message, wire.Timings):
+            self._note_timings(identity, message, now)
             return
         peer = self._peers.get(identity)
         if peer is None:
@@ -306,6 +320,16 @@ class RankMonitorServer:
     def _note_first_progress(self, peer: _Peer, now: float, iteration: int | None) -> None:
         p = peer.progress
         self._first_progress.append(FirstProgress(p.rank, p.pid, peer.spawned_pid, now, iteration))
+
+    def _note_timings(self, identity: bytes, message: wire.Timings, now: float) -> None:
+        if self._on_timings is None:
+            return
+        expected = self._expected.get(message.rank)
+        spawned = self._timing_senders.spawned_pid(identity, message.rank, message.pid, expected)
+        if spawned is None:
+            self._drop(f"timings from rank {message.rank} pid {message.pid}, not spawned here")
+            return
+        self._timings.append(TimingBatch(message.rank, spawned, message.sections, now))
 
     def _hello(self, identity: bytes, hello: wire.Hello, now: float) -> None:
         expected_pid = self._expected.get(hello.rank)

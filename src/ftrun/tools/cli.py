@@ -1,4 +1,5 @@
-"""`ftrun`: tools around the launcher. `ftrun report LOG_DIR` explains what a job went through.
+"""`ftrun`: tools around the launcher. `ftrun report LOG_DIR` explains what a job went through;
+`ftrun straggler LOG_DIR ...` retunes a running job's straggler detection.
 
 Errors a person can fix (a wrong directory, files that are not events) end with one line on
 stderr and exit status 2, never a traceback: this runs after a bad night, on a bad log. The
@@ -14,8 +15,11 @@ from typing import NoReturn
 
 import click
 
+from ftrun.errors import ConfigError
+from ftrun.straggler.config import StragglerAction, StragglerConfig, write_control
 from ftrun.tools.events import ReportInputError, load_events
 from ftrun.tools.report import build_report
+from ftrun.tools.stragglers import scores_picture
 from ftrun.tools.summary import to_json, to_text
 
 EXIT_BAD_INPUT = 2
@@ -69,8 +73,50 @@ def report(log_dir: Path, out: Path | None, as_json: bool, no_timeline: bool) ->
             click.echo(f"ftrun report: timeline {note}", err=True)
     else:
         click.echo(to_text(result, timeline, note), nl=False)
+        click.echo(scores_picture(events), nl=False)
     if error:
         _fail(error, EXIT_NO_TIMELINE)
+
+
+@main.command()
+@click.argument("log_dir", type=click.Path(path_type=Path, file_okay=False, exists=True))
+@click.option("--on/--off", "enabled", default=None, help="Start or stop the detection.")
+@click.option("--interval", type=float, default=None, help="Seconds between reports.")
+@click.option("--action", type=click.Choice([a.value for a in StragglerAction]), default=None)
+@click.option(
+    "--threshold",
+    "thresholds",
+    multiple=True,
+    metavar="KIND=X",
+    help="KIND: gpu_relative, gpu_individual, section_relative or section_individual.",
+)
+def straggler(
+    log_dir: Path,
+    enabled: bool | None,
+    interval: float | None,
+    action: str | None,
+    thresholds: tuple[str, ...],
+) -> None:
+    """Change the straggler detection of the job logging to LOG_DIR while it runs (every agent
+    reads LOG_DIR/straggler.json within one report interval)."""
+    overrides: dict[str, object] = {}
+    if enabled is not None:
+        overrides["enabled"] = enabled
+    if interval is not None:
+        overrides["report_interval"] = interval
+    if action is not None:
+        overrides["action"] = action
+    for item in thresholds:
+        kind, _, value = item.partition("=")
+        try:
+            overrides[f"{kind}_threshold"] = float(value)
+        except ValueError:
+            _fail(f"--threshold {item}: expected KIND=NUMBER", EXIT_BAD_INPUT)
+    try:
+        path = write_control(log_dir, overrides, StragglerConfig())
+    except (ConfigError, OSError) as exc:
+        _fail(str(exc), EXIT_BAD_INPUT)
+    click.echo(f"{path}: {path.read_text(encoding='utf-8').strip()}")
 
 
 def _fail(message: str, code: int) -> NoReturn:

@@ -1,0 +1,112 @@
+"""Where a worker's detector talks to its node's agent: timings out, the latest report in.
+
+Out: TIMINGS frames on a ZeroMQ DEALER socket of the detector's own, connected to the node's
+monitor (`FTRUN_MONITOR_ADDR`), sent without blocking: if the socket's queue is full the batch
+is dropped and counted, the training step never waits. In: the report the agents last
+published, which the node's agent keeps in `<job dir>/straggler-report.json` (written
+atomically); reading it is one `stat`, and a parse only when it changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from ftrun.rank_monitor import protocol as wire
+from ftrun.rank_monitor.config import ENV_JOB_DIR, ENV_MONITOR_ADDR, ENV_RANK
+from ftrun.rank_monitor.timings import SectionTimes
+from ftrun.straggler.recorder import Batch
+
+REPORT_FILE = "straggler-report.json"
+_CHUNK = 6000
+"""Durations per frame: 6000 at up to 9 bytes each stay under the 64 KiB frame limit."""
+
+
+def launcher_env() -> tuple[str, Path, int] | None:
+    """(monitor address, job dir, rank) when running under ft_launcher, else None."""
+    address, job_dir = os.environ.get(ENV_MONITOR_ADDR), os.environ.get(ENV_JOB_DIR)
+    rank = os.environ.get(ENV_RANK)
+    if not (address and job_dir and rank):
+        return None
+    return address, Path(job_dir), int(rank)
+
+
+class MonitorChannel:
+    """The sink of a detector under the launcher."""
+
+    def __init__(self, address: str, rank: int) -> None:
+        self.rank = rank
+        self.pid = os.getpid()
+        self.dropped = 0
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 500)  # a last batch at shutdown gets half a second
+        self._sock.setsockopt(zmq.SNDHWM, 1000)
+        self._sock.connect(address)
+
+    def take(self, batch: Batch) -> None:
+        for chunk in _chunks(batch):
+            frame = wire.encode(wire.Timings(self.rank, self.pid, chunk))
+            try:
+                self._sock.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                self.dropped += 1
+
+    def close(self) -> None:
+        self._sock.close()
+        self._ctx.term()
+
+
+def _chunks(batch: Batch) -> list[tuple[SectionTimes, ...]]:
+    frames: list[tuple[SectionTimes, ...]] = []
+    current: list[SectionTimes] = []
+    size = 0
+    for name, gpu, durations in batch:
+        for at in range(0, len(durations), _CHUNK):
+            part = durations[at : at + _CHUNK]
+            if size + len(part) > _CHUNK and current:
+                frames.append(tuple(current))
+                current, size = [], 0
+            current.append(SectionTimes(name, gpu, tuple(part)))
+            size += len(part)
+    if current:
+        frames.append(tuple(current))
+    return frames
+
+
+class ReportFile:
+    """The latest report the node's agent wrote; re-read only when the file changed."""
+
+    def __init__(self, job_dir: Path) -> None:
+        self.path = job_dir / REPORT_FILE
+        self._mark: tuple[int, int] | None = None
+        self.latest: dict[str, Any] | None = None
+
+    def refresh(self) -> bool:
+        """Re-read the file if it changed; True if a new report was read."""
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        mark = (stat.st_mtime_ns, stat.st_ino)
+        if mark == self._mark:
+            return False
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False  # being replaced right now: the next call reads the new one
+        self._mark = mark
+        self.latest = data
+        return True
+
+
+def write_report(job_dir: Path, data: dict[str, Any]) -> None:
+    """Atomically replace the node's report file (the agent's side of `ReportFile`)."""
+    path = job_dir / REPORT_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data), encoding="utf-8")
+    tmp.replace(path)

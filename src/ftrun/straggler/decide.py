@@ -1,0 +1,99 @@
+"""What the reporting agent does about a report: pure, from the report, the settings and the
+round's size (`decide`); the service carries it out.
+
+- `log`: findings go to the log and the events, nothing else.
+- `stop`: the job ends (as a worker's ShutdownWorkload request: exit 3, do not relaunch).
+- `exclude`: the node of the worst straggler leaves (as a worker's ExcludeThisNode request) if
+  the job can go on without it: the round keeps at least the job's minimum of nodes, or a
+  standby node takes its place; else the finding is only logged, saying why. At most one
+  exclusion per cycle: the next cycle's ranks are measured afresh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from ftrun.straggler.config import StragglerAction, StragglerConfig
+from ftrun.straggler.report import Report
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One score below its threshold."""
+
+    rank: int
+    node: str
+    kind: str
+    """'gpu_relative', 'gpu_individual', 'section_relative' or 'section_individual'."""
+    section: str | None
+    score: float
+    threshold: float
+
+    def describe(self) -> str:
+        what = self.kind.replace("_", " ") + (f" {self.section!r}" if self.section else "")
+        return (
+            f"rank {self.rank} on {self.node}: {what} score {self.score:.2f} < {self.threshold:g}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    findings: tuple[Finding, ...]
+    """Worst first."""
+    action: str
+    """'none' (no straggler), 'log', 'stop' or 'exclude'."""
+    exclude: str | None = None
+    """The node that leaves (action 'exclude')."""
+    note: str = ""
+    """Why an exclusion was not possible, for the log."""
+
+
+def findings(report: Report, config: StragglerConfig) -> list[Finding]:
+    """Every score of `report` below its threshold, worst first."""
+    nodes = report.rank_to_node
+    found: list[Finding] = []
+
+    def scan(
+        kind: str, section: str | None, scores: dict[int, float] | object, limit: float
+    ) -> None:
+        for rank, score in scores.items():  # type: ignore[attr-defined]
+            if score < limit:
+                found.append(Finding(rank, nodes.get(rank, "<unk>"), kind, section, score, limit))
+
+    scan("gpu_relative", None, report.gpu_relative_perf_scores, config.gpu_relative_threshold)
+    scan("gpu_individual", None, report.gpu_individual_perf_scores, config.gpu_individual_threshold)
+    for name, scores in report.section_relative_perf_scores.items():
+        scan("section_relative", name, scores, config.section_relative_threshold)
+    for name, scores in report.section_individual_perf_scores.items():
+        scan("section_individual", name, scores, config.section_individual_threshold)
+    found.sort(key=lambda f: (f.score, f.rank))
+    return found
+
+
+def decide(
+    report: Report,
+    config: StragglerConfig,
+    nodes: Sequence[str],
+    min_nodes: int,
+    standby: int,
+    excluded_this_cycle: bool,
+) -> Decision:
+    found = tuple(findings(report, config))
+    if not found:
+        return Decision((), "none")
+    action = config.action
+    if action is StragglerAction.STOP:
+        return Decision(found, "stop")
+    if action is StragglerAction.EXCLUDE:
+        worst = found[0].node
+        if excluded_this_cycle:
+            return Decision(found, "log", note="a node was already excluded this cycle")
+        if len(nodes) - 1 >= min_nodes or standby > 0:
+            return Decision(found, "exclude", exclude=worst)
+        note = (
+            f"not excluding {worst}: {len(nodes)} node(s) in the round, the job needs "
+            f"{min_nodes} and no standby node waits"
+        )
+        return Decision(found, "log", note=note)
+    return Decision(found, "log")

@@ -1,0 +1,62 @@
+"""A gloo training loop timed with ftrun.straggler.Detector, for the straggler tests.
+
+Each step: the "step" section (a sleep of --step-time, longer on the slow rank), then one
+all_reduce outside it (where the fast ranks wait for the slow one, as in real training).
+--slow RANK:FACTOR slows global rank RANK's section by FACTOR in cycle 0 (the job's first).
+Rank 0 appends every report it gets to <ckpt-dir>/reports.jsonl, and writes
+<ckpt-dir>/FINISHED after --steps steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ftrun.straggler import Detector
+
+CYCLE = int(os.environ.get("FTRUN_CYCLE", "0"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ckpt-dir", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--step-time", type=float, default=0.02)
+    parser.add_argument("--slow", default="", metavar="RANK:FACTOR")
+    args = parser.parse_args()
+    args.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    factor = 1.0
+    if args.slow and CYCLE == 0 and int(args.slow.split(":")[0]) == rank:
+        factor = float(args.slow.split(":")[1])
+    Detector.initialize(report_time_interval=1)
+    for _ in range(args.steps):
+        with Detector.detection_section("step"):
+            time.sleep(args.step_time * factor)
+        value = torch.ones(1)
+        dist.all_reduce(value)
+        report = Detector.generate_report_if_interval_elapsed()
+        if report is not None:
+            stragglers = report.identify_stragglers()["straggler_sections_relative"]
+            line = {"cycle": CYCLE, "seq": report.seq, "ranks": sorted(report.rank_to_node),
+                    "step": [s.rank for s in stragglers.get("step", ())]}  # fmt: skip
+            with (args.ckpt_dir / "reports.jsonl").open("a") as out:
+                out.write(json.dumps(line) + "\n")
+    Detector.shutdown()
+    dist.barrier()
+    if rank == 0:
+        (args.ckpt_dir / "FINISHED").touch()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
