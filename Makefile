@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch resolves to a multi-GB CUDA build.
 	$(VPY) -m pip install -q $(TORCH_PIN)
-	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q -e '.[test,lightning]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -32,6 +32,10 @@ bench: $(STAMP)
 	$(VPY) bench/compare.py --runs $(or $(BENCH_RUNS),5)
 	$(VPY) bench/spares.py --runs $(or $(BENCH_RUNS),5)
 	$(VPY) bench/checkpoint.py --runs $(or $(BENCH_RUNS),5)
+	$(VPY) bench/replication.py --runs $(or $(BENCH_RUNS),3)
+	$(VPY) bench/async_global.py --runs $(or $(BENCH_RUNS),3)
+	$(VPY) bench/ettr.py --runs $(or $(BENCH_RUNS),1)
+	$(VPY) bench/straggler.py
 	$(VPY) bench/rendezvous_scale.py --repeats $(or $(BENCH_RUNS),3)
 
 faults: $(STAMP)

@@ -57,7 +57,7 @@ def figures() -> dict[str, float]:
 
 
 def main() -> None:
-    for name in ("FTRUN_MONITOR_ADDR", "FTRUN_JOB_DIR"):
+    for name in ("FTRUN_MONITOR_ADDR", "FTRUN_IPC_DIR"):
         os.environ.pop(name, None)
     torch.cuda.init()
     torch.zeros(1, device="cuda")

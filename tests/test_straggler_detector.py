@@ -23,7 +23,7 @@ from support import run_gloo_ranks, wait_for
 
 @pytest.fixture
 def detector(monkeypatch):
-    for name in ("FTRUN_MONITOR_ADDR", "FTRUN_JOB_DIR"):
+    for name in ("FTRUN_MONITOR_ADDR", "FTRUN_IPC_DIR"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RANK", "0")
     yield Detector

@@ -38,7 +38,7 @@ def report(name: str, **figures: object) -> None:
 
 @pytest.fixture
 def detector(monkeypatch):
-    for name in ("FTRUN_MONITOR_ADDR", "FTRUN_JOB_DIR"):
+    for name in ("FTRUN_MONITOR_ADDR", "FTRUN_IPC_DIR"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RANK", "0")
     torch.cuda.init()

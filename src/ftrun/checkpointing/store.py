@@ -145,7 +145,11 @@ class DirectoryStore:
             return
         if self._spares is not None:
             self._spares.retire(path)
-        for child in path.parent.iterdir():
+        try:  # the node's agent may remove the same parts (its retention) at the same time
+            children = list(path.parent.iterdir())
+        except FileNotFoundError:
+            return
+        for child in children:
             if _belongs(child.name, path.name):
                 child.unlink(missing_ok=True)
         try:

@@ -13,7 +13,7 @@ just completed: with it, `ftrun report` counts the work redone after a restart. 
 the frames (and the cost) are those of before; with it, a few more bytes are appended.
 
 The launcher sets the environment the client reads (see `ftrun.rank_monitor.config`):
-`FTRUN_MONITOR_ADDR`, `FTRUN_JOB_DIR`, `FTRUN_STACK_SIGNAL` and torchrun's `RANK`.
+`FTRUN_MONITOR_ADDR`, `FTRUN_IPC_DIR`, `FTRUN_STACK_SIGNAL` and torchrun's `RANK`.
 """
 
 from __future__ import annotations
@@ -257,6 +257,10 @@ class RankMonitorClient:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         # A raw descriptor, left open and registered after shutdown on purpose: a late dump
         # request must neither kill the process nor write into a reused descriptor.
+        # Unregistered first: faulthandler skips installing its handler for a signal it has
+        # registered before, even if someone reset the signal since (Lightning restores every
+        # handler it saw at the end of a fit, SIG_DFL for ours), and SIG_DFL would kill the rank.
+        faulthandler.unregister(sig)
         faulthandler.register(sig, file=fd, all_threads=True, chain=False)
 
     def _close(self) -> None:

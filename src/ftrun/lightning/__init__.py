@@ -1,0 +1,42 @@
+"""PyTorch Lightning integration (optional extra: `pip install 'ftrun[lightning]'`).
+
+Callbacks and a checkpoint IO on top of ftrun's worker-side APIs:
+
+- `FaultToleranceCallback`: heartbeats, "step"/"checkpointing" sections, calculated timeouts kept
+  with the checkpoints, and the finished flag that `slurm/` reads (`ending`);
+- `PreemptionCallback`: on the launcher's SIGTERM, save at a step end and stop cleanly;
+- `HierarchicalCheckpointIO`: local checkpoints every N steps beside the global ones, and a
+  resume from the newest good copy;
+- `StragglerDetectionCallback`: NVRx's callback over `ftrun.straggler` (see `straggler`).
+
+Works with `pytorch_lightning` or `lightning.pytorch` (see `_compat`).
+"""
+
+from ftrun.lightning.checkpoint_io import NEWEST, HierarchicalCheckpointIO, LocalCheckpointCallback
+from ftrun.lightning.ending import ENV_FINISHED_FLAG, Ending, classify, request_stop
+from ftrun.lightning.errors import (
+    LightningIntegrationError,
+    LightningUsageError,
+    SimulatedFaultError,
+)
+from ftrun.lightning.fault_tolerance import FaultToleranceCallback
+from ftrun.lightning.preemption import PreemptionCallback
+from ftrun.lightning.simulated_fault import SimulatedFault
+from ftrun.lightning.straggler import StragglerDetectionCallback
+
+__all__ = [
+    "ENV_FINISHED_FLAG",
+    "NEWEST",
+    "Ending",
+    "FaultToleranceCallback",
+    "HierarchicalCheckpointIO",
+    "LightningIntegrationError",
+    "LightningUsageError",
+    "LocalCheckpointCallback",
+    "PreemptionCallback",
+    "SimulatedFault",
+    "SimulatedFaultError",
+    "StragglerDetectionCallback",
+    "classify",
+    "request_stop",
+]

@@ -1,0 +1,231 @@
+"""`HierarchicalCheckpointIO`: frequent local checkpoints through `ftrun.checkpointing`, durable
+global ones through the trainer's own IO, and a resume from the newest good copy of either.
+
+```python
+io = HierarchicalCheckpointIO("/local/ckpt", every_n_train_steps=50)
+trainer = Trainer(plugins=[io], callbacks=[io.callback(), ModelCheckpoint(dirpath=ckpt_dir, ...)])
+trainer.fit(model, ckpt_path=io.resume_path(ckpt_dir))
+```
+
+- **Local** (`io.callback()`): every `every_n_train_steps` steps, every rank saves its own copy
+  of the Lightning checkpoint dict with `LocalCheckpointManager` (node memory under ft_launcher,
+  kept by the agent across worker restarts and replicated to peers with `repl_strategy`; files
+  under `local_ckpt_dir` under torchrun). The dict comes from the trainer's
+  `_checkpoint_connector.dump_checkpoint()` (Lightning's only way to build it on every rank: its
+  `save_checkpoint` hands it to the IO on rank 0 alone under DDP), so callbacks'
+  `on_save_checkpoint` run as for any save. `state_codec` makes it storable.
+- **Global**: `save_checkpoint`/`load_checkpoint`/`remove_checkpoint` go to `checkpoint_io`
+  (default `TorchCheckpointIO`), and each saved file's `global_step` is noted in
+  `<dir>/.ftrun-steps.json` so a resume need not open every file to rank them.
+- **Resume**: `resume_path(*dirs)` (call it before `fit`, on every rank; no collective) returns
+  `NEWEST` when some copy exists, else None. `load_checkpoint(NEWEST)` then loads, newest step
+  first and local before global at the same step: the local iteration every rank has (under
+  ft_launcher the agents decided it before the workers started), else each global file in turn,
+  skipping one that fails to load (every rank reads the same file, so all skip it). Under
+  ft_launcher a corrupt local part is raised, as `LocalCheckpointManager` does: the restart
+  lets the agents choose a replica or an older iteration.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from ftrun.checkpointing import CheckpointNotFoundError, LocalCheckpointManager
+from ftrun.lightning import state_codec
+from ftrun.lightning._compat import Callback, CheckpointIO, TorchCheckpointIO
+from ftrun.lightning.errors import LightningUsageError
+
+log = logging.getLogger("ftrun.lightning")
+
+NEWEST = "ftrun:newest"
+"""The `ckpt_path` that `resume_path` returns: load the newest good copy."""
+INDEX_FILE = ".ftrun-steps.json"
+_STEP_IN_NAME = re.compile(r"step=(\d+)")
+
+
+class HierarchicalCheckpointIO(CheckpointIO):
+    """Local checkpoints every `every_n_train_steps` steps beside the global ones (see module).
+
+    `local_ckpt_dir`: the local manager's root; `session_id`, `repl_strategy`,
+    `persist_to_disk`: `LocalCheckpointManager`'s; `checkpoint_io`: the global IO;
+    `async_save`: local saves return after the copy of the bytes (the write finishes behind).
+    """
+
+    def __init__(
+        self,
+        local_ckpt_dir: str | Path,
+        every_n_train_steps: int,
+        *,
+        checkpoint_io: Any = None,
+        session_id: str = "lightning",
+        repl_strategy: Any = None,
+        persist_to_disk: bool = False,
+        async_save: bool = True,
+    ) -> None:
+        if type(every_n_train_steps) is not int or every_n_train_steps < 1:
+            raise LightningUsageError(
+                f"every_n_train_steps must be an int >= 1, not {every_n_train_steps!r}"
+            )
+        self.every_n_train_steps = every_n_train_steps
+        self.checkpoint_io = checkpoint_io if checkpoint_io is not None else TorchCheckpointIO()
+        self.manager = LocalCheckpointManager(
+            local_ckpt_dir, session_id, repl_strategy, persist_to_disk=persist_to_disk
+        )
+        self.async_save = async_save
+        self.loaded_from: str | None = None
+        """What `load_checkpoint(NEWEST)` loaded: "local:<step>" or the global file's path."""
+        self._global_dirs: list[Path] = []
+
+    def callback(self) -> LocalCheckpointCallback:
+        """The callback that triggers the local saves; add it to the trainer's callbacks."""
+        return LocalCheckpointCallback(self)
+
+    # ---- local tier ------------------------------------------------------------------------
+
+    def save_local(self, checkpoint: dict[str, Any], step: int) -> None:
+        """Save this rank's copy of `checkpoint` as local iteration `step`."""
+        self.manager.save(state_codec.encode(checkpoint), step, is_async=self.async_save)
+
+    # ---- global tier (Lightning's CheckpointIO) --------------------------------------------
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
+    ) -> None:
+        self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        _note_step(Path(path), checkpoint.get("global_step"))
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        if str(path) != NEWEST:
+            return self._load_global(Path(path), map_location, weights_only)
+        return self._load_newest(map_location, weights_only)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.checkpoint_io.remove_checkpoint(path)
+        _note_step(Path(path), None)
+
+    def teardown(self) -> None:
+        self.manager.wait()  # an async local save in flight becomes complete (or raises)
+        self.checkpoint_io.teardown()
+
+    # ---- resume ----------------------------------------------------------------------------
+
+    def resume_path(self, *global_dirs: str | Path) -> str | None:
+        """`NEWEST` if a local or global copy exists (in `global_dirs`), else None."""
+        self._global_dirs = [Path(d) for d in global_dirs]
+        if self.manager.find_latest() >= 0 or _global_candidates(self._global_dirs):
+            return NEWEST
+        return None
+
+    def _load_newest(self, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
+        local = self.manager.find_latest()
+        for step, path in _global_candidates(self._global_dirs):
+            if local >= step:
+                break
+            if (loaded := self._try_global(path, map_location, weights_only)) is not None:
+                self.loaded_from = str(path)
+                return loaded
+        if local >= 0 and (loaded := self._try_local()) is not None:
+            return loaded
+        for _step, path in _global_candidates(self._global_dirs):
+            if (loaded := self._try_global(path, map_location, weights_only)) is not None:
+                self.loaded_from = str(path)
+                return loaded
+        raise CheckpointNotFoundError(
+            f"no loadable checkpoint: none local, none good in {list(map(str, self._global_dirs))}"
+        )
+
+    def _try_local(self) -> dict[str, Any] | None:
+        try:
+            state, ckpt_id = self.manager.load()
+        except CheckpointNotFoundError as exc:  # torchrun: every part of it was set aside
+            log.warning("no local checkpoint after all: %s", exc)
+            return None
+        self.loaded_from = f"local:{ckpt_id.iteration}"
+        log.info("resuming from the local checkpoint of step %d", ckpt_id.iteration)
+        return state_codec.decode(state)
+
+    def _try_global(
+        self, path: Path, map_location: Any, weights_only: bool | None
+    ) -> dict[str, Any] | None:
+        try:
+            loaded = self._load_global(path, map_location, weights_only)
+        except Exception as exc:  # a torn or corrupt file: the next copy may be good
+            log.warning("skipping checkpoint %s: %s: %s", path, type(exc).__name__, exc)
+            return None
+        log.info("resuming from %s (step %s)", path, loaded.get("global_step"))
+        return loaded
+
+    def _load_global(
+        self, path: Path, map_location: Any, weights_only: bool | None
+    ) -> dict[str, Any]:
+        kwargs = {} if map_location is None else {"map_location": map_location}
+        return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only, **kwargs)
+
+
+class LocalCheckpointCallback(Callback):
+    """Saves `io`'s local checkpoint at the end of every `io.every_n_train_steps`-th step."""
+
+    def __init__(self, io: HierarchicalCheckpointIO) -> None:
+        self.io = io
+        self._last_step = -1
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step == self._last_step or step % self.io.every_n_train_steps:
+            return
+        self._last_step = step
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        self.io.save_local(checkpoint, step)
+
+
+def _global_candidates(dirs: list[Path]) -> list[tuple[int, Path]]:
+    """(step, file) of every checkpoint file in `dirs`, newest step first. Steps come from the
+    index this IO keeps, else from a `step=N` in the name; other files are not candidates."""
+    found: dict[Path, int] = {}
+    for directory in dirs:
+        index = _read_index(directory)
+        for path in directory.glob("*.ckpt"):
+            real = path.resolve()
+            step = index.get(real.name) if real.parent == directory.resolve() else None
+            if step is None and (match := _STEP_IN_NAME.search(real.name)):
+                step = int(match.group(1))
+            if step is not None and real.is_file():
+                found.setdefault(real, step)
+    return sorted(((s, p) for p, s in found.items()), key=lambda sp: (-sp[0], str(sp[1])))
+
+
+def _read_index(directory: Path) -> dict[str, int]:
+    try:
+        raw = json.loads((directory / INDEX_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    return {k: v for k, v in raw.items() if type(v) is int}
+
+
+def _note_step(path: Path, step: Any) -> None:
+    """Record (or with None forget) the step of checkpoint file `path` in its dir's index."""
+    index = _read_index(path.parent)
+    if step is None:
+        if index.pop(path.name, None) is None:
+            return
+    elif type(step) is int:
+        index[path.name] = step
+    else:
+        return
+    tmp = path.parent / f".{INDEX_FILE}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(json.dumps(index))
+        os.replace(tmp, path.parent / INDEX_FILE)
+    except OSError as exc:  # the index is a hint: a missing one only costs name parsing
+        log.warning("could not update %s: %s", path.parent / INDEX_FILE, exc)
