@@ -15,7 +15,7 @@ the time rank 0 spent inside the ftrun callbacks' per-step hooks (`on_train_batc
 local saves included), measured in the worker by wrapping them: what they add to the training
 path, whatever else loads the machine (one-off work at the start and end is not counted).
 Usage: .venv/bin/python bench/lightning_overhead.py [--runs 3] [--steps 400] [--width 512]
-[--nproc 2] [--zmq-sched-batch]
+[--nproc 2]
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ ROOT = HERE.parent.parent
 EXAMPLE = ROOT / "examples" / "lightning_train.py"
 RUN_TIMEOUT_S = 300
 PREWARM = "torch,torch.distributed,pytorch_lightning"
-ENV_SCHED_BATCH = "FTRUN_BENCH_ZMQ_SCHED_BATCH"
 PER_STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end")  # saves inside them count
 SKIP_STEPS = 20  # warm-up: the first steps build DDP buckets and caches
 VARIANTS = {
@@ -97,8 +96,6 @@ def worker(argv: list[str]) -> int:
         for name, fn in list(vars(cls).items()):
             if name in PER_STEP_HOOKS:
                 setattr(cls, name, timed(f"{cls.__name__}.{name}", fn))
-    if os.environ.get(ENV_SCHED_BATCH):
-        _zmq_io_thread_sched_batch()
     spec = importlib.util.spec_from_file_location("lightning_train", EXAMPLE)
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)
@@ -112,24 +109,6 @@ def worker(argv: list[str]) -> int:
     return code
 
 
-def _zmq_io_thread_sched_batch() -> None:
-    """What --zmq-sched-batch tries: the client's ZeroMQ I/O thread under SCHED_BATCH, so that
-    waking it (each step's first send) does not preempt the training thread on a busy core."""
-    import zmq
-
-    import ftrun.client_lib.client as client_module
-
-    class Context(zmq.Context):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
-            self.set(zmq.THREAD_PRIORITY, 0)
-
-    patched = type("zmq", (), {k: getattr(zmq, k) for k in dir(zmq) if not k.startswith("__")})
-    patched.Context = Context  # type: ignore[attr-defined]
-    client_module.zmq = patched  # type: ignore[assignment]
-
-
 def main() -> int:
     if sys.argv[1:2] == ["--worker"]:
         return worker(sys.argv[2:])
@@ -139,13 +118,9 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--nproc", type=int, default=2, help="ranks (1: a core left idle)")
-    parser.add_argument("--zmq-sched-batch", action="store_true",
-                        help="run the client's ZeroMQ I/O thread under SCHED_BATCH")  # fmt: skip
     args = parser.parse_args()
     if args.runs < 1 or args.steps <= SKIP_STEPS + 10:
         parser.error(f"--runs must be >= 1 and --steps > {SKIP_STEPS + 10}")
-    if args.zmq_sched_batch:
-        os.environ[ENV_SCHED_BATCH] = "1"  # the launcher passes it on to the workers
     samples: dict[str, list[float]] = {name: [] for name in VARIANTS}
     hooks: dict[str, list[float]] = {name: [] for name in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="ftrun-bench-lightning-") as tmp:
@@ -162,7 +137,6 @@ def main() -> int:
         f"\nexamples/lightning_train.py, 1 node x {args.nproc} rank(s) (gloo, CPU), "
         f"{os.cpu_count()} CPUs, width {args.width}, batch {args.batch_size}, "
         f"{args.runs} runs x {args.steps - SKIP_STEPS} steps"
-        + (", ZeroMQ I/O thread SCHED_BATCH" if args.zmq_sched_batch else "")
     )
     print("| variant | median step | overhead | mean step | overhead "
           "| in ftrun hooks per step: median | mean |")  # fmt: skip
