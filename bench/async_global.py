@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from checkpoint import (
     MIB,
@@ -46,6 +45,7 @@ from checkpoint import (
     same,
     tensors_of,
     timed,
+    torch_save_fsync,
 )
 from common import BENCH, load_average, machine_line, progress, table
 from torch.distributed.checkpoint import async_save
@@ -93,15 +93,7 @@ def measure_dcp(scratch: Scratch, state: Any) -> dict[str, float]:
 def measure_torch(scratch: Scratch, state: Any) -> dict[str, float]:
     directory = scratch.mkdtemp(scratch.disk, "ftrun-bench-torch-")
     try:
-        path = directory / "state.pt"
-
-        def save() -> None:
-            with path.open("wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-
-        return {"torch_save": timed(save)}
+        return {"torch_save": timed(lambda: torch_save_fsync(state, directory / "state.pt"))}
     finally:
         scratch.remove(directory)
 

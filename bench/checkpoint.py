@@ -512,20 +512,21 @@ def measure_peer(server: PartServer, part: Path, verify: bool) -> dict[str, floa
 # ---- torch.save and DCP ------------------------------------------------------------------------
 
 
+def torch_save_fsync(state: Any, path: Path) -> None:
+    """`torch.save` to `path`, flushed and fsynced: what a durable checkpoint costs."""
+    with path.open("wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def measure_torch(
     scratch: Scratch, state: Any, model: list[torch.Tensor], verify: bool
 ) -> dict[str, float]:
     directory = scratch.mkdtemp(scratch.disk, "ftrun-bench-torch-")
     try:
         path = directory / "state.pt"
-
-        def save() -> None:
-            with path.open("wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-
-        out = {"torch_save_fsync": timed(save)}
+        out = {"torch_save_fsync": timed(lambda: torch_save_fsync(state, path))}
         started = time.perf_counter()
         loaded = torch.load(path, weights_only=True)
         out["torch_load"] = time.perf_counter() - started
