@@ -52,14 +52,27 @@ def main() -> int:
     parser.add_argument("--die-in-save", default="")
     parser.add_argument("--global-every", type=int, default=0)
     args = parser.parse_args()
-    if args.global_every:
-        return with_global_tier(args)
     args.out.mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo")
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # copies go to the next node
     strategy = CliqueReplicationStrategy.from_replication_params(per_node, 2)
     manager = LocalCheckpointManager(args.out / "local", repl_strategy=strategy)
     weights = torch.zeros(int(args.mb * 2**20) // 4)
+    if args.global_every:
+        with_global_tier(args, manager, weights)
+    else:
+        local_only(args, manager, weights)
+    manager.wait()
+    if RANK == 0:
+        (args.out / "FINISHED").touch()
+    dist.destroy_process_group()
+    return 0
+
+
+def local_only(
+    args: argparse.Namespace, manager: LocalCheckpointManager, weights: torch.Tensor
+) -> None:
+    """Logs "<cycle> <step> <loaded>"."""
     start, loaded = 0, manager.find_latest()
     if loaded >= 0:
         state, _ = manager.load()
@@ -69,36 +82,22 @@ def main() -> int:
         del state
     log = (args.out / f"rank{RANK}.log").open("a")
     for step in range(start + 1, args.steps + 1):
-        if fires(args.crash, step):
-            sys.exit(1)
-        value = torch.ones(1)
-        dist.all_reduce(value)
-        weights.fill_(step)
-        time.sleep(args.step_time)
+        train_step(args, weights, step)
         if step % args.save_every == 0:
             if fires(args.die_in_save, step):
                 os.replace = die  # the save's last act before its part is visible
             manager.save({"weights": weights, "step": step, "rank": RANK}, step, is_async=True)
         log.write(f"{CYCLE} {step} {loaded}\n")
         log.flush()
-    manager.wait()
-    if RANK == 0:
-        (args.out / "FINISHED").touch()
-    dist.destroy_process_group()
-    return 0
 
 
-def with_global_tier(args: argparse.Namespace) -> int:
-    """The loop with both tiers; logs "<cycle> <step> <loaded> <tier>"."""
+def with_global_tier(
+    args: argparse.Namespace, local: LocalCheckpointManager, weights: torch.Tensor
+) -> None:
+    """Both tiers, restored with `restore`; logs "<cycle> <step> <loaded> <tier>"."""
     from ftrun.checkpointing import CheckpointNotFoundError, GlobalCheckpointManager, restore
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    dist.init_process_group("gloo")
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    strategy = CliqueReplicationStrategy.from_replication_params(per_node, 2)
-    local = LocalCheckpointManager(args.out / "local", repl_strategy=strategy)
     glob = GlobalCheckpointManager(args.out / "global", keep_last=2, timeout_s=60)
-    weights = torch.zeros(int(args.mb * 2**20) // 4)
     state = {f"weights.r{RANK}": weights, "step": 0}
     try:
         restored = restore([local, glob], state)
@@ -108,12 +107,7 @@ def with_global_tier(args: argparse.Namespace) -> int:
         loaded, tier, start = -1, "none", 0
     log = (args.out / f"rank{RANK}.log").open("a")
     for step in range(start + 1, args.steps + 1):
-        if fires(args.crash, step):
-            sys.exit(1)
-        value = torch.ones(1)
-        dist.all_reduce(value)
-        weights.fill_(step)
-        time.sleep(args.step_time)
+        train_step(args, weights, step)
         glob.maybe_finalize()
         if step % args.save_every == 0:
             state["step"] = step
@@ -122,13 +116,18 @@ def with_global_tier(args: argparse.Namespace) -> int:
                 glob.save(state, step)
         log.write(f"{CYCLE} {step} {loaded} {tier}\n")
         log.flush()
-    local.wait()
     glob.maybe_finalize(blocking=True)
     glob.close()
-    if RANK == 0:
-        (args.out / "FINISHED").touch()
-    dist.destroy_process_group()
-    return 0
+
+
+def train_step(args: argparse.Namespace, weights: torch.Tensor, step: int) -> None:
+    """One step: the injected crash, one all_reduce, the state changed, the step's time."""
+    if fires(args.crash, step):
+        sys.exit(1)
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    weights.fill_(step)
+    time.sleep(args.step_time)
 
 
 if __name__ == "__main__":
