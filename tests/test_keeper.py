@@ -40,6 +40,8 @@ from ftrun.agent.keeper.tier import OWNER_LOCK, NodeTier, remove_abandoned
 from ftrun.agent.keeper.transfer import PUSH, push_part
 from ftrun.agent.peering import PeerService
 from ftrun.checkpointing.errors import CheckpointUsageError
+from ftrun.checkpointing.manager import LocalCheckpointManager
+from ftrun.checkpointing.replication import CliqueReplicationStrategy
 from ftrun.checkpointing.format import write_part
 from ftrun.checkpointing.node_tier import (
     ENV_CKPT_DIR,
@@ -156,6 +158,23 @@ def test_retention_rules() -> None:
     ]
     assert plan.after_restore(keys, Choice(-1, 4), 2) == sorted(keys)
     assert plan.after_write([K(1, 0), K(2, 0), K(5, 0), K(2, 1)], K(3, 0), 2) == [K(1, 0), K(5, 0)]
+    # The protected iteration stays whatever its age, at its world size only.
+    assert plan.retention(keys, 1, protected=(1, 4)) == [K(2, 0), K(2, 1)]
+    assert plan.retention(keys, 1, protected=(1, 2)) == plan.retention(keys, 1)
+
+
+def test_what_a_node_holds_whole() -> None:
+    ranges = plan.node_ranges([2, 2, 2, 2])  # 8 ranks; jump 2, factor 2: (0,2) (1,3) (4,6) (5,7)
+    assert plan.held_ranks(8, 2, 2, ranges, me=0) == {0, 1, 2, 3}
+    assert plan.held_ranks(8, 2, 2, ranges, me=3) == {4, 5, 6, 7}
+    assert plan.held_ranks(8, 1, 2, ranges, me=1) == {2, 3}  # cliques within the node
+    assert plan.held_ranks(8, None, None, ranges, me=1) == {2, 3}  # no replication
+    assert plan.held_ranks(8, 4, 2, ranges, me=0) == {0, 1, 4, 5}
+    # Own parts of 4 and 6, a replica of rank 2 at 4 only: 4 is the newest held whole.
+    keys = [K(4, 0), K(4, 1), K(6, 0), K(6, 1), K(4, 2), K(6, 2, 8), K(6, 3, 8)]
+    assert plan.newest_held_whole(keys, {0, 1, 2}, 4) == 4
+    assert plan.newest_held_whole(keys, {0, 1}, 4) == 6
+    assert plan.newest_held_whole(keys, {0, 1, 2, 3}, 4) == -1
 
 
 def test_names_and_messages_are_validated() -> None:
@@ -439,6 +458,44 @@ def test_a_replacement_node_fetches_its_ranks_and_both_restore(cluster: Any) -> 
     run_round([a, b], round_of(5, [a, b]))
     last = b.events.of("ckpt_restore")[-1]
     assert (last["iteration"], last["fetched"], last["attempts"]) == (5, 0, 0)
+
+
+def test_a_node_lost_before_its_newest_replicas_arrive_leaves_a_whole_iteration(
+    cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """a and b replicate each other (cliques (0,2), (1,3)); 4 is whole on both. b's copies of
+    6 and 8 never leave (its replicator paused); a's worker saves 6 and 8 with the manager's
+    clean-up (keep 2). a keeps its part of 4 all the same: when b is lost, the replacement
+    node c restores 4 from a's replicas. Without the protection a would hold 6 and 8 of its
+    own ranks and 4 of b's only: no iteration complete, the job restarting from scratch."""
+    a, b, c = cluster("a"), cluster("b"), cluster("c")
+    run_round([a, b], round_of(1, [a, b]))
+    for node in (a, b):
+        policy(node, replication_jump=2, replication_factor=2)
+    for node, ranks in ((a, (0, 1)), (b, (2, 3))):
+        for rank in ranks:
+            node.write(S, K(4, rank))
+    wait_for(lambda: len(a.tier.listed(S)) == len(b.tier.listed(S)) == 4, 10, "the replicas")
+    wait_for(lambda: a.tier.read_protected(S) == b.tier.read_protected(S) == (4, 4), 10, "4")
+    b.keeper.replicator.pause()  # b's new parts stay on b: it is about to be lost
+    monkeypatch.setenv(ENV_CKPT_DIR, str(a.tier.root))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        cliques = CliqueReplicationStrategy(replication_jump=2, replication_factor=2)
+        manager = LocalCheckpointManager(a.tier.root / "unused", S, cliques)
+        for iteration in (6, 8):
+            manager.save({"w": torch.arange(64) + rank}, iteration)
+    wait_for(lambda: b.tier.has(S, K(8, 0)) and b.tier.has(S, K(8, 1)), 10, "a's 8 on b")
+    own_new = [K(i, r) for i in (6, 8) for r in (0, 1)]
+    assert a.tier.listed(S) == sorted([K(4, 0), K(4, 1), K(4, 2), K(4, 3), *own_new])
+    assert a.tier.read_protected(S) == (4, 4)
+    b.keeper.close()
+    run_round([a, c], round_of(2, [a, c]))
+    assert a.restore_file() == c.restore_file() == RestoreDecision(4, 4)
+    assert c.tier.listed(S) == [K(4, 2), K(4, 3)]
+    (event,) = c.events.of("ckpt_restore")
+    assert (event["iteration"], event["fetched"], event["sources"]) == (4, 2, ["a"])
 
 
 def test_a_holder_that_disappears_makes_the_job_fall_back(cluster: Any) -> None:

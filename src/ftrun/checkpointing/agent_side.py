@@ -12,6 +12,7 @@ from ftrun.checkpointing.errors import CheckpointUsageError
 from ftrun.checkpointing.node_tier import (
     ENV_CKPT_DIR,
     POLICY_FILE,
+    PROTECTED_FILE,
     RESTORE_FILE,
     RestoreDecision,
     TierPolicy,
@@ -53,4 +54,15 @@ def restore_decision(tier: Path) -> RestoreDecision | None:
         return None if raw is None else RestoreDecision.from_json(raw)
     except (OSError, ValueError) as e:
         logger.warning("ignoring the agent's restore decision: %s", e)
+        return None
+
+
+def protected_part(tier: Path) -> RestoreDecision | None:
+    """The iteration (and world size) the agent asks this node to keep (`PROTECTED_FILE`);
+    None when it names none, or names one unreadably (then the usual clean-up applies)."""
+    try:
+        raw = read_json(tier / PROTECTED_FILE)
+        return None if raw is None else RestoreDecision.from_json(raw, PROTECTED_FILE)
+    except (OSError, ValueError) as e:
+        logger.warning("ignoring the agent's protected iteration: %s", e)
         return None

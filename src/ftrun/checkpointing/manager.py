@@ -1,14 +1,15 @@
 """`LocalCheckpointManager`: NVRx's local-checkpoint API over plain files on this node.
 
-This is what runs under plain torchrun. Each rank writes its own part of each iteration
-(see `store` for where, `format` for how); under ft_launcher a later tier will keep parts in
-the node agent's memory and replicate them to peers, behind the same `PartStore` protocol.
+Each rank writes its own part of each iteration (see `store` for where, `format` for how).
+Under plain torchrun the parts are files under `root_local_ckpt_dir`; under ft_launcher they
+go to the node agent's memory (`node_tier`), which keeps them across worker restarts,
+replicates them to peers and persists them to disk if asked, behind the same `PartStore`.
 
-Collectives: when `torch.distributed` is initialized, `find_latest` and `load` are collective
-(every rank must call them, as in NVRx): `find_latest` all-reduces (MIN) a CPU int64 tensor
-on the default group, a CUDA one if that group is NCCL-only; gloo needs nothing else. The
-agent-side version will answer from the agents instead and drop these collectives. `save`
-is not collective.
+Collectives: under plain torchrun, when `torch.distributed` is initialized, `find_latest` and
+`load` are collective (every rank must call them, as in NVRx): `find_latest` all-reduces (MIN)
+a CPU int64 tensor on the default group, a CUDA one if that group is NCCL-only; gloo needs
+nothing else. Under ft_launcher the agents agreed on the iteration before the workers started
+(`RESTORE_FILE`): no collective. `save` is never collective.
 
 Retention: after a successful write of iteration k, this rank's parts other than k and its
 `keep_complete - 1` newest complete parts below k are removed, leftovers included. Parts
@@ -16,8 +17,10 @@ above k are from a run that was rolled back, and go too. Ranks clean up independ
 `keep_complete=1`, if one rank finishes writing k+1 (and drops k) while another dies before
 finishing it, no iteration is complete on both and `find_latest` says -1 (rather than load
 mismatched iterations): the crash during a save that local checkpoints exist for. So the
-default keeps 2 complete parts (plus the one being written) until the agents coordinate the
-clean-up across ranks.
+default keeps 2 complete parts (plus the one being written). Under ft_launcher the part of the
+iteration the agent protects (`PROTECTED_FILE`: the newest one this node holds whole, replicas
+included) is kept too, whatever its age: replicas travel after the save, and a node lost in
+between must leave its peers a complete iteration.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ftrun.checkpointing.agent_side import agent_tier, restore_decision
+from ftrun.checkpointing.agent_side import agent_tier, protected_part, restore_decision
 from ftrun.checkpointing.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -229,6 +232,9 @@ class LocalCheckpointManager:
         complete = self._store.list(key.rank, key.world_size)
         older = [k for k in complete if k.iteration < key.iteration]
         keep = {key, *older[max(0, len(older) - (self._keep_complete - 1)) :]}
+        protected = protected_part(self._tier) if self._tier is not None else None
+        if protected is not None and protected.iteration < key.iteration:
+            keep.add(PartKey(protected.iteration, key.rank, protected.world_size))
         for other in self._store.list(key.rank, key.world_size, complete_only=False):
             if other in keep:
                 continue

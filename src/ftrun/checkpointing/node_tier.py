@@ -8,12 +8,17 @@ manager writes its parts there, in `DirectoryStore`'s layout under `<dir>/<sessi
 Parts that peers replicate to this node land in the same tree, named the same way: a node
 holds a part whether its own ranks wrote it or a peer sent it.
 
-Two small JSON files per session, both written atomically (write, rename):
+Small JSON files per session, each written atomically (write, rename):
 - `POLICY_FILE`, by the worker's manager: what the agent does with new parts off the training
   path (replicate to the clique's nodes, copy to a directory on disk).
 - `RESTORE_FILE`, by the agent before the workers start: the iteration every rank of the job can
   load (complete for every rank somewhere, and fetched to this node for its ranks), or -1. The
   worker's `find_latest()` reads it instead of running a collective.
+- `PROTECTED_FILE`, by the agent while the workers train: the newest iteration of which this
+  node holds every part it should (its ranks' own parts and the replicas it receives). The
+  manager's clean-up and the agent's never remove a part of it. Without it, a node could drop
+  its own part of k after saving k+1 while the replicas of k+1 were still on their way: if a
+  peer node died then, no iteration would be complete anywhere.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any
 ENV_CKPT_DIR = "FTRUN_CKPT_DIR"
 POLICY_FILE = ".policy.json"
 RESTORE_FILE = ".restore.json"
+PROTECTED_FILE = ".protected.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +63,8 @@ class TierPolicy:
 
 @dataclasses.dataclass(frozen=True)
 class RestoreDecision:
-    """The iteration the job's ranks load after this round's rendezvous (-1: none)."""
+    """The iteration the job's ranks load after this round's rendezvous (-1: none); also the
+    shape of `PROTECTED_FILE` (an iteration and the world size it was saved at)."""
 
     iteration: int
     world_size: int
@@ -66,10 +73,10 @@ class RestoreDecision:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> RestoreDecision:
+    def from_json(cls, raw: Mapping[str, Any], name: str = RESTORE_FILE) -> RestoreDecision:
         iteration, world_size = raw.get("iteration"), raw.get("world_size")
         if type(iteration) is not int or type(world_size) is not int or world_size < 1:
-            raise ValueError(f"{RESTORE_FILE}: not an iteration and a world size: {raw!r}")
+            raise ValueError(f"{name}: not an iteration and a world size: {raw!r:.200}")
         return cls(iteration, world_size)
 
 

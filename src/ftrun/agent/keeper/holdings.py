@@ -217,12 +217,39 @@ def next_decision(
     return Decision(attempt, final, choices, prev.sources, frozenset(excluded))
 
 
-def retention(keys: Iterable[PartKey], keep: int) -> list[PartKey]:
-    """The parts to remove so that each (rank, world size) keeps its `keep` newest."""
+def retention(
+    keys: Iterable[PartKey], keep: int, protected: tuple[int, int] | None = None
+) -> list[PartKey]:
+    """The parts to remove so that each (rank, world size) keeps its `keep` newest, and its
+    part of the `protected` (iteration, world size) whatever its age."""
     by_rank: dict[tuple[int, int], list[PartKey]] = defaultdict(list)
     for key in keys:
         by_rank[key.rank, key.world_size].append(key)
-    return [k for group in by_rank.values() for k in sorted(group)[: max(0, len(group) - keep)]]
+    doomed = [k for group in by_rank.values() for k in sorted(group)[: max(0, len(group) - keep)]]
+    return [k for k in doomed if (k.iteration, k.world_size) != protected]
+
+
+def held_ranks(
+    world_size: int, jump: int | None, factor: int | None, ranges: Sequence[range], me: int
+) -> frozenset[int]:
+    """The ranks whose parts node `me` holds once replication caught up: its own, and with
+    replication every rank of its ranks' cliques (a clique holds each of its members' parts).
+    Raises `CheckpointUsageError` when the world size does not split into cliques."""
+    own = frozenset(ranges[me])
+    if factor is None or factor <= 1:
+        return own
+    strategy = CliqueReplicationStrategy(jump or 1, factor)
+    return own.union(*(strategy.clique_of(rank, world_size) for rank in own))
+
+
+def newest_held_whole(keys: Iterable[PartKey], held: Iterable[int], world_size: int) -> int:
+    """The newest iteration at `world_size` of which `keys` has every rank in `held`; -1."""
+    ranks: dict[int, set[int]] = defaultdict(set)
+    for key in keys:
+        if key.world_size == world_size:
+            ranks[key.iteration].add(key.rank)
+    wanted = set(held)
+    return max((it for it, got in ranks.items() if wanted <= got), default=-1)
 
 
 def after_write(keys: Iterable[PartKey], written: PartKey, keep: int) -> list[PartKey]:

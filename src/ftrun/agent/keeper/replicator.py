@@ -12,6 +12,11 @@ rank only the newest such part is handled; older ones it skips. Per the session'
 - copies it to `<persist_dir>/<session>/iter_.../rank..-of...ftckpt` (temp, fsync, rename),
   then applies the manager's retention rule there (`after_write`).
 
+Then it moves the session's protection (`node_tier.PROTECTED_FILE`) to the newest iteration
+of which this node holds every part it should (`holdings.held_ranks`: its ranks' and, with
+replication, their cliques'), so that neither the workers' clean-up nor the replicas' drops
+it before a newer one is whole here.
+
 A session without a policy is looked at again next time; a malformed one is logged once and
 its parts are not copied. Nothing here raises out of the thread: an error is logged (once
 while it repeats) and the next poll tries again. `pause` (the agent is restoring) stops new
@@ -103,6 +108,7 @@ class Replicator:
             new = [k for k in new if k.world_size == rnd.world_size and k.rank in mine]
             if new and not self._stop.is_set():
                 self._handle_new(session, new, rnd)
+            self._protect(session, keys, rnd)
         with self._lock:
             if self._round is rnd:
                 self._seen &= present  # forget removed parts: a rewrite is new again
@@ -129,6 +135,27 @@ class Replicator:
                 self._handle(session, key, policy, rnd)
             with self._lock:
                 self._seen.add((session, key))
+
+    def _protect(self, session: str, keys: list[PartKey], rnd: Round) -> None:
+        """Protect the newest iteration held whole here, if it is newer than the protected."""
+        try:
+            policy = self._tier.read_policy(session)
+        except ValueError:
+            return  # said once by `_handle_new`
+        if policy is None:
+            return
+        sizes = [n.local_world_size for n in rnd.nodes]
+        try:
+            held = plan.held_ranks(rnd.world_size, policy.replication_jump,
+                                   policy.replication_factor, plan.node_ranges(sizes),
+                                   rnd.group_rank)  # fmt: skip
+        except CheckpointUsageError:
+            return  # said once by `_replicate`
+        whole = plan.newest_held_whole(keys, held, rnd.world_size)
+        protected = self._tier.read_protected(session)
+        if whole >= 0 and (protected is None or protected[1] != rnd.world_size
+                           or protected[0] < whole):  # fmt: skip
+            self._tier.write_protected(session, whole, rnd.world_size)
 
     def _handle(self, session: str, key: PartKey, policy: TierPolicy, rnd: Round) -> None:
         opened = open_part(self._tier.part_path(session, key))

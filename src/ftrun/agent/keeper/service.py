@@ -5,8 +5,9 @@
   parts there outlive worker restarts (nothing is removed when workers stop). `close` stops
   the thread (bounded) and removes the directory.
 - `on_round`, after the rendezvous and before the workers start: the restore agreement
-  (`restore`), then each session's `RESTORE_FILE` (`RestoreDecision`) written atomically, and
-  the parts of the timeline the job left removed (`holdings.after_restore`). The replicator
+  (`restore`), then each session's `RESTORE_FILE` (`RestoreDecision`) written atomically, the
+  restored iteration protected (`PROTECTED_FILE`), and the parts of the timeline the job left
+  removed (`holdings.after_restore`). The replicator
   and pushes from peers pause meanwhile and resume for the new round.
 
 A failing keeper never stops training: the thread logs and goes on; `on_round` never raises.
@@ -160,6 +161,9 @@ class KeeperService(NodeService):
             self.tier.write_restore(session, RestoreDecision(-1, rnd.world_size))
             return -1
         self.tier.write_restore(session, RestoreDecision(choice.iteration, choice.world_size))
+        # Complete for every rank and now on this node for its ranks: kept until the
+        # replicator finds a newer iteration held whole here.
+        self.tier.write_protected(session, choice.iteration, choice.world_size)
         doomed = plan.after_restore(self.tier.listed(session), choice, self._settings.keep_complete)
         self.tier.remove(session, doomed)
         if choice.iteration >= 0:

@@ -49,6 +49,7 @@ from ftrun.checkpointing.errors import CheckpointError
 from ftrun.checkpointing.format import TMP_MARK, PartInfo, read_info, read_part
 from ftrun.checkpointing.node_tier import (
     POLICY_FILE,
+    PROTECTED_FILE,
     RESTORE_FILE,
     RestoreDecision,
     TierPolicy,
@@ -227,6 +228,24 @@ class NodeTier:
 
     def write_restore(self, session: str, decision: RestoreDecision) -> None:
         write_json_atomically(self._session_dir(session) / RESTORE_FILE, decision.to_json())
+
+    def write_protected(self, session: str, iteration: int, world_size: int) -> None:
+        """The iteration no clean-up may remove (see `node_tier`); -1 lifts the protection."""
+        path = self._session_dir(session) / PROTECTED_FILE
+        if iteration < 0:
+            path.unlink(missing_ok=True)
+        else:
+            write_json_atomically(path, RestoreDecision(iteration, world_size).to_json())
+
+    def read_protected(self, session: str) -> tuple[int, int] | None:
+        """The protected (iteration, world size); None if none (or unreadable: only this
+        process writes it)."""
+        try:
+            raw = read_json(self.root / session / PROTECTED_FILE)
+            found = None if raw is None else RestoreDecision.from_json(raw, PROTECTED_FILE)
+        except (OSError, ValueError):
+            return None
+        return None if found is None else (found.iteration, found.world_size)
 
     # ---- helpers -------------------------------------------------------------------------
 

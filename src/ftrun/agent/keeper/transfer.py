@@ -6,7 +6,8 @@ accepting (not closing, not restoring) and the push comes from the same round; t
 maximum and what the filesystem has free) and, once received, the bytes themselves
 (`NodeTier.install`) must all check out, else nothing is kept and the sender gets the reason
 as its error (the peer server logs it). At most one receive per (session, rank, world size)
-at a time; after one, that rank keeps its newest `keep_complete` parts.
+at a time; after one, that rank keeps its newest `keep_complete` parts and its part of the
+protected iteration (`node_tier.PROTECTED_FILE`).
 
 `ckpt-fetch` (a peer restoring its ranks asks for a part): the reply's bulk bytes are the file,
 sent with `sendfile` from an open descriptor (the file may be removed meanwhile; the bytes stay
@@ -63,7 +64,9 @@ class PartServer:
         try:
             self._tier.install(session, key, request.nbytes, request.read_into)
             same = [k for k in self._tier.listed(session) if k.rank == key.rank]
-            self._tier.remove(session, plan.retention(same, self._settings.keep_complete))
+            protected = self._tier.read_protected(session)
+            doomed = plan.retention(same, self._settings.keep_complete, protected)
+            self._tier.remove(session, doomed)
         finally:
             with self._lock:
                 self._receiving.discard(slot)
