@@ -18,7 +18,10 @@ Small JSON files per session, each written atomically (write, rename):
   node holds every part it should (its ranks' own parts and the replicas it receives). The
   manager's clean-up and the agent's never remove a part of it. Without it, a node could drop
   its own part of k after saving k+1 while the replicas of k+1 were still on their way: if a
-  peer node died then, no iteration would be complete anywhere.
+  peer node died then, no iteration would be complete anywhere. Each node judges from what
+  it holds: with several cliques, a job-wide complete iteration is certain only while every
+  clique's replication keeps within `keep_complete - 1` saves of the newest (the agents do
+  not agree on one protected iteration during training).
 """
 
 from __future__ import annotations

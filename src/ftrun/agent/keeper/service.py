@@ -7,8 +7,8 @@
 - `on_round`, after the rendezvous and before the workers start: the restore agreement
   (`restore`), then each session's `RESTORE_FILE` (`RestoreDecision`) written atomically, the
   restored iteration protected (`PROTECTED_FILE`), and the parts of the timeline the job left
-  removed (`holdings.after_restore`). The replicator
-  and pushes from peers pause meanwhile and resume for the new round.
+  removed (`holdings.after_restore`). The replicator and pushes from peers pause meanwhile
+  and resume for the new round.
 
 A failing keeper never stops training: the thread logs and goes on; `on_round` never raises.
 If the restore fails on this node (a store error, a bug), every session of this node gets a
