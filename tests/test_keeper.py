@@ -40,9 +40,8 @@ from ftrun.agent.keeper.tier import OWNER_LOCK, NodeTier, remove_abandoned
 from ftrun.agent.keeper.transfer import PUSH, push_part
 from ftrun.agent.peering import PeerService
 from ftrun.checkpointing.errors import CheckpointUsageError
-from ftrun.checkpointing.manager import LocalCheckpointManager
-from ftrun.checkpointing.replication import CliqueReplicationStrategy
 from ftrun.checkpointing.format import write_part
+from ftrun.checkpointing.manager import LocalCheckpointManager
 from ftrun.checkpointing.node_tier import (
     ENV_CKPT_DIR,
     POLICY_FILE,
@@ -52,6 +51,7 @@ from ftrun.checkpointing.node_tier import (
     read_json,
     write_json_atomically,
 )
+from ftrun.checkpointing.replication import CliqueReplicationStrategy
 from ftrun.checkpointing.store import PartKey
 from ftrun.events import problems
 from ftrun.peer import PeerRemoteError
