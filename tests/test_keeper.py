@@ -463,11 +463,12 @@ def test_a_replacement_node_fetches_its_ranks_and_both_restore(cluster: Any) -> 
 def test_a_node_lost_before_its_newest_replicas_arrive_leaves_a_whole_iteration(
     cluster: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """a and b replicate each other (cliques (0,2), (1,3)); 4 is whole on both. b's copies of
-    6 and 8 never leave (its replicator paused); a's worker saves 6 and 8 with the manager's
-    clean-up (keep 2). a keeps its part of 4 all the same: when b is lost, the replacement
-    node c restores 4 from a's replicas. Without the protection a would hold 6 and 8 of its
-    own ranks and 4 of b's only: no iteration complete, the job restarting from scratch."""
+    """a and b replicate each other (cliques (0,2), (1,3)); 4 is whole on both. Then b's
+    ranks' parts of 6 and 8 never reach a (b is lost before it sends them: its replicator is
+    paused), while a's workers save 6 and 8 with the manager's clean-up (keep 2). a keeps its
+    part of 4 all the same, so the replacement node c restores 4 from a's replicas. Without
+    the protection a would hold 6 and 8 of its own ranks and 4 of b's only: no iteration
+    complete, the job restarting from scratch."""
     a, b, c = cluster("a"), cluster("b"), cluster("c")
     run_round([a, b], round_of(1, [a, b]))
     for node in (a, b):
