@@ -45,6 +45,7 @@ from ftrun.agent.keeper.names import (
     part_file_name,
     valid_session,
 )
+from ftrun.checkpointing.agent_side import protected_part
 from ftrun.checkpointing.errors import CheckpointError
 from ftrun.checkpointing.format import TMP_MARK, PartInfo, read_info, read_part
 from ftrun.checkpointing.node_tier import (
@@ -238,13 +239,9 @@ class NodeTier:
             write_json_atomically(path, RestoreDecision(iteration, world_size).to_json())
 
     def read_protected(self, session: str) -> tuple[int, int] | None:
-        """The protected (iteration, world size); None if none (or unreadable: only this
-        process writes it)."""
-        try:
-            raw = read_json(self.root / session / PROTECTED_FILE)
-            found = None if raw is None else RestoreDecision.from_json(raw, PROTECTED_FILE)
-        except (OSError, ValueError):
-            return None
+        """The protected (iteration, world size), read as the workers read it; None if none
+        or unreadable (the replicator then writes it anew)."""
+        found = protected_part(self.root / session)
         return None if found is None else (found.iteration, found.world_size)
 
     # ---- helpers -------------------------------------------------------------------------
