@@ -28,13 +28,15 @@ from click.testing import CliRunner
 
 import ftrun
 from ftrun import events as events_schema
+from ftrun.agent.prewarm.marks import marks_path
 from ftrun.agent.reporting import CycleReport
 from ftrun.events import SCHEMA, EventLog
 from ftrun.rank_monitor import FirstProgress, ProgressSnapshot
 from ftrun.tools.cli import main
-from ftrun.tools.events import ReportInputError, load_events, parse_line
+from ftrun.tools.events import Event, ReportInputError, load_events, parse_line
 from ftrun.tools.failures import CRASH, HANG, RESTART, SIGNAL, ranks_text
 from ftrun.tools.report import Report, build_report
+from ftrun.tools.startup import startup_lines, startup_splits
 from launch import start_job
 from support import WORKERS
 
@@ -162,7 +164,7 @@ def test_cli_json(tmp_path: Path) -> None:
     result = run_cli(str(CRASH_HANG), "--json", "--out", str(tmp_path / "t.png"))
     assert result.exit_code == 0
     data = json.loads(result.stdout)
-    assert data["schema"] == 2 and data["outcome"] == "SUCCESS"
+    assert data["schema"] == 3 and data["outcome"] == "SUCCESS"
     assert data["timeline"] == str(tmp_path / "t.png") and data["timeline_note"] is None
     assert data["progress_reported"] is False and data["startup_s"] is None
     assert [f["kind"] for f in data["failures"]] == [CRASH, HANG]
@@ -750,7 +752,9 @@ def test_the_writer_checks_the_schema_and_writes_anyway(tmp_path: Path, caplog) 
 
 def cycle_report(tmp_path: Path) -> tuple[CycleReport, EventLog]:
     events = EventLog(tmp_path, "n")
-    runtime = types.SimpleNamespace(events=events, node="n", node_log_dir=tmp_path / "n")
+    runtime = types.SimpleNamespace(
+        events=events, node="n", node_log_dir=tmp_path / "n", job_dir=tmp_path
+    )
     return CycleReport(runtime), events  # type: ignore[arg-type]
 
 
@@ -767,11 +771,11 @@ def test_stepping_is_emitted_once_every_local_rank_progressed(tmp_path: Path) ->
     report.first_progress(FirstProgress(4, 100, 100, now, 12))
     report.first_progress(FirstProgress(5, 999, 999, now, 12))  # a stale worker's note
     report.first_progress(FirstProgress(4, 100, 100, now + 1, 13))  # a duplicate
-    assert written(tmp_path) == []
+    assert [e["event"] for e in written(tmp_path)] == ["rank_startup"]
     report.first_progress(FirstProgress(5, 7, 101, now + 0.5, None))  # a descendant of 101
     report.first_progress(FirstProgress(5, 7, 101, now + 0.6, None))
     events.close()
-    (stepping,) = written(tmp_path)
+    (stepping,) = [e for e in written(tmp_path) if e["event"] == "stepping"]
     assert stepping["event"] == "stepping" and stepping["cycle"] == 3
     assert (stepping["ranks"], stepping["iterations"]) == ([4, 5], [12, None])
     assert stepping["progress_mono"] == pytest.approx(now + 0.5, abs=1e-5)
@@ -779,6 +783,52 @@ def test_stepping_is_emitted_once_every_local_rank_progressed(tmp_path: Path) ->
     assert stepping["progress_ts"] == pytest.approx(wall, abs=1e-3)
     assert 0 < stepping["startup"] < 5
     assert events_schema.problems("stepping", stepping) == []
+
+
+def test_rank_startup_splits_a_forked_ranks_start_from_its_marks(tmp_path: Path) -> None:
+    """A forked worker's marks (script, CUDA, process group) become seconds from the spawns'
+    start; a rank without marks was spawned fresh, and its file is read once and removed."""
+    report, events = cycle_report(tmp_path)
+    start = time.monotonic()
+    report.expect_progress([0, 1], [100, 101], start)
+    marks_path(tmp_path, 100).write_text(
+        f"script {start + 0.01}\ncuda {start + 0.3}\npg {start + 0.6}\ngarbage\ncuda nan\n"
+    )
+    report.first_progress(FirstProgress(0, 100, 100, start + 1.5, 1))
+    report.first_progress(FirstProgress(1, 101, 101, start + 2.0, 1))
+    events.close()
+    forked, spawned = [e for e in written(tmp_path) if e["event"] == "rank_startup"]
+    assert (forked["rank"], forked["path"]) == (0, "forked")
+    assert forked["to_script"] == pytest.approx(0.01, abs=1e-5)
+    assert forked["to_cuda"] == pytest.approx(0.3, abs=1e-5)
+    assert forked["to_pg"] == pytest.approx(0.6, abs=1e-5)
+    assert forked["to_first_step"] == pytest.approx(1.5, abs=1e-5)
+    assert (spawned["path"], spawned["to_cuda"], spawned["to_first_step"]) == (
+        "spawned", None, pytest.approx(2.0, abs=1e-5))  # fmt: skip
+    assert not marks_path(tmp_path, 100).exists()
+    assert events_schema.problems("rank_startup", forked) == []
+
+
+def test_the_report_shows_each_cycles_slowest_rank_start() -> None:
+    """`ftrun report`: per cycle, the rank that stepped last, where its start-up went."""
+
+    def startup(cycle: int, rank: int, path: str, first: float, pg: float | None) -> Event:
+        cuda = None if pg is None else pg / 2
+        fields = {"rank": rank, "pid": 10 + rank, "path": path, "to_script": 0.01,
+                  "to_cuda": cuda, "to_pg": pg, "to_first_step": first}  # fmt: skip
+        return Event("rank_startup", 0.0, 0.0, "n0", cycle, fields)
+
+    splits = startup_splits([
+        startup(1, 0, "forked", 1.2, 0.5), startup(1, 1, "forked", 2.0, 0.6),
+        startup(0, 0, "spawned", 9.0, None), startup(0, 1, "forked", 3.0, 1.0),
+    ])  # fmt: skip
+    assert [(s.cycle, s.rank, s.path, s.ranks) for s in splits] == [
+        (0, 0, "mixed", 2), (1, 1, "forked", 2)]  # fmt: skip
+    lines = list(startup_lines(splits))
+    assert lines[1].startswith("Start-up by cycle")
+    assert lines[3].split() == ["0", "0", "mixed", "0.01s", "-", "-", "9.00s", "-"]
+    assert lines[4].split() == ["1", "1", "forked", "0.01s", "0.30s", "0.60s", "2.00s", "1.40s"]
+    assert list(startup_lines(())) == []
 
 
 def test_last_progress_from_a_snapshot(tmp_path: Path) -> None:

@@ -91,6 +91,19 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
     "workers_started": (
         _req("ranks", LIST, "global ranks of this node's workers"),
         _req("pids", LIST),
+        _opt(
+            "path", STR, "'forked' (from the fork server), 'spawned' (fresh interpreters), 'mixed'"
+        ),
+        _opt("why", STR, "why workers were spawned fresh, when any was"),
+    ),
+    "rank_startup": (
+        _req("rank", INT),
+        _req("pid", INT),
+        _req("path", STR, "'forked' or 'spawned'"),
+        _opt("to_script", NUM, "seconds from the workers' start to the script running (forked)"),
+        _opt("to_cuda", NUM, "... to CUDA initialised in the rank (forked; null: not seen)"),
+        _opt("to_pg", NUM, "... to init_process_group returned (forked; null: not seen)"),
+        _req("to_first_step", NUM, "... to the rank's first progress through the client"),
     ),
     "stepping": (
         _req("ranks", LIST, "this node's ranks: every one has shown progress this cycle"),

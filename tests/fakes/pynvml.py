@@ -1,7 +1,10 @@
-"""A fake `pynvml` for health-check tests (no GPU here): the only fake in the suite.
+"""A fake `pynvml` for health-check and NUMA tests (no GPU here): the only fake in the suite.
 
 Driven by the FAKE_NVML environment variable, JSON: {"devices": N, "faults": {"INDEX":
 ["retired_pages" | "remapped_rows" | "ecc" | "nvlink" | "unreachable"]}}. Unset: no driver.
+For `--numa-binding`, optionally: "cpu_affinity" and "mem_affinity": {"INDEX": {"node":
+CPULIST, "socket": CPULIST}} (a device or scope left out: NVML_ERROR_NOT_SUPPORTED), and
+"uuids": {"GPU-...": INDEX, "MIG-...": INDEX} (a MIG instance's parent is that GPU).
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ NVML_VOLATILE_ECC = 0
 NVML_FEATURE_ENABLED = 1
 NVML_NVLINK_MAX_LINKS = 4
 NVML_ERROR_INVALID_ARGUMENT = 2
+NVML_ERROR_NOT_FOUND = 6
+NVML_AFFINITY_SCOPE_NODE = 0
+NVML_AFFINITY_SCOPE_SOCKET = 1
+_SCOPES = {NVML_AFFINITY_SCOPE_NODE: "node", NVML_AFFINITY_SCOPE_SOCKET: "socket"}
 
 
 class NVMLError(Exception):
@@ -50,6 +57,8 @@ def nvmlDeviceGetCount() -> int:
 
 
 def nvmlDeviceGetHandleByIndex(index: int) -> int:
+    if not 0 <= index < nvmlDeviceGetCount():
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
     if "unreachable" in _faults(index):
         raise NVMLError(15)  # NVML_ERROR_GPU_IS_LOST
     return index
@@ -71,3 +80,41 @@ def nvmlDeviceGetNvLinkState(handle: int, link: int) -> int:
     if link >= 2:
         raise NVMLError_NotSupported(3)
     return 0 if "nvlink" in _faults(handle) else NVML_FEATURE_ENABLED
+
+
+def nvmlDeviceGetHandleByUUID(uuid: str | bytes) -> int:
+    text = uuid.decode() if isinstance(uuid, bytes) else uuid
+    index = _spec().get("uuids", {}).get(text)
+    if index is None:
+        raise NVMLError(NVML_ERROR_NOT_FOUND)
+    return nvmlDeviceGetHandleByIndex(int(index))
+
+
+def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle: int) -> int:
+    return handle  # the fake's MIG handles are their GPU's
+
+
+def nvmlDeviceGetCpuAffinityWithinScope(handle: int, size: int, scope: int) -> list[int]:
+    return _mask("cpu_affinity", handle, size, scope)
+
+
+def nvmlDeviceGetCpuAffinity(handle: int, size: int) -> list[int]:
+    return _mask("cpu_affinity", handle, size, NVML_AFFINITY_SCOPE_NODE)
+
+
+def nvmlDeviceGetMemoryAffinity(handle: int, size: int, scope: int) -> list[int]:
+    return _mask("mem_affinity", handle, size, scope)
+
+
+def _mask(key: str, handle: int, size: int, scope: int) -> list[int]:
+    """`size` 64-bit words with the bits of the spec's cpulist set, as NVML fills them."""
+    cpulist = _spec().get(key, {}).get(str(handle), {}).get(_SCOPES[scope])
+    if cpulist is None:
+        raise NVMLError_NotSupported(3)
+    words = [0] * size
+    for part in filter(None, cpulist.split(",")):
+        low, _, high = part.partition("-")
+        for item in range(int(low), int(high or low) + 1):
+            if item < 64 * size:
+                words[item // 64] |= 1 << (item % 64)
+    return words

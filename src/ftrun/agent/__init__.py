@@ -11,18 +11,27 @@ from ftrun.errors import ExitCode, FtrunError
 
 if TYPE_CHECKING:
     from ftrun.agent.inbox import SignalRecorder
+    from ftrun.agent.prewarm.client import ForkServer
     from ftrun.config import LaunchConfig
 
 log = logging.getLogger("ftrun.agent")
 
 
-def run_node(config: LaunchConfig, environ: Mapping[str, str], signals: SignalRecorder) -> ExitCode:
+def run_node(
+    config: LaunchConfig,
+    environ: Mapping[str, str],
+    signals: SignalRecorder,
+    fork_server: ForkServer | None = None,
+) -> ExitCode:
     """Run this node's part of the job to the end; returns the launcher's exit code.
 
     `environ` is what the workers inherit (before the launcher's own adjustments); `signals`
-    records the launcher's signals into the agent's inbox (installed before torch's import).
+    records the launcher's signals into the agent's inbox (installed before torch's import);
+    `fork_server`, the node's if it was started before torch's import (closed here).
     """
     if signals.last is not None:  # preempted while importing: nothing runs yet, leave now
+        if fork_server is not None:
+            fork_server.close()
         log.error("exiting with 75 (PREEMPTED): %s before any worker started",
                   signal.Signals(signals.last).name)  # fmt: skip
         return ExitCode.PREEMPTED
@@ -30,7 +39,7 @@ def run_node(config: LaunchConfig, environ: Mapping[str, str], signals: SignalRe
     from ftrun.agent.runtime import open_runtime
 
     try:
-        with open_runtime(config, environ, signals.inbox) as runtime:
+        with open_runtime(config, environ, signals.inbox, fork_server) as runtime:
             return NodeAgent(runtime, signals).run()
     except FtrunError as exc:
         log.error("%s", exc)

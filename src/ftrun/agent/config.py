@@ -7,6 +7,10 @@ import signal
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ftrun.agent.numa import NumaPlan
 
 
 class Std:
@@ -55,11 +59,15 @@ class AgentConfig:
     """After a stop, wait up to this long for the dead workers' GPU memory to be freed (0: off)."""
     gpu_memory_tolerance_mb: float = 512.0
     """GPU memory still in use (per device) that counts as released."""
-    prewarm_modules: tuple[str, ...] = ("torch", "torch.distributed", "torch._dynamo")
-    """Modules the node's fork server imports once; workers are forked from it (empty: every
-    worker is spawned fresh). torch._dynamo doubles the import, but DistributedDataParallel
-    imports it in every worker (seconds of each restart otherwise), and once per node is what a
-    start-up pays for it instead of once per rank."""
+    prewarm_modules: tuple[str, ...] = ("torch", "torch.distributed")
+    """Modules the node's fork server imports once, at launch; workers are forked from it
+    (empty: every worker is spawned fresh). The first cycle waits for these alone: what nearly
+    every worker imports anyway."""
+    prewarm_deep_modules: tuple[str, ...] = ("torch._dynamo", "torch._inductor.compile_fx")
+    """Imported by the fork server once the first cycle's workers run, for later cycles:
+    DistributedDataParallel imports torch._dynamo and torch.compile inductor in every worker
+    (seconds of each restart otherwise; 6 s more than torch alone where triton is installed),
+    and the first cycle should not wait for modules that a script may never use."""
     extra_env: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     """Added to every worker's environment (e.g. OMP_NUM_THREADS)."""
     duplicate_stdout_filters: tuple[str, ...] = ()
@@ -70,3 +78,6 @@ class AgentConfig:
     virtual_local_rank: bool = False
     """torchrun's --virtual-local-rank: LOCAL_RANK=0 and one visible GPU per worker
     (`ftrun.agent.rank_env.rank_variables`)."""
+    numa_binding: NumaPlan | None = None
+    """torchrun's --numa-binding: the mode and each local rank's CPUs and memory nodes, read from
+    NVML once when the config is built (`ftrun.agent.numa`); None: workers are not bound."""

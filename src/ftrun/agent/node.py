@@ -203,6 +203,7 @@ class NodeAgent:
             self.rt.node, cycle_dir,
         )  # fmt: skip
         self._group = WorkerGroup(self.cfg, self._inbox)
+        spawn_began = time.monotonic()
         try:
             self._group.start(rnd.first_global_rank, envs, cycle_dir, self.rt.spawner,
                               self.rt.monitor.expect_rank)  # fmt: skip
@@ -210,8 +211,13 @@ class NodeAgent:
             return self._decide(p.SpawnFailed(str(exc)))
         group = self._group
         ranks = [w.rank for w in group.workers]
-        self.events.emit("workers_started", ranks=ranks, pids=group.pids)
-        self.report.expect_progress(ranks, group.pids)
+        how = self.rt.spawner.cycle_path()
+        self.events.emit("workers_started", ranks=ranks, pids=group.pids, path=how.path,
+                         why=how.why)  # fmt: skip
+        log.info("cycle %d: workers %s%s", rnd.number, how.path,
+                 f" ({how.why})" if how.why else "")  # fmt: skip
+        self.report.expect_progress(ranks, group.pids, spawn_began)
+        self.rt.services.on_started(rnd, group.pids)
         return self._decide(p.WorkersStarted())
 
     def _watch(self) -> Action:

@@ -8,6 +8,7 @@ import signal
 import time
 from collections.abc import Sequence
 
+from ftrun.agent.prewarm.marks import forget_marks, read_marks
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.workers import WorkerExited
 from ftrun.rank_monitor import FirstProgress, ProgressSnapshot, Verdict
@@ -68,11 +69,14 @@ class CycleReport:
 
     # ---- training progress (from the rank monitor) -------------------------------------------
 
-    def expect_progress(self, ranks: Sequence[int], pids: Sequence[int]) -> None:
-        """A cycle's workers started (`ranks[i]` in process `pids[i]`): await their progress."""
+    def expect_progress(
+        self, ranks: Sequence[int], pids: Sequence[int], started: float | None = None
+    ) -> None:
+        """A cycle's workers started (`ranks[i]` in process `pids[i]`; the spawns began at
+        monotonic `started`, default now): await their progress."""
         self._awaited = dict(zip(ranks, pids, strict=True))
         self._first = {}
-        self._started = time.monotonic()
+        self._started = time.monotonic() if started is None else started
 
     def first_progress(self, item: FirstProgress) -> None:
         """A rank's first progress; once every local rank has shown one, emit `stepping`.
@@ -82,6 +86,7 @@ class CycleReport:
         if self._awaited.get(item.rank) != item.worker_pid or item.rank in self._first:
             return
         self._first[item.rank] = item
+        self._rank_startup(item)
         if len(self._first) < len(self._awaited):
             return
         ranks = sorted(self._first)
@@ -99,6 +104,26 @@ class CycleReport:
             "cycle %d: all %d local rank(s) stepping, %.2fs after their start",
             self.events.cycle, len(ranks), startup,
         )  # fmt: skip
+
+    def _rank_startup(self, item: FirstProgress) -> None:
+        """Where this rank's start went: the moments its worker marked (`prewarm.marks`), as
+        seconds from the workers' start."""
+        marks = read_marks(self.rt.job_dir, item.worker_pid)
+        forget_marks(self.rt.job_dir, item.worker_pid)
+
+        def since_start(at: float | None) -> float | None:
+            return None if at is None else round(max(0.0, at - self._started), 6)
+
+        self.events.emit(
+            "rank_startup",
+            rank=item.rank,
+            pid=item.worker_pid,
+            path="forked" if "script" in marks else "spawned",
+            to_script=since_start(marks.get("script")),
+            to_cuda=since_start(marks.get("cuda")),
+            to_pg=since_start(marks.get("pg")),
+            to_first_step=since_start(item.at),
+        )
 
     def last_progress(self, snapshot: Sequence[ProgressSnapshot], before: str = "stop") -> None:
         """Where the local ranks last were, from `RankMonitorServer.progress_snapshot()` taken

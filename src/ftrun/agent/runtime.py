@@ -24,7 +24,8 @@ from ftrun.agent.health import HealthService
 from ftrun.agent.keeper import KeeperService
 from ftrun.agent.monitoring import MonitorService
 from ftrun.agent.peering import PeerService
-from ftrun.agent.prewarm.service import PrewarmService
+from ftrun.agent.prewarm.client import ForkServer
+from ftrun.agent.prewarm.service import PrewarmService, plain_reason, start_early
 from ftrun.agent.prewarm.target import python_target
 from ftrun.agent.services import NodeServices
 from ftrun.agent.stragglers import StragglerService
@@ -60,6 +61,8 @@ class AgentRuntime:
     monitor: RankMonitorServer
     spawner: Spawner
     peer_port: int
+    job_dir: Path
+    """The per-job 0700 directory for IPC (the workers' FTRUN_IPC_DIR)."""
     rendezvous: NodeRendezvous = dataclasses.field(init=False)
     stood_by: tuple[int, int] | None = None
     """(cycle, its round's size) of the last round this node stood by in, as a hot spare."""
@@ -99,12 +102,19 @@ class AgentRuntime:
 
 @contextlib.contextmanager
 def open_runtime(
-    config: LaunchConfig, environ: Mapping[str, str], inbox: queue.SimpleQueue[object]
+    config: LaunchConfig,
+    environ: Mapping[str, str],
+    inbox: queue.SimpleQueue[object],
+    fork_server: ForkServer | None = None,
 ) -> Iterator[AgentRuntime]:
+    """`fork_server`: the node's, if the CLI started it early (`prewarm.service.start_early`);
+    the runtime owns it from here on and closes it."""
     agent = config.agent
     host, node = this_node(config, environ)
     log_dir = agent.log_dir or Path(tempfile.mkdtemp(prefix="ftrun-logs-"))
     with contextlib.ExitStack() as stack:
+        if fork_server is not None:
+            stack.callback(fork_server.close)
         events = stack.enter_context(contextlib.closing(_open_events(log_dir, node)))
         # The per-job 0700 directory for IPC (mkdtemp's mode): removed after every service.
         job_dir = Path(tempfile.mkdtemp(prefix="ftrun-job-"))
@@ -132,17 +142,18 @@ def open_runtime(
                     agent.gpu_memory_reclaim_timeout, agent.gpu_memory_tolerance_mb, events.emit
                 )
             )
-        spawner: Spawner = PlainSpawner(agent.entrypoint)
+        spawner: Spawner = PlainSpawner(agent.entrypoint, plain_reason(config))
+        server = fork_server or start_early(config, environ, node)
         target = python_target(agent.entrypoint)
-        if target is not None and agent.prewarm_modules:
+        if server is not None and target is not None:
             start_env = shared_env(config, environ, {}, None, node)
             spawner = services.add(
-                PrewarmService(target, agent.prewarm_modules, start_env, spawner)
+                PrewarmService(server, target, agent.prewarm_deep_modules, start_env, spawner)
             )
         runtime = AgentRuntime(
             config, environ, host, node, log_dir / node, events, inbox, store, is_store_host,
             infra_rank_from_env(environ, config.rendezvous.node_rank), services, monitor, spawner,
-            peer.port,
+            peer.port, job_dir,
         )  # fmt: skip
         runtime.rendezvous = create_rendezvous(
             config.rendezvous, store, runtime.descriptor, peer.answers, runtime.standing_by

@@ -55,6 +55,10 @@ class NodeService:
     def on_round(self, rnd: Round) -> None:
         return None
 
+    def on_started(self, rnd: Round, pids: Iterable[int]) -> None:
+        """The round's local workers have all been started (pids in local-rank order)."""
+        return None
+
     def on_stopped(self, rnd: Round | None, pids: Iterable[int]) -> None:
         return None
 
@@ -94,6 +98,11 @@ class NodeServices:
     def on_round(self, rnd: Round) -> None:
         for service in self._services:
             service.on_round(rnd)
+
+    def on_started(self, rnd: Round, pids: Iterable[int]) -> None:
+        started = tuple(pids)
+        for service in self._services:
+            service.on_started(rnd, started)
 
     def on_stopped(self, rnd: Round | None, pids: Iterable[int]) -> None:
         stopped = tuple(pids)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from ftrun.agent.prewarm.binding import BIND_VARIABLES
 from ftrun.agent.rank_env import rank_variables
 from ftrun.config import LaunchConfig
 from ftrun.rendezvous.ranks import Round
@@ -21,6 +22,9 @@ def worker_envs(
 ) -> list[dict[str, str]]:
     """One environment per local rank of this node in round `rnd` (index = local rank)."""
     shared = shared_env(config, environ, services_env, rnd, node)
+    for name in BIND_VARIABLES:  # a launcher started by a worker: its binding is not theirs
+        shared.pop(name, None)
+    numa = config.agent.numa_binding  # decided once per launch, from NVML
     first = rnd.first_global_rank
     return [
         {
@@ -31,6 +35,7 @@ def worker_envs(
                 config.agent.virtual_local_rank,
                 environ.get("CUDA_VISIBLE_DEVICES"),
             ),
+            **(numa.env(local_rank) if numa is not None else {}),
             "TORCHELASTIC_ERROR_FILE": str(cycle_dir / f"rank{first + local_rank}" / "error.json"),
         }
         for local_rank in range(rnd.me.local_world_size)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from ftrun.agent.config import AgentConfig, Std
+from ftrun.agent.prewarm.binding import prepare_binding
 from ftrun.agent.termination import die_with_parent
 
 
@@ -42,28 +43,49 @@ class WorkerProcess(Protocol):
     def wait(self, timeout: float | None = None) -> int: ...
 
 
+@dataclasses.dataclass(frozen=True)
+class SpawnPath:
+    """How one cycle's workers started: "forked" (from the fork server), "spawned" (fresh
+    interpreters) or "mixed"; `why` says why any of them was spawned fresh."""
+
+    path: str
+    why: str | None = None
+
+
 class Spawner(Protocol):
     """Starts one worker with `env`; calls `announce(pid)` before the worker's script runs."""
 
     def spawn(self, env: Mapping[str, str], announce: Callable[[int], None]) -> WorkerProcess: ...
 
+    def cycle_path(self) -> SpawnPath:
+        """How this cycle's workers (those spawned since the round began) started."""
+        ...
+
 
 class PlainSpawner:
     """A fresh process running the entrypoint: no pre-imported modules."""
 
-    def __init__(self, entrypoint: tuple[str, ...]) -> None:
+    def __init__(self, entrypoint: tuple[str, ...], why: str | None = None) -> None:
         self._entrypoint = entrypoint
+        self._why = why
 
     def spawn(self, env: Mapping[str, str], announce: Callable[[int], None]) -> WorkerProcess:
         proc = spawn_process(self._entrypoint, env, subprocess.DEVNULL)
         announce(proc.pid)  # the child is still starting its interpreter
         return proc
 
+    def cycle_path(self) -> SpawnPath:
+        return SpawnPath("spawned", self._why)
+
 
 def spawn_process(
     argv: Sequence[str], env: Mapping[str, str], stdin: int
 ) -> subprocess.Popen[bytes]:
-    """Start a process as a worker: own process group, dies with the agent, output piped."""
+    """Start a process as a worker: own process group, dies with the agent, output piped, bound
+    to its CPUs and memory nodes when its env says so (--numa-binding)."""
+    # Parsed and looked up here: the child only makes system calls (see prewarm.binding).
+    bind = prepare_binding(env)
+    preexec = die_with_parent if bind is None else functools.partial(_bound_child, bind)
     return subprocess.Popen(
         list(argv),
         env=dict(env),
@@ -71,9 +93,15 @@ def spawn_process(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
-        # Only a prctl() through a preloaded libc: nothing that takes a lock after fork.
-        preexec_fn=die_with_parent,  # noqa: PLW1509
+        # Only prctl() and the binding's calls through preloaded libc: no lock after fork.
+        preexec_fn=preexec,  # noqa: PLW1509
     )
+
+
+def _bound_child(bind: Callable[[], None]) -> None:
+    """`preexec_fn` of a bound worker: die with the agent, then take the binding."""
+    die_with_parent()
+    bind()
 
 
 @dataclasses.dataclass

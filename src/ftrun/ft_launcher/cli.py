@@ -13,7 +13,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
+from ftrun.agent.compile_cache import prepare_compile_caches
 from ftrun.agent.inbox import SignalRecorder
+from ftrun.agent.prewarm.service import start_early
 from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError, ExitCode, FtrunError
 from ftrun.ft_launcher.config import config_from
@@ -40,17 +42,22 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     setup_logging(config, os.environ)
     for warning in config.warnings:
         log.warning("%s", warning)
-    workers_environ = dict(os.environ)
+    workers_environ = {**os.environ, **prepare_compile_caches(config, os.environ)}
+    # Before torch's import here: the fork server's imports overlap the launcher's own.
+    fork_server = start_early(config, workers_environ, this_node(config, os.environ)[1])
     # c10d logs every timed-out store wait and failed connect with a C++ backtrace; the agent
     # reports those conditions itself in one line. The workers keep the user's setting.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     from ftrun.agent import run_node  # the agent (and torch) only once the config is valid
 
     try:
-        code = run_node(config, workers_environ, signals)
+        code = run_node(config, workers_environ, signals, fork_server)
     except FtrunError as err:
         log.error("%s", err)
         code = err.exit_code
+    finally:
+        if fork_server is not None:
+            fork_server.close()  # the runtime closed it already, unless it never got that far
     _leave(code)
 
 

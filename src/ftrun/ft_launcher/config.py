@@ -1,8 +1,9 @@
 """Build the launcher's one frozen `LaunchConfig` from argv, the environment and the YAML file.
 
-`build_config` is a pure function of its arguments (plus reading the `--ft-cfg-path` file and,
-for `--nproc-per-node=auto|gpu|xpu`, counting devices): it starts nothing and logs nothing; what
-deserves a warning goes into `LaunchConfig.warnings` for `main` to log.
+`build_config` is a pure function of its arguments (plus reading the `--ft-cfg-path` file,
+for `--nproc-per-node=auto|gpu|xpu` counting devices, and for `--numa-binding` reading the GPUs'
+affinity from NVML): it starts nothing and logs nothing; what deserves a warning goes into
+`LaunchConfig.warnings` for `main` to log.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, NamedTuple
 import yaml
 
 from ftrun.agent.config import AgentConfig
+from ftrun.agent.numa import NumaError, NumaPlan, plan_launch
 from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError
 from ftrun.ft_launcher import values as v
@@ -395,11 +397,25 @@ def _agent(
         gpu_memory_reclaim_timeout=opts["gpu_memory_reclaim_timeout"],
         gpu_memory_tolerance_mb=opts["gpu_memory_tolerance_mb"],
         prewarm_modules=opts["prewarm_modules"],
+        prewarm_deep_modules=opts["prewarm_deep_modules"],
         extra_env=MappingProxyType(extra_env),
         duplicate_stdout_filters=opts["duplicate_stdout_filters"],
         duplicate_stderr_filters=opts["duplicate_stderr_filters"],
         virtual_local_rank=opts["virtual_local_rank"],
+        numa_binding=_numa_plan(opts, nproc, environ),
     )
+
+
+def _numa_plan(opts: Resolved, nproc: int, environ: Mapping[str, str]) -> NumaPlan | None:
+    """--numa-binding's binding of every local rank, decided once here (it reads NVML): a node
+    where it cannot be honoured is a usage error at start, not a surprise in every worker."""
+    mode = opts["numa_binding"]
+    if mode is None:
+        return None
+    try:
+        return plan_launch(mode, nproc, environ.get("CUDA_VISIBLE_DEVICES"))
+    except NumaError as err:
+        raise ConfigError(f"{opts.labels['numa_binding']}={mode}: {err}") from None
 
 
 def _check_visible_devices(nproc: int, environ: Mapping[str, str]) -> None:

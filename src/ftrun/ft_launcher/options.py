@@ -160,10 +160,11 @@ TORCHRUN_OPTIONS: tuple[Option, ...] = (
               env=None, metavar="NAME",
               rejected="ftrun writes its own per-cycle logs under --log-dir"),
     _torchrun("numa_binding", None, v.optional(v.choice(*NUMA_MODES)),
-              "Bind workers to CPUs near their GPU.", env=None,
-              rejected="torch 2.13 has no public call that computes the binding; pin CPUs in the "
-              "script (os.sched_setaffinity) or start it with --no-python through a numactl "
-              "wrapper that reads LOCAL_RANK"),
+              "Bind each worker to the CPUs and memory (MPOL_BIND) near its GPU, as NVML reports "
+              "them, within the launcher's own CPUs: node (the GPU's NUMA node), socket (its "
+              "socket) or exclusive (a disjoint share of the node's cores per worker). "
+              "core-complex is refused (NVML reports no L3 domains), and so is any mode where "
+              "NVML is missing.", env=None),
     _torchrun("signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT", v.signal_list,
               "Signals caught and forwarded to the workers.", metavar="SIG,..."),
     _torchrun("shutdown_timeout", None, v.optional_non_negative_int,
@@ -226,8 +227,12 @@ FT_OPTIONS: tuple[Option, ...] = (
         v.non_negative_number, "GPU memory (MB) still in use that counts as released (with "
         "--ft-gpu-memory-reclaim-timeout).", metavar="MB"),
     _ft("prewarm_modules", _default(_AGENT, "prewarm_modules"), v.module_list,
-        "Modules the node's fork server imports once at launch; every worker of every cycle is "
-        "forked from it (none: spawn each worker fresh).",
+        "Modules the node's fork server imports once at launch, before the first cycle; every "
+        "worker of every cycle is forked from it (none: spawn each worker fresh).",
+        metavar="MOD,..."),
+    _ft("prewarm_deep_modules", _default(_AGENT, "prewarm_deep_modules"), v.module_list,
+        "Modules the fork server imports once the first cycle's workers run, for the cycles "
+        "after a restart (the first cycle never waits for them; none: off).",
         metavar="MOD,..."),
     _ft("straggler_detection", _default(_STRAGGLER, "enabled"), v.boolean,
         "Score the sections that workers time with ftrun.straggler.Detector and report "

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from ftrun.errors import ExitCode
 from ftrun.tools.events import Event, EventSet
 from ftrun.tools.failures import CycleTimes, Failure, find_failures
+from ftrun.tools.startup import StartupSplit, startup_splits
 
 RENDEZVOUS, STARTING, RUNNING, STALLED, STOPPING, FINISHED = (
     "rendezvous",
@@ -105,6 +106,8 @@ class Report:
     cycles: tuple[Cycle, ...]
     failures: tuple[Failure, ...]
     spans: tuple[Span, ...]
+    startup: tuple[StartupSplit, ...]
+    """Per cycle, where its slowest rank's start-up went (`rank_startup` events)."""
     warnings: tuple[str, ...]
 
 
@@ -154,6 +157,7 @@ def build_report(events: EventSet) -> Report:
         cycles=cycles,
         failures=failures,
         spans=spans,
+        startup=startup_splits(all_events),
         warnings=events.warnings,
     )
 

@@ -16,9 +16,11 @@ from typing import Any
 
 from ftrun.tools.failures import Failure, ranks_text
 from ftrun.tools.report import Cycle, NodeInfo, Report
+from ftrun.tools.startup import startup_lines
 
-JSON_SCHEMA_VERSION = 2
-"""2: training measured on progress (`progress_reported`, `startup_s`, `redone_s`, cycles'
+JSON_SCHEMA_VERSION = 3
+"""3: `startup`, per cycle where its slowest rank's start-up went.
+2: training measured on progress (`progress_reported`, `startup_s`, `redone_s`, cycles'
 `stepping_at`/`training_until`, failures' `redone_iterations`/`redone_s`), `timeline_note`."""
 NO_PROGRESS = "no training progress reported (no RankMonitorClient): times below are process times"
 
@@ -53,6 +55,7 @@ def _lines(report: Report, timeline: str | None, timeline_note: str | None) -> I
     )
     yield from _node_lines(report.nodes)
     yield from _cycle_lines(report.cycles, clock, report.progress_reported)
+    yield from startup_lines(report.startup)
     yield from _failure_lines(report.failures, clock, report.progress_reported)
     if timeline or timeline_note:
         yield ""

@@ -1,7 +1,9 @@
 """One fork server per node: import torch once, fork every worker from that warm interpreter.
 
-`forkserver.py` is the server process (single-threaded, never touches CUDA) and the wire
-protocol; `client.py` is the agent's side (`ForkServer`, `ForkedWorker`, a Popen look-alike).
+`forkserver.py` is the server process (single-threaded, never touches CUDA), `wire.py` its
+protocol; `client.py` is the agent's side (`ForkServer`), `forked.py` the workers it forks
+(`ForkedWorker`, a Popen look-alike). In each child, `child.py` becomes the worker: `binding.py`
+binds it (--numa-binding), `pools.py` sizes its thread pools, `marks.py` records its start-up.
 
 This package's import stays empty: `python -m ftrun.agent.prewarm.forkserver` imports it first,
 and whatever it imported would end up in every forked worker (and `client` brings psutil,
@@ -13,7 +15,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ftrun.agent.prewarm.client import ForkedWorker, ForkServer, ForkServerError
+    from ftrun.agent.prewarm.client import ForkServer, ForkServerError
+    from ftrun.agent.prewarm.forked import ForkedWorker
 
 __all__ = ["ForkServer", "ForkServerError", "ForkedWorker"]
 

@@ -1,8 +1,9 @@
 """In a freshly forked child of the fork server: become the worker and run it like python.
 
-Everything the server changed is undone (signals, fds, environment, cwd, random seeds), then
-runpy or exec runs the target, and the process ends as the interpreter would. Standard library
-only, like the server.
+Everything the server changed is undone (signals, fds, environment, cwd, native thread pools,
+random seeds), the worker takes its --numa-binding, the start-up marks are armed (`marks.py`),
+then runpy or exec runs the target, and the process ends as the interpreter would. Standard
+library only, like the server.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ import signal
 import sys
 import threading
 from typing import Any, Protocol
+
+from ftrun.agent.prewarm import marks
+from ftrun.agent.prewarm.binding import apply_binding
+from ftrun.agent.prewarm.pools import restore_thread_pools
 
 _PR_SET_PDEATHSIG = 1
 CHILD_BROKEN = 70
@@ -82,7 +87,10 @@ def become_worker(server: ServerState, msg: dict[str, Any], fds: list[int]) -> N
     except OSError as exc:
         print(f"ftrun fork server: cannot chdir to {msg['cwd']!r}: {exc}", file=sys.stderr)
         _finish(1)
+    apply_binding(os.environ)  # first: the thread pools are sized from the bound CPUs
+    restore_thread_pools(os.environ)
     _forget_server_state()
+    marks.install(os.environ)
     _finish(_run(msg["module"], msg["target"], msg["args"]))
 
 

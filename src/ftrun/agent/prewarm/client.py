@@ -8,7 +8,8 @@ returned `ForkedWorker` is a `subprocess.Popen` look-alike (`pid`, `stdout`, `st
 server's "exit" notes into return codes. If the server dies, its workers die with it (PDEATHSIG):
 every handle still running resolves once its process is gone (to its real status where the agent,
 a child subreaper, can reap it; else -SIGKILL), and `spawn` raises `ForkServerError`, upon which
-the caller spawns plainly.
+the caller spawns plainly. `deepen` asks the server to import more modules between cycles; a
+spawn sent meanwhile waits for that import (no longer than a plain worker's own import of them).
 
 Never signal `ForkServer.pid` when stopping workers: it is no worker, and killing it kills them all.
 Call `start` from a thread that lives as long as the server should: PR_SET_PDEATHSIG fires when
@@ -28,9 +29,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import BinaryIO
 
 from ftrun.agent.prewarm import wire as proto
+from ftrun.agent.prewarm.forked import ForkedWorker, await_death
+from ftrun.agent.prewarm.pools import SERVER_ONLY_ENV
 from ftrun.agent.prewarm.target import PythonTarget
 from ftrun.agent.termination import die_with_parent
 from ftrun.errors import FtrunError
@@ -38,7 +40,7 @@ from ftrun.errors import FtrunError
 log = logging.getLogger("ftrun.agent")
 
 READY_TIMEOUT = 120.0
-"""How long after `start` a `spawn` may wait for the imports to finish."""
+"""How long after `start` (or `deepen`) a `spawn` may wait for the imports to finish."""
 REPLY_TIMEOUT = 30.0
 """A fork takes milliseconds; a server that does not answer for this long is broken."""
 CLOSE_TIMEOUT = 5.0
@@ -57,58 +59,6 @@ server's values, so a worker whose environment differs in one of them is not for
 class ForkServerError(FtrunError):
     """The fork server cannot start this worker (dead, broken, unsafe to fork, refused, or the
     worker's start-up environment differs): spawn the worker plainly instead."""
-
-
-class ForkedWorker:
-    """A worker forked by the server, with the Popen interface the agent uses."""
-
-    def __init__(self, pid: int, stdout_fd: int, stderr_fd: int, args: list[str]) -> None:
-        self.pid = pid
-        self.args = args
-        self.stdin: BinaryIO | None = None
-        self.stdout: BinaryIO = open(stdout_fd, "rb")  # noqa: SIM115 - owned like Popen's pipes
-        self.stderr: BinaryIO = open(stderr_fd, "rb")  # noqa: SIM115
-        self.returncode: int | None = None
-        self._done = threading.Event()
-        self._resolve_lock = threading.Lock()
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        """The exit code (negative: killed by that signal); TimeoutExpired as Popen raises it."""
-        if not self._done.wait(timeout):
-            raise subprocess.TimeoutExpired(self.args, timeout)  # type: ignore[arg-type]
-        assert self.returncode is not None
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def __enter__(self) -> ForkedWorker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for stream in (self.stdout, self.stderr):
-            stream.close()
-        self.wait()
-
-    def __repr__(self) -> str:
-        return f"<ForkedWorker pid={self.pid} returncode={self.returncode}>"
-
-    def _resolve(self, code: int) -> None:
-        with self._resolve_lock:
-            if self.returncode is None:
-                self.returncode = code
-                self._done.set()
 
 
 class _Request:
@@ -149,6 +99,8 @@ class ForkServer:
         self._sock = sock
         self._env = dict(env)
         self.modules = tuple(modules)
+        """Every module asked for: at start, then by `deepen`."""
+        self.modules_at_start = self.modules
         self.imported: tuple[str, ...] = ()
         """The prewarm modules that imported; `failed` did not (the scripts will say why)."""
         self.failed: tuple[str, ...] = ()
@@ -163,6 +115,11 @@ class ForkServer:
         self._error: str | None = None
         self._closed = False
         self._settled = threading.Event()  # ready, or gone
+        self._deepened = threading.Event()  # no "deepen" in flight
+        self._deepened.set()
+        self._deepen_by = 0.0
+        self.deepen_broke = False
+        """A "deepen" left the server unforkable (its imports started a thread, say)."""
         self._gone = threading.Event()  # the reader ended: server reaped, handles resolved
         self._reader = threading.Thread(target=self._read, name="forkserver-reader", daemon=True)
 
@@ -175,7 +132,8 @@ class ForkServer:
         target: PythonTarget | None = None,
         ready_timeout: float = READY_TIMEOUT,
     ) -> ForkServer:
-        """Spawn the server, which imports `modules` with `env` as its environment; returns at once.
+        """Spawn the server, which imports `modules` with `env` as its environment (native
+        thread pools limited: `SERVER_ONLY_ENV`); returns at once.
 
         `target` (optional): the workers' script or module, so that the imports see the
         `sys.path[0]` the workers will have. Raises ForkServerError if it cannot be spawned.
@@ -189,7 +147,7 @@ class ForkServer:
         try:
             proc = subprocess.Popen(
                 argv,
-                env=dict(env),
+                env={**env, **SERVER_ONLY_ENV},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,  # its own errors go to the agent's stderr
                 pass_fds=[theirs.fileno()],
@@ -248,6 +206,11 @@ class ForkServer:
                 f"the fork server is still importing {list(self.modules)} "
                 f"{self._ready_timeout:g}s after its start"
             )
+        if not self._deepened.wait(max(0.0, self._deepen_by - time.monotonic())):
+            raise ForkServerError(
+                f"the fork server is still importing its deep modules {self._ready_timeout:g}s "
+                "after it was asked to"
+            )
         if self._error is not None:
             raise ForkServerError(self._error)
         args = [sys.executable, "-u", *(["-m"] if target.module else []), target.target]
@@ -274,6 +237,24 @@ class ForkServer:
         finally:
             if req.gate_fd is not None:
                 _close(req.gate_fd)
+
+    def deepen(self, modules: Sequence[str]) -> bool:
+        """Ask the server to import `modules` now; returns at once (False: nothing was sent,
+        as the server is not ready or cannot fork). Spawns wait for the import to end."""
+        modules = [m for m in modules if m not in self.modules]
+        if not modules or not self.ready(0) or not self._deepened.is_set():
+            return False
+        self._deepened.clear()
+        self._deepen_by = time.monotonic() + self._ready_timeout
+        try:
+            with self._send_lock:
+                proto.send_frame(self._sock, proto.encode("deepen", modules=list(modules)))
+        except OSError as exc:
+            self._deepened.set()
+            log.warning("fork server: cannot ask for deeper imports: %s", exc)
+            return False
+        self.modules += tuple(modules)
+        return True
 
     def close(self) -> None:
         """Stop the server and whatever it still runs (EOF, then SIGKILL; bounded); idempotent."""
@@ -389,6 +370,15 @@ class ForkServer:
                 log.warning("fork server: %s; workers start plainly", self._error)
             self._ready = True
             self._settled.set()
+        elif op == "deepened":
+            self.imported += tuple(msg["imported"])  # type: ignore[arg-type]
+            self.failed += tuple(msg["failed"])  # type: ignore[arg-type]
+            if msg["unforkable"] is not None:
+                self.deepen_broke = True
+                with self._lock:
+                    self._error = self._error or f"cannot fork workers: {msg['unforkable']}"
+                log.warning("fork server: after its deep imports, %s", self._error)
+            self._deepened.set()
         elif op == "spawned":
             with self._lock:
                 req = self._requests.pop(msg["id"], None)  # type: ignore[arg-type]
@@ -423,6 +413,7 @@ class ForkServer:
             workers = list(self._workers.values())
             self._workers.clear()
         self._settled.set()
+        self._deepened.set()
         for req in requests:
             req.done.set()  # no worker: spawn() raises
         self._kill_server()
@@ -436,7 +427,7 @@ class ForkServer:
             )
         deadline = time.monotonic() + GONE_TIMEOUT
         for worker in workers:
-            worker._resolve(_await_death(worker.pid, deadline))
+            worker._resolve(await_death(worker.pid, deadline))
         self._gone.set()
 
     def _break(self, reason: str) -> None:
@@ -458,32 +449,6 @@ def _path0(target: PythonTarget) -> str:
         return os.getcwd()
     path = os.path.abspath(target.target)
     return path if os.path.isdir(path) else os.path.dirname(os.path.realpath(path))
-
-
-def _await_death(pid: int, deadline: float) -> int:
-    """A dead server's worker: its real status if we can reap it (we are a subreaper), once
-    it is gone; else -SIGKILL, which is how PDEATHSIG ends it."""
-    while True:
-        try:
-            got, status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            if not _alive(pid):
-                return -signal.SIGKILL
-        else:
-            if got == pid:
-                return os.waitstatus_to_exitcode(status)
-        if time.monotonic() >= deadline:
-            return -signal.SIGKILL
-        time.sleep(0.005)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in {"Z", "X"}
 
 
 def _kill_group(pid: int) -> None:

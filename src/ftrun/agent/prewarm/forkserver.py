@@ -7,13 +7,18 @@ swallowed: the script reports its own), says ready, then serves until EOF on the
 
 It never starts a thread and never touches CUDA: before each fork it checks that it is the only
 thread (Python's and the OS's view) and that CUDA was not initialised, and refuses otherwise (the
-agent then spawns plainly). A forked child becomes the worker exactly as `python -u [-m] target
-args` would have started: its own session and process group, SIGKILL when the server dies,
-stdin from /dev/null, stdout/stderr on the pipes the agent sent (SCM_RIGHTS), the given
-environment and cwd, sys.argv/sys.path[0] as python sets them, the server's signal changes
-undone, fresh random seeds; then the target runs (a script in a new `__main__` module, as
-python does; `-m` through runpy) and the child ends like the interpreter would (SystemExit codes,
-traceback and 1, thread join, atexit, flush, `os._exit`).
+agent then spawns plainly). The agent starts it with native thread pools limited
+(`pools.SERVER_ONLY_ENV`), and each child sets them back to what its own environment asks
+(`pools.restore_thread_pools`). Between cycles the agent may ask it to "deepen": import more
+modules (torch._dynamo, inductor) that the first cycle should not wait for.
+
+A forked child becomes the worker exactly as `python -u [-m] target args` would have started:
+its own session and process group, SIGKILL when the server dies, stdin from /dev/null,
+stdout/stderr on the pipes the agent sent (SCM_RIGHTS), the given environment and cwd,
+sys.argv/sys.path[0] as python sets them, the server's signal changes undone, fresh random
+seeds; then the target runs (a script in a new `__main__` module, as python does; `-m` through
+runpy) and the child ends like the interpreter would (SystemExit codes, traceback and 1, thread
+join, atexit, flush, `os._exit`).
 
 What a fork cannot give back: the str hash seed (shared by all workers of a server, unless
 PYTHONHASHSEED fixes it anyway), and whatever the prewarm imports read from the environment
@@ -73,6 +78,8 @@ class _Server:
         self.unforkable: str | None = None
 
     def prewarm(self, modules: list[str]) -> tuple[list[str], list[str]]:
+        """Import `modules` (at start, and again for each "deepen"); once a module leaves a
+        thread or CUDA behind, the server stays unforkable: an import cannot be undone."""
         before = open_fds()
         imported, failed = [], []
         for module in modules:
@@ -82,7 +89,7 @@ class _Server:
                 failed.append(module)
             else:
                 imported.append(module)
-        self.keep_fds = frozenset(fd for fd in open_fds() - before if is_open(fd))
+        self.keep_fds |= frozenset(fd for fd in open_fds() - before if is_open(fd))
         # Copy-on-write stays shared only if the children's collector leaves these objects
         # alone: a full collection in a child would otherwise dirty every page that holds one
         # (measured: 74 MiB private per torch worker without this, 4 MiB with it).
@@ -92,8 +99,24 @@ class _Server:
         deadline = time.monotonic() + 1.0
         while (blocker := fork_blocker()) is not None and time.monotonic() < deadline:
             select.select([], [], [], 0.01)
-        self.unforkable = blocker
+        self.unforkable = self.unforkable or blocker
         return imported, failed
+
+    def _deepen(self, modules: list[str]) -> tuple[list[str], list[str]]:
+        """Import more, between cycles, at idle CPU priority: the workers are training, and
+        on a node with few cores the import must not take their CPU. Children inherit the
+        policy, so a server that cannot return to the normal one forks no more."""
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (OSError, AttributeError):
+            return self.prewarm(modules)  # no idle policy here: import at normal priority
+        try:
+            return self.prewarm(modules)
+        finally:
+            try:
+                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            except OSError as exc:
+                self.unforkable = f"cannot leave the idle CPU priority of its deep imports: {exc}"
 
     def serve(self) -> None:
         for fd in (self.wake_r, self.wake_w):
@@ -136,7 +159,13 @@ class _Server:
             self.send(encode("error", id=_id_of(payload), error=f"rejected: {exc}"))
             return True
         try:
-            self._spawn(msg, fds)
+            if msg["op"] == "deepen":
+                close_all(fds)  # a deepen carries none; any sent are not ours to keep
+                imported, failed = self._deepen(msg["modules"])
+                self.send(encode("deepened", imported=imported, failed=failed,
+                                 unforkable=self.unforkable))  # fmt: skip
+            else:
+                self._spawn(msg, fds)
         finally:
             close_all(fds)
         return True

@@ -1,20 +1,59 @@
-"""Prewarmed workers as a node service: the node's fork server imports `--ft-prewarm-modules`
-once, at launch, and every worker of every cycle is forked from it. Where it cannot serve (a
-non-Python entrypoint, a worker environment that differs in what is read at interpreter start,
-a dead or unsafe server) workers are spawned plainly, and the log says why once."""
+"""Prewarmed workers as a node service.
+
+The node's fork server starts before the launcher imports torch itself (`start_early`, from the
+CLI), so its imports overlap the launcher's own start-up and the rendezvous. It imports
+`--ft-prewarm-modules` (what every worker imports anyway: the first cycle waits for these
+alone), and once the first cycle's workers have started it imports `--ft-prewarm-deep-modules`
+too (torch._dynamo, inductor: what DDP and torch.compile import in each restarted worker).
+
+Where it cannot serve (a non-Python entrypoint, a worker environment that differs in what is
+read at interpreter start, a dead or unsafe server) workers are spawned plainly. Each cycle
+says once which way its workers started, and why (`cycle_path`). A server that a deep import
+made unforkable, or that died, is replaced at the next round by a fresh one (without the deep
+modules if those broke it), at most `MAX_REPLACEMENTS` times; that round's workers wait for its
+first imports, which a plain worker would pay for too.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from ftrun.agent.prewarm.client import ForkServer, ForkServerError
-from ftrun.agent.prewarm.target import PythonTarget
+from ftrun.agent.prewarm.target import PythonTarget, python_target
 from ftrun.agent.services import NodeService
-from ftrun.agent.workers import PlainSpawner, WorkerProcess
+from ftrun.agent.worker_env import shared_env
+from ftrun.agent.workers import PlainSpawner, SpawnPath, WorkerProcess
+from ftrun.config import LaunchConfig
+from ftrun.rendezvous.ranks import Round
 
 log = logging.getLogger("ftrun.agent")
+
+MAX_REPLACEMENTS = 2
+"""Fresh servers started after the first one broke: a server that keeps breaking is not
+replaced forever (each costs a full import)."""
+
+
+def start_early(config: LaunchConfig, environ: Mapping[str, str], node: str) -> ForkServer | None:
+    """The node's fork server, started now (before the agent imports torch); None where
+    workers will not be forked (the reason is said by `plain_reason`)."""
+    target = python_target(config.agent.entrypoint)
+    if target is None or not config.agent.prewarm_modules:
+        return None
+    env = shared_env(config, environ, {}, None, node)
+    try:
+        return ForkServer.start(config.agent.prewarm_modules, env, target=target)
+    except ForkServerError as exc:
+        log.warning("starting workers without the fork server: %s", exc)
+        return None
+
+
+def plain_reason(config: LaunchConfig) -> str:
+    """Why a node without a fork server spawns each worker fresh."""
+    if not config.agent.prewarm_modules:
+        return "--ft-prewarm-modules=none"
+    return "the entrypoint is not `python -u` with the launcher's interpreter (--no-python?)"
 
 
 class PrewarmService(NodeService):
@@ -22,27 +61,70 @@ class PrewarmService(NodeService):
 
     def __init__(
         self,
+        server: ForkServer,
         target: PythonTarget,
-        modules: Sequence[str],
+        deep_modules: Sequence[str],
         env: Mapping[str, str],
         plain: PlainSpawner,
     ) -> None:
+        self._server = server
         self._target = target
+        self._deep = tuple(deep_modules)
+        self._env = dict(env)
         self._plain = plain
-        self._server = ForkServer.start(modules, env, target=target)
-        self._fallback_said = False
+        self._replacements = 0
+        self._paths: dict[int, str] = {}  # pid -> "forked" | "spawned", this cycle
+        self._why: str | None = None  # why this cycle spawned plainly
+
+    def on_round(self, rnd: Round) -> None:
+        self._paths, self._why = {}, None
+        if self._server.error is not None and self._replacements < MAX_REPLACEMENTS:
+            self._replace()
+
+    def on_started(self, rnd: Round, pids: Iterable[int]) -> None:
+        """Deepen once the cycle's workers run: the import overlaps their start-up."""
+        if self._deep and self._server.deepen(self._deep):
+            log.info("fork server: importing %s between cycles", ",".join(self._deep))
 
     def spawn(self, env: Mapping[str, str], announce: Callable[[int], None]) -> WorkerProcess:
         try:
-            return self._server.spawn(self._target, env, os.getcwd(), announce=announce)
+            worker: WorkerProcess = self._server.spawn(
+                self._target, env, os.getcwd(), announce=announce
+            )
         except ForkServerError as exc:
-            if not self._fallback_said:
-                self._fallback_said = True
-                log.warning("starting workers without the fork server: %s", exc)
-            return self._plain.spawn(env, announce)
+            self._why = self._why or str(exc)
+            worker = self._plain.spawn(env, announce)
+            self._paths[worker.pid] = "spawned"
+        else:
+            self._paths[worker.pid] = "forked"
+        return worker
+
+    def cycle_path(self) -> SpawnPath:
+        paths = set(self._paths.values())
+        path = paths.pop() if len(paths) == 1 else "mixed" if paths else "none"
+        return SpawnPath(path, self._why)
 
     def kept_pids(self) -> frozenset[int]:
         return frozenset({self._server.pid})
 
     def close(self) -> None:
         self._server.close()
+
+    def _replace(self) -> None:
+        """A fresh server in place of a broken one (without the deep modules if those broke
+        it)."""
+        broken = self._server
+        if broken.deepen_broke:
+            self._deep = ()
+        self._replacements += 1
+        try:
+            fresh = ForkServer.start(broken.modules_at_start, self._env, target=self._target)
+        except ForkServerError as exc:
+            log.warning("cannot replace the fork server: %s", exc)
+            return
+        broken.close()
+        self._server = fresh
+        log.warning(
+            "fork server replaced (%s)%s",
+            broken.error, "" if self._deep else " (without deep imports)",
+        )  # fmt: skip

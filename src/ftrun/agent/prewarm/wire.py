@@ -4,7 +4,8 @@
 Wire format, both directions: a 4-byte big-endian length, then that many bytes of a JSON object
 with "v" (PROTOCOL_VERSION) and "op"; no pickle. Agent -> server: "spawn" (with the child's
 stdout/stderr write ends, and optionally a start gate's read end, as SCM_RIGHTS on the same
-sendmsg). Server -> agent: "hello", "ready", "spawned", "error", "exit". `decode` validates every
+sendmsg), and "deepen" (import more modules now, between cycles). Server -> agent: "hello",
+"ready", "spawned", "error", "exit", "deepened". `decode` validates every
 field on both sides. A frame longer than MAX_FRAME breaks the framing: the server then stops;
 a well-framed but invalid message gets an "error" reply and the server carries on.
 
@@ -50,6 +51,7 @@ TO_SERVER: dict[str, dict[str, object]] = {
         "cwd": str,
         "gate": bool,
     },
+    "deepen": {"modules": _STR_LIST},
 }
 TO_AGENT: dict[str, dict[str, object]] = {
     "hello": {"pid": int},
@@ -57,6 +59,7 @@ TO_AGENT: dict[str, dict[str, object]] = {
     "spawned": {"id": int, "pid": int},
     "error": {"id": _OPT_INT, "error": str},
     "exit": {"pid": int, "code": int},
+    "deepened": {"imported": _STR_LIST, "failed": _STR_LIST, "unforkable": _OPT_STR},
 }
 
 

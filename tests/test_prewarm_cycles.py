@@ -1,0 +1,111 @@
+"""The fork server across cycles, through real launchers: warm restarts whatever the threads
+environment, and a first cycle that never waits for the deep warm-up."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import ROOT, Job, start_job
+
+PROBE = ROOT / "tests" / "workers" / "prewarm_probe.py"
+TIMEOUT = 90
+
+
+def cycle_record(job_dir: Path, cycle: int) -> dict:
+    return json.loads((job_dir / f"cycle{cycle}.json").read_text())
+
+
+def crash_once(tmp_path: Path, prewarm: str, deep: str, probe: str) -> Job:
+    """One launcher, one worker that crashes in its first cycle and ends well in the second;
+    the probe imports `probe` and records each cycle (`prewarm_probe.py`)."""
+    job = start_job(
+        tmp_path, 1, ["--max-restarts=1", f"--ft-prewarm-modules={prewarm}",
+                      f"--ft-prewarm-deep-modules={deep}"],
+        ["--modules", probe],
+        script=PROBE,
+    )  # fmt: skip
+    try:
+        assert job.wait(TIMEOUT) == [0], job.nodes[0].text()
+    finally:
+        job.kill()
+    return job
+
+
+def test_one_worker_per_node_with_omp_unset_restarts_warm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """numpy's OpenBLAS starts a thread per CPU at import unless told otherwise: the server
+    imports it limited, and each forked worker gets the pool its own environment asks for."""
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    plain = subprocess.run(
+        [sys.executable, "-c", "import numpy, os; print(len(os.listdir('/proc/self/task')))"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    job = crash_once(tmp_path, prewarm="numpy", deep="none", probe="numpy")
+    started = job.events("workers_started")
+    assert [(e["cycle"], e["path"], e["why"]) for e in started] == [
+        (0, "forked", None),
+        (1, "forked", None),
+    ], job.nodes[0].text()
+    for cycle in (0, 1):
+        assert cycle_record(job.ckpt_dir, cycle)["threads"] == int(plain.stdout), cycle
+    assert "workers forked" in job.nodes[0].text()
+
+
+def test_first_cycle_never_waits_for_the_deep_warm_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deep module takes seconds to import: the first cycle's worker runs before it is
+    done, and the restarted worker is forked after it, with the module already imported."""
+    mark = tmp_path / "deep-imported"
+    monkeypatch.setenv("SLOW_PREWARM_MARK", str(mark))
+    monkeypatch.setenv("SLOW_PREWARM_S", "3")
+    job = crash_once(tmp_path, prewarm="json", deep="slow_prewarm_module",
+                     probe="slow_prewarm_module")  # fmt: skip
+    first, restarted = cycle_record(job.ckpt_dir, 0), cycle_record(job.ckpt_dir, 1)
+    deep_done = float(mark.read_text())
+    assert first["started"] < deep_done and first["imported"] == []
+    assert restarted["started"] > deep_done
+    assert restarted["imported"] == ["slow_prewarm_module"]
+    paths = [e["path"] for e in job.events("workers_started")]
+    assert paths == ["forked", "forked"], job.nodes[0].text()
+
+
+def test_compile_caches_are_per_job_and_private(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers find TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR in a 0700 directory of the
+    job under $TMPDIR, the same in every cycle; a user's own setting is kept."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    probe = tmp_path / "env_probe.py"
+    probe.write_text(
+        "import json, os, sys\n"
+        "names = ('TORCHINDUCTOR_CACHE_DIR', 'TRITON_CACHE_DIR')\n"
+        "out = sys.argv[sys.argv.index('--ckpt-dir') + 1]\n"
+        "os.makedirs(out, exist_ok=True)\n"
+        "path = os.path.join(out, 'cycle' + os.environ['FTRUN_CYCLE'] + '.json')\n"
+        "open(path, 'w').write(json.dumps({n: os.environ.get(n) for n in names}))\n"
+        "sys.exit(1 if os.environ['FTRUN_CYCLE'] == '0' else 0)\n"
+    )
+    job = start_job(tmp_path, 1, ["--max-restarts=1", "--ft-prewarm-modules=json"],
+                    script=probe)  # fmt: skip
+    try:
+        assert job.wait(TIMEOUT) == [0], job.nodes[0].text()
+    finally:
+        job.kill()
+    seen = [cycle_record(job.ckpt_dir, cycle) for cycle in (0, 1)]
+    assert seen[0] == seen[1]
+    inductor = Path(seen[0]["TORCHINDUCTOR_CACHE_DIR"])
+    assert inductor.parent.parent == tmp_path and inductor.name == "inductor"
+    assert inductor.parent.name == f"ftrun-compile-{os.getuid()}-test-{tmp_path.name}"
+    assert inductor.is_dir() and inductor.parent.stat().st_mode & 0o777 == 0o700
+    assert seen[0]["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
