@@ -534,3 +534,21 @@ def test_many_concurrent_spawns(server: ForkServer) -> None:
     for thread in threads:
         thread.join(DEADLINE)
     assert results == [5] * 8
+
+
+def test_a_worker_that_ends_while_the_server_imports_is_seen_at_once() -> None:
+    """The server reaps nobody while it imports a deep module (3 s here): the worker's end is
+    read from /proc, not waited for until the server sends its note."""
+    env = {**BASE_ENV, "PYTHONPATH": str(WORKERS), "SLOW_PREWARM_S": "3"}
+    with ForkServer.start(["json"], env) as fs:
+        assert fs.ready(DEADLINE), fs.error
+        worker = fs.spawn(probe("sleep"), env, os.getcwd())
+        assert readline(worker.stdout) == "sleeping\n"
+        assert fs.deepen(["slow_prewarm_module"])
+        began = time.monotonic()
+        os.killpg(worker.pid, signal.SIGKILL)
+        assert worker.wait(DEADLINE) == -signal.SIGKILL
+        assert time.monotonic() - began < 1.5, "waited for the server's import"
+        assert finish(fs.spawn(probe("report", "0"), env, os.getcwd()))[0] == 0  # after it
+        worker.stdout.close()
+        worker.stderr.close()

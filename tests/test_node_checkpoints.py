@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import tempfile
 from pathlib import Path
 
 import psutil
 
+from ftrun.agent.keeper.tier import DEFAULT_BASES, DIR_PREFIX
 from launch import Job, Node, node_of, start_job
 from support import wait_for
 
@@ -107,14 +109,12 @@ def test_a_flipped_byte_is_detected_and_a_peers_replica_is_used(tmp_path: Path):
 
 
 def keeper_dir(node: Node) -> Path:
-    """The launcher's FTRUN_CKPT_DIR, read from one of its workers' environment."""
-    launcher = psutil.Process(node.proc.pid)
-    for child in launcher.children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            found = child.environ().get("FTRUN_CKPT_DIR")
-            if found:
-                return Path(found)
-    raise AssertionError(f"no worker of launcher {node.index} has FTRUN_CKPT_DIR")
+    """The launcher's FTRUN_CKPT_DIR: named after the run id and the agent's pid (`NodeTier`).
+    (A forked worker's /proc/PID/environ is its fork server's, not the worker's.)"""
+    bases = (*DEFAULT_BASES, Path(tempfile.gettempdir()))
+    found = [d for base in bases for d in base.glob(f"{DIR_PREFIX}*-{node.proc.pid}-*")]
+    assert len(found) == 1, f"launcher {node.index}: node checkpoint dirs {found}"
+    return found[0]
 
 
 def flip_last_byte(path: Path) -> None:

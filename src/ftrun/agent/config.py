@@ -63,11 +63,13 @@ class AgentConfig:
     """Modules the node's fork server imports once, at launch; workers are forked from it
     (empty: every worker is spawned fresh). The first cycle waits for these alone: what nearly
     every worker imports anyway."""
-    prewarm_deep_modules: tuple[str, ...] = ("torch._dynamo", "torch._inductor.compile_fx")
+    prewarm_deep_modules: tuple[str, ...] = ("torch._dynamo",)
     """Imported by the fork server once the first cycle's workers run, for later cycles:
-    DistributedDataParallel imports torch._dynamo and torch.compile inductor in every worker
-    (seconds of each restart otherwise; 6 s more than torch alone where triton is installed),
-    and the first cycle should not wait for modules that a script may never use."""
+    DistributedDataParallel imports torch._dynamo in every worker, and where triton is installed
+    that brings triton and torch._inductor (4.3 s of each restart on the GPU device), while the
+    first cycle should not wait for modules that a script may never use. Not
+    torch._inductor.compile_fx: its import starts a CUDA driver thread (measured on the device),
+    after which the server cannot fork and is replaced without its deep imports."""
     extra_env: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     """Added to every worker's environment (e.g. OMP_NUM_THREADS)."""
     duplicate_stdout_filters: tuple[str, ...] = ()

@@ -2,7 +2,10 @@
 
 The worker is the server's child, not the agent's: its return code arrives as the server's
 "exit" note (`ForkServer`'s reader thread calls `_resolve`), or, once the server died, from
-`await_death` (the agent, a child subreaper, may reap it itself).
+`await_death` (the agent, a child subreaper, may reap it itself). The note can come late: while
+the server imports its deep modules it reaps nobody. So `poll` and `wait` also read the exit
+status of an unreaped worker from /proc (a zombie's `exit_code`, Linux 3.5+): a crash is seen
+when it happens, not when the server is done importing.
 """
 
 from __future__ import annotations
@@ -14,6 +17,20 @@ import subprocess
 import threading
 import time
 from typing import BinaryIO
+
+ZOMBIE_POLL = 0.05
+"""Seconds between looks at /proc while waiting for a worker (the server's note may be late)."""
+STATE, STARTTIME, EXIT_CODE = 0, 19, 49
+"""proc(5) fields 3, 22 and 52 of /proc/PID/stat, counted after the command's closing ')'."""
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name; None once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
 class ForkedWorker:
@@ -28,14 +45,25 @@ class ForkedWorker:
         self.returncode: int | None = None
         self._done = threading.Event()
         self._resolve_lock = threading.Lock()
+        # Which process `pid` is: a reused pid (after the server reaped ours) is not read.
+        fields = _stat(pid)
+        self._started = fields[STARTTIME] if fields else None
 
     def poll(self) -> int | None:
+        if self.returncode is None:
+            self._read_zombie()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         """The exit code (negative: killed by that signal); TimeoutExpired as Popen raises it."""
-        if not self._done.wait(timeout):
-            raise subprocess.TimeoutExpired(self.args, timeout)  # type: ignore[arg-type]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = (
+                ZOMBIE_POLL if deadline is None else min(deadline - time.monotonic(), ZOMBIE_POLL)
+            )
+            if left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)  # type: ignore[arg-type]
+            self._done.wait(left)
         assert self.returncode is not None
         return self.returncode
 
@@ -60,6 +88,12 @@ class ForkedWorker:
 
     def __repr__(self) -> str:
         return f"<ForkedWorker pid={self.pid} returncode={self.returncode}>"
+
+    def _read_zombie(self) -> None:
+        fields = _stat(self.pid)
+        if fields and fields[STATE] == "Z" and fields[STARTTIME] == self._started:
+            with contextlib.suppress(IndexError, ValueError):
+                self._resolve(os.waitstatus_to_exitcode(int(fields[EXIT_CODE])))
 
     def _resolve(self, code: int) -> None:
         with self._resolve_lock:
@@ -86,9 +120,5 @@ def await_death(pid: int, deadline: float) -> int:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in {"Z", "X"}
+    fields = _stat(pid)
+    return bool(fields) and fields[STATE] not in {"Z", "X"}

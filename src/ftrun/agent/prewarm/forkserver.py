@@ -102,22 +102,6 @@ class _Server:
         self.unforkable = self.unforkable or blocker
         return imported, failed
 
-    def _deepen(self, modules: list[str]) -> tuple[list[str], list[str]]:
-        """Import more, between cycles, at idle CPU priority: the workers are training, and
-        on a node with few cores the import must not take their CPU. Children inherit the
-        policy, so a server that cannot return to the normal one forks no more."""
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        except (OSError, AttributeError):
-            return self.prewarm(modules)  # no idle policy here: import at normal priority
-        try:
-            return self.prewarm(modules)
-        finally:
-            try:
-                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-            except OSError as exc:
-                self.unforkable = f"cannot leave the idle CPU priority of its deep imports: {exc}"
-
     def serve(self) -> None:
         for fd in (self.wake_r, self.wake_w):
             os.set_blocking(fd, False)
@@ -161,7 +145,9 @@ class _Server:
         try:
             if msg["op"] == "deepen":
                 close_all(fds)  # a deepen carries none; any sent are not ours to keep
-                imported, failed = self._deepen(msg["modules"])
+                # At normal priority: an unprivileged process cannot leave SCHED_IDLE or undo a
+                # nice, and every worker forked later would inherit it.
+                imported, failed = self.prewarm(msg["modules"])
                 self.send(encode("deepened", imported=imported, failed=failed,
                                  unforkable=self.unforkable))  # fmt: skip
             else:
