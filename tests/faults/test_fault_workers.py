@@ -49,7 +49,6 @@ def hang_case(fault: Fault, launcher_args: list[str], script_args: list[str]) ->
 def test_worker_crash(fault: Fault, spec: list[str], code: int, signal: str | None):
     job = fault.light(spec)
     failures = fault.recovered(job)
-    print("DBG", failures)
     assert [(e["event"], e["rank"], e["code"], e.get("signal")) for e in failures] == [
         ("worker_exited", 1, code, signal)
     ]
