@@ -809,6 +809,23 @@ def test_rank_startup_splits_a_forked_ranks_start_from_its_marks(tmp_path: Path)
     assert events_schema.problems("rank_startup", forked) == []
 
 
+def test_a_rank_without_progress_gets_its_split_when_the_cycle_ends(tmp_path: Path) -> None:
+    """No RankMonitorClient, no first step: the marks still reach the events, once."""
+    report, events = cycle_report(tmp_path)
+    start = time.monotonic()
+    report.expect_progress([0], [100], start)
+    marks_path(tmp_path, 100).write_text(f"script {start + 0.01}\npg {start + 0.5}\n")
+    report.last_progress([], before="stop")
+    report.last_progress([], before="stop")  # nothing twice
+    events.close()
+    (split,) = [e for e in written(tmp_path) if e["event"] == "rank_startup"]
+    assert (split["path"], split["to_first_step"]) == ("forked", None)
+    assert split["to_pg"] == pytest.approx(0.5, abs=1e-5)
+    assert events_schema.problems("rank_startup", split) == []
+    (line,) = list(startup_lines(startup_splits([Event("rank_startup", 0, 0, "n", 0, split)])))[3:]
+    assert line.split() == ["0", "0", "forked", "0.01s", "-", "0.50s", "-", "-"]
+
+
 def test_the_report_shows_each_cycles_slowest_rank_start() -> None:
     """`ftrun report`: per cycle, the rank that stepped last, where its start-up went."""
 

@@ -103,7 +103,7 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
         _opt("to_script", NUM, "seconds from the workers' start to the script running (forked)"),
         _opt("to_cuda", NUM, "... to CUDA initialised in the rank (forked; null: not seen)"),
         _opt("to_pg", NUM, "... to init_process_group returned (forked; null: not seen)"),
-        _req("to_first_step", NUM, "... to the rank's first progress through the client"),
+        _opt("to_first_step", NUM, "... to the rank's first progress (null: none, no client)"),
     ),
     "stepping": (
         _req("ranks", LIST, "this node's ranks: every one has shown progress this cycle"),

@@ -86,7 +86,7 @@ class CycleReport:
         if self._awaited.get(item.rank) != item.worker_pid or item.rank in self._first:
             return
         self._first[item.rank] = item
-        self._rank_startup(item)
+        self._rank_startup(item.rank, item.worker_pid, item.at)
         if len(self._first) < len(self._awaited):
             return
         ranks = sorted(self._first)
@@ -105,30 +105,35 @@ class CycleReport:
             self.events.cycle, len(ranks), startup,
         )  # fmt: skip
 
-    def _rank_startup(self, item: FirstProgress) -> None:
-        """Where this rank's start went: the moments its worker marked (`prewarm.marks`), as
-        seconds from the workers' start."""
-        marks = read_marks(self.rt.job_dir, item.worker_pid)
-        forget_marks(self.rt.job_dir, item.worker_pid)
+    def _rank_startup(self, rank: int, pid: int, first_step: float | None) -> None:
+        """Where this rank's start went: the moments its worker marked (`prewarm.marks`), and
+        its first progress (None: it showed none), as seconds from the workers' start."""
+        marks = read_marks(self.rt.job_dir, pid)
+        forget_marks(self.rt.job_dir, pid)
 
         def since_start(at: float | None) -> float | None:
             return None if at is None else round(max(0.0, at - self._started), 6)
 
         self.events.emit(
             "rank_startup",
-            rank=item.rank,
-            pid=item.worker_pid,
+            rank=rank,
+            pid=pid,
             path="forked" if "script" in marks else "spawned",
             to_script=since_start(marks.get("script")),
             to_cuda=since_start(marks.get("cuda")),
             to_pg=since_start(marks.get("pg")),
-            to_first_step=since_start(item.at),
+            to_first_step=since_start(first_step),
         )
 
     def last_progress(self, snapshot: Sequence[ProgressSnapshot], before: str = "stop") -> None:
         """Where the local ranks last were, from `RankMonitorServer.progress_snapshot()` taken
         right before the workers are stopped (`before="stop"`) or once they all exited 0
-        (`before="finished"`)."""
+        (`before="finished"`). Ranks that showed no progress (no client) still get their
+        start-up split, without the first step."""
+        for rank, pid in self._awaited.items():
+            if rank not in self._first:
+                self._rank_startup(rank, pid, None)
+        self._awaited = {}
         ranks = sorted(snapshot, key=lambda s: s.rank)
         times = [s.last_progress for s in ranks if s.last_progress is not None]
         latest = max(times) if times else None

@@ -5,7 +5,8 @@ rank's script began (forked workers only: a fresh interpreter cannot be watched 
 script runs), when it first used CUDA, when `init_process_group` returned, and when it first
 showed progress. A cycle is only as fast as its slowest rank, so the line shows that rank; the
 rest of its time (after the process group) is the script's own: model build, checkpoint load,
-the first step.
+the first step. Without a RankMonitorClient the first step is unknown: the slowest rank is then
+the one whose last mark came latest.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class StartupSplit:
     to_script: float | None
     to_cuda: float | None
     to_pg: float | None
-    to_first_step: float
+    to_first_step: float | None
+    """None: the rank showed no progress (no RankMonitorClient)."""
 
 
 def startup_splits(events: Iterable[Event]) -> tuple[StartupSplit, ...]:
@@ -42,7 +44,7 @@ def startup_splits(events: Iterable[Event]) -> tuple[StartupSplit, ...]:
 
 
 def _split(cycle: int, ranks: Sequence[Event]) -> StartupSplit:
-    slowest = max(ranks, key=lambda e: e.num("to_first_step"))
+    slowest = max(ranks, key=_reached)
     paths = {e.get("path") for e in ranks}
     return StartupSplit(
         cycle=cycle,
@@ -53,8 +55,17 @@ def _split(cycle: int, ranks: Sequence[Event]) -> StartupSplit:
         to_script=_maybe(slowest.get("to_script")),
         to_cuda=_maybe(slowest.get("to_cuda")),
         to_pg=_maybe(slowest.get("to_pg")),
-        to_first_step=slowest.num("to_first_step"),
+        to_first_step=_maybe(slowest.get("to_first_step")),
     )
+
+
+def _reached(event: Event) -> float:
+    """How far into its start the rank was seen last: its first step, else its last mark."""
+    for key in ("to_first_step", "to_pg", "to_cuda", "to_script"):
+        value = _maybe(event.get(key))
+        if value is not None:
+            return value
+    return 0.0
 
 
 def _maybe(value: object) -> float | None:
@@ -72,7 +83,9 @@ def startup_lines(splits: Sequence[StartupSplit]) -> Iterator[str]:
     )
     yield "  cycle  rank      path     script    CUDA      group     first step  script's own"
     for split in splits:
-        own = None if split.to_pg is None else max(split.to_first_step - split.to_pg, 0.0)
+        own = None
+        if split.to_pg is not None and split.to_first_step is not None:
+            own = max(split.to_first_step - split.to_pg, 0.0)
         yield (
             f"  {split.cycle:>5}  {split.rank:<8}  {split.path:<7}  {_secs(split.to_script)}  "
             f"{_secs(split.to_cuda)}  {_secs(split.to_pg)}  {_secs(split.to_first_step):>10}  "
