@@ -199,11 +199,15 @@ def test_timeouts_are_calculated_after_a_load_and_a_save_and_kept(monitored, tmp
     early = torch.load(tmp_path / "ckpt" / "bstep=14.ckpt", weights_only=False)
     assert STATE_KEY not in early  # loaded and saved, but 8 steps are too few to judge
     kept = torch.load(tmp_path / "ckpt" / "bstep=20.ckpt", weights_only=False)[STATE_KEY]
-    timeouts = kept["timeouts"]
-    assert timeouts["heartbeat"]["subsequent"] > 0 and set(timeouts["sections"]) == {"step"}
+    timeouts = kept["timeouts"]["current_timeouts"]  # NVRx's saved form
+    assert timeouts["heartbeat"]["subsequent"] > 0 and timeouts["heartbeat"]["were_calculated"]
+    assert timeouts["section"]["calculated_sections"] == ["step"]
     later = FaultToleranceCallback()
     fit(tmp_path, [later], max_steps=21, ckpt_path=str(tmp_path / "ckpt" / "bstep=20.ckpt"))
-    assert later._loaded_timeouts == timeouts
+    assert later._loaded_timeouts == {
+        "heartbeat": {k: timeouts["heartbeat"][k] for k in ("initial", "subsequent")},
+        "sections": {"step": timeouts["section"]["section"]["step"]},
+    }
 
 
 def test_the_io_resumes_from_the_newest_good_copy(tmp_path):

@@ -129,16 +129,17 @@ def test_calculated_timeouts_survive_a_new_process(make_server, tmp_path: Path):
     state_file = tmp_path / "state.json"
     with spawn_rank(server, 0, "calculate", str(state_file)) as first:
         assert first.communicate(timeout=30)[0].strip() == "done"
-    saved = json.loads(state_file.read_text())
+    saved = json.loads(state_file.read_text())["current_timeouts"]  # NVRx's form
     hb = saved["heartbeat"]["subsequent"]
     assert 5 * 0.04 <= hb < 5 * 0.04 + 1.0  # 5x the ~40 ms heartbeat interval
-    assert 5 * 0.03 <= saved["sections"]["step"] < 5 * 0.03 + 1.0
-    assert saved["out_of_section"] >= 5 * 0.01
+    assert 5 * 0.03 <= saved["section"]["section"]["step"] < 5 * 0.03 + 1.0
+    assert saved["section"]["out_of_section"] >= 5 * 0.01
+    assert saved["section"]["is_out_of_section_calculated"]
 
     with spawn_rank(server, 0, "restore", str(state_file)) as second:
         out, _ = second.communicate(timeout=30)
     assert second.returncode == 0
-    assert json.loads(out) == saved
+    assert json.loads(out)["current_timeouts"] == saved
 
 
 def test_restored_timeouts_are_enforced_by_the_server(make_server, monkeypatch):

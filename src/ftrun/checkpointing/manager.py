@@ -28,10 +28,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -53,16 +52,13 @@ WRAPPER_KEY = "ftrun.wrapper"  # in a part's metadata: the state was saved wrapp
 _NO_BOUND = 2**62
 
 
-@dataclass(frozen=True)
-class CkptID:
-    """What `load` loaded. Unpacks like NVRx's tuple: `iteration, rank, session_id = ckpt_id`."""
+class CkptID(NamedTuple):
+    """What `load` loaded. NVRx's CkptID is a plain `(iteration, rank, session_id)` tuple: this
+    one is that tuple (equal to it, unpacks and indexes like it), with names."""
 
     iteration: int
     rank: int
     session_id: str
-
-    def __iter__(self) -> Iterator[int | str]:
-        return iter((self.iteration, self.rank, self.session_id))
 
 
 class LocalCheckpointManager:

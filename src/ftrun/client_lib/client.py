@@ -1,8 +1,9 @@
 """RankMonitorClient: the thin in-worker side of the heartbeat path.
 
-Method names and arguments match NVIDIA Resiliency Extension's client (0.4), so switching is an
-import change. Heartbeats and section marks are fire-and-forget: one non-blocking ZeroMQ send of
-a frame that was encoded once. Only `init_workload_monitoring`, the timeout calculations,
+Method names and arguments match NVIDIA Resiliency Extension's client (0.7: `hb_timeouts`,
+`section_timeouts`, `is_initialized`, its saved state), so switching is an import change.
+Heartbeats and section marks are fire-and-forget: one non-blocking ZeroMQ send of a frame that
+was encoded once. Only `init_workload_monitoring`, the timeout calculations,
 `load_state_dict` and `send_workload_control_request` wait for the server (with a timeout).
 
 `send_workload_control_request(WorkloadControlRequest(action, description))` asks the launcher
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import logging
 import operator
 import os
 import signal
@@ -30,12 +32,14 @@ from typing import Any
 import msgpack
 import zmq
 
+from ftrun.client_lib import timeouts
 from ftrun.errors import ProtocolError, RankMonitorClientError
 from ftrun.rank_monitor import protocol as wire
 from ftrun.rank_monitor.config import ENV_JOB_DIR, ENV_MONITOR_ADDR, ENV_RANK, ENV_STACK_SIGNAL
 from ftrun.rank_monitor.stacks import stack_file
 from ftrun.rank_monitor.workload import WorkloadControlRequest
 
+log = logging.getLogger("ftrun.client")
 REQUEST_TIMEOUT_S = float(os.environ.get("FTRUN_MONITOR_REQUEST_TIMEOUT", "30"))
 # One packer for every iteration: `packb` builds a Packer per call, ten times the cost. Its
 # `pack` is C code that holds the GIL, so threads sharing it cannot interleave.
@@ -61,8 +65,16 @@ class RankMonitorClient:
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    def init_workload_monitoring(self) -> None:
-        """Connect to the node's monitor and register this rank; starts its timeouts."""
+    def init_workload_monitoring(self, num_warmup_iters: int | None = None) -> None:
+        """Connect to the node's monitor and register this rank; starts its timeouts.
+
+        `num_warmup_iters` (NVRx 0.7) is accepted and not applied yet: a warning says so."""
+        if num_warmup_iters:
+            log.warning(
+                "RankMonitorClient: num_warmup_iters=%s is not applied by ftrun yet: the step "
+                "section and out-of-section timeouts apply from the first iteration",
+                num_warmup_iters,
+            )
         if self._sock is not None:
             raise RankMonitorClientError("init_workload_monitoring() was already called")
         address, job_dir, stack_signal, rank = _env()
@@ -144,14 +156,41 @@ class RankMonitorClient:
         return self._calculate(False, names, calc_out_of_section, skip_if_not_ready)
 
     def state_dict(self) -> dict[str, Any]:
-        """The calculated timeouts, to save with a checkpoint (plain JSON-able data)."""
-        return {key: (dict(v) if isinstance(v, dict) else v) for key, v in self._calculated.items()}
+        """The calculated timeouts, to save with a checkpoint, in NVRx's form
+        (`{"current_timeouts": ...}`, plain JSON-able data): NVRx loads it too."""
+        return timeouts.to_nvrx_state(self._timeouts, self._calculated)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore calculated timeouts; applied now if initialized, else at init."""
-        self._calculated = _validated_state(state)
+        """Restore calculated timeouts (NVRx's saved form, or ftrun's compact one); applied now
+        if initialized, else at init."""
+        self._calculated = timeouts.from_state(state)
         if self._sock is not None:
             self._apply_saved()
+
+    def calculated_timeouts(self) -> timeouts.Calculated:
+        """The calculated timeouts in ftrun's compact form (see `timeouts.Calculated`)."""
+        return {key: (dict(v) if isinstance(v, dict) else v) for key, v in self._calculated.items()}
+
+    # ---- NVRx's read-only views ------------------------------------------------------------
+
+    @property
+    def is_initialized(self) -> bool:
+        return self._sock is not None
+
+    @property
+    def hb_timeouts(self) -> timeouts.HeartbeatTimeouts | None:
+        """The heartbeat timeouts in force (None before `init_workload_monitoring`)."""
+        return self._views()[0]
+
+    @property
+    def section_timeouts(self) -> timeouts.SectionTimeouts | None:
+        """The section timeouts in force (None before `init_workload_monitoring`)."""
+        return self._views()[1]
+
+    def _views(self) -> tuple[timeouts.HeartbeatTimeouts | None, timeouts.SectionTimeouts | None]:
+        if self._timeouts is None:
+            return None, None
+        return timeouts.views(self._timeouts, self._calculated)
 
     # ---- workload control --------------------------------------------------------------------
 
@@ -323,31 +362,3 @@ def _env() -> tuple[str, Path, signal.Signals, int]:
     except ValueError as exc:
         raise RankMonitorClientError(f"bad monitor environment: {exc}") from None
     return values[ENV_MONITOR_ADDR], Path(values[ENV_JOB_DIR]), stack_signal, rank
-
-
-def _validated_state(state: Mapping[str, Any]) -> dict[str, Any]:
-    if not isinstance(state, Mapping) or set(state) - {"heartbeat", "sections", "out_of_section"}:
-        raise RankMonitorClientError("not a RankMonitorClient state_dict")
-    hb = state.get("heartbeat", {})
-    try:
-        timeouts = wire.Timeouts.from_wire(
-            [
-                hb.get("initial"),
-                hb.get("subsequent"),
-                dict(state.get("sections", {})),
-                state.get("out_of_section"),
-            ]
-        )
-    except (ProtocolError, AttributeError, TypeError) as exc:
-        raise RankMonitorClientError(f"invalid RankMonitorClient state_dict: {exc}") from None
-    result: dict[str, Any] = {}
-    if "heartbeat" in state:
-        result["heartbeat"] = {
-            "initial": timeouts.initial_heartbeat,
-            "subsequent": timeouts.heartbeat,
-        }
-    if "sections" in state:
-        result["sections"] = dict(timeouts.sections)
-    if "out_of_section" in state:
-        result["out_of_section"] = timeouts.out_of_section
-    return result

@@ -221,9 +221,8 @@ class FaultToleranceCallback(Callback):
         self._heartbeat(trainer.global_step)
         if self.calculate_timeouts and self._readiness.ready:
             self._calculate(trainer)
-        state = client.state_dict()
-        if state:
-            checkpoint[STATE_KEY] = {"timeouts": state}
+        if client.calculated_timeouts():  # NVRx's form, which NVRx's callback loads too
+            checkpoint[STATE_KEY] = {"timeouts": client.state_dict()}
         client.start_section(CHECKPOINT_SECTION)
         self._in_checkpointing = True
         self._readiness.on_save_started()
@@ -234,7 +233,7 @@ class FaultToleranceCallback(Callback):
         if not saved or not self.calculate_timeouts or self.client is None:
             return
         self.client.load_state_dict(saved)
-        self._loaded_timeouts = self.client.state_dict()
+        self._loaded_timeouts = self.client.calculated_timeouts()
         if trainer.is_global_zero:
             log.info("fault tolerance: timeouts from the checkpoint: %s", saved)
 
@@ -261,11 +260,12 @@ class FaultToleranceCallback(Callback):
             (STEP_SECTION,), calc_out_of_section=False, skip_if_not_ready=True
         )
         if self._loaded_timeouts:
-            merged = _larger(self._loaded_timeouts, client.state_dict())
-            if merged != client.state_dict():
+            calculated = client.calculated_timeouts()
+            merged = _larger(self._loaded_timeouts, calculated)
+            if merged != calculated:
                 client.load_state_dict(merged)
         if trainer.is_global_zero:
-            log.info("fault tolerance: calculated timeouts: %s", self.client.state_dict())
+            log.info("fault tolerance: calculated timeouts: %s", client.calculated_timeouts())
 
     def _shutdown(self) -> None:
         client, self.client = self.client, None

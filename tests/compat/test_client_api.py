@@ -1,0 +1,110 @@
+"""NVRx 0.7's documented RankMonitorClient API, written from its docs and signatures: the
+read-only timeout views, `is_initialized`, `init_workload_monitoring(num_warmup_iters=)`, and
+its saved state (`{"current_timeouts": ...}`) loading into ftrun's client and back."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+
+import pytest
+
+from ftrun.client_lib import RankMonitorClient, RankMonitorClientError
+from ftrun.client_lib.timeouts import HeartbeatTimeouts, from_state
+
+# What NVRx 0.7's client saves after calculate_and_set_hb_timeouts() and
+# calculate_and_set_section_timeouts(["step"], calc_out_of_section=True).
+NVRX_STATE = {
+    "current_timeouts": {
+        "heartbeat": {"initial": 120.0, "subsequent": 7.5, "were_calculated": True},
+        "section": {
+            "section": {"step": 4.0, "checkpoint": 30.0},
+            "out_of_section": 9.0,
+            "calculated_sections": ["step"],
+            "is_out_of_section_calculated": True,
+        },
+    }
+}
+
+
+def test_views_before_and_after_init(make_server: Callable, in_process_client: Callable) -> None:
+    server = make_server(rank_section_timeouts={"step": 60.0}, rank_out_of_section_timeout=30.0)
+    fresh = RankMonitorClient()
+    assert (fresh.is_initialized, fresh.hb_timeouts, fresh.section_timeouts) == (False, None, None)
+    client = in_process_client(server, 0)
+    assert client.is_initialized
+    assert client.hb_timeouts == HeartbeatTimeouts(60.0, 60.0, were_calculated=False)
+    assert client.hb_timeouts.are_valid
+    sections = client.section_timeouts
+    assert (sections.section, sections.out_of_section) == ({"step": 60.0}, 30.0)
+    assert (sections.calculated_sections, sections.is_out_of_section_calculated) == (set(), False)
+    client.shutdown_workload_monitoring()
+    assert not client.is_initialized
+
+
+def test_nvrx_saved_state_loads_before_init(
+    make_server: Callable, in_process_client: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job resumed from an NVRx-era checkpoint: the calculated timeouts apply, the rest
+    (the `checkpoint` section, not calculated) stays as the launcher configured it."""
+    server = make_server(rank_section_timeouts={"step": 60.0, "checkpoint": 60.0})
+    for key, value in {**server.worker_env(), "RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    server.expect_rank(0, os.getpid())
+    client = RankMonitorClient()
+    client.load_state_dict(NVRX_STATE)
+    client.init_workload_monitoring()
+    try:
+        assert client.hb_timeouts == HeartbeatTimeouts(120.0, 7.5, were_calculated=True)
+        sections = client.section_timeouts
+        assert sections.section == {"step": 4.0, "checkpoint": 60.0}
+        assert sections.out_of_section == 9.0
+        assert sections.calculated_sections == {"step"}
+        assert sections.is_out_of_section_calculated
+        saved = json.loads(json.dumps(client.state_dict()))  # JSON-able, as NVRx's
+        assert saved["current_timeouts"]["heartbeat"] == NVRX_STATE["current_timeouts"]["heartbeat"]
+        assert saved["current_timeouts"]["section"]["calculated_sections"] == ["step"]
+        assert from_state(saved) == from_state(NVRX_STATE)
+    finally:
+        client.shutdown_workload_monitoring()
+
+
+def test_nothing_calculated_saves_nvrx_empty_state() -> None:
+    assert RankMonitorClient().state_dict() == {"current_timeouts": {}}
+    assert from_state({"current_timeouts": {}}) == {}
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        {"current_timeouts": []},
+        {"current_timeouts": {"heartbeat": {"initial": "x", "subsequent": 1.0}}},
+        {"current_timeouts": {"section": {"section": {}, "calculated_sections": ["step"]}}},
+        {"current_timeouts": {"heartbeat": {"initial": -1.0, "subsequent": 1.0}}},
+        {"bogus": 1},
+    ],
+    ids=["not-a-map", "not-a-number", "missing-section", "negative", "unknown"],
+)
+def test_bad_saved_state_is_a_client_error(state: dict) -> None:
+    with pytest.raises(RankMonitorClientError):
+        RankMonitorClient().load_state_dict(state)
+
+
+def test_num_warmup_iters_is_accepted_with_a_warning(
+    make_server: Callable, in_process_client: Callable, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = make_server()
+    client = RankMonitorClient()
+    monkey_env = {**server.worker_env(), "RANK": "0"}
+    with pytest.MonkeyPatch.context() as mp, caplog.at_level(logging.WARNING, "ftrun.client"):
+        for key, value in monkey_env.items():
+            mp.setenv(key, value)
+        server.expect_rank(0, os.getpid())
+        client.init_workload_monitoring(num_warmup_iters=5)
+    try:
+        assert client.is_initialized
+        assert "num_warmup_iters=5 is not applied" in caplog.text
+    finally:
+        client.shutdown_workload_monitoring()
