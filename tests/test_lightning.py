@@ -321,7 +321,7 @@ def test_a_crash_and_a_hang_resume_from_the_newest_checkpoint_with_calculated_ti
     from step 35 with the timeouts it found in the checkpoint and finishes."""
     job = start_job(
         tmp_path, 2,
-        [*LAUNCHER, "--max-restarts=3", "--ft-safety-factor=20",
+        [*LAUNCHER, "--max-restarts=3", "--ft-safety-factor=20", "--ft-workload-check-interval=0",
          "--ft-initial-rank-heartbeat-timeout=600", "--ft-rank-heartbeat-timeout=600"],
         ["--max-steps", "50", "--step-time", "0.02", "--fault", "kill:3:12",
          "--fault", "hang:0:37:1"],

@@ -125,7 +125,7 @@ Current thread 0x00007f3e9f486b80 (most recent call first):
 
 
 def test_calculated_timeouts_survive_a_new_process(make_server, tmp_path: Path):
-    server = make_server()
+    server = make_server(calculated_timeout_floor=0.0)  # judge the milliseconds
     state_file = tmp_path / "state.json"
     with spawn_rank(server, 0, "calculate", str(state_file)) as first:
         assert first.communicate(timeout=30)[0].strip() == "done"
@@ -143,7 +143,7 @@ def test_calculated_timeouts_survive_a_new_process(make_server, tmp_path: Path):
 
 
 def test_restored_timeouts_are_enforced_by_the_server(make_server, monkeypatch):
-    server = make_server(rank_heartbeat_timeout=60.0)
+    server = make_server(rank_heartbeat_timeout=60.0, calculated_timeout_floor=0.0)
     for key, value in {**server.worker_env(), "RANK": "0"}.items():
         monkeypatch.setenv(key, value)
     server.expect_rank(0, os.getpid())

@@ -118,6 +118,7 @@ def config_from(
             rank_section_timeouts=opts["rank_section_timeouts"],
             rank_out_of_section_timeout=opts["rank_out_of_section_timeout"],
             safety_factor=opts["safety_factor"],
+            calculated_timeout_floor=opts["workload_check_interval"],
         ),
         health=_health(opts, notes),
         log_level=opts["log_level"],

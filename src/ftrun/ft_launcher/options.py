@@ -189,6 +189,11 @@ FT_OPTIONS: tuple[Option, ...] = (
         **_SECS),
     _ft("safety_factor", _default(_MONITOR, "safety_factor"), v.positive_number,
         "Calculated timeout = factor x longest observed interval.", metavar="X"),
+    _ft("workload_check_interval", _default(_MONITOR, "calculated_timeout_floor"),
+        v.non_negative_number, "NVRx's rank check interval. ftrun judges hangs at the deadline, "
+        "so this is the shortest timeout a rank may calculate or load from a saved state "
+        "(NVRx never judges sooner than its next check); timeouts given to the launcher are "
+        "judged to the millisecond.", metavar="SECONDS"),
     _ft("rank_termination_signal", _default(_AGENT, "termination_signal"), v.signal_value,
         "Signal that stops workers (SIGTERM, TERM or 15); SIGKILL follows after "
         "--workers-stop-timeout.", metavar="SIGNAL"),

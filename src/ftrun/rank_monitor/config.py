@@ -32,6 +32,10 @@ class RankMonitorConfig:
     )
     rank_out_of_section_timeout: float | None = None
     safety_factor: float = 5.0
+    calculated_timeout_floor: float = 5.0
+    """The shortest timeout a rank may calculate or load from a saved state (NVRx's
+    `workload_check_interval`: NVRx looks every 5 s, so it never judges sooner). Timeouts the
+    launcher is given explicitly are judged to the millisecond, below it too."""
     stack_signal: signal.Signals = signal.SIGUSR2
     stack_capture_timeout: float = 1.0
     """How long to wait for a hung rank's stack dump before reporting without it."""
@@ -39,6 +43,26 @@ class RankMonitorConfig:
     def __post_init__(self) -> None:
         object.__setattr__(
             self, "rank_section_timeouts", MappingProxyType(dict(self.rank_section_timeouts))
+        )
+
+    def floored(self, timeouts: Timeouts) -> Timeouts:
+        """`timeouts` with every calculated or loaded value raised to the floor; a value equal
+        to the configured one (explicit) is kept as it is."""
+        given = self.initial_timeouts()
+
+        def floor(value: float | None, explicit: float | None) -> float | None:
+            if value is None or value == explicit:
+                return value
+            return max(value, self.calculated_timeout_floor)
+
+        return Timeouts(
+            initial_heartbeat=floor(timeouts.initial_heartbeat, given.initial_heartbeat),
+            heartbeat=floor(timeouts.heartbeat, given.heartbeat),
+            sections={
+                name: floor(value, given.sections.get(name))
+                for name, value in timeouts.sections.items()
+            },
+            out_of_section=floor(timeouts.out_of_section, given.out_of_section),
         )
 
     def initial_timeouts(self) -> Timeouts:

@@ -303,8 +303,8 @@ class RankMonitorServer:
             case wire.CalcTimeouts():
                 self._calculate(identity, progress, message)
             case wire.SetTimeouts(seq=seq, timeouts=timeouts):
-                progress.timeouts = timeouts
-                self._reply(identity, seq, data=timeouts.to_wire())
+                progress.timeouts = self.config.floored(timeouts)
+                self._reply(identity, seq, data=progress.timeouts.to_wire())
             case wire.Control(seq=seq, action=action, description=text):
                 p, what = progress, WorkloadAction(action)
                 control = WorkloadControl(p.rank, p.pid, peer.spawned_pid, what, text, now)
@@ -349,13 +349,14 @@ class RankMonitorServer:
 
     def _calculate(self, identity: bytes, progress: RankProgress, req: wire.CalcTimeouts) -> None:
         try:
-            progress.timeouts = progress.calculated_timeouts(
+            calculated = progress.calculated_timeouts(
                 self.config.safety_factor,
                 req.heartbeat,
                 req.sections,
                 req.out_of_section,
                 req.skip_if_not_ready,
             )
+            progress.timeouts = self.config.floored(calculated)
         except NotReadyError as exc:
             self._reply(identity, req.seq, error=str(exc))
             return
