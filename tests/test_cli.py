@@ -23,6 +23,7 @@ from ftrun.errors import ConfigError, ExitCode, RestartBudgetSpentError
 from ftrun.ft_launcher import cli
 from ftrun.ft_launcher import config as config_module
 from ftrun.ft_launcher.config import build_config
+from ftrun.ft_launcher.nvrx_options import NVRX_OPTIONS
 from ftrun.ft_launcher.options import BY_NAME, OPTIONS, YAML_KEYS, help_text, parse_argv
 from ftrun.rank_monitor.config import RankMonitorConfig
 from ftrun.rendezvous.config import HealthCheckConfig, RendezvousConfig, RendezvousImpl
@@ -336,7 +337,8 @@ def test_timeouts_and_section_timeouts() -> None:
 
 
 def test_yaml_keys_are_nvrx_names() -> None:
-    assert YAML_KEYS == NVRX_YAML_KEYS
+    nvrx_only = {opt.yaml_key for opt in NVRX_OPTIONS if opt.yaml_key}
+    assert set(YAML_KEYS) == NVRX_YAML_KEYS | nvrx_only
 
 
 def test_yaml_nested_section_with_cli_override(tmp_path: Path) -> None:
@@ -494,6 +496,8 @@ EFFECTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("--ft-straggler-section-individual-threshold=0.5",),
     ),
     "straggler_action": ((), ("--ft-straggler-action=exclude",)),
+    # NVRx-only options: each is refused (tests/compat/test_launcher_options.py)
+    **{opt.name: ((), (f"{opt.label}=x",)) for opt in NVRX_OPTIONS},
 }
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from ftrun.ft_launcher import docs
+from ftrun.ft_launcher.nvrx_options import NVRX_OPTIONS
 from ftrun.ft_launcher.options import FT_OPTIONS, OPTIONS, TORCHRUN_OPTIONS, help_text
 
 
@@ -19,7 +20,10 @@ def test_every_option_is_in_the_readme_with_its_help() -> None:
     text = docs.README.read_text(encoding="utf-8")
     for opt in OPTIONS:
         assert f"| `{opt.label}`" in text or f"`{opt.label}` |" in text, opt.name
-        assert docs._cell(opt.description) in text, opt.name
+        if opt in NVRX_OPTIONS:  # the migration table: what it did, what to use instead
+            assert docs._cell(opt.help) in text and docs._cell(opt.rejected or "") in text
+        else:
+            assert docs._cell(opt.description) in text, opt.name
 
 
 def test_tables_list_each_group_in_declaration_order() -> None:
@@ -36,13 +40,14 @@ def test_render_replaces_only_the_marked_blocks() -> None:
         "<!-- BEGIN GENERATED: ft-options (anything) -->\nOLD\n<!-- END GENERATED: ft-options -->\n"
         "middle\n"
         "<!-- BEGIN GENERATED: torchrun-options -->\n<!-- END GENERATED: torchrun-options -->\n"
+        "<!-- BEGIN GENERATED: nvrx-options -->\n<!-- END GENERATED: nvrx-options -->\n"
         "outro\n"
     )
     fresh = docs.render(stale)
     assert fresh.startswith("intro\n<!-- BEGIN GENERATED: ft-options (anything) -->\n| option |")
     assert "OLD" not in fresh  # not "old": a substring of the *threshold options
     assert "\nmiddle\n" in fresh
-    assert fresh.endswith("<!-- END GENERATED: torchrun-options -->\noutro\n")
+    assert fresh.endswith("<!-- END GENERATED: nvrx-options -->\noutro\n")
     assert docs.render(fresh) == fresh
     with pytest.raises(ValueError, match="torchrun-options"):
         docs.render("<!-- BEGIN GENERATED: ft-options -->\n<!-- END GENERATED: ft-options -->\n")

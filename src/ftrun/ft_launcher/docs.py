@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from ftrun.ft_launcher.nvrx_options import NVRX_OPTIONS
 from ftrun.ft_launcher.options import FT_OPTIONS, TORCHRUN_OPTIONS, Option, shown_default
 
 README = Path(__file__).resolve().parents[3] / "README.md"
@@ -56,9 +57,21 @@ def options_table(options: Sequence[Option], where: str) -> str:
     return "\n".join(rows) + "\n"
 
 
+def nvrx_table(options: Sequence[Option]) -> str:
+    """The migration table: each NVRx option ftrun refuses, and what to use instead."""
+    rows = ["| NVRx option | YAML key | what it did | in ftrun |", "|---|---|---|---|"]
+    for opt in options:
+        place = f"`{opt.yaml_key}`" if opt.yaml_key else ""
+        rows.append(
+            f"| `{opt.label}` | {place} | {_cell(opt.help)} | {_cell(opt.rejected or '')} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
 BLOCKS: Mapping[str, Callable[[], str]] = {
     "ft-options": lambda: options_table(FT_OPTIONS, "yaml"),
     "torchrun-options": lambda: options_table(TORCHRUN_OPTIONS, "env"),
+    "nvrx-options": lambda: nvrx_table(NVRX_OPTIONS),
 }
 
 

@@ -1,16 +1,17 @@
 """Every `ft_launcher` option, declared once; the click command, YAML keys and docs derive from it.
 
-An `Option` names its flags (both `--dash-case` and torchrun's `--underscore_case` spellings), the
-environment variable (`PET_<NAME>` for torchrun's options, as torchrun reads them), the key in the
-YAML `fault_tolerance:` section (fault-tolerance options), its default, its value parser and its
-help. Precedence, highest first: command line, environment, YAML, default (`resolve`).
+An `Option` (`declare.py`) names its flags (`--dash-case`, torchrun's `--underscore_case`, NVRx's
+`--ft-mixed_case`), the environment variable (`PET_<NAME>` for torchrun's options, as torchrun
+reads them), the key in the YAML `fault_tolerance:` section (fault-tolerance options), its
+default, its value parser and its help. Precedence, highest first: command line, environment,
+YAML, default (`resolve`). NVRx's options that ftrun refuses are in `nvrx_options.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import click
@@ -19,77 +20,17 @@ from click.core import ParameterSource
 from ftrun.agent.config import AgentConfig
 from ftrun.errors import ConfigError
 from ftrun.ft_launcher import values as v
+from ftrun.ft_launcher.declare import Option
+from ftrun.ft_launcher.declare import default_of as _default
+from ftrun.ft_launcher.declare import ft_option as _ft
+from ftrun.ft_launcher.declare import torchrun_option as _torchrun
+from ftrun.ft_launcher.nvrx_options import NVRX_OPTIONS
 from ftrun.rank_monitor.config import RankMonitorConfig
 from ftrun.rendezvous.config import HealthCheckConfig, RendezvousConfig, RendezvousImpl
 from ftrun.straggler.config import StragglerAction, StragglerConfig, threshold
 
 PROG = "ft_launcher"
 YAML_SECTION = "fault_tolerance"
-
-
-@dataclasses.dataclass(frozen=True)
-class Option:
-    """One launcher option and all the ways to set it."""
-
-    name: str
-    """Key of the parsed value in `Resolved.values` (torchrun's `dest`; ft options lose `ft_`)."""
-    flags: tuple[str, ...]
-    parse: Callable[[Any], Any]
-    default: Any
-    help: str
-    env: str | None = None
-    yaml_key: str | None = None
-    is_flag: bool = False
-    off_flags: tuple[str, ...] = ()
-    """For an on/off pair: the flags that set it to False."""
-    metavar: str = "VALUE"
-    ignored: str | None = None
-    """Accepted for torchrun compatibility and ignored (why); setting it logs a warning."""
-    rejected: str | None = None
-    """Not supported (why, and what to use instead); setting it is a usage error."""
-
-    @property
-    def label(self) -> str:
-        """The flag that names this option in messages (the first long one)."""
-        return next(flag for flag in self.flags if flag.startswith("--"))
-
-    @property
-    def description(self) -> str:
-        """The help with what happens when an ignored or rejected option is set."""
-        if self.rejected:
-            return f"{self.help} Not supported: {self.rejected}; setting it is an error."
-        if self.ignored:
-            return f"{self.help} Accepted for torchrun compatibility and ignored: {self.ignored}."
-        return self.help
-
-
-def _spellings(prefix: str, name: str) -> tuple[str, ...]:
-    dashed = "--" + f"{prefix}{name}".replace("_", "-")
-    underscored = "--" + f"{prefix}{name}".replace("-", "_")
-    return (dashed,) if dashed == underscored else (dashed, underscored)
-
-
-def _torchrun(name: str, default: Any, parse: Callable[[Any], Any], help: str, **kw: Any) -> Option:
-    """A torchrun option: same flags, `PET_<NAME>` env var (unless `env=None`), no YAML key."""
-    short = kw.pop("short", ())
-    env = kw.pop("env", f"PET_{name.upper()}")
-    return Option(name, (*short, *_spellings("", name)), parse, default, help, env=env, **kw)
-
-
-def _ft(name: str, default: Any, parse: Callable[[Any], Any], help: str, **kw: Any) -> Option:
-    """A fault-tolerance option: `--ft-<name>` flags and the YAML key `<name>`."""
-    prefix = kw.pop("prefix", "ft_")
-    yaml_key = name if kw.pop("in_yaml", True) else None
-    kw["off_flags"] = _spellings(f"{prefix}no_", name) if kw.get("off_flags") else ()
-    return Option(name, _spellings(prefix, name), parse, default, help, yaml_key=yaml_key, **kw)
-
-
-def _default(cls: type, field: str) -> Any:
-    """A dataclass field's default, so that the config classes stay the one source of it."""
-    for f in dataclasses.fields(cls):
-        if f.name == field:
-            return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
-    raise KeyError(field)
 
 
 _ON = {"is_flag": True, "metavar": ""}
@@ -263,7 +204,7 @@ FT_OPTIONS: tuple[Option, ...] = (
 )
 # fmt: on
 
-OPTIONS: tuple[Option, ...] = TORCHRUN_OPTIONS + FT_OPTIONS
+OPTIONS: tuple[Option, ...] = TORCHRUN_OPTIONS + FT_OPTIONS + NVRX_OPTIONS
 BY_NAME: Mapping[str, Option] = {opt.name: opt for opt in OPTIONS}
 YAML_KEYS: frozenset[str] = frozenset(opt.yaml_key for opt in OPTIONS if opt.yaml_key)
 

@@ -1,0 +1,103 @@
+"""NVRx 0.7's launcher options that ftrun has no option of its own for, each decided once.
+
+An NVRx or NeMo command line or YAML must not fail with "no such option": each of NVRx's
+`--ft-*` flags and `fault_tolerance:` keys is either one of ftrun's options (`options.py`, often
+under the same name) or declared here, refused in one line that names what to use in ftrun
+instead. The README's migration table is generated from these declarations (`docs.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ftrun.ft_launcher import values as v
+from ftrun.ft_launcher.declare import Option, ft_option
+
+
+def _refused(name: str, help: str, instead: str, **kw: Any) -> Option:
+    """An NVRx option ftrun refuses: any value parses, setting it is a one-line error."""
+    return ft_option(name, None, v.optional_text, help, rejected=instead, **kw)
+
+
+_LOGS = "ftrun writes per-cycle, per-rank logs under --log-dir and prefixes console lines"
+_ATTRIBUTION = (
+    "ftrun attributes failures itself: `ftrun report LOG_DIR` reads the launchers' events "
+    "(crash, hang with stacks, node lost)"
+)
+
+# fmt: off
+NVRX_OPTIONS: tuple[Option, ...] = (
+    _refused("num_warmup_iterations", "NVRx's iterations judged with the warmup section "
+             "timeout.", "not applied yet: ftrun judges the step section from the first "
+             "iteration; give slow first steps room in --ft-rank-section-timeouts"),
+    _refused("restart_policy", "NVRx's worker group restart policy (deprecated there).",
+             "ftrun restarts when any worker fails (NVRx's only policy, any-failed); limit "
+             "restarts with --max-restarts and --ft-max-no-progress-cycles"),
+    _refused("install_exception_hook", "NVRx's sys.excepthook in workers that calls os._exit.",
+             "not needed: ftrun sees a worker's exit when it happens and keeps its own "
+             "traceback in the rank's log"),
+    _refused("numa_bind_strict", "NVRx's numactl --membind vs --localalloc choice.",
+             "use --numa-binding=node|socket|exclusive (memory always MPOL_BIND to the GPU's "
+             "node)"),
+    _refused("segment", "NVRx's rendezvous segment size (nodes that must come as a block).",
+             "ftrun's rendezvous has no segments; use --nnodes=MIN:MAX and hot spares"),
+    _refused("segment_health_check_dir", "NVRx's per-task segment health decisions.",
+             "use --ft-node-health-check-cmd (a command that must exit 0 before each "
+             "rendezvous)"),
+    _refused("min_progress_iterations", "NVRx's iterations a restart must gain to count.",
+             "report iterations with send_heartbeat(iteration=...) and set "
+             "--ft-max-no-progress-cycles"),
+    _refused("checkpoint_iteration_file", "NVRx's file holding the last checkpointed iteration.",
+             "report iterations with send_heartbeat(iteration=...) and set "
+             "--ft-max-no-progress-cycles"),
+    _refused("node_health_check_endpoint", "NVRx's node health service socket (nvhcd).",
+             "use --ft-node-health-check-cmd, --ft-gpu-health-check and "
+             "--ft-enable-nic-healthcheck"),
+    _refused("node_health_check_interval", "NVRx's node health polling interval.",
+             "ftrun checks node health before each rendezvous; use --ft-node-health-check-cmd"),
+    _refused("restart_check_interval", "NVRx's restart state polling (deprecated there).",
+             "not needed: ftrun decides restarts on events, not by polling"),
+    _refused("enable_nic_monitor", "NVRx's link_downed polling while training.",
+             "use --ft-enable-nic-healthcheck (checked before each rendezvous)"),
+    _refused("pci_topo_file", "NVRx's GPU/NIC topology file for the NIC monitor.",
+             "use --ft-enable-nic-healthcheck (every InfiniBand port)"),
+    _refused("link_down_path_template", "NVRx's sysfs path template for link_downed.",
+             "use --ft-nic-sysfs-root"),
+    _refused("link_state_path_template", "NVRx's sysfs path template for the link state.",
+             "use --ft-nic-sysfs-root"),
+    _refused("enable_dist_storage_healthcheck", "NVRx's Lustre/NFS check before rendezvous.",
+             "use --ft-storage-health-check-path PATH,... (must be readable before each "
+             "rendezvous)"),
+    _refused("storage_healthcheck_path", "NVRx 0.7's YAML spelling of the storage check path.",
+             "use storage_health_check_path (or --ft-storage-health-check-path)"),
+    _refused("skip_section_response", "NVRx's fire-and-forget section messages.",
+             "ftrun's heartbeats and sections never wait for a response"),
+    _refused("gpu_memory_poll_interval", "NVRx's GPU memory poll interval during a reclaim.",
+             "ftrun polls every 0.05 s; set only --ft-gpu-memory-reclaim-timeout"),
+    _refused("check_remaining_processes", "NVRx's check for workers left after a stop.",
+             "ftrun always stops whole process groups and verifies none is left"),
+    _refused("ignore_missing_cfg", "NVRx's switch to run without a config.", "ftrun runs "
+             "with its defaults when no --ft-cfg-path is given", in_yaml=False),
+    _refused("no_restart_exit_code", "NVRx's worker exit code that ends the job.",
+             "ask from the worker with send_workload_control_request(WorkloadControlRequest("
+             "WorkloadAction.ShutdownWorkload))", in_yaml=False),
+    _refused("per_cycle_applog_prefix", "NVRx's per-cycle application log path prefix.", _LOGS,
+             in_yaml=False),
+    _refused("nvrx_logfile", "NVRx's launcher log file.",
+             "use --log-dir (the launcher's log is in it) or redirect stderr", in_yaml=False),
+    *(_refused(name, f"NVRx's log aggregation server ({name}).", _LOGS, in_yaml=False)
+      for name in ("enable_log_server", "log_server_port", "log_aggregator_count",
+                   "log_leaf_max_queue_chunks", "log_server_log_prefix",
+                   "log_server_graceful_shutdown_timeout")),
+    *(_refused(name, f"NVRx's attribution service ({name}).", _ATTRIBUTION)
+      for name in ("attribution_endpoint", "attribution_startup_timeout",
+                   "attribution_llm_api_key_file", "attribution_llm_base_url",
+                   "attribution_llm_model", "attribution_analysis_backend",
+                   "attribution_stop_action", "attribution_log_level", "attribution_export_url")),
+    _refused("cycle_info_dir", "NVRx's per-cycle info files.",
+             "every worker gets the cycle's info file in FTRUN_CYCLE_INFO (in the job's "
+             "private directory)"),
+    _refused("cycle_info_job_id", "NVRx's job id in the cycle info files.",
+             "the cycle info file's job_id is the rendezvous id (--rdzv-id)"),
+)
+# fmt: on

@@ -1,0 +1,42 @@
+"""NVRx 0.7's launcher options and YAML keys under ft_launcher: honoured with NVRx's meaning,
+or refused in one line that names ftrun's replacement."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ftrun.errors import ConfigError, ExitCode
+from ftrun.ft_launcher import cli
+from ftrun.ft_launcher.config import build_config
+from ftrun.ft_launcher.nvrx_options import NVRX_OPTIONS
+
+
+def test_nvrx_mixed_spellings_are_accepted() -> None:
+    """NVRx's launcher takes `--ft-` + the config field's name (`--ft-initial_rank_...`)."""
+    config = build_config(
+        ["--ft-initial_rank_heartbeat_timeout=5", "--ft-rank_section_timeouts=step:3",
+         "--ft-workload_check_interval=2", "--ft-no-gpu_health_check", "x.py"], {}
+    )  # fmt: skip
+    assert config.monitor.initial_rank_heartbeat_timeout == 5
+    assert dict(config.monitor.rank_section_timeouts) == {"step": 3}
+    assert config.monitor.calculated_timeout_floor == 2
+
+
+def test_every_nvrx_only_option_is_refused_in_one_line_naming_a_replacement(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A NeMo/NVRx command line or YAML stops with one line that says what to use instead."""
+    for opt in NVRX_OPTIONS:
+        with pytest.raises(ConfigError) as err:
+            build_config([f"{opt.label}=1", "x.py"], {})
+        assert str(err.value) == f"{opt.label}: not supported: {opt.rejected}"
+        assert "\n" not in str(err.value) and len(opt.rejected or "") > 20
+    yaml = tmp_path / "nvrx.yaml"
+    yaml.write_text("fault_tolerance:\n  storage_healthcheck_path: /lustre\n")
+    with pytest.raises(SystemExit) as exited:
+        cli.main([f"--ft-cfg-path={yaml}", "x.py"])
+    assert exited.value.code == ExitCode.USAGE
+    err_lines = capsys.readouterr().err.strip().splitlines()
+    assert len(err_lines) == 1 and "storage_health_check_path" in err_lines[0], err_lines
