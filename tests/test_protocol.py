@@ -133,3 +133,30 @@ def test_first_progress_without_iterations_and_from_end_all_sections():
     assert (p.first_progress, p.first_iteration, p.last_iteration) == (101.0, None, None)
     p.heartbeat(102.0, iteration=3)
     assert (p.first_iteration, p.last_iteration) == (3, 3)  # the first one reported
+
+
+def test_hello_carries_the_warm_up_iterations_in_version_2() -> None:
+    with_warmup = wire.Hello(1, 2, 3, warmup_iterations=7)
+    assert msgpack.unpackb(wire.encode(with_warmup))[0] == 2
+    assert wire.decode(wire.encode(with_warmup)) == with_warmup
+    assert msgpack.unpackb(wire.encode(wire.Hello(1, 2, 3)))[0] == 1  # old servers read it
+    for bad in ([1, "hello", 1, 2, 3, 7], [2, "hello", 1, 2, 3, -1], [2, "hello", 1, 2, 3, 7, 8]):
+        with pytest.raises(ProtocolError):
+            wire.decode(msgpack.packb(bad))
+
+
+def test_warm_up_steps_are_judged_with_the_warmup_section_timeout() -> None:
+    """NVRx's num_warmup_iterations: the first N step sections get the `warmup` timeout."""
+    timeouts = wire.Timeouts(None, None, {"step": 1.0, "warmup": 100.0})
+    progress = RankProgress(0, 1, 0.0, timeouts, warmup_iterations=2)
+    deadlines = []
+    for start in (0.0, 2.0, 4.0):
+        progress.start_section("step", start)
+        deadlines.append(progress.next_overdue().deadline)
+        progress.end_section("step", start + 0.5)
+    assert deadlines == [100.0, 102.0, 5.0]
+    no_warmup = RankProgress(
+        0, 1, 0.0, wire.Timeouts(None, None, {"step": 1.0}), warmup_iterations=2
+    )
+    no_warmup.start_section("step", 0.0)
+    assert no_warmup.next_overdue().deadline == 1.0  # no warmup timeout given: the step's

@@ -5,8 +5,8 @@ its saved state (`{"current_timeouts": ...}`) loading into ftrun's client and ba
 from __future__ import annotations
 
 import json
-import logging
 import os
+import queue
 from collections.abc import Callable
 
 import pytest
@@ -93,20 +93,27 @@ def test_bad_saved_state_is_a_client_error(state: dict) -> None:
         RankMonitorClient().load_state_dict(state)
 
 
-def test_num_warmup_iters_is_accepted_with_a_warning(
-    make_server: Callable, in_process_client: Callable, caplog: pytest.LogCaptureFixture
+def test_num_warmup_iters_reaches_the_server(
+    make_server: Callable, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    server = make_server()
+    """NVRx's `init_workload_monitoring(num_warmup_iters=)`: the rank's first N steps are
+    judged with the `warmup` section timeout."""
+    server = make_server(rank_section_timeouts={"step": 0.2, "warmup": 60.0})
+    for key, value in {**server.worker_env(), "RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    server.expect_rank(0, os.getpid())
     client = RankMonitorClient()
-    monkey_env = {**server.worker_env(), "RANK": "0"}
-    with pytest.MonkeyPatch.context() as mp, caplog.at_level(logging.WARNING, "ftrun.client"):
-        for key, value in monkey_env.items():
-            mp.setenv(key, value)
-        server.expect_rank(0, os.getpid())
-        client.init_workload_monitoring(num_warmup_iters=5)
+    with pytest.raises(RankMonitorClientError, match="num_warmup_iters"):
+        client.init_workload_monitoring(num_warmup_iters=-1)
+    client.init_workload_monitoring(num_warmup_iters=1)
     try:
-        assert client.is_initialized
-        assert "num_warmup_iters=5 is not applied" in caplog.text
+        client.start_section("step")
+        with pytest.raises(queue.Empty):  # past the step timeout, inside the warm-up one
+            server.verdicts.get(timeout=0.6)
+        client.end_section("step")
+        client.start_section("step")  # the second step: warm-up is over
+        verdict = server.verdicts.get(timeout=10)
+        assert verdict.section == "step"
     finally:
         client.shutdown_workload_monitoring()
 

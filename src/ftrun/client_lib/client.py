@@ -68,13 +68,13 @@ class RankMonitorClient:
     def init_workload_monitoring(self, num_warmup_iters: int | None = None) -> None:
         """Connect to the node's monitor and register this rank; starts its timeouts.
 
-        `num_warmup_iters` (NVRx 0.7) is accepted and not applied yet: a warning says so."""
-        if num_warmup_iters:
-            log.warning(
-                "RankMonitorClient: num_warmup_iters=%s is not applied by ftrun yet: the step "
-                "section and out-of-section timeouts apply from the first iteration",
-                num_warmup_iters,
-            )
+        `num_warmup_iters` (NVRx 0.7): this rank's first N `step` sections are judged with the
+        `warmup` section timeout, where the launcher has one (default: the launcher's
+        --ft-num-warmup-iterations)."""
+        if num_warmup_iters is not None and (
+            type(num_warmup_iters) is not int or not 0 <= num_warmup_iters <= wire.MAX_ITERATION
+        ):
+            raise RankMonitorClientError("num_warmup_iters must be a non-negative integer")
         if self._sock is not None:
             raise RankMonitorClientError("init_workload_monitoring() was already called")
         address, job_dir, stack_signal, rank = _env()
@@ -86,7 +86,8 @@ class RankMonitorClient:
         sock.connect(address)
         self._sock = sock
         try:
-            reply = self._request(wire.Hello(seq=self._next_seq(), rank=rank, pid=os.getpid()))
+            hello = wire.Hello(self._next_seq(), rank, os.getpid(), num_warmup_iters)
+            reply = self._request(hello)
             self._timeouts = wire.Timeouts.from_wire(reply)
             if self._calculated:
                 self._apply_saved()

@@ -119,6 +119,7 @@ def config_from(
             rank_out_of_section_timeout=opts["rank_out_of_section_timeout"],
             safety_factor=opts["safety_factor"],
             calculated_timeout_floor=opts["workload_check_interval"],
+            num_warmup_iterations=opts["num_warmup_iterations"],
         ),
         health=_health(opts, notes),
         log_level=opts["log_level"],

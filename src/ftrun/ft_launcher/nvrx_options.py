@@ -27,9 +27,6 @@ _ATTRIBUTION = (
 
 # fmt: off
 NVRX_OPTIONS: tuple[Option, ...] = (
-    _refused("num_warmup_iterations", "NVRx's iterations judged with the warmup section "
-             "timeout.", "not applied yet: ftrun judges the step section from the first "
-             "iteration; give slow first steps room in --ft-rank-section-timeouts"),
     _refused("restart_policy", "NVRx's worker group restart policy (deprecated there).",
              "ftrun restarts when any worker fails (NVRx's only policy, any-failed); limit "
              "restarts with --max-restarts and --ft-max-no-progress-cycles"),

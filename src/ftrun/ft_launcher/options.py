@@ -130,6 +130,10 @@ FT_OPTIONS: tuple[Option, ...] = (
         **_SECS),
     _ft("safety_factor", _default(_MONITOR, "safety_factor"), v.positive_number,
         "Calculated timeout = factor x longest observed interval.", metavar="X"),
+    _ft("num_warmup_iterations", _default(_MONITOR, "num_warmup_iterations"),
+        v.non_negative_int, "A rank's first N step sections are judged with the warmup section "
+        "timeout (--ft-rank-section-timeouts=step:S,warmup:W), where one is given; a client's "
+        "init_workload_monitoring(num_warmup_iters=) overrides it.", metavar="N"),
     _ft("workload_check_interval", _default(_MONITOR, "calculated_timeout_floor"),
         v.non_negative_number, "NVRx's rank check interval. ftrun judges hangs at the deadline, "
         "so this is the shortest timeout a rank may calculate or load from a saved state "

@@ -36,6 +36,10 @@ class RankMonitorConfig:
     """The shortest timeout a rank may calculate or load from a saved state (NVRx's
     `workload_check_interval`: NVRx looks every 5 s, so it never judges sooner). Timeouts the
     launcher is given explicitly are judged to the millisecond, below it too."""
+    num_warmup_iterations: int = 5
+    """The first N `step` sections of each rank's start are judged with the `warmup` section
+    timeout, where one is configured (NVRx's default and meaning); a client's
+    `init_workload_monitoring(num_warmup_iters=)` overrides it for its rank."""
     stack_signal: signal.Signals = signal.SIGUSR2
     stack_capture_timeout: float = 1.0
     """How long to wait for a hung rank's stack dump before reporting without it."""

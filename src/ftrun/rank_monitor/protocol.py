@@ -75,11 +75,13 @@ class Timeouts:
 
 @dataclasses.dataclass(frozen=True)
 class Hello:
-    """First message of a rank: who it is. Answered with REPLY(data=Timeouts wire form)."""
+    """First message of a rank: who it is. Answered with REPLY(data=Timeouts wire form).
+    `warmup_iterations`: the client's `num_warmup_iters` (version 2), else the server's."""
 
     seq: int
     rank: int
     pid: int
+    warmup_iterations: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,8 +207,9 @@ def encode(message: Message) -> bytes:
             value = list(value)
         fields.append(value)
     version = 1
-    if isinstance(message, (Heartbeat, SectionEnd)):
-        if message.iteration is None:
+    if isinstance(message, (Heartbeat, SectionEnd, Hello)):
+        last = message.warmup_iterations if isinstance(message, Hello) else message.iteration
+        if last is None:
             fields.pop()  # the version-1 frame
         else:
             version = 2
@@ -293,8 +296,16 @@ def _parse_reply(fields: list[Any]) -> Reply:
 
 
 def _parse_hello(fields: list[Any]) -> Hello:
-    seq, rank, pid = _arity(fields, 3, "hello")
-    return Hello(seq=_int(seq, "seq"), rank=_int(rank, "rank", high=2**31), pid=_int(pid, "pid"))
+    """3 fields (version 1), or 4 with the warm-up iterations (version 2)."""
+    seq, rank, pid, *warmup = fields
+    return Hello(
+        seq=_int(seq, "seq"),
+        rank=_int(rank, "rank", high=2**31),
+        pid=_int(pid, "pid"),
+        warmup_iterations=_int(warmup[0], "warmup iterations", high=MAX_ITERATION)
+        if warmup
+        else None,
+    )
 
 
 def _parse_set(fields: list[Any]) -> SetTimeouts:
@@ -329,7 +340,7 @@ def _bare(message: Message, tag: str):
 
 
 _PARSERS = {
-    "hello": _parse_hello,
+    "hello": lambda fields: _parse_hello(_arity(fields, 3, "hello")),
     "hb": _bare(Heartbeat(), "hb"),
     "ss": lambda fields: SectionStart(_name(_arity(fields, 1, "ss")[0])),
     "se": lambda fields: SectionEnd(_name(_arity(fields, 1, "se")[0])),
@@ -343,6 +354,9 @@ _PARSERS = {
 }
 # Messages whose fields changed in version 2; the others read the same in every version.
 _V2_PARSERS = {
+    "hello": lambda fields: _parse_hello(
+        fields if len(fields) == 4 else _arity(fields, 3, "hello")
+    ),
     "hb": lambda fields: Heartbeat(_iteration(_arity(fields, 1, "hb")[0])),
     "se": lambda fields: _parse_section_end(_arity(fields, 2, "se")),
 }

@@ -341,6 +341,11 @@ class RankMonitorServer:
             if peer.progress.rank == hello.rank:
                 del self._peers[other]  # a re-registration replaces the old connection
         progress = RankProgress(hello.rank, hello.pid, now, self.config.initial_timeouts())
+        progress.warmup_iterations = (
+            self.config.num_warmup_iterations
+            if hello.warmup_iterations is None
+            else hello.warmup_iterations
+        )
         self._peers[identity] = self._registered[hello.rank] = _Peer(
             progress, identity, expected_pid
         )

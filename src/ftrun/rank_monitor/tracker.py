@@ -11,6 +11,9 @@ import enum
 
 from ftrun.rank_monitor.protocol import Timeouts
 
+STEP_SECTION, WARMUP_SECTION = "step", "warmup"
+"""NVRx's section names: a training step, and the timeout of the first steps of a cycle."""
+
 
 class HangKind(str, enum.Enum):
     """Why a rank was declared hung."""
@@ -60,6 +63,10 @@ class RankProgress:
     last_progress: float | None = None
     first_iteration: int | None = None
     last_iteration: int | None = None
+    warmup_iterations: int = 0
+    """While fewer `step` sections than this have ended, an open `step` is judged with the
+    `warmup` section timeout, if one is configured (NVRx's num_warmup_iterations)."""
+    steps_done: int = 0
 
     def heartbeat(self, now: float, iteration: int | None = None) -> bool:
         """Record a heartbeat; True when it is the rank's first progress."""
@@ -86,6 +93,8 @@ class RankProgress:
         if started is None:
             return False  # the client validates; a stray end must not break monitoring
         self.longest_section[name] = _longest(self.longest_section.get(name), now - started)
+        if name == STEP_SECTION:
+            self.steps_done += 1
         if not self.open_sections:
             self.out_of_section_since = now
         return self._progressed(now, iteration)
@@ -122,12 +131,19 @@ class RankProgress:
         else:
             found.append(_overdue(HangKind.HEARTBEAT, self.last_heartbeat, t.heartbeat))
         for name, started in self.open_sections.items():
-            found.append(_overdue(HangKind.SECTION, started, t.sections.get(name), name))
+            found.append(_overdue(HangKind.SECTION, started, self._section_timeout(name), name))
         if self.out_of_section_since is not None:
             found.append(
                 _overdue(HangKind.OUT_OF_SECTION, self.out_of_section_since, t.out_of_section)
             )
         return found
+
+    def _section_timeout(self, name: str) -> float | None:
+        sections = self.timeouts.sections
+        warming = name == STEP_SECTION and self.steps_done < self.warmup_iterations
+        if warming and WARMUP_SECTION in sections:
+            return sections[WARMUP_SECTION]
+        return sections.get(name)
 
     def calculated_timeouts(
         self,
