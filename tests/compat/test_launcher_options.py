@@ -40,3 +40,15 @@ def test_every_nvrx_only_option_is_refused_in_one_line_naming_a_replacement(
     assert exited.value.code == ExitCode.USAGE
     err_lines = capsys.readouterr().err.strip().splitlines()
     assert len(err_lines) == 1 and "storage_health_check_path" in err_lines[0], err_lines
+
+
+def test_nvrx_boolean_values_before_the_script_only() -> None:
+    """NVRx writes `--ft-enable-nic-healthcheck=true`; the script's own arguments are its own."""
+    config = build_config(
+        ["--nnodes", "1", "--ft-enable-nic-healthcheck=true", "--ft-gpu_health_check=false",
+         "--ft-use-infra-group-rank=0", "x.py", "--ft-gpu-health-check=true"], {}
+    )  # fmt: skip
+    assert (config.health.nic, config.health.gpu) == (True, False)
+    assert config.agent.entrypoint[-1] == "--ft-gpu-health-check=true"
+    with pytest.raises(ConfigError, match=r"^--ft-enable-nic-healthcheck: expected true/false"):
+        build_config(["--ft-enable-nic-healthcheck=maybe", "x.py"], {})

@@ -298,10 +298,32 @@ def command() -> click.Command:
     )
 
 
+def _with_boolean_values(argv: Sequence[str]) -> list[str]:
+    """NVRx's launcher takes a value for its on/off options (`--ft-enable-nic-healthcheck=true`)
+    where ftrun has a flag pair: before the script, that form becomes the flag it means."""
+    booleans = {f: o for o in FT_OPTIONS if o.parse is v.boolean for f in o.flags}
+    takes_value = {f for o in OPTIONS if not (o.is_flag or o.off_flags) for f in o.flags}
+    args, i = list(argv), 0
+    while i < len(args) and args[i].startswith("-") and args[i] != "--":
+        flag, eq, value = args[i].partition("=")
+        if eq and flag in booleans:
+            opt = booleans[flag]
+            try:
+                on = v.boolean(value)
+            except ValueError as err:
+                raise ConfigError(f"{flag}: {err}") from None
+            off = opt.off_flags[:1] if opt.off_flags else ()  # without: off is the default
+            args[i : i + 1] = [opt.label] if on else list(off)
+            i += 1 if on or off else 0
+            continue
+        i += 2 if not eq and flag in takes_value else 1
+    return args
+
+
 def parse_argv(argv: Sequence[str]) -> CommandLine:
     """Split the command line into given option values, the script and its arguments."""
     try:
-        ctx = command().make_context(PROG, list(argv))
+        ctx = command().make_context(PROG, _with_boolean_values(argv))
     except click.ClickException as err:
         raise ConfigError(" ".join(err.format_message().split())) from None
     given = {
