@@ -21,7 +21,7 @@ from ftrun.lightning.errors import (
 )
 from ftrun.lightning.fault_tolerance import FaultToleranceCallback
 from ftrun.lightning.preemption import PreemptionCallback
-from ftrun.lightning.simulated_fault import SimulatedFault
+from ftrun.lightning.simulated_fault import SimulatedFault, SimulatedFaultParams
 from ftrun.lightning.straggler import StragglerDetectionCallback
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "PreemptionCallback",
     "SimulatedFault",
     "SimulatedFaultError",
+    "SimulatedFaultParams",
     "StragglerDetectionCallback",
     "classify",
     "request_stop",

@@ -33,13 +33,14 @@ training is finished; never after an exception (`on_exception`) or an interrupti
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 from ftrun.client_lib import RankMonitorClient
 from ftrun.lightning._compat import Callback
 from ftrun.lightning.ending import Ending, classify, finished_flag_path, write_finished_flag
-from ftrun.lightning.simulated_fault import SimulatedFault, current_cycle
+from ftrun.lightning.simulated_fault import SimulatedFault, SimulatedFaultParams, current_cycle
 
 log = logging.getLogger("ftrun.lightning")
 
@@ -88,10 +89,13 @@ class _TimeoutReadiness:
 class FaultToleranceCallback(Callback):
     """Heartbeats, sections, calculated timeouts and the finished flag for a Lightning fit.
 
-    `autoresume`: write the finished flag when training is over. `calculate_timeouts`: calculate
-    timeouts and keep them with the checkpoints. `exp_dir`: where the flag goes unless
-    `$FTRUN_FINISHED_FLAG` says (default: the trainer's `default_root_dir`). `simulated_fault`:
-    a `SimulatedFault` (or its mapping/string form), or a list of them, for tests and drills.
+    NVRx's arguments, in NVRx's order: `autoresume`: write the finished flag when training is
+    over. `calculate_timeouts`: calculate timeouts and keep them with the checkpoints.
+    `simulated_fault_params`: NVRx's timed fault (`SimulatedFaultParams` or its mapping).
+    `exp_dir`: where the flag goes unless `$FTRUN_FINISHED_FLAG` says (default: the trainer's
+    `default_root_dir`). `logger_name`: the logger of the callback's messages. ftrun's own,
+    by keyword: `simulated_fault`: a step-exact `SimulatedFault` (or its mapping/string form), or
+    a list of them, for tests and drills.
     Needs ft_launcher: `setup` raises `RankMonitorClientError` without it.
     """
 
@@ -99,12 +103,17 @@ class FaultToleranceCallback(Callback):
         self,
         autoresume: bool = True,
         calculate_timeouts: bool = True,
+        simulated_fault_params: Any = None,
         exp_dir: str | Path | None = None,
+        logger_name: str | None = "nemo_logger.FaultToleranceCallback",
+        *,
         simulated_fault: Any = None,
     ) -> None:
         self.autoresume = bool(autoresume)
         self.calculate_timeouts = bool(calculate_timeouts)
+        self.simulated_fault_params = SimulatedFaultParams.parse(simulated_fault_params)
         self.exp_dir = None if exp_dir is None else Path(exp_dir)
+        self.logger = logging.getLogger(logger_name) if logger_name else log
         self.simulated_faults = SimulatedFault.parse_all(simulated_fault)
         self.client: RankMonitorClient | None = None
         self.ending: Ending | None = None
@@ -133,8 +142,11 @@ class FaultToleranceCallback(Callback):
         client = RankMonitorClient()
         client.init_workload_monitoring()
         self.client = client
+        if self.simulated_fault_params is not None:
+            seed = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}:{self._cycle}"
+            self.simulated_fault_params.start(trainer.global_rank, trainer.world_size, seed)
         if trainer.is_global_zero:
-            log.info(
+            self.logger.info(
                 "fault tolerance: monitoring rank 0 of %d; finished flag %s",
                 trainer.world_size, self.flag_path if self.autoresume else "off",
             )  # fmt: skip
@@ -157,12 +169,12 @@ class FaultToleranceCallback(Callback):
         self._shutdown()  # a fit without training (no data) never reached on_train_end
         self.ending = classify(trainer)
         if trainer.is_global_zero:
-            log.info("fault tolerance: fit ended (%s) at step %d",
+            self.logger.info("fault tolerance: fit ended (%s) at step %d",
                      self.ending.value, trainer.global_step)  # fmt: skip
             if self.autoresume and self.ending.finished:
                 assert self.flag_path is not None
                 write_finished_flag(self.flag_path, self.ending, trainer)
-                log.info("fault tolerance: training finished; wrote %s", self.flag_path)
+                self.logger.info("fault tolerance: training finished; wrote %s", self.flag_path)
 
     # ---- progress --------------------------------------------------------------------------
 
@@ -235,7 +247,7 @@ class FaultToleranceCallback(Callback):
         self.client.load_state_dict(saved)
         self._loaded_timeouts = self.client.calculated_timeouts()
         if trainer.is_global_zero:
-            log.info("fault tolerance: timeouts from the checkpoint: %s", saved)
+            self.logger.info("fault tolerance: timeouts from the checkpoint: %s", saved)
 
     # ---- internals -------------------------------------------------------------------------
 
@@ -265,7 +277,9 @@ class FaultToleranceCallback(Callback):
             if merged != calculated:
                 client.load_state_dict(merged)
         if trainer.is_global_zero:
-            log.info("fault tolerance: calculated timeouts: %s", client.calculated_timeouts())
+            self.logger.info(
+                "fault tolerance: calculated timeouts: %s", client.calculated_timeouts()
+            )
 
     def _shutdown(self) -> None:
         client, self.client = self.client, None

@@ -10,13 +10,17 @@ fails every restart too):
 
 Also given as a mapping with those keys, or as a string "KIND:RANK:STEP[:CYCLE]";
 `parse_all` takes one of those or a list of them (a crash in one cycle, a hang in the next).
+
+`SimulatedFaultParams` is NVRx's timed fault (`simulated_fault_params=`), in every cycle.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import signal
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -85,3 +89,58 @@ class SimulatedFault:
 def current_cycle() -> int:
     """The job-wide cycle number ft_launcher gives workers (0 outside ft_launcher)."""
     return int(os.environ.get("FTRUN_CYCLE", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+
+TIMED_KINDS = ("random", "rank_killed", "rank_hung")
+
+
+@dataclasses.dataclass
+class SimulatedFaultParams:
+    """NVRx's timed fault: `base_delay + rand_delay * U(0, 1)` seconds after the fit starts,
+    rank `rank_to_fail` (None: one picked at random, the same on every rank) is killed
+    (SIGKILL, "rank_killed") or stopped (SIGSTOP, "rank_hung"; "random": either)."""
+
+    fault_type: str
+    base_delay: float
+    rand_delay: float = 0.0
+    rank_to_fail: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.fault_type not in TIMED_KINDS:
+            raise LightningUsageError(
+                f"fault_type must be one of {TIMED_KINDS}: {self.fault_type!r}"
+            )
+        if min(self.base_delay, self.rand_delay) < 0:
+            raise LightningUsageError("simulated fault delays must be >= 0")
+
+    @classmethod
+    def parse(cls, spec: Any) -> SimulatedFaultParams | None:
+        """An instance, anything `SimulatedFaultParams(**spec)` takes, or None (NVRx's rule)."""
+        if spec is None or isinstance(spec, cls):
+            return spec
+        try:
+            return cls(**spec)
+        except TypeError as exc:
+            raise LightningUsageError(f"bad simulated_fault_params {spec!r}: {exc}") from None
+
+    def start(self, rank: int, world_size: int, seed: str) -> threading.Thread | None:
+        """On the rank to fail, a daemon thread that fires after the delay; None elsewhere.
+        `seed` is the same on every rank of a cycle: the random rank is picked without a
+        collective (NVRx broadcasts it)."""
+        rng = random.Random(seed)
+        target = self.rank_to_fail if self.rank_to_fail is not None else rng.randrange(world_size)
+        if rank != target:
+            return None
+        kind = rng.choice(TIMED_KINDS[1:]) if self.fault_type == "random" else self.fault_type
+        delay = self.base_delay + self.rand_delay * rng.random()
+        sig = signal.SIGKILL if kind == "rank_killed" else signal.SIGSTOP
+        print(f"simulated fault: {kind} on rank {rank} in {delay:.1f} s", flush=True)
+        thread = threading.Thread(target=_fire_later, args=(delay, sig), daemon=True,
+                                  name="ftrun-simulated-fault")  # fmt: skip
+        thread.start()
+        return thread
+
+
+def _fire_later(delay: float, sig: signal.Signals) -> None:
+    time.sleep(delay)
+    os.kill(os.getpid(), sig)
