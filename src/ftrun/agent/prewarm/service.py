@@ -4,7 +4,7 @@ The node's fork server starts before the launcher imports torch itself (`start_e
 CLI), so its imports overlap the launcher's own start-up and the rendezvous. It imports
 `--ft-prewarm-modules` (what every worker imports anyway: the first cycle waits for these
 alone), and once the first cycle's workers have started it imports `--ft-prewarm-deep-modules`
-too (torch._dynamo, inductor: what DDP and torch.compile import in each restarted worker).
+too (torch._dynamo, which brings triton and inductor: DDP imports it in each worker).
 
 Where it cannot serve (a non-Python entrypoint, a worker environment that differs in what is
 read at interpreter start, a dead or unsafe server) workers are spawned plainly. Each cycle
