@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ftrun.checkpointing.agent_side import agent_tier, protected_part, restore_decision
+from ftrun.checkpointing.async_calls import AsyncRequest
 from ftrun.checkpointing.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -106,6 +107,7 @@ class LocalCheckpointManager:
             )
         self._store = store
         self._in_flight: _AsyncSave | None = None
+        self._joining = threading.Lock()  # `wait` (trainer) against `_join` (a queue's thread)
         self._bad: set[PartKey] = set()  # set aside: never read again, even if renaming failed
         if repl_strategy is not None and self._tier is None:
             logger.info(
@@ -114,8 +116,10 @@ class LocalCheckpointManager:
                 repl_strategy,
             )
 
-    def save(self, state_dict: Any, iteration: int, is_async: bool = False) -> None:
-        """Write this rank's part of `iteration`.
+    def save(self, state_dict: Any, iteration: int, is_async: bool = False) -> AsyncRequest | None:
+        """Write this rank's part of `iteration`; with `is_async`, NVRx's `AsyncRequest` for
+        the write in flight (schedule it on an `AsyncCallsQueue`, as NVRx's examples do, or
+        ignore it and call `wait()`: either joins the write, and its error is raised once).
 
         Synchronous: returns when the part is durable and renamed into place, and older parts
         are removed. With `is_async`, the call blocks on: (1) the previous async save, if it
@@ -134,19 +138,32 @@ class LocalCheckpointManager:
         payload, metadata = _unwrap(state_dict)
         if not is_async:
             self._after_write(key, self._store.write(key, payload, metadata))
-            return
+            return None
         pending = self._store.prepare(key, payload, metadata)
         try:
-            self._in_flight = _AsyncSave(iteration, lambda: self._commit(key, pending))
+            job = _AsyncSave(iteration, lambda: self._commit(key, pending))
         except BaseException:  # no thread (e.g. none can be started): drop the temp file
             pending.abort()
             raise
+        with self._joining:
+            self._in_flight = job
+        return AsyncRequest(self._join, (job,), [])
 
     def wait(self) -> PartInfo | None:
         """Wait for the async save in flight; its `PartInfo`, or None if there was none.
         Raises the save's error (once)."""
-        job, self._in_flight = self._in_flight, None
+        with self._joining:
+            job, self._in_flight = self._in_flight, None
         return job.result() if job is not None else None
+
+    def _join(self, job: _AsyncSave) -> PartInfo | None:
+        """The returned request's fn (an `AsyncCallsQueue` thread): join `job` unless `wait`
+        already did, so that its error reaches the caller once."""
+        with self._joining:
+            if self._in_flight is not job:
+                return None
+            self._in_flight = None
+        return job.result()
 
     def find_latest(self) -> int:
         """The newest iteration for which every rank has a complete part (header checked,
