@@ -57,8 +57,10 @@ class History:
     """Individual scores: each (rank, section, gpu) against its own last `length` intervals."""
 
     length: int = 16
-    min_intervals: int = 3
-    """Intervals seen before a rank gets an individual score (none before: no reference)."""
+    min_intervals: int = 1
+    """Intervals seen before a rank gets an individual score (none before: no reference). One,
+    so the second report has them, as NVRx's users expect (NVRx's reference includes the
+    interval being scored, which makes its first score 1.0 and uninformative)."""
     quantile: float = 0.25
     _past: dict[tuple[int, str, bool], collections.deque[float]] = dataclasses.field(
         default_factory=dict
