@@ -9,8 +9,9 @@
 
 Under ft_launcher (its environment is set) the durations go to the node's agent in batches;
 the agents compute the scores on their own clock (`--ft-straggler-report-interval`; the
-worker's `report_time_interval` is not used) and `generate_report()` returns the latest report
-they published, read from a file the node's agent keeps: it never waits on another rank.
+worker's `report_time_interval` and `node_name` are not used, and a warning says so) and
+`generate_report()` returns the latest report they published, read from a file the node's
+agent keeps: it never waits on another rank.
 Without the launcher, scores are computed in-process (see `local`).
 
 As with NVRx, with `gather_on_rank0=True` rank 0 gets every rank's scores and the other ranks
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import socket
 import sys
 import time
@@ -36,6 +38,9 @@ from ftrun.straggler.scores import History
 
 RELATIVE, INDIVIDUAL = "relative_perf_scores", "individual_perf_scores"
 _CHECK_REPORT_EVERY_S = 0.05
+DEFAULT_REPORT_TIME_INTERVAL = 60.0
+"""NVRx's default `report_time_interval`."""
+log = logging.getLogger("ftrun.straggler")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +98,7 @@ class Detector:
         scores_to_compute: Sequence[str] | str = "all",
         gather_on_rank0: bool = True,
         profiling_interval: int = 1,
-        report_time_interval: float = 60,
+        report_time_interval: float = DEFAULT_REPORT_TIME_INTERVAL,
         node_name: str | None = None,
     ) -> None:
         if cls.initialized:
@@ -104,6 +109,8 @@ class Detector:
         if not scores or scores - {RELATIVE, INDIVIDUAL}:
             raise ValueError(f"scores_to_compute: 'all' or some of {RELATIVE!r}, {INDIVIDUAL!r}")
         env = launcher_env()
+        if env:
+            _say_what_the_launcher_decides(report_time_interval, node_name)
         channel = MonitorChannel(env[0], env[2]) if env else None
         local = None if channel else LocalSink()
         sink: Any = channel or local
@@ -214,6 +221,23 @@ class Detector:
         if cls._state is None:
             raise RuntimeError("Detector is not initialized.")
         return cls._state
+
+
+def _say_what_the_launcher_decides(report_time_interval: float, node_name: str | None) -> None:
+    """Under ft_launcher the agents report on their clock and with their node names: NVRx's
+    per-worker settings are not used, and a warning says so rather than dropping them."""
+    if report_time_interval != DEFAULT_REPORT_TIME_INTERVAL:
+        log.warning(
+            "Detector: report_time_interval=%s is not used under ft_launcher: reports come "
+            "every --ft-straggler-report-interval seconds (the launcher's)",
+            report_time_interval,
+        )
+    if node_name is not None:
+        log.warning(
+            "Detector: node_name=%r is not used under ft_launcher: reports name each rank's "
+            "node as its launcher does (--local-addr or the host name)",
+            node_name,
+        )
 
 
 def _timed(fn: Callable[..., Any], section: Section) -> Callable[..., Any]:
