@@ -19,13 +19,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import stat
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 from ftrun.config import LaunchConfig
+from ftrun.rendezvous.config import run_id_in_file_name
 
 log = logging.getLogger("ftrun.agent")
 
@@ -59,7 +59,7 @@ def prepare_compile_caches(config: LaunchConfig, environ: Mapping[str, str]) -> 
 def job_cache_dir(run_id: str, environ: Mapping[str, str]) -> Path:
     """`$TMPDIR/ftrun-compile-<uid>-<run id>` (the run id made safe for a file name)."""
     base = environ.get("TMPDIR") or tempfile.gettempdir()
-    safe_id = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)[:64] or "none"
+    safe_id = run_id_in_file_name(run_id) or "none"
     return Path(base) / f"ftrun-compile-{os.getuid()}-{safe_id}"
 
 

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from collections.abc import Mapping
 from types import MappingProxyType
+
+_NOT_IN_FILE_NAMES = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def run_id_in_file_name(run_id: str) -> str:
+    """The run id as part of a file name: characters other than [A-Za-z0-9._-] become '_', at
+    most 64 of them (a run id is any text the user gave --rdzv-id)."""
+    return _NOT_IN_FILE_NAMES.sub("_", run_id)[:64]
 
 
 class RendezvousImpl(str, enum.Enum):

@@ -25,7 +25,6 @@ import itertools
 import logging
 import mmap
 import os
-import re
 import shutil
 import stat
 import tempfile
@@ -58,11 +57,11 @@ from ftrun.checkpointing.node_tier import (
     write_json_atomically,
 )
 from ftrun.checkpointing.store import CORRUPT_SUFFIX, PartKey
+from ftrun.rendezvous.config import run_id_in_file_name
 
 log = logging.getLogger("ftrun.agent")
 
 DEFAULT_BASES = (Path("/dev/shm"),)
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 DIR_PREFIX = "ftrun-ckpt-"
 OWNER_LOCK = "owner.lock"
 # A directory without its lock file may be one another agent is creating right now.
@@ -82,7 +81,7 @@ class NodeTier:
     @classmethod
     def create(cls, run_id: str, bases: Sequence[Path] = DEFAULT_BASES) -> NodeTier:
         """A new 0700 directory in the first usable base, else in the system temp directory."""
-        prefix = f"{DIR_PREFIX}{_UNSAFE.sub('_', run_id)[:64]}-{os.getpid()}-"
+        prefix = f"{DIR_PREFIX}{run_id_in_file_name(run_id)}-{os.getpid()}-"
         for base in bases:
             if base.is_dir() and os.access(base, os.W_OK | os.X_OK):
                 remove_abandoned(base)
