@@ -65,23 +65,23 @@ def views(
 
 
 def to_nvrx_state(current: wire.Timeouts | None, calculated: Calculated) -> dict[str, Any]:
-    """NVRx's state_dict: the calculated timeouts only (an empty inner dict if none)."""
+    """NVRx's state_dict: the calculated timeouts only (an empty inner dict if none), with the
+    rest of the section timeouts as in force (`current`; None before init)."""
     saved: dict[str, Any] = {}
-    if current is None:
-        current = wire.Timeouts()
-    _, sections = views(current, calculated)
     if "heartbeat" in calculated:
         hb = calculated["heartbeat"]
         saved["heartbeat"] = dataclasses.asdict(
-            HeartbeatTimeouts(hb.get("initial"), hb.get("subsequent"), were_calculated=True)
+            HeartbeatTimeouts(hb["initial"], hb["subsequent"], were_calculated=True)
         )
-    if sections.calculated_sections or sections.is_out_of_section_calculated:
-        section = dataclasses.asdict(sections)
-        section["section"] = {**section["section"], **calculated.get("sections", {})}
-        section["calculated_sections"] = sorted(sections.calculated_sections)  # JSON-able
-        if "out_of_section" in calculated:
-            section["out_of_section"] = calculated["out_of_section"]
-        saved["section"] = section
+    sections = calculated.get("sections", {})
+    if sections or "out_of_section" in calculated:
+        in_force = current or wire.Timeouts()
+        saved["section"] = {  # SectionTimeouts' fields, the set as a sorted list: JSON-able
+            "section": {**in_force.sections, **sections},
+            "out_of_section": calculated.get("out_of_section", in_force.out_of_section),
+            "calculated_sections": sorted(sections),
+            "is_out_of_section_calculated": "out_of_section" in calculated,
+        }
     return {NVRX_STATE_KEY: saved}
 
 
