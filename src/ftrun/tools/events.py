@@ -13,7 +13,7 @@ import json
 import types
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from ftrun.events import COMMON, EVENTS_GLOB, NUM, SCHEMA, has_type
 
@@ -43,7 +43,12 @@ class Event:
     def get(self, key: str, default: Any = None) -> Any:
         return self.fields.get(key, default)
 
-    def num(self, key: str, default: float = 0.0) -> float:
+    @overload
+    def num(self, key: str, default: float = 0.0) -> float: ...
+    @overload
+    def num(self, key: str, default: None) -> float | None: ...
+    def num(self, key: str, default: float | None = 0.0) -> float | None:
+        """The field as a float; `default` where it is missing or not a number."""
         value = self.fields.get(key)
         return float(value) if has_type(value, NUM) else default
 

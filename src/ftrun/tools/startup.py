@@ -52,24 +52,20 @@ def _split(cycle: int, ranks: Sequence[Event]) -> StartupSplit:
         rank=int(slowest.num("rank")),
         path=paths.pop() if len(paths) == 1 else "mixed",
         ranks=len(ranks),
-        to_script=_maybe(slowest.get("to_script")),
-        to_cuda=_maybe(slowest.get("to_cuda")),
-        to_pg=_maybe(slowest.get("to_pg")),
-        to_first_step=_maybe(slowest.get("to_first_step")),
+        to_script=slowest.num("to_script", None),
+        to_cuda=slowest.num("to_cuda", None),
+        to_pg=slowest.num("to_pg", None),
+        to_first_step=slowest.num("to_first_step", None),
     )
 
 
 def _reached(event: Event) -> float:
     """How far into its start the rank was seen last: its first step, else its last mark."""
     for key in ("to_first_step", "to_pg", "to_cuda", "to_script"):
-        value = _maybe(event.get(key))
+        value = event.num(key, None)
         if value is not None:
             return value
     return 0.0
-
-
-def _maybe(value: object) -> float | None:
-    return float(value) if isinstance(value, int | float) else None
 
 
 def startup_lines(splits: Sequence[StartupSplit]) -> Iterator[str]:
