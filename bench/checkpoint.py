@@ -33,8 +33,8 @@ Floors:
 - CRC-32C of every tensor's bytes on one core (ftrun computes and verifies them on every core).
 
 Saves (`FTRUN_CKPT_DIR` set to a fresh 0700 directory in /dev/shm, as the agent gives a
-worker; `LocalCheckpointManager(root, session_id="bench", keep_complete=1)`, its root unused
-as nothing is persisted to disk):
+worker; `LocalCheckpointManager(root, session_id="bench", keep_complete=1)`, persist_to_disk=False`:
+node memory only, its root unused):
 - ftrun sync: `save(state, 1)`: flatten, allocate, copy, CRC-32, header, rename (no fsync: tmpfs);
 - ftrun async, first: `save(state, 2, is_async=True)` until it returns, into new node memory
   (flatten, allocate, the one copy), as a worker's first saves are;
@@ -377,7 +377,9 @@ def measure_ftrun(
     os.environ[ENV_CKPT_DIR] = str(tier)
     try:
         persist = tier / "not-used"  # the manager's disk root; nothing is persisted there
-        manager = LocalCheckpointManager(persist, session_id=SESSION, keep_complete=1)
+        manager = LocalCheckpointManager(
+            persist, session_id=SESSION, keep_complete=1, persist_to_disk=False
+        )
         out = {"ftrun_sync_save": timed(lambda: manager.save(state, 1))}
         started = time.perf_counter()
         manager.save(state, 2, is_async=True)  # new memory: no part retired yet
@@ -390,7 +392,9 @@ def measure_ftrun(
         out["ftrun_async_complete"] = time.perf_counter() - started
         assert info is not None
         # A restarted worker: a new manager finds and loads the newest part.
-        restarted = LocalCheckpointManager(persist, session_id=SESSION, keep_complete=1)
+        restarted = LocalCheckpointManager(
+            persist, session_id=SESSION, keep_complete=1, persist_to_disk=False
+        )
         started = time.perf_counter()
         iteration = restarted.find_latest()
         loaded, _ = restarted.load()
@@ -406,7 +410,9 @@ def measure_ftrun(
         if verify:
             for tensor in model:
                 tensor.zero_()
-        restarted = LocalCheckpointManager(persist, session_id=SESSION, keep_complete=1)
+        restarted = LocalCheckpointManager(
+            persist, session_id=SESSION, keep_complete=1, persist_to_disk=False
+        )
         target = shaped_as(state, model)
         started = time.perf_counter()
         restarted.find_latest()

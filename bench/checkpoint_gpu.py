@@ -20,11 +20,11 @@ Floors, into host memory allocated (and touched) once before the runs:
 
 Saves:
 - ftrun (`FTRUN_CKPT_DIR` = a fresh directory in /dev/shm, as the agent gives a worker;
-  `LocalCheckpointManager(root, session_id="b", keep_complete=1)`): async saves 1, 2, 3, each
-  waited for (`wait()`) before the next. Save 1 copies into new node memory (a new file,
-  page-locked once); save 3 into the file that save 2 retired, still mapped and page-locked
-  (every later save of a run is like it). Rows: save 1's stall (until `save` returns), save 3's
-  stall (target: <= 1.3x D2H pinned) and save 3 until `wait()` returns (CRC-32, header,
+  `LocalCheckpointManager(root, session_id="b", keep_complete=1, persist_to_disk=False)`):
+  async saves 1, 2, 3, each waited for (`wait()`) before the next. Save 1 copies into new node
+  memory (a new file, page-locked once); save 3 into the file that save 2 retired, still mapped and
+  page-locked (every later save of a run is like it). Rows: save 1's stall (until `save` returns),
+  save 3's stall (target: <= 1.3x D2H pinned) and save 3 until `wait()` returns (CRC-32, header,
   rename, retiring part 2). Run 1 then reads part 3 back and compares it with the state;
 - DCP: `torch.distributed.checkpoint.async_save(state, checkpoint_id=<fresh dir on --disk-dir>,
   no_dist=True)` until it returns (its default stager copies every tensor to new pageable
@@ -222,7 +222,9 @@ def measure_ftrun(scratch: Scratch, state: Any, verify: bool) -> dict[str, float
     os.environ[ENV_CKPT_DIR] = str(tier)
     out: dict[str, float] = {}
     try:
-        manager = LocalCheckpointManager(tier / "not-used", session_id="b", keep_complete=1)
+        manager = LocalCheckpointManager(
+            tier / "not-used", session_id="b", keep_complete=1, persist_to_disk=False
+        )
         torch.cuda.synchronize()
         started = time.perf_counter()
         manager.save(state, 1, is_async=True)  # into new node memory

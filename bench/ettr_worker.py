@@ -141,7 +141,11 @@ class Ftrun(Saver):
         if replicate:  # a clique of 2: this rank and the same local rank on the next node
             jump = int(os.environ["LOCAL_WORLD_SIZE"])
             strategy = CliqueReplicationStrategy.from_replication_params(jump, 2)
-        self.manager = LocalCheckpointManager(str(local), repl_strategy=strategy)
+        # Node memory and peers only, as these benches measured it before the copy on disk
+        # became the default (NVRx writes its local tier to disk: see bench/RESULTS.md).
+        self.manager = LocalCheckpointManager(
+            str(local), repl_strategy=strategy, persist_to_disk=False
+        )
         self.glob = GlobalCheckpointManager(shared) if global_every else None
         self.global_every, self.saves = global_every, 0
 

@@ -26,14 +26,16 @@ def resumed(job: Job, rank: int) -> dict[int, int]:
     return {int(cycle): int(loaded) for cycle, _step, loaded in rows}
 
 
-def test_a_crash_resumes_from_node_memory(tmp_path: Path):
+def test_a_crash_resumes_from_node_memory_and_saves_are_on_disk_too(tmp_path: Path):
     job = start_job(tmp_path, 2, ARGS, ["--crash", "0:1:12"], script=WORKER)
     assert job.wait(120) == [0, 0]
     assert resumed(job, 0) == {0: -1, 1: 10} and resumed(job, 1) == {0: -1, 1: 10}
     restores = [e for e in job.events("ckpt_restore") if e["cycle"] == 1]
     assert {e["iteration"] for e in restores} == {10}
     assert (job.ckpt_dir / "FINISHED").exists()
-    assert not (job.ckpt_dir / "local").exists()  # memory only: nothing persisted on disk
+    # Resumed from node memory; every save was also copied where NVRx writes (persist_to_disk).
+    newest = max((job.ckpt_dir / "local").glob("iter_*"))
+    assert sorted(p.name for p in newest.iterdir()) == ["rank0-of2.ftckpt", "rank1-of2.ftckpt"]
 
 
 def test_global_saves_under_two_launchers_and_a_crash_resumes_from_the_newest_tier(

@@ -160,14 +160,6 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
         _req("bytes", INT, "the part's size"),
         _req("seconds", NUM, "from the first push to the last"),
     ),
-    "ckpt_persisted": (
-        _req("session", STR),
-        _req("iteration", INT),
-        _req("rank", INT),
-        _req("bytes", INT),
-        _req("seconds", NUM, "the copy to the policy's persist_dir, fsync included"),
-        _opt("path", STR),
-    ),
     "ckpt_corrupt": (
         _req("session", STR),
         _req("iteration", INT),

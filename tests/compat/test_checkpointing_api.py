@@ -36,3 +36,41 @@ def test_async_save_returns_a_request_for_nvrx_s_queue(
     assert manager.save(state, 4) is None  # synchronous: nothing to schedule
     assert manager.wait() is None  # the queue joined the async write; nothing left to wait for
     queue.close()
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_under_ft_launcher_a_save_is_on_disk_where_nvrx_writes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, is_async: bool
+) -> None:
+    """The agent keeps parts in node memory (`FTRUN_CKPT_DIR`); NVRx users find their files
+    under `root_local_ckpt_dir` once the save returned or its request finished."""
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    memory.mkdir(mode=0o700)
+    monkeypatch.setenv("FTRUN_CKPT_DIR", str(memory))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    manager = LocalCheckpointManager(disk, session_id="s", keep_complete=1)
+    state = {"w": torch.arange(6.0)}
+    for iteration in (1, 2):
+        request = manager.save(state, iteration, is_async=is_async)
+        if request is not None:
+            request.execute_sync()
+        part = disk / "s" / f"iter_{iteration:07d}" / "rank0-of1.ftckpt"
+        assert part.read_bytes() == (memory / "s" / part.parent.name / part.name).read_bytes()
+    assert [p.name for p in (disk / "s").iterdir()] == ["iter_0000002"]  # retention there too
+    loaded, _ = manager.load()  # from node memory
+    assert torch.equal(loaded["w"], state["w"])
+
+
+def test_under_ft_launcher_persist_to_disk_false_keeps_parts_in_memory_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    memory, disk = tmp_path / "memory", tmp_path / "disk"
+    memory.mkdir(mode=0o700)
+    monkeypatch.setenv("FTRUN_CKPT_DIR", str(memory))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    LocalCheckpointManager(disk, session_id="s", persist_to_disk=False).save(
+        {"w": torch.ones(2)}, 1
+    )
+    assert (memory / "s" / "iter_0000001" / "rank0-of1.ftckpt").is_file() and not disk.exists()

@@ -24,9 +24,7 @@ from ftrun.checkpointing.node_tier import (
 logger = logging.getLogger("ftrun.checkpointing")
 
 
-def agent_tier(
-    session_id: str, repl_strategy: Any, root: Path, persist_to_disk: bool
-) -> Path | None:
+def agent_tier(session_id: str, repl_strategy: Any) -> Path | None:
     """Under ft_launcher, this session's directory in node memory, with the policy written for
     the agent; None under plain torchrun (no agent keeps parts)."""
     ckpt_dir = os.environ.get(ENV_CKPT_DIR)
@@ -36,7 +34,6 @@ def agent_tier(
     policy = TierPolicy(
         replication_jump=getattr(repl_strategy, "replication_jump", None),
         replication_factor=getattr(repl_strategy, "replication_factor", None),
-        persist_dir=str(root) if persist_to_disk else None,
     )
     if repl_strategy is not None and policy.replication_factor is None:
         raise CheckpointUsageError(

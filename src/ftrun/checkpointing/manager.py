@@ -2,8 +2,9 @@
 
 Each rank writes its own part of each iteration (see `store` for where, `format` for how).
 Under plain torchrun the parts are files under `root_local_ckpt_dir`; under ft_launcher they
-go to the node agent's memory (`node_tier`), which keeps them across worker restarts,
-replicates them to peers and persists them to disk if asked, behind the same `PartStore`.
+go to the node agent's memory (`node_tier`), which keeps them across worker restarts and
+replicates them to peers, behind the same `PartStore`; with `persist_to_disk` (the default, as
+NVRx writes there) the save also copies the part under `root_local_ckpt_dir` (`persist`).
 
 Collectives: under plain torchrun, when `torch.distributed` is initialized, `find_latest` and
 `load` are collective (every rank must call them, as in NVRx): `find_latest` all-reduces (MIN)
@@ -44,6 +45,7 @@ from ftrun.checkpointing.errors import (
     CheckpointUsageError,
 )
 from ftrun.checkpointing.format import PartInfo
+from ftrun.checkpointing.persist import copy_part
 from ftrun.checkpointing.state_dict import BasicTensorAwareStateDict
 from ftrun.checkpointing.store import DirectoryStore, PartKey, PartStore, PreparedPart
 
@@ -70,10 +72,15 @@ class LocalCheckpointManager:
 
     Under ft_launcher (`FTRUN_CKPT_DIR` set, see `node_tier`): parts go to node memory that the
     node agent keeps across worker restarts; the agent replicates each new part to the nodes of
-    its `repl_strategy` clique off the training path, copies it to `root_local_ckpt_dir` when
-    `persist_to_disk`, and before the workers start, agrees with the other agents on the
-    iteration to resume from and fetches this node's missing parts from peers: `find_latest`
-    and `load` then run no collective.
+    its `repl_strategy` clique off the training path, and before the workers start, agrees with
+    the other agents on the iteration to resume from and fetches this node's missing parts from
+    peers: `find_latest` and `load` then run no collective and read node memory. With
+    `persist_to_disk` (default True: NVRx's files where NVRx users look) the save also copies
+    the part to `root_local_ckpt_dir/session_id`, as under plain torchrun, before it returns (an
+    async save, in its background thread); `persist_to_disk=False` keeps parts in memory and on
+    peers only, which saves a disk write per save. A new job does not read the copies on disk
+    under ft_launcher (its agents start with empty memory): resume a new job from the global
+    tier.
 
     `keep_complete` is explained in the module docstring; `store` replaces either store.
     """
@@ -86,7 +93,7 @@ class LocalCheckpointManager:
         *,
         keep_complete: int = 2,
         store: PartStore | None = None,
-        persist_to_disk: bool = False,
+        persist_to_disk: bool = True,
     ) -> None:
         if type(session_id) is not str or "/" in session_id or session_id in (".", ".."):
             raise CheckpointUsageError(f"session_id must be one path component, not {session_id!r}")
@@ -96,8 +103,12 @@ class LocalCheckpointManager:
         self.session_id = session_id
         self.repl_strategy = repl_strategy
         self._keep_complete = keep_complete
-        self._tier = agent_tier(session_id, repl_strategy, self.root_local_ckpt_dir,
-                                persist_to_disk)  # fmt: skip
+        self._tier = agent_tier(session_id, repl_strategy)
+        self._disk = (
+            DirectoryStore(self.root_local_ckpt_dir / session_id)
+            if self._tier is not None and persist_to_disk and store is None
+            else None
+        )
         if store is None:
             tier = self._tier
             store = (
@@ -236,19 +247,23 @@ class LocalCheckpointManager:
     def _after_write(self, key: PartKey, info: PartInfo) -> None:
         logger.debug("[rank %d] saved iteration %d: %s", key.rank, key.iteration, info.path)
         self._bad.discard(key)  # written anew: the part set aside under this key is not it
-        try:
-            self._remove_others(key)
-        except OSError as e:  # a failed clean-up must not fail the save that succeeded
-            logger.warning("[rank %d] could not remove old parts: %s", key.rank, e)
+        if self._disk is not None:
+            copy_part(info.path, self._disk.path_of(key))
+        for store in (self._store, self._disk):
+            try:
+                if store is not None:
+                    self._remove_others(store, key)
+            except OSError as e:  # a failed clean-up must not fail the save that succeeded
+                logger.warning("[rank %d] could not remove old parts: %s", key.rank, e)
 
-    def _remove_others(self, key: PartKey) -> None:
-        complete = self._store.list(key.rank, key.world_size)
+    def _remove_others(self, store: PartStore, key: PartKey) -> None:
+        complete = store.list(key.rank, key.world_size)
         older = [k for k in complete if k.iteration < key.iteration]
         keep = {key, *older[max(0, len(older) - (self._keep_complete - 1)) :]}
         protected = protected_part(self._tier) if self._tier is not None else None
         if protected is not None and protected.iteration < key.iteration:
             keep.add(PartKey(protected.iteration, key.rank, protected.world_size))
-        for other in self._store.list(key.rank, key.world_size, complete_only=False):
+        for other in store.list(key.rank, key.world_size, complete_only=False):
             if other in keep:
                 continue
             if other.iteration > key.iteration:
@@ -258,7 +273,7 @@ class LocalCheckpointManager:
                     other.iteration,
                     key.iteration,
                 )
-            self._store.remove(other)
+            store.remove(other)
 
     def _newest_at_most(self, bound: int, rank: int, world_size: int) -> int:
         for key in reversed(self._store.list(rank, world_size)):

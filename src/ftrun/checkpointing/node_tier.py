@@ -46,8 +46,6 @@ class TierPolicy:
     replication_jump: int | None = None
     replication_factor: int | None = None
     """None: no replication (no strategy given)."""
-    persist_dir: str | None = None
-    """Also copy each part here (the manager's `root_local_ckpt_dir`); None: memory only."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -55,13 +53,10 @@ class TierPolicy:
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> TierPolicy:
         jump, factor = raw.get("replication_jump"), raw.get("replication_factor")
-        persist = raw.get("persist_dir")
         for name, value in (("replication_jump", jump), ("replication_factor", factor)):
             if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(f"{POLICY_FILE}: {name} must be a positive int, not {value!r}")
-        if persist is not None and not isinstance(persist, str):
-            raise ValueError(f"{POLICY_FILE}: persist_dir must be a string, not {persist!r}")
-        return cls(jump, factor, persist)
+        return cls(jump, factor)
 
 
 @dataclasses.dataclass(frozen=True)

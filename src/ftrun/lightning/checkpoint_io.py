@@ -64,7 +64,7 @@ class HierarchicalCheckpointIO(CheckpointIO):
         checkpoint_io: Any = None,
         session_id: str = "lightning",
         repl_strategy: Any = None,
-        persist_to_disk: bool = False,
+        persist_to_disk: bool = True,
         async_save: bool = True,
     ) -> None:
         if type(every_n_train_steps) is not int or every_n_train_steps < 1:

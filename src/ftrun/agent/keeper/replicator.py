@@ -6,11 +6,10 @@ it is about to send) for complete parts that this node's ranks wrote in the curr
 rank only the newest such part is handled; older ones it skips. Per the session's policy
 (`POLICY_FILE`, written by the worker's manager) it then:
 
-- pushes the part with `sendfile` to the agents of the nodes hosting the other ranks of the
-  rank's clique (`push_targets`), one after the other, each push bounded by
-  `transfer_timeout(size)`; a failed push costs a WARNING line, the others go on;
-- copies it to `<persist_dir>/<session>/iter_.../rank..-of...ftckpt` (temp, fsync, rename),
-  then applies the manager's retention rule there (`after_write`).
+pushes the part with `sendfile` to the agents of the nodes hosting the other ranks of the
+rank's clique (`push_targets`), one after the other, each push bounded by
+`transfer_timeout(size)`; a failed push costs a WARNING line, the others go on. (The copy under
+`root_local_ckpt_dir` is the worker's, within its save: `checkpointing.persist`.)
 
 Then it moves the session's protection (`node_tier.PROTECTED_FILE`) to the newest iteration
 of which this node holds every part it should (`holdings.held_ranks`: its ranks' and, with
@@ -31,7 +30,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from ftrun.agent.keeper import holdings as plan
@@ -40,9 +38,8 @@ from ftrun.agent.keeper.settings import KeeperSettings
 from ftrun.agent.keeper.tier import NodeTier
 from ftrun.agent.keeper.transfer import open_part, push_part
 from ftrun.checkpointing.errors import CheckpointUsageError
-from ftrun.checkpointing.format import TMP_MARK
 from ftrun.checkpointing.node_tier import TierPolicy
-from ftrun.checkpointing.store import DirectoryStore, PartKey
+from ftrun.checkpointing.store import PartKey
 from ftrun.peer import PeerClient, PeerError
 from ftrun.rendezvous.ranks import Round
 
@@ -165,8 +162,6 @@ class Replicator:
         try:
             if policy.replication_factor is not None and policy.replication_factor > 1:
                 self._replicate(session, key, policy, rnd, fd, nbytes)
-            if policy.persist_dir is not None:
-                self._persist(session, key, Path(policy.persist_dir), fd, nbytes)
         finally:
             os.close(fd)
 
@@ -220,57 +215,8 @@ class Replicator:
                 seconds=round(time.monotonic() - started, 6),
             )
 
-    def _persist(self, session: str, key: PartKey, root: Path, fd: int, nbytes: int) -> None:
-        started = time.monotonic()
-        store = DirectoryStore(root / session)
-        path = store.path_of(key)
-        try:
-            copy_into_place(fd, nbytes, path)
-            for old in plan.after_write(
-                store.list(key.rank, key.world_size), key, self._settings.keep_complete
-            ):
-                store.remove(old)
-        except OSError as exc:
-            self._complain(f"{session}/persist", f"checkpoint keeper: cannot copy to {path}: {exc}")
-            return
-        self._emit(
-            "ckpt_persisted",
-            session=session,
-            iteration=key.iteration,
-            rank=key.rank,
-            bytes=nbytes,
-            seconds=round(time.monotonic() - started, 6),
-            path=str(path),
-        )
-
     def _complain(self, topic: str, message: str, *args: Any) -> None:
         """Log a problem once while it stays the same (a poll every 0.2 s must not flood)."""
         if self._complaints.get(topic) != message:
             self._complaints[topic] = message
             log.warning(message, *args)
-
-
-def copy_into_place(fd: int, nbytes: int, path: Path) -> None:
-    """Copy the open part to `path` (kernel-side `sendfile`), durable, via temp and rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}.keeper")
-    out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        offset = 0
-        while offset < nbytes:
-            sent = os.sendfile(out, fd, offset, nbytes - offset)
-            if sent == 0:
-                raise OSError(f"the part ended after {offset} of {nbytes} bytes")
-            offset += sent
-        os.fsync(out)
-    except BaseException:
-        os.close(out)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(out)
-    os.replace(tmp, path)
-    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
