@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftrun.checkpointing import AsyncCallsQueue, AsyncRequest, CkptID, LocalCheckpointManager
+from ftrun.checkpointing import (
+    AsyncCallsQueue,
+    AsyncRequest,
+    CkptID,
+    LocalCheckpointManager,
+    TorchAsyncCheckpoint,
+)
 
 
 def test_ckpt_id_is_nvrx_s_tuple() -> None:
@@ -74,3 +80,32 @@ def test_under_ft_launcher_persist_to_disk_false_keeps_parts_in_memory_only(
         {"w": torch.ones(2)}, 1
     )
     assert (memory / "s" / "iter_0000001" / "rank0-of1.ftckpt").is_file() and not disk.exists()
+
+
+def test_torch_async_checkpoint_saves_a_copy_taken_at_the_call(tmp_path: Path) -> None:
+    """NVRx's async_ckpt.py: `async_save(state_dict, path)`, then
+    `finalize_async_save(blocking=True, no_dist=True, terminate=True)`, then `torch.load`."""
+    model = torch.nn.Linear(3, 2)
+    state = model.state_dict()
+    expected = {k: v.clone() for k, v in state.items()}
+    checkpoint = TorchAsyncCheckpoint(persistent_queue=True)
+    checkpoint.async_save(state, tmp_path / "ckpt.pt")
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the caller goes on training: the save holds the old values
+    checkpoint.finalize_async_save(blocking=True, no_dist=True, terminate=True)
+    loaded = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+    assert getattr(loaded, "_metadata", None) == getattr(state, "_metadata", None)
+    checkpoint.close()  # closing twice is harmless, as NVRx's example does
+    with pytest.raises(RuntimeError, match="closed"):
+        checkpoint.async_save(state, tmp_path / "again.pt")
+
+
+def test_torch_async_checkpoint_without_a_persistent_queue(tmp_path: Path) -> None:
+    checkpoint = TorchAsyncCheckpoint(persistent_queue=False)
+    checkpoint.async_save({"x": [torch.ones(2), (torch.zeros(1), 3)]}, tmp_path / "c.pt")
+    checkpoint.finalize_async_save(blocking=True)
+    checkpoint.close()
+    loaded = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert torch.equal(loaded["x"][0], torch.ones(2)) and loaded["x"][1][1] == 3

@@ -28,6 +28,7 @@ from ftrun.checkpointing.replication import (
     LazyCliqueReplicationStrategy,
 )
 from ftrun.checkpointing.state_dict import BasicTensorAwareStateDict
+from ftrun.checkpointing.torch_async import TorchAsyncCheckpoint
 
 # The global tier and `restore` import torch.distributed.checkpoint (~0.5 s): only when used,
 # so that a worker that saves locally restarts without paying for it.
@@ -74,6 +75,7 @@ __all__ = [
     "PartInfo",
     "Restored",
     "Tier",
+    "TorchAsyncCheckpoint",
     "read_part",
     "restore",
     "write_part",
