@@ -57,6 +57,7 @@ DEVICE_LINES = (  # local_ckpt.py on CPU: gloo, no set_device, the model on the 
     ("        torch.cuda.set_device(dist.get_node_local_rank())\n", ""),
     ('model = SimpleModel().to("cuda")', 'model = SimpleModel().to("cpu")'),
 )
+ONLY = ""  # --only
 FOLDERS = ("fault_tolerance", "checkpointing", "straggler")
 SMALL = ["--hidden", "256", "--train_dataset_size", "4000", "--logging_interval", "100"]
 LOCAL_CKPT_FLAGS = {
@@ -107,6 +108,10 @@ def launchers(nodes: int, nproc: int, argv: list[str]) -> list[list[str]]:
     return [[*launcher, *common, *argv] for _ in range(nodes)]
 
 
+def slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
+
+
 def run(
     name: str,
     commands: list[list[str]],
@@ -114,7 +119,9 @@ def run(
     env: dict[str, str],
     timeout: float,
     gpus: list[str] | None = None,
-) -> dict[str, object]:
+) -> dict[str, object] | None:
+    if ONLY and not re.search(ONLY, name):
+        return None
     cwd.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     procs = []
@@ -122,7 +129,7 @@ def run(
         node_env = dict(env)
         if gpus is not None:
             node_env["CUDA_VISIBLE_DEVICES"] = gpus[index]
-        log = (cwd / f"{name}.node{index}.log").open("ab")
+        log = (cwd / f"{slug(name)}.node{index}.log").open("ab")
         procs.append(
             subprocess.Popen(
                 command,
@@ -146,7 +153,7 @@ def run(
     return {"case": name, "rc": rc, "seconds": seconds, "dir": str(cwd)}
 
 
-def cpu_cases(root: Path, work: Path, env: dict[str, str], skip_basic: bool) -> list[dict]:
+def cpu_cases(root: Path, work: Path, env: dict[str, str], skip_basic: bool) -> list[dict | None]:
     ft = root / "fault_tolerance"
     rows = []
     if not skip_basic:
@@ -193,7 +200,7 @@ def cpu_cases(root: Path, work: Path, env: dict[str, str], skip_basic: bool) -> 
     return rows
 
 
-def cuda_cases(root: Path, work: Path, env: dict[str, str], gpus: int) -> list[dict]:
+def cuda_cases(root: Path, work: Path, env: dict[str, str], gpus: int) -> list[dict | None]:
     rows = []
     script = root / "checkpointing" / "local_ckpt.py"
     for flags_name, flags in LOCAL_CKPT_FLAGS.items():
@@ -270,7 +277,11 @@ def main() -> int:
         help="OMP_NUM_THREADS of each worker (ft_launcher's default is 1)",
     )
     parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--only", default="", help="run only the cases this regex matches")
+    parser.add_argument("--logs", type=Path, help="copy every run's log here, flat")
     args = parser.parse_args()
+    global ONLY
+    ONLY = args.only
     if not all((args.examples / folder).is_dir() for folder in FOLDERS):
         parser.error(f"{args.examples} lacks one of {', '.join(FOLDERS)}: not NVRx's examples/")
     work = args.work or Path(tempfile.mkdtemp(prefix="nvrx-examples-"))
@@ -280,6 +291,7 @@ def main() -> int:
         rows = cpu_cases(root, work, env, args.skip_basic)
     else:
         rows = cuda_cases(root, work, env, args.gpus)
+    rows = [row for row in rows if row is not None]
     failed = [r["case"] for r in rows if r["rc"] != 0]
     print(
         f"{len(rows) - len(failed)} of {len(rows)} passed"
@@ -287,6 +299,10 @@ def main() -> int:
     )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
+        for log in work.rglob("*.node*.log"):
+            shutil.copy(log, args.logs / log.name)
     return 1 if failed else 0
 
 

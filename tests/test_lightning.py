@@ -24,6 +24,7 @@ from ftrun.lightning import (  # noqa: E402
     NEWEST,
     Ending,
     FaultToleranceCallback,
+    FaultToleranceSectionsCallback,
     HierarchicalCheckpointIO,
     LightningUsageError,
     PreemptionCallback,
@@ -208,6 +209,43 @@ def test_timeouts_are_calculated_after_a_load_and_a_save_and_kept(monitored, tmp
         "heartbeat": {k: timeouts["heartbeat"][k] for k in ("initial", "subsequent")},
         "sections": {"step": timeouts["section"]["section"]["step"]},
     }
+
+
+SECTIONED = {"setup": 600.0, "step": 600.0, "checkpointing": 600.0}
+
+
+def test_the_sections_callback_times_nvrx_s_sections_and_keeps_timeouts_in_its_file(
+    make_server, monkeypatch, tmp_path
+):
+    """NVRx's FaultToleranceSectionsCallback: a fit from scratch calculates "step" (more than
+    16 steps) and "checkpointing"; a resumed fit also "setup" and the out-of-section timeout,
+    and finds the first fit's values in `<exp_dir>/_ft_state_.json`."""
+    server = make_server(
+        safety_factor=1000.0, rank_section_timeouts=SECTIONED, rank_out_of_section_timeout=600.0
+    )
+    for key, value in {**server.worker_env(), "RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv(ENV_FINISHED_FLAG, raising=False)
+    server.expect_rank(0, os.getpid())
+    every5 = {"dirpath": tmp_path / "ckpt", "every_n_train_steps": 5, "save_top_k": -1}
+    first = FaultToleranceSectionsCallback(True, True, exp_dir=tmp_path)
+    trainer = fit(tmp_path, [first, ModelCheckpoint(**every5, filename="a{step}")], max_steps=20)
+    assert trainer.strategy.training_step.__qualname__.startswith("Strategy")  # unwrapped
+    state = json.loads((tmp_path / "_ft_state_.json").read_text())["current_timeouts"]["section"]
+    assert state["calculated_sections"] == ["checkpointing", "step"]
+    assert not state["is_out_of_section_calculated"]  # "setup" not seen after a load yet
+    assert flag(tmp_path) is not None  # max_steps reached: finished
+    second = FaultToleranceSectionsCallback(True, True, exp_dir=tmp_path)
+    fit(tmp_path, [second, ModelCheckpoint(**every5, filename="b{step}")], max_steps=40,
+        ckpt_path=str(tmp_path / "ckpt" / "astep=20.ckpt"))  # fmt: skip
+    state = json.loads((tmp_path / "_ft_state_.json").read_text())["current_timeouts"]["section"]
+    assert state["calculated_sections"] == ["checkpointing", "setup", "step"]
+    assert state["is_out_of_section_calculated"]
+
+
+def test_the_sections_callback_needs_nvrx_s_three_sections(monitored, tmp_path):
+    with pytest.raises(ValueError, match="rank_section_timeouts must name exactly"):
+        fit(tmp_path, [FaultToleranceSectionsCallback(False, False, exp_dir=tmp_path)])
 
 
 def test_the_io_resumes_from_the_newest_good_copy(tmp_path):

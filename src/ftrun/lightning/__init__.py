@@ -4,6 +4,8 @@ Callbacks and a checkpoint IO on top of ftrun's worker-side APIs:
 
 - `FaultToleranceCallback`: heartbeats, "step"/"checkpointing" sections, calculated timeouts kept
   with the checkpoints, and the finished flag that `slurm/` reads (`ending`);
+- `FaultToleranceSectionsCallback`: NVRx's section-only variant ("setup", "step",
+  "checkpointing"), its timeouts kept in a JSON file (`sections`);
 - `PreemptionCallback`: on the launcher's SIGTERM, save at a step end and stop cleanly;
 - `HierarchicalCheckpointIO`: local checkpoints every N steps beside the global ones, and a
   resume from the newest good copy;
@@ -21,6 +23,7 @@ from ftrun.lightning.errors import (
 )
 from ftrun.lightning.fault_tolerance import FaultToleranceCallback
 from ftrun.lightning.preemption import PreemptionCallback
+from ftrun.lightning.sections import FaultToleranceSectionsCallback
 from ftrun.lightning.simulated_fault import SimulatedFault, SimulatedFaultParams
 from ftrun.lightning.straggler import StragglerDetectionCallback
 
@@ -29,6 +32,7 @@ __all__ = [
     "NEWEST",
     "Ending",
     "FaultToleranceCallback",
+    "FaultToleranceSectionsCallback",
     "HierarchicalCheckpointIO",
     "LightningIntegrationError",
     "LightningUsageError",
