@@ -10,8 +10,11 @@ import torch
 from ftrun.checkpointing import (
     AsyncCallsQueue,
     AsyncRequest,
+    BasicTensorAwareStateDict,
+    CheckpointUsageError,
     CkptID,
     LocalCheckpointManager,
+    TensorAwareStateDict,
     TorchAsyncCheckpoint,
 )
 
@@ -109,3 +112,39 @@ def test_torch_async_checkpoint_without_a_persistent_queue(tmp_path: Path) -> No
     checkpoint.close()
     loaded = torch.load(tmp_path / "c.pt", weights_only=True)
     assert torch.equal(loaded["x"][0], torch.ones(2)) and loaded["x"][1][1] == 3
+
+
+def test_basic_tensor_aware_state_dict_has_nvrx_s_methods() -> None:
+    state = BasicTensorAwareStateDict({"a": torch.ones(2), "b": [torch.zeros(3, 2), 7]})
+    assert isinstance(state, TensorAwareStateDict) and not state.is_hollow
+    popped = state.pop_tensors()
+    assert [t.shape for t in popped] == [(2,), (3, 2)] and state.is_hollow
+    with pytest.raises(RuntimeError, match="hollow"):
+        state.pop_tensors()
+    state.init_tensors()
+    assert [t.shape for t in state.tensors] == [(2,), (3, 2)] and not state.is_hollow
+    state.pop_tensors()
+    state.insert_tensors(popped)
+    assert state.tensors[0] is popped[0] and state.state_dict["b"][1] == 7
+    state.copy_tensors_to_cpu()
+    state.restore_tensor_device()
+    assert torch.equal(state.state_dict["a"], torch.ones(2))
+
+
+def test_another_tensor_aware_state_dict_is_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Custom(BasicTensorAwareStateDict):
+        pass
+
+    class Other(TensorAwareStateDict):  # every abstract method, as a user's subclass would
+        pop_tensors = insert_tensors = init_tensors = lambda self, *a: None
+        copy_tensors_to_cpu = restore_tensor_device = lambda self, *a: None
+        tensors = is_hollow = property(lambda self: None)
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    manager = LocalCheckpointManager(tmp_path)
+    manager.save(Custom({"w": torch.ones(1)}), 1)  # a Basic one is stored as such
+    with pytest.raises(CheckpointUsageError, match="would need pickle"):
+        manager.save(Other(), 2)

@@ -27,7 +27,7 @@ from ftrun.checkpointing.replication import (
     CliqueReplicationStrategy,
     LazyCliqueReplicationStrategy,
 )
-from ftrun.checkpointing.state_dict import BasicTensorAwareStateDict
+from ftrun.checkpointing.state_dict import BasicTensorAwareStateDict, TensorAwareStateDict
 from ftrun.checkpointing.torch_async import TorchAsyncCheckpoint
 
 # The global tier and `restore` import torch.distributed.checkpoint (~0.5 s): only when used,
@@ -74,6 +74,7 @@ __all__ = [
     "LocalTier",
     "PartInfo",
     "Restored",
+    "TensorAwareStateDict",
     "Tier",
     "TorchAsyncCheckpoint",
     "read_part",

@@ -46,7 +46,7 @@ from ftrun.checkpointing.errors import (
 )
 from ftrun.checkpointing.format import PartInfo
 from ftrun.checkpointing.persist import copy_part
-from ftrun.checkpointing.state_dict import BasicTensorAwareStateDict
+from ftrun.checkpointing.state_dict import BasicTensorAwareStateDict, TensorAwareStateDict
 from ftrun.checkpointing.store import DirectoryStore, PartKey, PartStore, PreparedPart
 
 logger = logging.getLogger(__name__)
@@ -339,6 +339,11 @@ class _AsyncSave:
 def _unwrap(state_dict: Any) -> tuple[Any, dict[str, str]]:
     if isinstance(state_dict, BasicTensorAwareStateDict):
         return state_dict.state_dict, {WRAPPER_KEY: "BasicTensorAwareStateDict"}
+    if isinstance(state_dict, TensorAwareStateDict):
+        raise CheckpointUsageError(
+            f"{type(state_dict).__name__}: ftrun stores plain state dicts and "
+            "BasicTensorAwareStateDict only (another TensorAwareStateDict would need pickle)"
+        )
     return state_dict, {}
 
 
