@@ -20,6 +20,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+from ftrun.checkpointing import BasicTensorAwareStateDict, LocalCheckpointManager  # noqa: E402
 from ftrun.lightning import (  # noqa: E402
     NEWEST,
     Ending,
@@ -27,6 +28,7 @@ from ftrun.lightning import (  # noqa: E402
     FaultToleranceSectionsCallback,
     HierarchicalCheckpointIO,
     LightningUsageError,
+    LocalCheckpointCallback,
     PreemptionCallback,
     SimulatedFault,
     SimulatedFaultError,
@@ -38,6 +40,7 @@ from ftrun.lightning._compat import (  # noqa: E402
     EarlyStopping,
     LightningModule,
     ModelCheckpoint,
+    TorchCheckpointIO,
     Trainer,
 )
 from ftrun.lightning.ending import ENV_FINISHED_FLAG  # noqa: E402
@@ -270,6 +273,57 @@ def test_the_io_resumes_from_the_newest_good_copy(tmp_path):
         order.append(fresh.loaded_from)
     assert order == ["local:10", str(tmp_path / "global" / "step=9.ckpt"),
                      str(tmp_path / "global" / "step=6.ckpt")]  # fmt: skip
+
+
+class NVRxStyleIO(HierarchicalCheckpointIO):
+    """As NVRx's users write it: the two hooks NVRx leaves abstract."""
+
+    def to_tensor_aware_state_dict(self, checkpoint):
+        return BasicTensorAwareStateDict(checkpoint)
+
+    def from_tensor_aware_state_dict(self, tensor_aware_checkpoint, **kwargs):
+        return tensor_aware_checkpoint.state_dict
+
+
+def test_nvrx_s_form_of_the_io_and_callback_resumes_from_the_newer_copy(tmp_path):
+    """NVRx's constructors: `HierarchicalCheckpointIO.get_partial_wrapper_constructor(manager,
+    fn)(TorchCheckpointIO())` and `LocalCheckpointCallback(every_n_train_steps=4)`; then
+    `load_checkpoint(path)` takes the local copy when it is at least as new as the file."""
+
+    def global_step_of(path):
+        return torch.load(path, weights_only=False)["global_step"]
+
+    def make_io():
+        manager = LocalCheckpointManager(tmp_path / "local")
+        return NVRxStyleIO.get_partial_wrapper_constructor(manager, global_step_of)(
+            TorchCheckpointIO()
+        )
+
+    io = make_io()
+    assert io.async_save is False and io.local_ckpt_manager is io.manager  # NVRx's defaults
+    glob = ModelCheckpoint(tmp_path / "global", filename="{step}", every_n_train_steps=3,
+                           save_top_k=-1)  # fmt: skip
+    fit(tmp_path, [LocalCheckpointCallback(every_n_train_steps=4), glob], plugins=[io],
+        max_steps=8)  # fmt: skip
+    assert io.manager.find_latest() == 8 and (tmp_path / "local" / "iter_0000008").is_dir()
+    resumed = make_io()
+    trainer = fit(tmp_path, [], plugins=[resumed], max_steps=9, enable_checkpointing=False,
+                  ckpt_path=str(tmp_path / "global" / "step=6.ckpt"))  # fmt: skip
+    assert resumed.loaded_from == "local:8" and trainer.global_step == 9
+    LocalCheckpointManager(tmp_path / "local").save({"x": torch.ones(1)}, 2)  # an older one only
+    for part in (tmp_path / "local").glob("iter_000000[48]"):
+        for child in part.iterdir():
+            child.unlink()
+        part.rmdir()
+    older = make_io()
+    fit(tmp_path, [], plugins=[older], max_steps=7, enable_checkpointing=False,
+        ckpt_path=str(tmp_path / "global" / "step=6.ckpt"))  # fmt: skip
+    assert older.loaded_from is None  # local 2 < global 6: the global file
+
+
+def test_nvrx_s_callback_needs_the_io_in_the_plugins(tmp_path):
+    with pytest.raises(LightningUsageError, match="needs a HierarchicalCheckpointIO"):
+        fit(tmp_path, [LocalCheckpointCallback(every_n_train_steps=2)])
 
 
 def test_a_lightning_checkpoint_round_trips_through_the_local_format():

@@ -14,7 +14,7 @@ Callbacks and a checkpoint IO on top of ftrun's worker-side APIs:
 Works with `pytorch_lightning` or `lightning.pytorch` (see `_compat`).
 """
 
-from ftrun.lightning.checkpoint_io import NEWEST, HierarchicalCheckpointIO, LocalCheckpointCallback
+from ftrun.lightning.checkpoint_io import NEWEST, HierarchicalCheckpointIO
 from ftrun.lightning.ending import ENV_FINISHED_FLAG, Ending, classify, request_stop
 from ftrun.lightning.errors import (
     LightningIntegrationError,
@@ -22,6 +22,8 @@ from ftrun.lightning.errors import (
     SimulatedFaultError,
 )
 from ftrun.lightning.fault_tolerance import FaultToleranceCallback
+from ftrun.lightning.local_callback import LocalCheckpointCallback
+from ftrun.lightning.nvrx_io import LOCAL_CKPT_OPTS_KEY
 from ftrun.lightning.preemption import PreemptionCallback
 from ftrun.lightning.sections import FaultToleranceSectionsCallback
 from ftrun.lightning.simulated_fault import SimulatedFault, SimulatedFaultParams
@@ -29,6 +31,7 @@ from ftrun.lightning.straggler import StragglerDetectionCallback
 
 __all__ = [
     "ENV_FINISHED_FLAG",
+    "LOCAL_CKPT_OPTS_KEY",
     "NEWEST",
     "Ending",
     "FaultToleranceCallback",

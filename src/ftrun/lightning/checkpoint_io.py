@@ -28,6 +28,7 @@ trainer.fit(model, ckpt_path=io.resume_path(ckpt_dir))
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -35,10 +36,15 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ftrun.checkpointing import CheckpointNotFoundError, LocalCheckpointManager
-from ftrun.lightning import state_codec
-from ftrun.lightning._compat import Callback, CheckpointIO, TorchCheckpointIO
+from ftrun.checkpointing import (
+    BasicTensorAwareStateDict,
+    CheckpointNotFoundError,
+    LocalCheckpointManager,
+)
+from ftrun.lightning import nvrx_io, state_codec
+from ftrun.lightning._compat import CheckpointIO, TorchCheckpointIO
 from ftrun.lightning.errors import LightningUsageError
+from ftrun.lightning.local_callback import LocalCheckpointCallback
 
 log = logging.getLogger("ftrun.lightning")
 
@@ -56,7 +62,20 @@ class HierarchicalCheckpointIO(CheckpointIO):
     `async_save`: local saves return after the copy of the bytes (the write finishes behind).
     """
 
-    def __init__(
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """ftrun's form `(local_ckpt_dir, every_n_train_steps, *, checkpoint_io=None,
+        session_id="lightning", repl_strategy=None, persist_to_disk=True, async_save=True)`, or
+        NVRx's `(wrapped_checkpoint_io, local_ckpt_manager, get_global_ckpt_iteration_fn,
+        async_save=False)` (see `nvrx_io`), told apart by the first argument's type."""
+        if nvrx_io.is_nvrx_form(args, kwargs):
+            nvrx_io.init_nvrx_form(self, *args, **kwargs)
+        else:
+            self._init_ftrun_form(*args, **kwargs)
+        self.loaded_from: str | None = None
+        """What `load_checkpoint(NEWEST)` loaded: "local:<step>" or the global file's path."""
+        self._global_dirs: list[Path] = []
+
+    def _init_ftrun_form(
         self,
         local_ckpt_dir: str | Path,
         every_n_train_steps: int,
@@ -71,15 +90,28 @@ class HierarchicalCheckpointIO(CheckpointIO):
             raise LightningUsageError(
                 f"every_n_train_steps must be an int >= 1, not {every_n_train_steps!r}"
             )
-        self.every_n_train_steps = every_n_train_steps
+        self.every_n_train_steps: int | None = every_n_train_steps
         self.checkpoint_io = checkpoint_io if checkpoint_io is not None else TorchCheckpointIO()
         self.manager = LocalCheckpointManager(
             local_ckpt_dir, session_id, repl_strategy, persist_to_disk=persist_to_disk
         )
         self.async_save = async_save
-        self.loaded_from: str | None = None
-        """What `load_checkpoint(NEWEST)` loaded: "local:<step>" or the global file's path."""
-        self._global_dirs: list[Path] = []
+        self.get_global_ckpt_iteration_fn: Any = None
+
+    @classmethod
+    def get_partial_wrapper_constructor(
+        cls, local_ckpt_manager: Any, get_global_ckpt_iteration_fn: Any
+    ) -> Any:
+        """NVRx's: the constructor with everything but the wrapped IO given."""
+        return functools.partial(
+            cls,
+            local_ckpt_manager=local_ckpt_manager,
+            get_global_ckpt_iteration_fn=get_global_ckpt_iteration_fn,
+        )
+
+    @property
+    def local_ckpt_manager(self) -> LocalCheckpointManager:
+        return self.manager  # NVRx's name
 
     def callback(self) -> LocalCheckpointCallback:
         """The callback that triggers the local saves; add it to the trainer's callbacks."""
@@ -87,21 +119,48 @@ class HierarchicalCheckpointIO(CheckpointIO):
 
     # ---- local tier ------------------------------------------------------------------------
 
-    def save_local(self, checkpoint: dict[str, Any], step: int) -> None:
-        """Save this rank's copy of `checkpoint` as local iteration `step`."""
-        self.manager.save(state_codec.encode(checkpoint), step, is_async=self.async_save)
+    def save_local(
+        self, checkpoint: dict[str, Any], step: int, is_async: bool | None = None
+    ) -> Any:
+        """Save this rank's copy of `checkpoint` as local iteration `step` (through
+        `to_tensor_aware_state_dict`); NVRx's `AsyncRequest` when async."""
+        wrapped = self.to_tensor_aware_state_dict(checkpoint)
+        if not isinstance(wrapped, BasicTensorAwareStateDict):
+            raise LightningUsageError(
+                f"to_tensor_aware_state_dict must return a BasicTensorAwareStateDict, not "
+                f"{type(wrapped).__name__} (ftrun stores no pickled objects)"
+            )
+        storable = BasicTensorAwareStateDict(state_codec.encode(wrapped.state_dict))
+        async_save = self.async_save if is_async is None else is_async
+        return self.manager.save(storable, step, is_async=async_save)
+
+    def to_tensor_aware_state_dict(self, checkpoint: dict[str, Any]) -> Any:
+        """NVRx's hook (abstract there): the Lightning checkpoint, wrapped."""
+        return BasicTensorAwareStateDict(checkpoint)
+
+    def from_tensor_aware_state_dict(self, tensor_aware_checkpoint: Any, **kwargs: Any) -> Any:
+        """NVRx's hook (abstract there): the Lightning checkpoint back."""
+        return tensor_aware_checkpoint.state_dict
 
     # ---- global tier (Lightning's CheckpointIO) --------------------------------------------
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
-    ) -> None:
+    ) -> Any:
+        local = nvrx_io.local_options(storage_options)
+        if local is not None:  # NVRx's `trainer.save_checkpoint(None, storage_options=...)`
+            if path is not None:
+                raise LightningUsageError(f"a local checkpoint takes no path, got {path!r}")
+            return self.save_local(checkpoint, local["iteration"], local.get("is_async"))
         self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
         _note_step(Path(path), checkpoint.get("global_step"))
+        return None
 
     def load_checkpoint(
-        self, path: Any, map_location: Any = None, weights_only: bool | None = None
+        self, path: Any, map_location: Any = None, weights_only: bool | None = None, **kwargs: Any
     ) -> dict[str, Any]:
+        if self.get_global_ckpt_iteration_fn is not None and str(path) != NEWEST:
+            return nvrx_io.load_newer(self, path, map_location, weights_only, **kwargs)
         if str(path) != NEWEST:
             return self._load_global(Path(path), map_location, weights_only)
         return self._load_newest(map_location, weights_only)
@@ -141,7 +200,7 @@ class HierarchicalCheckpointIO(CheckpointIO):
             f"no loadable checkpoint: none local, none good in {list(map(str, self._global_dirs))}"
         )
 
-    def _try_local(self) -> dict[str, Any] | None:
+    def _try_local(self, **kwargs: Any) -> dict[str, Any] | None:
         try:
             state, ckpt_id = self.manager.load()
         except CheckpointNotFoundError as exc:  # torchrun: every part of it was set aside
@@ -149,7 +208,10 @@ class HierarchicalCheckpointIO(CheckpointIO):
             return None
         self.loaded_from = f"local:{ckpt_id.iteration}"
         log.info("resuming from the local checkpoint of step %d", ckpt_id.iteration)
-        return state_codec.decode(state)
+        if isinstance(state, BasicTensorAwareStateDict):
+            state = state.state_dict
+        wrapped = BasicTensorAwareStateDict(state_codec.decode(state))
+        return self.from_tensor_aware_state_dict(wrapped, **kwargs)
 
     def _try_global(
         self, path: Path, map_location: Any, weights_only: bool | None
@@ -167,24 +229,6 @@ class HierarchicalCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         kwargs = {} if map_location is None else {"map_location": map_location}
         return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only, **kwargs)
-
-
-class LocalCheckpointCallback(Callback):
-    """Saves `io`'s local checkpoint at the end of every `io.every_n_train_steps`-th step."""
-
-    def __init__(self, io: HierarchicalCheckpointIO) -> None:
-        self.io = io
-        self._last_step = -1
-
-    def on_train_batch_end(
-        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        step = trainer.global_step
-        if step == self._last_step or step % self.io.every_n_train_steps:
-            return
-        self._last_step = step
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        self.io.save_local(checkpoint, step)
 
 
 def _global_candidates(dirs: list[Path]) -> list[tuple[int, Path]]:
