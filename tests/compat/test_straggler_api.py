@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from ftrun.straggler import Detector
+from ftrun.straggler import Detector, Statistic
 
 
 def test_per_worker_report_settings_are_warned_about_under_the_launcher(
@@ -24,7 +24,7 @@ def test_per_worker_report_settings_are_warned_about_under_the_launcher(
         Detector.initialize(report_time_interval=5, node_name="gpu-node-7")
     try:
         assert "report_time_interval=5 is not used under ft_launcher" in caplog.text
-        assert "node_name='gpu-node-7' is not used under ft_launcher" in caplog.text
+        assert "node_name='gpu-node-7' names this rank's node in generate_report()" in caplog.text
     finally:
         Detector.shutdown()
     caplog.clear()
@@ -32,3 +32,26 @@ def test_per_worker_report_settings_are_warned_about_under_the_launcher(
         Detector.initialize()  # NVRx's defaults: nothing to say
     Detector.shutdown()
     assert caplog.text == ""
+
+
+def test_generate_report_computes_now_under_the_launcher_as_nvrx_s_does(
+    make_server: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NVRx's `generate_report()` reports the durations since the last call at once; under
+    ft_launcher it did not before the agents' first report (60 s by default)."""
+    server = make_server()
+    for key, value in {**server.worker_env(), "RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    server.expect_rank(0, os.getpid())
+    Detector.initialize(node_name="gpu-node-7")
+    try:
+        for _ in range(3):
+            with Detector.detection_section("fwd", profile_cuda=False):
+                pass
+        report = Detector.generate_report()
+        assert report is not None and report.local_section_summaries["fwd"][Statistic.NUM] == 3
+        assert report.rank_to_node == {0: "gpu-node-7"}
+        assert Detector.latest_launcher_report() is None  # the agents have not reported yet
+        assert Detector.generate_report().local_section_summaries == {}  # nothing new
+    finally:
+        Detector.shutdown()

@@ -9,10 +9,12 @@
 
 Under ft_launcher (its environment is set) the durations go to the node's agent in batches;
 the agents compute the scores on their own clock (`--ft-straggler-report-interval`; the
-worker's `report_time_interval` and `node_name` are not used, and a warning says so) and
-`generate_report()` returns the latest report they published, read from a file the node's
-agent keeps: it never waits on another rank.
-Without the launcher, scores are computed in-process (see `local`).
+worker's `report_time_interval` and `node_name` are not used, and a warning says so), and
+`generate_report_if_interval_elapsed()` returns each report they publish, read from a file the
+node's agent keeps: it never waits on another rank. `generate_report()` is NVRx's: a report
+of the durations since the last one, computed now in-process (collective: every rank calls it
+at the same step), as without the launcher (see `local`); `latest_launcher_report()` is the
+agents' latest report (None before their first), without a collective.
 
 As with NVRx, with `gather_on_rank0=True` rank 0 gets every rank's scores and the other ranks
 get None; with False each rank gets its own scores only.
@@ -112,8 +114,8 @@ class Detector:
         if env:
             _say_what_the_launcher_decides(report_time_interval, node_name)
         channel = MonitorChannel(env[0], env[2]) if env else None
-        local = None if channel else LocalSink()
-        sink: Any = channel or local
+        local = LocalSink()
+        sink: Any = _Both(channel, local) if channel else local
         recorder = Recorder(sink, profiling_interval, cuda_timer())
         cls._state = _State(
             recorder=recorder,
@@ -179,20 +181,28 @@ class Detector:
 
     @classmethod
     def generate_report(cls) -> Report | None:
-        """The latest report (launcher) or this interval's (no launcher), shaped as NVRx's."""
+        """NVRx's: this interval's report, computed now (collective when a process group of
+        several ranks is initialized: call it on every rank), shaped as NVRx's."""
         state = cls._require()
         state.recorder.flush()
-        if state.report_file is not None:
-            state.report_file.refresh()
-            data = state.report_file.latest
-            if data is None:
-                return None
-            state.last_seq = data.get("seq")
-            report = Report.from_json(data)
-        else:
-            assert state.local is not None
-            report = local_report(state.local, state.rank, state.node, state.history)
+        assert state.local is not None
+        report = local_report(state.local, state.rank, state.node, state.history)
         return _shaped(report, state)
+
+    @classmethod
+    def latest_launcher_report(cls) -> Report | None:
+        """Under ft_launcher, the agents' latest report (None before their first, and without
+        the launcher); no collective."""
+        state = cls._require()
+        if state.report_file is None:
+            return None
+        state.recorder.flush()
+        state.report_file.refresh()
+        data = state.report_file.latest
+        if data is None:
+            return None
+        state.last_seq = data.get("seq")
+        return _shaped(Report.from_json(data), state)
 
     @classmethod
     def generate_report_if_interval_elapsed(cls) -> Report | None:
@@ -209,7 +219,7 @@ class Detector:
         state.next_check = now + _CHECK_REPORT_EVERY_S
         file = state.report_file
         state.elapsed = file.refresh() and (file.latest or {}).get("seq") != state.last_seq
-        return cls.generate_report() if state.elapsed else None
+        return cls.latest_launcher_report() if state.elapsed else None
 
     @classmethod
     def is_interval_elapsed(cls) -> bool:
@@ -223,19 +233,32 @@ class Detector:
         return cls._state
 
 
+class _Both:
+    """Under the launcher: batches to the agent, and a copy for `generate_report()`."""
+
+    def __init__(self, channel: MonitorChannel, local: LocalSink) -> None:
+        self.channel, self.local = channel, local
+
+    def take(self, batch: Any) -> None:
+        self.channel.take(batch)
+        self.local.take(batch)
+
+
 def _say_what_the_launcher_decides(report_time_interval: float, node_name: str | None) -> None:
     """Under ft_launcher the agents report on their clock and with their node names: NVRx's
     per-worker settings are not used, and a warning says so rather than dropping them."""
     if report_time_interval != DEFAULT_REPORT_TIME_INTERVAL:
         log.warning(
-            "Detector: report_time_interval=%s is not used under ft_launcher: reports come "
-            "every --ft-straggler-report-interval seconds (the launcher's)",
+            "Detector: report_time_interval=%s is not used under ft_launcher: "
+            "generate_report_if_interval_elapsed() returns the launcher's reports, every "
+            "--ft-straggler-report-interval seconds",
             report_time_interval,
         )
     if node_name is not None:
         log.warning(
-            "Detector: node_name=%r is not used under ft_launcher: reports name each rank's "
-            "node as its launcher does (--local-addr or the host name)",
+            "Detector: node_name=%r names this rank's node in generate_report() only: the "
+            "launcher's reports name each rank's node as its launcher does (--local-addr or "
+            "the host name)",
             node_name,
         )
 

@@ -1,6 +1,7 @@
 """The detector without a launcher (plain torchrun, or one process): scores computed in-process.
 
-Durations stay in the process (`LocalSink`). `local_report` summarises this rank's interval
+Durations stay in the process (`LocalSink`; under the launcher a copy of them, for NVRx's
+`generate_report()`, which computes now). `local_report` summarises this rank's interval
 and, when a torch.distributed process group is initialized with more than one rank, exchanges
 the ranks' records with one `all_gather_object` so that relative scores compare every rank
 (every rank must then call `generate_report` at the same step, as with NVRx). Without a group,
@@ -9,7 +10,7 @@ the report holds this rank alone: its relative scores are 1.0 by definition.
 `IntervalTracker` is what `generate_report_if_interval_elapsed` needs here: ranks must agree on
 *which step* reports, so the interval is a number of steps, estimated from the first steps'
 times and agreed on once with an all-reduce (the largest), as NVRx does. Under the launcher
-none of this runs: the agents report on their own clock.
+it does not run: the agents report on their own clock.
 """
 
 from __future__ import annotations
@@ -31,14 +32,23 @@ from ftrun.straggler.statistics import Statistic
 ESTIMATION_STEPS = 16
 
 
+KEPT_PER_SECTION = 100_000
+"""Under the launcher nobody may ask for an in-process report: beyond this many durations per
+section the oldest are dropped, so that memory stays bounded (about 0.8 MB per section)."""
+
+
 class LocalSink:
     """Keeps the batches in the process until the next report."""
 
-    def __init__(self) -> None:
+    def __init__(self, compact_every: int = 1024) -> None:
         self.batches: list[Batch] = []
+        self._compact_every = compact_every
 
     def take(self, batch: Batch) -> None:
         self.batches.append(batch)
+        if len(self.batches) >= self._compact_every:
+            merged = merge(self.batches)
+            self.batches = [[(n, g, d[-KEPT_PER_SECTION:]) for (n, g), d in merged.items()]]
 
     def drain(self) -> dict[tuple[str, bool], list[int]]:
         batches, self.batches = self.batches, []
