@@ -148,3 +148,40 @@ def test_another_tensor_aware_state_dict_is_refused_in_one_line(
     manager.save(Custom({"w": torch.ones(1)}), 1)  # a Basic one is stored as such
     with pytest.raises(CheckpointUsageError, match="would need pickle"):
         manager.save(Other(), 2)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process: no group
+def test_two_phase_async_dcp_save_as_nvrx_s_async_writer(tmp_path: Path) -> None:
+    """NVRx's async_writer.py pattern: plan (stages a copy), write in the queue's thread,
+    finalize (metadata); torch's own FileSystemReader then loads what was saved."""
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, load
+
+    from ftrun.checkpointing import (
+        FileSystemWriterAsync,
+        init_checkpoint_metadata_cache,
+        save_state_dict_async_finalize,
+        save_state_dict_async_plan,
+    )
+
+    init_checkpoint_metadata_cache()
+    model = torch.nn.Linear(4, 3)
+    state = {"model": model.state_dict(), "step": 7}
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    writer = FileSystemWriterAsync(tmp_path / "iter_1", thread_count=2)
+    plan = save_state_dict_async_plan(state, writer, None, 0, planner=DefaultSavePlanner(),
+                                      enable_cache=True)  # fmt: skip
+    with torch.no_grad():
+        model.weight.add_(1.0)  # after the plan returns, the save holds the old values
+    save_fn, preload_fn, save_args = writer.get_save_function_and_args()
+    queue = AsyncCallsQueue()
+    request = AsyncRequest(save_fn, save_args, [lambda: save_state_dict_async_finalize(*plan)],
+                           async_fn_kwargs={}, preload_fn=preload_fn)  # fmt: skip
+    queue.schedule_async_request(request)
+    queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+    queue.close()
+    target = {"model": {k: torch.zeros_like(v) for k, v in expected.items()}, "step": 0}
+    load(target, storage_reader=FileSystemReader(tmp_path / "iter_1"))
+    assert all(torch.equal(target["model"][k], expected[k]) for k in expected)
+    assert target["step"] == 7
+    with pytest.raises(CheckpointUsageError, match="multi-storage client"):
+        FileSystemWriterAsync(tmp_path / "x", use_msc=True)

@@ -33,6 +33,10 @@ from ftrun.checkpointing.torch_async import TorchAsyncCheckpoint
 # The global tier and `restore` import torch.distributed.checkpoint (~0.5 s): only when used,
 # so that a worker that saves locally restarts without paying for it.
 _LAZY = {
+    "FileSystemWriterAsync": "ftrun.checkpointing.dcp_async",
+    "init_checkpoint_metadata_cache": "ftrun.checkpointing.dcp_async",
+    "save_state_dict_async_finalize": "ftrun.checkpointing.dcp_async",
+    "save_state_dict_async_plan": "ftrun.checkpointing.dcp_async",
     "GlobalCheckpointConfig": "ftrun.checkpointing.global_tier",
     "GlobalCheckpointManager": "ftrun.checkpointing.global_tier",
     "GlobalTier": "ftrun.checkpointing.hierarchy",
@@ -66,6 +70,7 @@ __all__ = [
     "CheckpointWriteError",
     "CkptID",
     "CliqueReplicationStrategy",
+    "FileSystemWriterAsync",
     "GlobalCheckpointConfig",
     "GlobalCheckpointManager",
     "GlobalTier",
@@ -77,7 +82,10 @@ __all__ = [
     "TensorAwareStateDict",
     "Tier",
     "TorchAsyncCheckpoint",
+    "init_checkpoint_metadata_cache",
     "read_part",
     "restore",
+    "save_state_dict_async_finalize",
+    "save_state_dict_async_plan",
     "write_part",
 ]
