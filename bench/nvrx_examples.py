@@ -16,7 +16,8 @@ Sets:
   `local_ckpt.py` (CPU variant) in its four flag combinations, replication across two launchers
   of 4 ranks each (NVRx's defaults: jump 4, factor 2). `--skip-basic` leaves out
   `basic_ft_example.py` (10 epochs of a 4096-wide MLP: half an hour on 2 cores).
-- `cuda`: `local_ckpt.py` and `async_ckpt.py` as NVRx ships them, and `straggler/example.py` with
+- `cuda`: `local_ckpt.py`, `async_ckpt.py` and `async_writer.py` (FSDP, the two-phase DCP save)
+  as NVRx ships them, and `straggler/example.py` with
   a local MNIST-shaped dataset (`data/MNIST/raw`, written here: the device has no network).
   Replicated local checkpoints need a GPU per rank (NCCL refuses two ranks on one device):
   with fewer than 2 GPUs those two combinations are skipped, and said so.
@@ -236,6 +237,9 @@ def cuda_cases(root: Path, work: Path, env: dict[str, str], gpus: int) -> list[d
         rows.append(
             run(f"async_ckpt {name}", launchers(1, gpus, argv), work / "async" / name, env, 300)
         )
+    script = root / "checkpointing" / "async_writer.py"
+    argv = [str(script), "--ckpt_dir", str(work / "writer" / "ckpt")]
+    rows.append(run("async_writer", launchers(1, gpus, argv), work / "writer", env, 300))
     straggler_dir = work / "straggler"
     write_fake_mnist(straggler_dir / "data" / "MNIST" / "raw")
     command = [
