@@ -142,6 +142,8 @@ def _unsupported(opts: Resolved) -> list[str]:
     for opt in OPTIONS:
         if not opts.is_set(opt.name):
             continue
+        if opt.rejected and str(opts.values[opt.name]).strip().lower() in opt.harmless:
+            continue  # NVRx's default: asks for nothing ftrun lacks
         if opt.rejected:
             raise ConfigError(f"{opts.labels[opt.name]}: not supported: {opt.rejected}")
         if opt.ignored:

@@ -28,6 +28,11 @@ class Option:
     """Accepted for torchrun compatibility and ignored (why); setting it logs a warning."""
     rejected: str | None = None
     """Not supported (why, and what to use instead); setting it is a usage error."""
+    harmless: tuple[str, ...] = ()
+    """For a rejected option: values (lower case) that ask for nothing ftrun lacks (NVRx's
+    default, e.g. `enable_dist_storage_healthcheck: false`); given, they are accepted."""
+    yaml_aliases: tuple[str, ...] = ()
+    """Other YAML keys with the same meaning (NVRx's spelling of the field)."""
 
     @property
     def label(self) -> str:
@@ -66,8 +71,10 @@ def ft_option(name: str, default: Any, parse: Callable[[Any], Any], help: str, *
     """A fault-tolerance option: `--ft-<name>` flags and the YAML key `<name>`."""
     prefix = kw.pop("prefix", "ft_")
     yaml_key = name if kw.pop("in_yaml", True) else None
+    aliases = tuple(kw.pop("aliases", ()))  # NVRx's names for the same field
     kw["off_flags"] = spellings(f"{prefix}no_", name) if kw.get("off_flags") else ()
-    return Option(name, spellings(prefix, name), parse, default, help, yaml_key=yaml_key, **kw)
+    flags = tuple(f for n in (name, *aliases) for f in spellings(prefix, n))
+    return Option(name, flags, parse, default, help, yaml_key=yaml_key, yaml_aliases=aliases, **kw)
 
 
 def default_of(cls: type, field: str) -> Any:

@@ -13,10 +13,22 @@ from typing import Any
 from ftrun.ft_launcher import values as v
 from ftrun.ft_launcher.declare import Option, ft_option
 
+_SPELLINGS = {False: ("false", "0", "no", "off"), True: ("true", "1", "yes", "on"),
+              None: ("none", "null", "")}  # fmt: skip
 
-def _refused(name: str, help: str, instead: str, **kw: Any) -> Option:
-    """An NVRx option ftrun refuses: any value parses, setting it is a one-line error."""
-    return ft_option(name, None, v.optional_text, help, rejected=instead, **kw)
+
+def _refused(name: str, help: str, instead: str, nvrx_default: Any = "unset", **kw: Any) -> Option:
+    """An NVRx option ftrun refuses: any value parses; setting it is a one-line error, unless
+    to `nvrx_default` (NVRx's own default asks for nothing, and NVRx configs often spell it)."""
+    if nvrx_default == "unset":
+        harmless: tuple[str, ...] = ()
+    elif isinstance(nvrx_default, (bool, type(None))):
+        harmless = _SPELLINGS[nvrx_default]
+    elif isinstance(nvrx_default, float):
+        harmless = (repr(nvrx_default), f"{nvrx_default:g}")
+    else:
+        harmless = (str(nvrx_default).lower(),)
+    return ft_option(name, None, v.optional_text, help, rejected=instead, harmless=harmless, **kw)
 
 
 _LOGS = "ftrun writes per-cycle, per-rank logs under --log-dir and prefixes console lines"
@@ -29,52 +41,56 @@ _ATTRIBUTION = (
 NVRX_OPTIONS: tuple[Option, ...] = (
     _refused("restart_policy", "NVRx's worker group restart policy (deprecated there).",
              "ftrun restarts when any worker fails (NVRx's only policy, any-failed); limit "
-             "restarts with --max-restarts and --ft-max-no-progress-cycles"),
+             "restarts with --max-restarts and --ft-max-no-progress-cycles",
+             nvrx_default="any-failed"),
     _refused("install_exception_hook", "NVRx's sys.excepthook in workers that calls os._exit.",
              "not needed: ftrun sees a worker's exit when it happens and keeps its own "
-             "traceback in the rank's log"),
+             "traceback in the rank's log", nvrx_default=False),
     _refused("numa_bind_strict", "NVRx's numactl --membind vs --localalloc choice.",
              "use --numa-binding=node|socket|exclusive (memory always MPOL_BIND to the GPU's "
-             "node)"),
+             "node)", nvrx_default=True),
     _refused("segment", "NVRx's rendezvous segment size (nodes that must come as a block).",
-             "ftrun's rendezvous has no segments; use --nnodes=MIN:MAX and hot spares"),
+             "ftrun's rendezvous has no segments; use --nnodes=MIN:MAX and hot spares",
+             nvrx_default=None),
     _refused("segment_health_check_dir", "NVRx's per-task segment health decisions.",
              "use --ft-node-health-check-cmd (a command that must exit 0 before each "
-             "rendezvous)"),
+             "rendezvous)", nvrx_default=None),
     _refused("min_progress_iterations", "NVRx's iterations a restart must gain to count.",
              "report iterations with send_heartbeat(iteration=...) and set "
-             "--ft-max-no-progress-cycles"),
+             "--ft-max-no-progress-cycles", nvrx_default="1"),
     _refused("checkpoint_iteration_file", "NVRx's file holding the last checkpointed iteration.",
              "report iterations with send_heartbeat(iteration=...) and set "
-             "--ft-max-no-progress-cycles"),
+             "--ft-max-no-progress-cycles", nvrx_default=None),
     _refused("node_health_check_endpoint", "NVRx's node health service socket (nvhcd).",
              "use --ft-node-health-check-cmd, --ft-gpu-health-check and "
              "--ft-enable-nic-healthcheck"),
     _refused("node_health_check_interval", "NVRx's node health polling interval.",
-             "ftrun checks node health before each rendezvous; use --ft-node-health-check-cmd"),
+             "ftrun checks node health before each rendezvous; use --ft-node-health-check-cmd",
+             nvrx_default=5.0),
     _refused("restart_check_interval", "NVRx's restart state polling (deprecated there).",
-             "not needed: ftrun decides restarts on events, not by polling"),
+             "not needed: ftrun decides restarts on events, not by polling", nvrx_default=60.0),
     _refused("enable_nic_monitor", "NVRx's link_downed polling while training.",
-             "use --ft-enable-nic-healthcheck (checked before each rendezvous)"),
+             "use --ft-enable-nic-healthcheck (checked before each rendezvous)",
+             nvrx_default=False),
     _refused("pci_topo_file", "NVRx's GPU/NIC topology file for the NIC monitor.",
-             "use --ft-enable-nic-healthcheck (every InfiniBand port)"),
+             "use --ft-enable-nic-healthcheck (every InfiniBand port)", nvrx_default=None),
     _refused("link_down_path_template", "NVRx's sysfs path template for link_downed.",
-             "use --ft-nic-sysfs-root"),
+             "use --ft-nic-sysfs-root", nvrx_default=None),
     _refused("link_state_path_template", "NVRx's sysfs path template for the link state.",
-             "use --ft-nic-sysfs-root"),
+             "use --ft-nic-sysfs-root", nvrx_default=None),
     _refused("enable_dist_storage_healthcheck", "NVRx's Lustre/NFS check before rendezvous.",
              "use --ft-storage-health-check-path PATH,... (must be readable before each "
-             "rendezvous)"),
-    _refused("storage_healthcheck_path", "NVRx 0.7's YAML spelling of the storage check path.",
-             "use storage_health_check_path (or --ft-storage-health-check-path)"),
+             "rendezvous)", nvrx_default=False),
     _refused("skip_section_response", "NVRx's fire-and-forget section messages.",
-             "ftrun's heartbeats and sections never wait for a response"),
+             "ftrun's heartbeats and sections never wait for a response", nvrx_default=True),
     _refused("gpu_memory_poll_interval", "NVRx's GPU memory poll interval during a reclaim.",
-             "ftrun polls every 0.05 s; set only --ft-gpu-memory-reclaim-timeout"),
+             "ftrun polls every 0.05 s; set only --ft-gpu-memory-reclaim-timeout",
+             nvrx_default=2.0),
     _refused("check_remaining_processes", "NVRx's check for workers left after a stop.",
-             "ftrun always stops whole process groups and verifies none is left"),
+             "ftrun always stops whole process groups and verifies none is left",
+             nvrx_default=False),
     _refused("ignore_missing_cfg", "NVRx's switch to run without a config.", "ftrun runs "
-             "with its defaults when no --ft-cfg-path is given", in_yaml=False),
+             "with its defaults when no --ft-cfg-path is given", in_yaml=False, nvrx_default=False),
     _refused("no_restart_exit_code", "NVRx's worker exit code that ends the job.",
              "ask from the worker with send_workload_control_request(WorkloadControlRequest("
              "WorkloadAction.ShutdownWorkload))", in_yaml=False),
@@ -93,7 +109,7 @@ NVRX_OPTIONS: tuple[Option, ...] = (
                    "attribution_stop_action", "attribution_log_level", "attribution_export_url")),
     _refused("cycle_info_dir", "NVRx's per-cycle info files.",
              "every worker gets the cycle's info file in FTRUN_CYCLE_INFO (in the job's "
-             "private directory)"),
+             "private directory)", nvrx_default=None),
     _refused("cycle_info_job_id", "NVRx's job id in the cycle info files.",
              "the cycle info file's job_id is the rendezvous id (--rdzv-id)"),
 )

@@ -157,7 +157,8 @@ FT_OPTIONS: tuple[Option, ...] = (
     _ft("node_health_check_cmd", _default(_HEALTH, "command"), v.optional_text,
         "Command that must exit 0 before each rendezvous.", metavar="CMD"),
     _ft("storage_health_check_path", _default(_HEALTH, "storage_paths"), v.path_list,
-        "Paths that must be readable before each rendezvous.", metavar="PATH,..."),
+        "Paths that must be readable before each rendezvous (NVRx's storage_healthcheck_path).",
+        metavar="PATH,...", aliases=("storage_healthcheck_path",)),
     _ft("gpu_health_check", _default(_HEALTH, "gpu"), v.boolean,
         "Check GPUs through NVML before each rendezvous.", off_flags=True, **_ON),
     _ft("gpu_health_check_nvlink", _default(_HEALTH, "nvlink"), v.boolean,
@@ -210,7 +211,9 @@ FT_OPTIONS: tuple[Option, ...] = (
 
 OPTIONS: tuple[Option, ...] = TORCHRUN_OPTIONS + FT_OPTIONS + NVRX_OPTIONS
 BY_NAME: Mapping[str, Option] = {opt.name: opt for opt in OPTIONS}
-YAML_KEYS: frozenset[str] = frozenset(opt.yaml_key for opt in OPTIONS if opt.yaml_key)
+YAML_KEYS: frozenset[str] = frozenset(
+    key for opt in OPTIONS for key in ((opt.yaml_key,) if opt.yaml_key else ()) + opt.yaml_aliases
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,8 +356,9 @@ def _pick(
         return line.given[opt.name], "cli", opt.label
     if opt.env and environ.get(opt.env, ""):
         return environ[opt.env], "env", opt.env
-    if opt.yaml_key and opt.yaml_key in yaml:
-        return yaml[opt.yaml_key], "yaml", f"{origin}: {YAML_SECTION}.{opt.yaml_key}"
+    for key in ((opt.yaml_key,) if opt.yaml_key else ()) + opt.yaml_aliases:
+        if key in yaml:
+            return yaml[key], "yaml", f"{origin}: {YAML_SECTION}.{key}"
     return opt.default, "default", opt.label
 
 
