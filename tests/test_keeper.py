@@ -157,7 +157,6 @@ def test_retention_rules() -> None:
         *(K(1, 0), K(1, 1), K(3, 0), K(3, 1), K(9, 0, 2))
     ]
     assert plan.after_restore(keys, Choice(-1, 4), 2) == sorted(keys)
-    assert plan.after_write([K(1, 0), K(2, 0), K(5, 0), K(2, 1)], K(3, 0), 2) == [K(1, 0), K(5, 0)]
     # The protected iteration stays whatever its age, at its world size only.
     assert plan.retention(keys, 1, protected=(1, 4)) == [K(2, 0), K(2, 1)]
     assert plan.retention(keys, 1, protected=(1, 2)) == plan.retention(keys, 1)

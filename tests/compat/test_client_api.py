@@ -134,3 +134,38 @@ def test_calculated_and_loaded_timeouts_have_a_floor_explicit_ones_do_not(
         client.end_section("step")
     client.calculate_and_set_section_timeouts(["step"], calc_out_of_section=False)
     assert client.section_timeouts.section["step"] == 5.0  # 5 x a few microseconds, floored
+
+
+@pytest.mark.parametrize("api", ["heartbeats", "sections"])
+def test_a_resumed_run_loads_the_state_after_init_as_nvrx_s_examples_do(
+    make_server: Callable, in_process_client: Callable, api: str
+) -> None:
+    """NVRx's train_ddp_*_api.py: run 1 calculates and saves `state_dict()` (JSON); run 2
+    calls `init_workload_monitoring()` first, then `load_state_dict` with it."""
+    server = make_server(rank_section_timeouts={"init": 20.0, "step": 10.0},
+                         rank_out_of_section_timeout=30.0, safety_factor=1000.0)  # fmt: skip
+    first = in_process_client(server, 0)
+    for _ in range(3):
+        if api == "sections":
+            first.start_section("step")
+            first.end_section("step")
+        else:
+            first.send_heartbeat()
+    if api == "sections":
+        first.calculate_and_set_section_timeouts(["step"], calc_out_of_section=True)
+    else:
+        first.calculate_and_set_hb_timeouts()
+    calculated = (first.hb_timeouts, first.section_timeouts)
+    saved = json.loads(json.dumps(first.state_dict()))
+    first.shutdown_workload_monitoring()
+    resumed = make_server(rank_section_timeouts={"init": 20.0, "step": 10.0},
+                          rank_out_of_section_timeout=30.0)  # fmt: skip
+    second = in_process_client(resumed, 0)
+    second.load_state_dict(saved)
+    if api == "sections":
+        assert second.section_timeouts.calculated_sections == {"step"}
+        assert second.section_timeouts.section["init"] == 20.0  # not calculated: configured
+        assert second.section_timeouts == calculated[1]
+    else:
+        assert second.hb_timeouts.were_calculated and second.hb_timeouts.are_valid
+        assert second.hb_timeouts == calculated[0]

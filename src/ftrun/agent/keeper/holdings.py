@@ -252,15 +252,6 @@ def newest_held_whole(keys: Iterable[PartKey], held: Iterable[int], world_size: 
     return max((it for it, got in ranks.items() if wanted <= got), default=-1)
 
 
-def after_write(keys: Iterable[PartKey], written: PartKey, keep: int) -> list[PartKey]:
-    """The manager's rule for a store it writes to: after `written`, its rank keeps it and the
-    `keep - 1` newest below it; parts above it are from a rolled-back run and go too."""
-    same = [k for k in keys if (k.rank, k.world_size) == (written.rank, written.world_size)]
-    below = sorted(k for k in same if k.iteration < written.iteration)
-    kept = {written, *below[max(0, len(below) - (keep - 1)) :]}
-    return sorted(k for k in same if k not in kept)
-
-
 def after_restore(keys: Iterable[PartKey], choice: Choice, keep: int) -> list[PartKey]:
     """The parts to remove once the job restores `choice`: everything above it or of another
     world size (all of them when it restores nothing), then retention on the rest."""
