@@ -185,3 +185,16 @@ def test_two_phase_async_dcp_save_as_nvrx_s_async_writer(tmp_path: Path) -> None
     assert target["step"] == 7
     with pytest.raises(CheckpointUsageError, match="multi-storage client"):
         FileSystemWriterAsync(tmp_path / "x", use_msc=True)
+
+
+def test_nvrx_s_smaller_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    manager = LocalCheckpointManager(tmp_path, session_id="s")
+    assert (manager.local_ckpt_dir, manager.rank) == (tmp_path / "s", 3)
+    AsyncCallsQueue.warmup_persistent_caller(0)  # nothing to warm: a thread
+    assert caplog.text == ""
+    AsyncCallsQueue.warmup_persistent_caller(0, cpu_priority=19)
+    assert "cpu_priority not applied" in caplog.text

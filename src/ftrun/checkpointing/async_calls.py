@@ -201,6 +201,19 @@ class AsyncCallsQueue:
         """The number of scheduled calls not yet settled (finalized or raised)."""
         return len(self._calls)
 
+    @classmethod
+    def warmup_persistent_caller(cls, rank: int, *args: Any, **kwargs: Any) -> None:
+        """NVRx 0.7's: pre-start its worker process so that the first save does not wait for
+        it. Nothing to do here: ftrun's worker is a thread, started with each queue in
+        microseconds. NVRx's process settings (priorities, daemon, ...) have no thread
+        equivalent: given, a warning says they are not applied."""
+        if args or kwargs:
+            logger.warning(
+                "AsyncCallsQueue.warmup_persistent_caller: %s not applied: ftrun's async "
+                "worker is a thread of the training process",
+                ", ".join([*(f"argument {i + 2}" for i in range(len(args))), *kwargs]),
+            )
+
     def close(self, abort: bool = False) -> None:
         """Settle every call (collective) and stop the worker; or, with `abort`, drop them."""
         if self._closed:

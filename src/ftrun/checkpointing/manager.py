@@ -176,6 +176,18 @@ class LocalCheckpointManager:
             self._in_flight = None
         return job.result()
 
+    @property
+    def local_ckpt_dir(self) -> Path:
+        """NVRx's name: where this manager's parts go under plain torchrun (and their copies on
+        disk under ft_launcher): `root_local_ckpt_dir/session_id`, shared by the node's ranks
+        (NVRx has a directory per rank below it; ftrun names each part by its rank)."""
+        return self.root_local_ckpt_dir / self.session_id
+
+    @property
+    def rank(self) -> int:
+        """NVRx's: this process's global rank."""
+        return _rank_and_world_size()[0]
+
     def find_latest(self) -> int:
         """The newest iteration for which every rank has a complete part (header checked,
         tensor bytes not read), or -1. Collective when torch.distributed is initialized.

@@ -195,16 +195,16 @@ class RankMonitorClient:
 
     # ---- workload control --------------------------------------------------------------------
 
-    def send_workload_control_request(self, request: WorkloadControlRequest) -> None:
+    def send_workload_control_request(self, req: WorkloadControlRequest) -> None:
         """Ask the launcher to act on the workload: continue, exclude this node, or shut the
         job down. Returns once the node's agent has the request, so the rank may exit right
-        after; raises `RankMonitorClientError` if it was not delivered."""
-        if not isinstance(request, WorkloadControlRequest):
+        after; raises `RankMonitorClientError` if it was not delivered. (`req`: NVRx's name.)"""
+        if not isinstance(req, WorkloadControlRequest):
             raise RankMonitorClientError(
-                f"expected a WorkloadControlRequest, not {type(request).__name__}"
+                f"expected a WorkloadControlRequest, not {type(req).__name__}"
             )
         self._require_init("send_workload_control_request()")
-        action, description = request.action.value, request.description
+        action, description = req.action.value, req.description
         self._request(wire.Control(self._next_seq(), action, description))
 
     # ---- internals ---------------------------------------------------------------------------
