@@ -169,7 +169,7 @@ def _say_no_cache() -> None:
     global _said_no_cache
     if not _said_no_cache:
         _said_no_cache = True
-        logger.info("DCP async save: NVRx's plan cache is not used: every save plans anew")
+        logger.warning("DCP async save: NVRx's plan cache is not used: every save plans anew")
 
 
 def _host_copy(data: Any) -> Any:
