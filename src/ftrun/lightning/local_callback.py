@@ -51,10 +51,8 @@ class LocalCheckpointCallback(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self.io is not None:
             return
-        from ftrun.lightning.checkpoint_io import HierarchicalCheckpointIO
-
         io = getattr(trainer.strategy, "checkpoint_io", None)
-        if not isinstance(io, HierarchicalCheckpointIO):
+        if not callable(getattr(io, "save_local", None)):  # a HierarchicalCheckpointIO
             raise LightningUsageError(
                 "LocalCheckpointCallback needs a HierarchicalCheckpointIO in the trainer's "
                 f"plugins, not {type(io).__name__}"
