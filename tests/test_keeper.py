@@ -22,11 +22,14 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from ftrun.agent.keeper import KeeperService, KeeperSettings
-from ftrun.agent.keeper import holdings as plan
-from ftrun.agent.keeper.errors import PartRejectedError, RestoreError
-from ftrun.agent.keeper.holdings import Choice, Decision, Outcome
-from ftrun.agent.keeper.messages import (
+from ftrun.agent.peering import PeerService
+from ftrun.checkpointing.errors import CheckpointUsageError
+from ftrun.checkpointing.format import write_part
+from ftrun.checkpointing.keeper import KeeperService, KeeperSettings
+from ftrun.checkpointing.keeper import holdings as plan
+from ftrun.checkpointing.keeper.errors import PartRejectedError, RestoreError
+from ftrun.checkpointing.keeper.holdings import Choice, Decision, Outcome
+from ftrun.checkpointing.keeper.messages import (
     decode_decision,
     decode_holdings,
     decode_outcome,
@@ -35,12 +38,9 @@ from ftrun.agent.keeper.messages import (
     encode_outcome,
     parse_part_request,
 )
-from ftrun.agent.keeper.names import parse_iteration_dir, parse_part_name, valid_session
-from ftrun.agent.keeper.tier import OWNER_LOCK, NodeTier, remove_abandoned
-from ftrun.agent.keeper.transfer import PUSH, push_part
-from ftrun.agent.peering import PeerService
-from ftrun.checkpointing.errors import CheckpointUsageError
-from ftrun.checkpointing.format import write_part
+from ftrun.checkpointing.keeper.names import parse_iteration_dir, parse_part_name, valid_session
+from ftrun.checkpointing.keeper.tier import OWNER_LOCK, NodeTier, remove_abandoned
+from ftrun.checkpointing.keeper.transfer import PUSH, push_part
 from ftrun.checkpointing.manager import LocalCheckpointManager
 from ftrun.checkpointing.node_tier import (
     ENV_CKPT_DIR,
@@ -227,7 +227,8 @@ def test_a_dead_agents_directory_is_removed_by_the_next_keeper(tmp_path: Path) -
     """An agent SIGKILLed cannot clean up; the next keeper on the node removes what it left,
     and never the directory of an agent that is alive."""
     code = (
-        "import sys; from pathlib import Path; from ftrun.agent.keeper.tier import NodeTier; "
+        "import sys; from pathlib import Path; "
+        "from ftrun.checkpointing.keeper.tier import NodeTier; "
         "t = NodeTier.create('dead', (Path(sys.argv[1]),)); print(t.root, flush=True); "
         "sys.stdin.read()"
     )

@@ -93,6 +93,22 @@ def test_dependencies_point_one_way() -> None:
     assert graph["ftrun.tools"] <= {"ftrun.events", "ftrun.straggler.config"}, graph["ftrun.tools"]
 
 
+SUBSYSTEMS = ("ftrun.checkpointing", "ftrun.straggler", "ftrun.lightning", "ftrun.tools")
+
+
+def test_the_agent_imports_no_subsystem_and_none_imports_the_agent() -> None:
+    """The builder (ft_launcher) hands the agent the subsystems' service factories; the
+    subsystems meet the agent only through `ftrun.services`. A subsystem's config module is
+    a leaf that `ftrun.config` gathers (`LaunchConfig`), the one exception."""
+    graph = _unit_graph()
+    reached = {d for d in graph["ftrun.agent"] if d.startswith(SUBSYSTEMS)}
+    assert not reached, f"ftrun.agent imports {sorted(reached)}"
+    for unit, deps in graph.items():
+        if unit.startswith((*SUBSYSTEMS, "ftrun.services", "ftrun.peer", "ftrun.rendezvous")):
+            assert "ftrun.agent" not in deps, f"{unit} imports ftrun.agent"
+    assert graph["ftrun.services"] <= {"ftrun.rank_monitor", "ftrun.rendezvous"}
+
+
 def test_the_cycle_check_can_fail() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None

@@ -7,8 +7,8 @@ from collections.abc import Iterable, Mapping
 
 import pytest
 
-from ftrun.agent.services import NodeService, NodeServices
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
+from ftrun.services import NodeService, NodeServices
 
 ROUND = Round(3, (NodeDescriptor("n0", "127.0.0.1", 2, 29500),), 0)
 

@@ -7,8 +7,10 @@ read it. It lives outside both packages so that neither imports the other.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 from ftrun.agent.config import AgentConfig
+from ftrun.identity import this_node
 from ftrun.rank_monitor.config import RankMonitorConfig
 from ftrun.rendezvous.config import HealthCheckConfig, RendezvousConfig
 from ftrun.straggler.config import StragglerConfig
@@ -27,3 +29,8 @@ class LaunchConfig:
     """Settings worth a warning (ignored flags, OMP_NUM_THREADS); `main` logs them."""
     straggler: StragglerConfig = dataclasses.field(default_factory=StragglerConfig)
     """The agents' straggler detection (`--ft-straggler-*`)."""
+
+    def this_node(self, environ: Mapping[str, str]) -> tuple[str, str]:
+        """(advertised host, node name) of this launcher (`identity.this_node`)."""
+        rdzv = self.rendezvous
+        return this_node(rdzv.endpoint, rdzv.local_addr, self.agent.node_name, environ)

@@ -12,8 +12,6 @@ import os
 import socket
 from collections.abc import Mapping
 
-from ftrun.config import LaunchConfig
-
 
 def is_local_host(host: str) -> bool:
     """True when `host` names this machine (a loopback address or one of its own)."""
@@ -46,16 +44,19 @@ def advertised_host(endpoint: str, local_addr: str | None) -> str:
     return socket.getfqdn()
 
 
-def node_name(config: LaunchConfig, environ: Mapping[str, str], host: str) -> str:
-    """--ft-node-name, else Slurm's node name, else host and pid (several agents per host)."""
-    return config.agent.node_name or environ.get("SLURMD_NODENAME") or f"{host}-{os.getpid()}"
+def node_name(given: str | None, environ: Mapping[str, str], host: str) -> str:
+    """`given` (--ft-node-name), else Slurm's node name, else host and pid (several agents
+    per host)."""
+    return given or environ.get("SLURMD_NODENAME") or f"{host}-{os.getpid()}"
 
 
-def this_node(config: LaunchConfig, environ: Mapping[str, str]) -> tuple[str, str]:
-    """(advertised host, node name) of this launcher."""
-    rdzv = config.rendezvous
-    host = advertised_host(rdzv.endpoint, rdzv.local_addr)
-    return host, node_name(config, environ, host)
+def this_node(
+    endpoint: str, local_addr: str | None, given_name: str | None, environ: Mapping[str, str]
+) -> tuple[str, str]:
+    """(advertised host, node name) of this launcher, from the rendezvous endpoint,
+    --local-addr and --ft-node-name."""
+    host = advertised_host(endpoint, local_addr)
+    return host, node_name(given_name, environ, host)
 
 
 def free_port(host: str) -> int:

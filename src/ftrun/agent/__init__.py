@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ftrun.errors import ExitCode, FtrunError
@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from ftrun.agent.inbox import SignalRecorder
     from ftrun.agent.prewarm.client import ForkServer
     from ftrun.config import LaunchConfig
+    from ftrun.services import ServiceFactory
 
 log = logging.getLogger("ftrun.agent")
 
@@ -22,12 +23,14 @@ def run_node(
     environ: Mapping[str, str],
     signals: SignalRecorder,
     fork_server: ForkServer | None = None,
+    subsystems: Sequence[ServiceFactory] = (),
 ) -> ExitCode:
     """Run this node's part of the job to the end; returns the launcher's exit code.
 
     `environ` is what the workers inherit (before the launcher's own adjustments); `signals`
     records the launcher's signals into the agent's inbox (installed before torch's import);
-    `fork_server`, the node's if it was started before torch's import (closed here).
+    `fork_server`, the node's if it was started before torch's import (closed here);
+    `subsystems`, the builder's service factories (`open_runtime`).
     """
     if signals.last is not None:  # preempted while importing: nothing runs yet, leave now
         if fork_server is not None:
@@ -39,7 +42,7 @@ def run_node(
     from ftrun.agent.runtime import open_runtime
 
     try:
-        with open_runtime(config, environ, signals.inbox, fork_server) as runtime:
+        with open_runtime(config, environ, signals.inbox, fork_server, subsystems) as runtime:
             return NodeAgent(runtime, signals).run()
     except FtrunError as exc:
         log.error("%s", exc)

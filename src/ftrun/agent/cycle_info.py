@@ -15,8 +15,8 @@ import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from ftrun.agent.services import NodeService
 from ftrun.rendezvous.ranks import Round
+from ftrun.services import NodeService
 
 ENV_CYCLE_INFO = "FTRUN_CYCLE_INFO"
 FILE_NAME = "cycle-info.json"

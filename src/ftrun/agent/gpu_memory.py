@@ -15,8 +15,8 @@ from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from ftrun.agent.nvml import load_nvml
-from ftrun.agent.services import NodeService
 from ftrun.rendezvous.ranks import Round
+from ftrun.services import NodeService
 
 log = logging.getLogger("ftrun.agent")
 _POLL_S = 0.05

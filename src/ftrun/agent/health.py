@@ -17,9 +17,9 @@ from typing import Any
 
 from ftrun.agent.nic_health import check_ib_ports
 from ftrun.agent.nvml import load_nvml
-from ftrun.agent.services import NodeService
 from ftrun.errors import NodeUnhealthyError
 from ftrun.rendezvous.config import HealthCheckConfig
+from ftrun.services import NodeService
 
 log = logging.getLogger("ftrun.agent")
 _gpu_skip_logged = False

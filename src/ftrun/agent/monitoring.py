@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from ftrun.agent.services import NodeService
 from ftrun.rank_monitor import RankMonitorConfig, RankMonitorServer
 from ftrun.rank_monitor.timings import TimingBatch
 from ftrun.rendezvous.ranks import Round
+from ftrun.services import NodeService
 
 
 class MonitorService(NodeService):

@@ -30,7 +30,6 @@ from ftrun.agent.inbox import SignalReceived, SignalRecorder, take_queued
 from ftrun.agent.policy import Action, AgentEvent, Facts, Outcome, Policy
 from ftrun.agent.reporting import CycleReport
 from ftrun.agent.runtime import AgentRuntime
-from ftrun.agent.services import ServiceRequest
 from ftrun.agent.state import AgentState, check_transition
 from ftrun.agent.termination import StopResult, become_subreaper, stop_process_groups
 from ftrun.agent.worker_env import worker_envs
@@ -39,6 +38,7 @@ from ftrun.errors import ExitCode, FtrunError, NodeUnhealthyError
 from ftrun.rank_monitor import FirstProgress, ProgressSnapshot, Verdict, WorkloadControl
 from ftrun.rendezvous.barrier import JoinInterruptedError
 from ftrun.rendezvous.ranks import Round
+from ftrun.services import ServiceRequest
 
 log = logging.getLogger("ftrun.agent")
 

@@ -14,9 +14,9 @@ from typing import Any
 
 from torch.distributed import Store
 
-from ftrun.agent.services import NodeService
 from ftrun.peer import PeerClient, PeerError, PeerServer, Request, job_secret
 from ftrun.rendezvous.ranks import NodeDescriptor
+from ftrun.services import NodeService
 
 _PROBE_TIMEOUT_S = 2.0
 

@@ -1,9 +1,11 @@
 """What one agent holds for the life of a job, built in one place and closed in one place.
 
 `open_runtime` builds the node's identity, events file, store connection, rendezvous and node
-services (`services.py`) in order, each registered for closing the moment it exists: a failure
-halfway through start-up closes what was started, in reverse order. The NodeAgent's steps use
-the runtime and never build anything themselves.
+services (`ftrun.services`) in order, each registered for closing the moment it exists: a
+failure halfway through start-up closes what was started, in reverse order. The subsystems'
+services (the checkpoint keeper, the straggler detector) come from the factories the builder
+passes in: the agent imports no subsystem. The NodeAgent's steps use the runtime and never
+build anything themselves.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import dataclasses
 import queue
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from torch.distributed import Store
@@ -21,25 +23,23 @@ from torch.distributed import Store
 from ftrun.agent.cycle_info import CycleInfoService
 from ftrun.agent.gpu_memory import GpuReclaimService
 from ftrun.agent.health import HealthService
-from ftrun.agent.keeper import KeeperService
 from ftrun.agent.monitoring import MonitorService
 from ftrun.agent.peering import PeerService
 from ftrun.agent.prewarm.client import ForkServer
 from ftrun.agent.prewarm.service import PrewarmService, plain_reason, start_early
 from ftrun.agent.prewarm.target import python_target
-from ftrun.agent.services import NodeServices
-from ftrun.agent.stragglers import StragglerService
 from ftrun.agent.worker_env import shared_env
 from ftrun.agent.workers import PlainSpawner, Spawner
 from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError, NodeUnhealthyError, RendezvousFailedError
 from ftrun.events import EventLog
-from ftrun.identity import free_port, this_node
+from ftrun.identity import free_port
 from ftrun.rank_monitor import RankMonitorServer
 from ftrun.rendezvous.control import JobControl, wait_until
 from ftrun.rendezvous.factory import NodeRendezvous, create_rendezvous
 from ftrun.rendezvous.ranks import NodeDescriptor, Round, infra_rank_from_env
 from ftrun.rendezvous.store import connect_store
+from ftrun.services import NodeServices, ServiceContext, ServiceFactory
 
 
 @dataclasses.dataclass
@@ -106,11 +106,13 @@ def open_runtime(
     environ: Mapping[str, str],
     inbox: queue.SimpleQueue[object],
     fork_server: ForkServer | None = None,
+    subsystems: Sequence[ServiceFactory] = (),
 ) -> Iterator[AgentRuntime]:
     """`fork_server`: the node's, if the CLI started it early (`prewarm.service.start_early`);
-    the runtime owns it from here on and closes it."""
+    the runtime owns it from here on and closes it. `subsystems`: the builder's service
+    factories, started in order after the node's own services they may use."""
     agent = config.agent
-    host, node = this_node(config, environ)
+    host, node = config.this_node(environ)
     log_dir = agent.log_dir or Path(tempfile.mkdtemp(prefix="ftrun-logs-"))
     with contextlib.ExitStack() as stack:
         if fork_server is not None:
@@ -123,19 +125,16 @@ def open_runtime(
         stack.callback(services.close)
         health = services.add(HealthService(config.health, events.emit))
         store, is_store_host = _connect(config, health.first)
-        stragglers = services.add(
-            StragglerService(
-                config.straggler, store, config.rendezvous.run_id, node, job_dir, log_dir,
-                config.rendezvous.min_nodes, events.emit, inbox.put,
-            )
-        )  # fmt: skip
-        monitor = services.add(
-            MonitorService(config.monitor, job_dir, inbox.put, stragglers.on_timings)
-        ).server
         peer = services.add(PeerService(store, config.rendezvous.run_id, host, node))
-        services.add(
-            KeeperService(store, config.rendezvous.run_id, peer.server, peer.client, events.emit)
-        )
+        observers: list[Callable[..., None]] = []
+        context = ServiceContext(
+            config, store, node, job_dir, log_dir, events.emit, inbox.put, peer.server,
+            peer.client, observers.append,
+        )  # fmt: skip
+        for factory in subsystems:
+            services.add(factory(context))
+        on_timings = _fan_out(observers) if observers else None
+        monitor = services.add(MonitorService(config.monitor, job_dir, inbox.put, on_timings))
         if agent.gpu_memory_reclaim_timeout > 0:
             services.add(
                 GpuReclaimService(
@@ -152,7 +151,8 @@ def open_runtime(
             )
         runtime = AgentRuntime(
             config, environ, host, node, log_dir / node, events, inbox, store, is_store_host,
-            infra_rank_from_env(environ, config.rendezvous.node_rank), services, monitor, spawner,
+            infra_rank_from_env(environ, config.rendezvous.node_rank), services, monitor.server,
+            spawner,
             peer.port, job_dir,
         )  # fmt: skip
         runtime.rendezvous = create_rendezvous(
@@ -162,6 +162,14 @@ def open_runtime(
             CycleInfoService(job_dir, config.rendezvous.run_id, environ, runtime.control.cause_of)
         )
         yield runtime
+
+
+def _fan_out(observers: list[Callable[..., None]]) -> Callable[..., None]:
+    def each(batch: object) -> None:
+        for observer in observers:
+            observer(batch)
+
+    return each
 
 
 def _open_events(log_dir: Path, node: str) -> EventLog:

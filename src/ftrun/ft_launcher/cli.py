@@ -20,7 +20,6 @@ from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError, ExitCode, FtrunError
 from ftrun.ft_launcher.config import config_from
 from ftrun.ft_launcher.options import PROG, help_text, parse_argv
-from ftrun.identity import this_node
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +43,18 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         log.warning("%s", warning)
     workers_environ = {**os.environ, **prepare_compile_caches(config, os.environ)}
     # Before torch's import here: the fork server's imports overlap the launcher's own.
-    fork_server = start_early(config, workers_environ, this_node(config, os.environ)[1])
+    fork_server = start_early(config, workers_environ, config.this_node(os.environ)[1])
     # c10d logs every timed-out store wait and failed connect with a C++ backtrace; the agent
     # reports those conditions itself in one line. The workers keep the user's setting.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     from ftrun.agent import run_node  # the agent (and torch) only once the config is valid
+    from ftrun.checkpointing.keeper import keeper_service
+    from ftrun.straggler.service import straggler_service
 
     try:
-        code = run_node(config, workers_environ, signals, fork_server)
+        # The subsystems' services, in start order: the agent imports none of them.
+        subsystems = (straggler_service, keeper_service)
+        code = run_node(config, workers_environ, signals, fork_server, subsystems)
     except FtrunError as err:
         log.error("%s", err)
         code = err.exit_code
@@ -81,7 +84,7 @@ def _usage_error(message: str) -> NoReturn:
 
 def setup_logging(config: LaunchConfig, environ: Mapping[str, str]) -> None:
     """Root logging to stderr at `--ft-log-level`, every line prefixed `[ft_launcher <node>]`."""
-    prefix = f"[{PROG} {this_node(config, environ)[1]}]".replace("%", "%%")
+    prefix = f"[{PROG} {config.this_node(environ)[1]}]".replace("%", "%%")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         logging.Formatter(f"{prefix} %(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -5,11 +5,29 @@ ft_launcher the durations ride the rank monitor's channel to the node's agent, t
 compute relative and individual scores every `--ft-straggler-report-interval` seconds and
 publish the report, which `Detector.generate_report_if_interval_elapsed()` returns;
 `Detector.generate_report()` computes one now, in-process, as NVRx's. See README "Straggler
-detection". Importing this package does not import torch.
+detection". Importing this package imports nothing else: its names load when first used, so
+that `ftrun.config` (which reads `straggler.config`) does not load the worker's detector.
 """
 
-from ftrun.straggler.detector import CallableId, Detector
-from ftrun.straggler.report import Report, StragglerId
-from ftrun.straggler.statistics import Statistic
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "CallableId": "ftrun.straggler.detector",
+    "Detector": "ftrun.straggler.detector",
+    "Report": "ftrun.straggler.report",
+    "StragglerId": "ftrun.straggler.report",
+    "Statistic": "ftrun.straggler.statistics",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = ["CallableId", "Detector", "Report", "Statistic", "StragglerId"]

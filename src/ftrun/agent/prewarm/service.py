@@ -22,11 +22,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from ftrun.agent.prewarm.client import ForkServer, ForkServerError
 from ftrun.agent.prewarm.target import PythonTarget, python_target
-from ftrun.agent.services import NodeService
 from ftrun.agent.worker_env import shared_env
 from ftrun.agent.workers import PlainSpawner, SpawnPath, WorkerProcess
 from ftrun.config import LaunchConfig
 from ftrun.rendezvous.ranks import Round
+from ftrun.services import NodeService
 
 log = logging.getLogger("ftrun.agent")
 

@@ -27,19 +27,19 @@ from pathlib import Path
 
 from torch.distributed import Store
 
-from ftrun.agent.keeper import holdings as plan
-from ftrun.agent.keeper.holdings import Decision
-from ftrun.agent.keeper.names import label
-from ftrun.agent.keeper.replicator import Replicator
-from ftrun.agent.keeper.restore import RestoreRun
-from ftrun.agent.keeper.settings import KeeperSettings
-from ftrun.agent.keeper.tier import DEFAULT_BASES, NodeTier
-from ftrun.agent.keeper.transfer import FETCH, PUSH, PartServer
-from ftrun.agent.services import NodeService
+from ftrun.checkpointing.keeper import holdings as plan
+from ftrun.checkpointing.keeper.holdings import Decision
+from ftrun.checkpointing.keeper.names import label
+from ftrun.checkpointing.keeper.replicator import Replicator
+from ftrun.checkpointing.keeper.restore import RestoreRun
+from ftrun.checkpointing.keeper.settings import KeeperSettings
+from ftrun.checkpointing.keeper.tier import DEFAULT_BASES, NodeTier
+from ftrun.checkpointing.keeper.transfer import FETCH, PUSH, PartServer
 from ftrun.checkpointing.node_tier import ENV_CKPT_DIR, RestoreDecision
 from ftrun.checkpointing.store import PartKey
 from ftrun.peer import PeerClient, PeerServer
 from ftrun.rendezvous.ranks import Round
+from ftrun.services import NodeService, ServiceContext
 
 log = logging.getLogger("ftrun.agent")
 
@@ -173,3 +173,11 @@ class KeeperService(NodeService):
         else:
             log.info("checkpoint keeper: session %s restores nothing: %s", session, choice.note)
         return choice.iteration
+
+
+def keeper_service(context: ServiceContext) -> KeeperService:
+    """The `ServiceFactory` the builder hands the agent."""
+    run_id = context.config.rendezvous.run_id
+    return KeeperService(
+        context.store, run_id, context.peer_server, context.peer_client, context.emit
+    )

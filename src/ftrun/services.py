@@ -1,8 +1,8 @@
 """Node services: components that live as long as the node agent and hook into its cycles.
 
 A feature that needs the node's lifetime (the rank monitor, health checks, prewarmed workers,
-GPU memory reclaim; next the checkpoint keeper and the straggler collector) is a `NodeService`,
-not a new branch in the agent loop. A service overrides the hooks it needs:
+GPU memory reclaim, the checkpoint keeper, the straggler collector) is a `NodeService`, not a
+new branch in the agent loop. A service overrides the hooks it needs:
 
 - `before_round()`     before every rendezvous; raise `NodeUnhealthyError` to keep the node out
 - `worker_env(round)`  variables added to every worker's environment for that round
@@ -16,6 +16,10 @@ a `ServiceRequest` on the agent's inbox: the agent treats it as a worker's contr
 
 `NodeServices` starts them in order and closes them in reverse, also when a later one fails to
 start: whatever was started is closed (an `ExitStack`).
+
+Subsystems (`checkpointing`, `straggler`) are never imported by the agent: the builder
+(`ft_launcher`) hands `open_runtime` their `ServiceFactory`s, each called once with the node's
+`ServiceContext`. This module sits below the agent and the subsystems alike.
 """
 
 from __future__ import annotations
@@ -23,11 +27,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterable, Mapping
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from ftrun.rank_monitor.workload import WorkloadAction
 from ftrun.rendezvous.ranks import Round
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+    from ftrun.config import LaunchConfig
+    from ftrun.peer import PeerClient, PeerServer
+    from ftrun.rank_monitor.timings import TimingBatch
 
 log = logging.getLogger("ftrun.agent")
 
@@ -67,6 +79,32 @@ class NodeService:
 
     def close(self) -> None:
         return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceContext:
+    """What a subsystem's service may use: the node's shared collaborators, nothing of the
+    agent's own."""
+
+    config: LaunchConfig
+    store: Store
+    node: str
+    job_dir: Path
+    """The per-job 0700 directory for IPC."""
+    log_dir: Path
+    emit: Callable[..., None]
+    """Writes an event (`events.EventLog.emit`)."""
+    post: Callable[[object], None]
+    """Puts a `ServiceRequest` on the agent's inbox."""
+    peer_server: PeerServer
+    peer_client: PeerClient
+    observe_timings: Callable[[Callable[[TimingBatch], None]], None]
+    """Registers a callback for the section timings the rank monitor receives (called from
+    the monitor's thread: it must only queue them)."""
+
+
+ServiceFactory = Callable[[ServiceContext], NodeService]
+"""Builds one subsystem's service; `open_runtime` calls each once, in order."""
 
 
 S = TypeVar("S", bound=NodeService)

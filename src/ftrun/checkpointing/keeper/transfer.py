@@ -22,14 +22,14 @@ import os
 import threading
 from pathlib import Path
 
-from ftrun.agent.keeper import holdings as plan
-from ftrun.agent.keeper.errors import PartRejectedError
-from ftrun.agent.keeper.messages import parse_part_request, part_request
-from ftrun.agent.keeper.names import MIN_PART_BYTES, label
-from ftrun.agent.keeper.settings import KeeperSettings
-from ftrun.agent.keeper.tier import NodeTier
 from ftrun.checkpointing.errors import CheckpointError
 from ftrun.checkpointing.format import PartInfo, read_info
+from ftrun.checkpointing.keeper import holdings as plan
+from ftrun.checkpointing.keeper.errors import PartRejectedError
+from ftrun.checkpointing.keeper.messages import parse_part_request, part_request
+from ftrun.checkpointing.keeper.names import MIN_PART_BYTES, label
+from ftrun.checkpointing.keeper.settings import KeeperSettings
+from ftrun.checkpointing.keeper.tier import NodeTier
 from ftrun.checkpointing.store import PartKey
 from ftrun.peer import FileRegion, PeerClient, Reply, Request
 

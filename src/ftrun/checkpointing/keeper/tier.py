@@ -33,9 +33,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from ftrun.agent.keeper.errors import PartRejectedError
-from ftrun.agent.keeper.holdings import Holdings
-from ftrun.agent.keeper.names import (
+from ftrun.checkpointing.agent_side import protected_part
+from ftrun.checkpointing.errors import CheckpointError
+from ftrun.checkpointing.format import TMP_MARK, PartInfo, read_info, read_part
+from ftrun.checkpointing.keeper.errors import PartRejectedError
+from ftrun.checkpointing.keeper.holdings import Holdings
+from ftrun.checkpointing.keeper.names import (
     MAX_SESSIONS,
     iteration_dir_name,
     label,
@@ -44,9 +47,6 @@ from ftrun.agent.keeper.names import (
     part_file_name,
     valid_session,
 )
-from ftrun.checkpointing.agent_side import protected_part
-from ftrun.checkpointing.errors import CheckpointError
-from ftrun.checkpointing.format import TMP_MARK, PartInfo, read_info, read_part
 from ftrun.checkpointing.node_tier import (
     POLICY_FILE,
     PROTECTED_FILE,

@@ -21,9 +21,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ftrun.agent.keeper.errors import PartRejectedError, RestoreError
-from ftrun.agent.keeper.holdings import Choice, Decision, Holdings, Outcome
-from ftrun.agent.keeper.names import MAX_ITERATION, MAX_WORLD_SIZE, valid_key, valid_session
+from ftrun.checkpointing.keeper.errors import PartRejectedError, RestoreError
+from ftrun.checkpointing.keeper.holdings import Choice, Decision, Holdings, Outcome
+from ftrun.checkpointing.keeper.names import MAX_ITERATION, MAX_WORLD_SIZE, valid_key, valid_session
 from ftrun.checkpointing.store import PartKey
 
 VERSION = 1

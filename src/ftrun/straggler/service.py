@@ -26,11 +26,11 @@ from typing import Any
 
 from torch.distributed import Store
 
-from ftrun.agent.services import NodeService, ServiceRequest
 from ftrun.errors import ConfigError
 from ftrun.rank_monitor.timings import TimingBatch
 from ftrun.rank_monitor.workload import WorkloadAction
 from ftrun.rendezvous.ranks import Round
+from ftrun.services import NodeService, ServiceContext, ServiceRequest
 from ftrun.straggler.assemble import assemble_columns, decode_node, encode_node
 from ftrun.straggler.board import Board
 from ftrun.straggler.channel import write_report
@@ -229,3 +229,15 @@ def _describe(config: StragglerConfig) -> str:
     fields = dataclasses.asdict(config)
     fields["action"] = config.action.value
     return ", ".join(f"{key}={value}" for key, value in fields.items())
+
+
+def straggler_service(context: ServiceContext) -> StragglerService:
+    """The `ServiceFactory` the builder hands the agent."""
+    config = context.config
+    service = StragglerService(
+        config.straggler, context.store, config.rendezvous.run_id, context.node,
+        context.job_dir, context.log_dir, config.rendezvous.min_nodes, context.emit,
+        context.post,
+    )  # fmt: skip
+    context.observe_timings(service.on_timings)
+    return service

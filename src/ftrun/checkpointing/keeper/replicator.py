@@ -32,12 +32,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ftrun.agent.keeper import holdings as plan
-from ftrun.agent.keeper.names import label
-from ftrun.agent.keeper.settings import KeeperSettings
-from ftrun.agent.keeper.tier import NodeTier
-from ftrun.agent.keeper.transfer import open_part, push_part
 from ftrun.checkpointing.errors import CheckpointUsageError
+from ftrun.checkpointing.keeper import holdings as plan
+from ftrun.checkpointing.keeper.names import label
+from ftrun.checkpointing.keeper.settings import KeeperSettings
+from ftrun.checkpointing.keeper.tier import NodeTier
+from ftrun.checkpointing.keeper.transfer import open_part, push_part
 from ftrun.checkpointing.node_tier import TierPolicy
 from ftrun.checkpointing.store import PartKey
 from ftrun.peer import PeerClient, PeerError

@@ -32,10 +32,11 @@ from collections import defaultdict
 
 from torch.distributed import Store
 
-from ftrun.agent.keeper import holdings as plan
-from ftrun.agent.keeper.errors import PartRejectedError, RestoreError
-from ftrun.agent.keeper.holdings import Decision, Holdings, Outcome
-from ftrun.agent.keeper.messages import (
+from ftrun.checkpointing.errors import CheckpointError
+from ftrun.checkpointing.keeper import holdings as plan
+from ftrun.checkpointing.keeper.errors import PartRejectedError, RestoreError
+from ftrun.checkpointing.keeper.holdings import Decision, Holdings, Outcome
+from ftrun.checkpointing.keeper.messages import (
     decode_decision,
     decode_holdings,
     decode_outcome,
@@ -43,11 +44,10 @@ from ftrun.agent.keeper.messages import (
     encode_holdings,
     encode_outcome,
 )
-from ftrun.agent.keeper.names import label
-from ftrun.agent.keeper.settings import KeeperSettings
-from ftrun.agent.keeper.tier import NodeTier
-from ftrun.agent.keeper.transfer import fetch_part
-from ftrun.checkpointing.errors import CheckpointError
+from ftrun.checkpointing.keeper.names import label
+from ftrun.checkpointing.keeper.settings import KeeperSettings
+from ftrun.checkpointing.keeper.tier import NodeTier
+from ftrun.checkpointing.keeper.transfer import fetch_part
 from ftrun.checkpointing.store import PartKey
 from ftrun.peer import PeerClient, PeerError
 from ftrun.rendezvous.control import existing_keys, wait_for_keys
