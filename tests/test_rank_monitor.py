@@ -7,6 +7,7 @@ import os
 import queue
 import select
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from ftrun.rank_monitor import (
     FirstProgress,
     HangKind,
     ProgressSnapshot,
+    RankMonitorConfig,
     RankMonitorServer,
     Verdict,
 )
@@ -343,3 +345,31 @@ def test_integer_like_iterations_are_accepted(make_server, in_process_client):
     client.send_heartbeat(iteration=numpy.int64(2**40))
     wait_for(lambda: notes, 5, "the first progress")
     assert notes[0].iteration == 2**40
+
+
+def test_a_slow_stack_capture_delays_no_other_rank_s_verdict(tmp_path: Path, in_process_client):
+    """Rank 0 hangs first and its stacks take 3 s to capture (a fake capture); rank 1 hangs
+    0.5 s later. Rank 1's verdict comes on time, before rank 0's: capturing happens off the
+    monitor thread, one thread per batch of hung ranks."""
+    release = threading.Event()
+
+    def capture(targets, sig, timeout):
+        if any("rank0-" in path.name for _, path in targets):
+            release.wait(3.0)
+        return {path: f"stack of {path.name}" for _, path in targets}
+
+    config = RankMonitorConfig(initial_rank_heartbeat_timeout=0.5, rank_heartbeat_timeout=1.0)
+    server = RankMonitorServer(config, job_dir=tmp_path / "job", capture=capture).start()
+    try:
+        started = time.monotonic()
+        in_process_client(server, 0)  # never sends a heartbeat: hung at 0.5 s
+        in_process_client(server, 1).send_heartbeat()  # hung at about 1.0 s
+        first = server.verdicts.get(timeout=10)
+        assert first.rank == 1 and time.monotonic() - started < 2.5, first
+        assert first.stack.startswith("stack of rank1-")
+        release.set()
+        second = server.verdicts.get(timeout=10)
+        assert second.rank == 0 and second.detected_at < first.detected_at
+    finally:
+        release.set()
+        server.stop()

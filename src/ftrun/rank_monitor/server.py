@@ -1,7 +1,9 @@
 """RankMonitorServer: one per node, watches every local rank, reports hangs as verdicts.
 
 One thread owns the ZeroMQ ROUTER socket and the deadline heap; it sleeps exactly until the next
-deadline or message, so a verdict fires within milliseconds of its deadline. The owner (the
+deadline or message, so a hang is found within milliseconds of its deadline. The hung rank's
+stacks are then captured off that thread (`capture`), and its verdict posted once they are in:
+a slow capture never delays another rank's deadline. The owner (the
 agent, or a test) talks to it through `expect_rank`/`forget_rank` and receives `Verdict`s through
 a callback (default: the `verdicts` queue).
 
@@ -32,6 +34,7 @@ import zmq
 from ftrun.errors import ProtocolError
 from ftrun.rank_monitor import protocol as wire
 from ftrun.rank_monitor import stacks
+from ftrun.rank_monitor.capture import Capture, StackCapturer, capture_stacks
 from ftrun.rank_monitor.config import (
     ENV_JOB_DIR,
     ENV_MONITOR_ADDR,
@@ -69,10 +72,12 @@ class RankMonitorServer:
         on_progress: Callable[[FirstProgress], None] | None = None,
         on_control: Callable[[WorkloadControl], None] | None = None,
         on_timings: Callable[[TimingBatch], None] | None = None,
+        capture: Capture = capture_stacks,
     ) -> None:
-        """The callbacks run on the monitor thread: they must only enqueue. Without
-        `on_control`, workload control requests are refused; without `on_timings`, timings
-        are dropped uncounted."""
+        """The callbacks run on the monitor thread (`on_verdict`: on a capture thread): they
+        must only enqueue. Without `on_control`, workload control requests are refused;
+        without `on_timings`, timings are dropped uncounted. `capture` takes the stacks (a
+        fake in tests)."""
         self.config = config
         self.job_dir = Path(job_dir or tempfile.mkdtemp(prefix="ftrun-"))
         self.job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -84,6 +89,7 @@ class RankMonitorServer:
         self._on_progress = on_progress
         self._on_control = on_control
         self._on_timings = on_timings
+        self._capturer = StackCapturer(capture, config.stack_signal, config.stack_capture_timeout)
         self._timing_senders = TimingSenders(_is_self_or_descendant)
         self._timings: list[TimingBatch] = []  # likewise
         self._lock = threading.Lock()
@@ -124,6 +130,7 @@ class RankMonitorServer:
         self._wake_send.send(b"")
         self._thread.join()
         self._thread = None
+        self._capturer.close()
         for sock in (self._sock, self._wake_recv, self._wake_send):
             sock.close(linger=0)
 
@@ -416,12 +423,15 @@ class RankMonitorServer:
             self._report(hung)
 
     def _report(self, hung: list[tuple[_Peer, Overdue, float]]) -> None:
+        """Capture the hung ranks' stacks off this thread; their verdicts follow (`_post`)."""
         progresses = [peer.progress for peer, _, _ in hung]
         files = [stacks.stack_file(self.job_dir, p.rank, p.pid) for p in progresses]
-        offsets = stacks.request_dumps(
-            [(p.pid, f) for p, f in zip(progresses, files, strict=True)], self.config.stack_signal
-        )
-        dumps = stacks.collect_dumps(offsets, self.config.stack_capture_timeout)
+        targets = [(p.pid, f) for p, f in zip(progresses, files, strict=True)]
+        self._capturer.submit(targets, lambda dumps: self._post(hung, files, dumps))
+
+    def _post(
+        self, hung: list[tuple[_Peer, Overdue, float]], files: list[Path], dumps: dict[Path, str]
+    ) -> None:
         for (peer, overdue, detected_at), path in zip(hung, files, strict=True):
             progress = peer.progress
             with self._lock:
@@ -438,8 +448,8 @@ class RankMonitorServer:
                 waited=detected_at - overdue.since,
                 deadline=overdue.deadline,
                 detected_at=detected_at,
-                stack_file=path if dumps[path] else None,
-                stack=dumps[path],
+                stack_file=path if dumps.get(path) else None,
+                stack=dumps.get(path, ""),
             )
             log.info("%s", verdict.describe())
             self._on_verdict(verdict)
