@@ -39,8 +39,8 @@ node memory only, its root unused):
 - ftrun async, first: `save(state, 2, is_async=True)` until it returns, into new node memory
   (flatten, allocate, the one copy), as a worker's first saves are;
 - ftrun async, steady state, stall: `save(state, 3, is_async=True)` until it returns: part 1,
-  retired by save 2, is its rank's spare, still mapped, and save 3 copies into it (what every
-  later save of a training run does). Target: <= 1.3x memcpy;
+  retired by save 2, is its rank's recycled file, still mapped, and save 3 copies into it (what
+  every later save of a training run does). Target: <= 1.3x memcpy;
 - ftrun async, complete: that call until `wait()` returns (checksums, header, rename, and the
   retirement of part 2), waited for at once;
 - torch.save + fsync: `torch.save` to a file in a fresh directory on the disk (`--disk-dir`, not

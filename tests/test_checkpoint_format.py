@@ -412,9 +412,9 @@ def test_cuda_tensors_are_copied_to_host(tmp_path: Path, monkeypatch: pytest.Mon
         assert all(torch.equal(loaded[k], v.cpu()) for k, v in state.items())
         del loaded
         state2 = {k: v * 2 for k, v in state.items()}
-        spare = fmt.Spare(shm / "k", info.nbytes, mapping)
-        fmt.prepare_part(shm / "k", state2, 3, spare=spare, keep_mapping=True).commit()
-        assert len(registered) == 1 and mapping._pinned is not None  # the spare: still pinned
+        recycled = fmt.Recycled(shm / "k", info.nbytes, mapping)
+        fmt.prepare_part(shm / "k", state2, 3, recycled=recycled, keep_mapping=True).commit()
+        assert len(registered) == 1 and mapping._pinned is not None  # the recycled: still pinned
         loaded, _ = read_part(shm / "k")
         assert all(torch.equal(loaded[k], v.cpu()) for k, v in state2.items())
         del loaded

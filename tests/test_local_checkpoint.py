@@ -465,9 +465,9 @@ def test_a_replication_strategy_is_kept_but_not_pretended(
 
 
 def test_node_memory_parts_reuse_the_retired_parts_memory(tmp_path: Path, monkeypatch) -> None:
-    """Under ft_launcher a retired part becomes its rank's spare, and the next save writes into
-    that same file (same inode, still mapped) instead of allocating a new one; parts read back
-    intact, and a part this process loaded is never rewritten."""
+    """Under ft_launcher a retired part becomes its rank's recycled file, and the next save
+    writes into that same file (same inode, still mapped) instead of allocating a new one;
+    parts read back intact, and a part this process loaded is never rewritten."""
     monkeypatch.setenv("FTRUN_CKPT_DIR", str(tmp_path / "node"))
     manager = LocalCheckpointManager(tmp_path / "disk", session_id="s", keep_complete=1)
     session = tmp_path / "node" / "s"
@@ -475,8 +475,8 @@ def test_node_memory_parts_reuse_the_retired_parts_memory(tmp_path: Path, monkey
     for iteration in range(1, 5):
         manager.save({"w": torch.full((1000,), float(iteration)), "i": iteration}, iteration)
         inodes.append((session / f"iter_{iteration:07d}" / "rank0-of1.ftckpt").stat().st_ino)
-    spare = session / ".spare-rank0-of1.ftckpt"
-    assert spare.exists() and len(set(inodes)) == 2  # two files take turns
+    recycled = session / ".recycled-rank0-of1.ftckpt"
+    assert recycled.exists() and len(set(inodes)) == 2  # two files take turns
     state, ckpt = manager.load()
     assert ckpt.iteration == 4 and float(state["w"][0]) == 4.0 and state["i"] == 4
     manager.save({"w": torch.full((1000,), 5.0), "i": 5}, 5)  # retires 4: loaded, so deleted

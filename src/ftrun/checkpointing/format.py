@@ -26,9 +26,9 @@ makes the part appear whole, on tmpfs and on disks alike.
 On any failure the temp file is removed and `CheckpointWriteError` is raised (one line); the
 part already at `path`, if any, and parts at other paths are never touched.
 
-Reusing an old part's memory: a store may hand `prepare_part` the `Spare` file of a part it
+Reusing an old part's memory: a store may hand `prepare_part` the `Recycled` file of a part it
 retired, still mapped from when this process wrote it (`keep_mapping`): the copy then lands in
-pages that are already there, at memcpy speed (see `spares` for why and when). The retired file
+pages that are already there, at memcpy speed (see `recycled` for why and when). The retired file
 is renamed to the temp name first: nobody finds it under a part's name while it is rewritten.
 
 Reading, `read_part`, maps the file copy-on-write (`mmap.ACCESS_COPY`) and builds the tensors
@@ -78,7 +78,7 @@ from ftrun.checkpointing.layout import (
     encode_header,
     plan,
 )
-from ftrun.checkpointing.spares import Spare, open_spare
+from ftrun.checkpointing.recycled import Recycled, open_recycled
 
 TMP_MARK = ".tmp-"
 _PARALLEL_CRC_BYTES = 64 * 2**20
@@ -105,7 +105,7 @@ class PendingPart:
     """A part whose tensor bytes are in its temp file; nothing exists at `path` until `commit`.
 
     Call `commit` (it aborts itself on failure) or `abort`, once. With `keep_mapping`, the
-    file stays mapped after `commit` (`kept_mapping`), for a later `Spare`.
+    file stays mapped after `commit` (`kept_mapping`), for a later `Recycled`.
     """
 
     def __init__(
@@ -192,12 +192,12 @@ def prepare_part(
     state: Any,
     iteration: int,
     metadata: Mapping[str, str] | None = None,
-    spare: Spare | None = None,
+    recycled: Recycled | None = None,
     keep_mapping: bool = False,
 ) -> PendingPart:
     """Copy `state` into a temp file next to `path`; `commit` the result to make it the part.
 
-    `spare`: a retired part's file to write into instead of a new one (used if big enough).
+    `recycled`: a retired part's file to write into instead of a new one (used if big enough).
     """
     if type(iteration) is not int or iteration < 0:
         raise CheckpointUsageError(f"iteration must be a non-negative int, not {iteration!r}")
@@ -207,7 +207,7 @@ def prepare_part(
     tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}")
     fd, mapping = -1, None
     try:
-        fd, mapping = open_spare(spare, tmp, layout.total) if spare else (-1, None)
+        fd, mapping = open_recycled(recycled, tmp, layout.total) if recycled else (-1, None)
         if mapping is None:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             _reserve(fd, layout.total)

@@ -3,7 +3,7 @@
 A device-to-host copy into pageable memory goes through the driver's own small pinned buffer
 (a DMA, then a host memcpy, chunk by chunk): 10 GB/s against 55 GB/s into pinned memory, for an
 8 GiB state on an H100 (bench/checkpoint_gpu.py). A mapping in node memory (/dev/shm) that the
-store keeps for later saves (`keep_mapping`, a spare's) is page-locked once with
+store keeps for later saves (`keep_mapping`, a recycled file's) is page-locked once with
 `cudaHostRegister`; its copies are then `non_blocking` DMAs straight into the file's pages, one
 synchronize per device before `prepare_part` returns. One-shot mappings (closed at `commit`)
 are not registered: pinning every page of a new mapping, to unpin it at once, buys nothing;

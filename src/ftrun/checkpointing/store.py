@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from ftrun.checkpointing.errors import CheckpointCorruptError, CheckpointWriteError
 from ftrun.checkpointing.format import PartInfo, PendingPart, prepare_part, read_info, read_part
 from ftrun.checkpointing.read_into import read_part_into
-from ftrun.checkpointing.spares import SparePool
+from ftrun.checkpointing.recycled import RecyclePool
 
 SUFFIX = ".ftckpt"
 CORRUPT_SUFFIX = ".corrupt"
@@ -87,14 +87,14 @@ class DirectoryStore:
     """Parts as files under `root` (see the module docstring for the layout).
 
     With `recycle` (node memory under ft_launcher), a removed part's file is not deleted but
-    kept out of sight as `.spare-<part name>` (one per rank) and written again by the next save
+    kept out of sight as `.recycled-<part name>` (one per rank) and written again by the next save
     of that rank, still mapped: the save's copy then costs a memcpy, not a new file's page
     allocation (see `format`). A part this process read is never recycled (its readers map it).
     """
 
     def __init__(self, root: str | Path, recycle: bool = False) -> None:
         self.root = Path(root)
-        self._spares = SparePool(self.root) if recycle else None
+        self._recycled = RecyclePool(self.root) if recycle else None
 
     def __repr__(self) -> str:
         return f"DirectoryStore({str(self.root)!r})"
@@ -108,11 +108,11 @@ class DirectoryStore:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CheckpointWriteError(f"cannot create {path.parent}: {e.strerror or e}") from e
-        if self._spares is None:
+        if self._recycled is None:
             return prepare_part(path, state, key.iteration, metadata)
-        spare = self._spares.take(path.name)
-        pending = prepare_part(path, state, key.iteration, metadata, spare, keep_mapping=True)
-        return _Kept(pending, self._spares)
+        recycled = self._recycled.take(path.name)
+        pending = prepare_part(path, state, key.iteration, metadata, recycled, keep_mapping=True)
+        return _Kept(pending, self._recycled)
 
     def write(self, key: PartKey, state: Any, metadata: Mapping[str, str]) -> PartInfo:
         return self.prepare(key, state, metadata).commit()
@@ -121,8 +121,8 @@ class DirectoryStore:
         if into is not None:  # always verified: the check rides along with the one read
             state, info = read_part_into(self.path_of(key), into)
             return state, _check_iteration(key, info)
-        if self._spares is not None:  # views of it stay mapped: never reuse it as a spare
-            self._spares.read.add(self.path_of(key))
+        if self._recycled is not None:  # views of it stay mapped: never reuse it
+            self._recycled.read.add(self.path_of(key))
         state, info = read_part(self.path_of(key), verify=verify)
         _check_iteration(key, info)
         return state, info
@@ -143,8 +143,8 @@ class DirectoryStore:
         path = self.path_of(key)
         if not path.parent.is_dir():
             return
-        if self._spares is not None:
-            self._spares.retire(path)
+        if self._recycled is not None:
+            self._recycled.retire(path)
         try:  # the node's agent may remove the same parts (its retention) at the same time
             children = list(path.parent.iterdir())
         except FileNotFoundError:
@@ -165,9 +165,9 @@ class DirectoryStore:
 
 
 class _Kept:
-    """A pending part whose mapping the store keeps once committed (for its later spare)."""
+    """A pending part whose mapping the store keeps once committed (for its later reuse)."""
 
-    def __init__(self, pending: PendingPart, pool: SparePool) -> None:
+    def __init__(self, pending: PendingPart, pool: RecyclePool) -> None:
         self._pending = pending
         self._pool = pool
 
