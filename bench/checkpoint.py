@@ -113,7 +113,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save
 
 from ftrun.checkpointing import LocalCheckpointManager
 from ftrun.checkpointing.layout import checksum
-from ftrun.checkpointing.node_tier import ENV_CKPT_DIR
+from ftrun.checkpointing.tier_files import ENV_CKPT_DIR
 from ftrun.peer import FileRegion, PeerClient, PeerServer, Reply, Request
 
 MIB = 2**20

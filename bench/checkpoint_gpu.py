@@ -79,7 +79,7 @@ from common import BENCH, load_average, machine_line, progress, table
 
 from ftrun.checkpointing import LocalCheckpointManager, pinning
 from ftrun.checkpointing.format import read_part
-from ftrun.checkpointing.node_tier import ENV_CKPT_DIR
+from ftrun.checkpointing.tier_files import ENV_CKPT_DIR
 
 GIB = 2**30
 MIB = 2**20

@@ -39,10 +39,12 @@ from ftrun.checkpointing.keeper.messages import (
     parse_part_request,
 )
 from ftrun.checkpointing.keeper.names import parse_iteration_dir, parse_part_name, valid_session
-from ftrun.checkpointing.keeper.tier import OWNER_LOCK, NodeTier, remove_abandoned
+from ftrun.checkpointing.keeper.node_tier import OWNER_LOCK, NodeTier, remove_abandoned
 from ftrun.checkpointing.keeper.transfer import PUSH, push_part
 from ftrun.checkpointing.manager import LocalCheckpointManager
-from ftrun.checkpointing.node_tier import (
+from ftrun.checkpointing.replication import CliqueReplicationStrategy
+from ftrun.checkpointing.store import PartKey
+from ftrun.checkpointing.tier_files import (
     ENV_CKPT_DIR,
     POLICY_FILE,
     RESTORE_FILE,
@@ -51,8 +53,6 @@ from ftrun.checkpointing.node_tier import (
     read_json,
     write_json_atomically,
 )
-from ftrun.checkpointing.replication import CliqueReplicationStrategy
-from ftrun.checkpointing.store import PartKey
 from ftrun.events import problems
 from ftrun.peer import PeerRemoteError
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
@@ -228,7 +228,7 @@ def test_a_dead_agents_directory_is_removed_by_the_next_keeper(tmp_path: Path) -
     and never the directory of an agent that is alive."""
     code = (
         "import sys; from pathlib import Path; "
-        "from ftrun.checkpointing.keeper.tier import NodeTier; "
+        "from ftrun.checkpointing.keeper.node_tier import NodeTier; "
         "t = NodeTier.create('dead', (Path(sys.argv[1]),)); print(t.root, flush=True); "
         "sys.stdin.read()"
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 
-from ftrun.checkpointing.keeper.tier import DEFAULT_BASES, DIR_PREFIX
+from ftrun.checkpointing.keeper.node_tier import DEFAULT_BASES, DIR_PREFIX
 from launch import Job, Node, node_of, start_job
 from support import wait_for
 

@@ -2,9 +2,10 @@
 
 Each rank writes its own part of each iteration (see `store` for where, `format` for how).
 Under plain torchrun the parts are files under `root_local_ckpt_dir`; under ft_launcher they
-go to the node agent's memory (`node_tier`), which keeps them across worker restarts and
-replicates them to peers, behind the same `PartStore`; with `persist_to_disk` (the default, as
-NVRx writes there) the save also copies the part under `root_local_ckpt_dir` (`persist`).
+go to the node agent's memory (`tier_files`, `keeper.node_tier`), which keeps them across
+worker restarts and replicates them to peers, behind the same `PartStore`; with
+`persist_to_disk` (the default, as NVRx writes there) the save also copies the part under
+`root_local_ckpt_dir` (`persist`).
 
 Collectives: under plain torchrun, when `torch.distributed` is initialized, `find_latest` and
 `load` are collective (every rank must call them, as in NVRx): `find_latest` all-reduces (MIN)
@@ -36,7 +37,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ftrun.checkpointing.agent_side import agent_tier, protected_part, restore_decision
 from ftrun.checkpointing.async_calls import AsyncRequest
 from ftrun.checkpointing.errors import (
     CheckpointCorruptError,
@@ -48,6 +48,7 @@ from ftrun.checkpointing.format import PartInfo
 from ftrun.checkpointing.persist import copy_part
 from ftrun.checkpointing.state_dict import BasicTensorAwareStateDict, TensorAwareStateDict
 from ftrun.checkpointing.store import DirectoryStore, PartKey, PartStore, PreparedPart
+from ftrun.checkpointing.worker_tier import agent_tier, protected_part, restore_decision
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class LocalCheckpointManager:
     Under plain torchrun: files under `root_local_ckpt_dir/session_id`; `repl_strategy` is
     kept as `self.repl_strategy` but nothing is replicated (parts stay on this node).
 
-    Under ft_launcher (`FTRUN_CKPT_DIR` set, see `node_tier`): parts go to node memory that the
+    Under ft_launcher (`FTRUN_CKPT_DIR` set, see `tier_files`): parts go to node memory that the
     node agent keeps across worker restarts; the agent replicates each new part to the nodes of
     its `repl_strategy` clique off the training path, and before the workers start, agrees with
     the other agents on the iteration to resume from and fetches this node's missing parts from

@@ -11,7 +11,7 @@ rank's clique (`push_targets`), one after the other, each push bounded by
 `transfer_timeout(size)`; a failed push costs a WARNING line, the others go on. (The copy under
 `root_local_ckpt_dir` is the worker's, within its save: `checkpointing.persist`.)
 
-Then it moves the session's protection (`node_tier.PROTECTED_FILE`) to the newest iteration
+Then it moves the session's protection (`tier_files.PROTECTED_FILE`) to the newest iteration
 of which this node holds every part it should (`holdings.held_ranks`: its ranks' and, with
 replication, their cliques'), so that neither the workers' clean-up nor the replicas' drops
 it before a newer one is whole here.
@@ -35,11 +35,11 @@ from typing import Any
 from ftrun.checkpointing.errors import CheckpointUsageError
 from ftrun.checkpointing.keeper import holdings as plan
 from ftrun.checkpointing.keeper.names import label
+from ftrun.checkpointing.keeper.node_tier import NodeTier
 from ftrun.checkpointing.keeper.settings import KeeperSettings
-from ftrun.checkpointing.keeper.tier import NodeTier
 from ftrun.checkpointing.keeper.transfer import open_part, push_part
-from ftrun.checkpointing.node_tier import TierPolicy
 from ftrun.checkpointing.store import PartKey
+from ftrun.checkpointing.tier_files import TierPolicy
 from ftrun.peer import PeerClient, PeerError
 from ftrun.rendezvous.ranks import Round
 

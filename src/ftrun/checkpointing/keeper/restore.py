@@ -45,8 +45,8 @@ from ftrun.checkpointing.keeper.messages import (
     encode_outcome,
 )
 from ftrun.checkpointing.keeper.names import label
+from ftrun.checkpointing.keeper.node_tier import NodeTier
 from ftrun.checkpointing.keeper.settings import KeeperSettings
-from ftrun.checkpointing.keeper.tier import NodeTier
 from ftrun.checkpointing.keeper.transfer import fetch_part
 from ftrun.checkpointing.store import PartKey
 from ftrun.peer import PeerClient, PeerError

@@ -1,4 +1,4 @@
-"""The checkpoint keeper, as a node service: the agent side of `ftrun.checkpointing.node_tier`.
+"""The checkpoint keeper, as a node service: the agent side of `ftrun.checkpointing.tier_files`.
 
 - At start: the node's checkpoint directory (`tier`), the peer handlers (`transfer`) and the
   replicator thread (`replicator`). Every worker gets the directory as `FTRUN_CKPT_DIR`;
@@ -30,13 +30,13 @@ from torch.distributed import Store
 from ftrun.checkpointing.keeper import holdings as plan
 from ftrun.checkpointing.keeper.holdings import Decision
 from ftrun.checkpointing.keeper.names import label
+from ftrun.checkpointing.keeper.node_tier import DEFAULT_BASES, NodeTier
 from ftrun.checkpointing.keeper.replicator import Replicator
 from ftrun.checkpointing.keeper.restore import RestoreRun
 from ftrun.checkpointing.keeper.settings import KeeperSettings
-from ftrun.checkpointing.keeper.tier import DEFAULT_BASES, NodeTier
 from ftrun.checkpointing.keeper.transfer import FETCH, PUSH, PartServer
-from ftrun.checkpointing.node_tier import ENV_CKPT_DIR, RestoreDecision
 from ftrun.checkpointing.store import PartKey
+from ftrun.checkpointing.tier_files import ENV_CKPT_DIR, RestoreDecision
 from ftrun.peer import PeerClient, PeerServer
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import NodeService, ServiceContext

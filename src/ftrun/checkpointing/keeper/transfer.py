@@ -7,7 +7,7 @@ maximum and what the filesystem has free) and, once received, the bytes themselv
 (`NodeTier.install`) must all check out, else nothing is kept and the sender gets the reason
 as its error (the peer server logs it). At most one receive per (session, rank, world size)
 at a time; after one, that rank keeps its newest `keep_complete` parts and its part of the
-protected iteration (`node_tier.PROTECTED_FILE`).
+protected iteration (`tier_files.PROTECTED_FILE`).
 
 `ckpt-fetch` (a peer restoring its ranks asks for a part): the reply's bulk bytes are the file,
 sent with `sendfile` from an open descriptor (the file may be removed meanwhile; the bytes stay
@@ -28,8 +28,8 @@ from ftrun.checkpointing.keeper import holdings as plan
 from ftrun.checkpointing.keeper.errors import PartRejectedError
 from ftrun.checkpointing.keeper.messages import parse_part_request, part_request
 from ftrun.checkpointing.keeper.names import MIN_PART_BYTES, label
+from ftrun.checkpointing.keeper.node_tier import NodeTier
 from ftrun.checkpointing.keeper.settings import KeeperSettings
-from ftrun.checkpointing.keeper.tier import NodeTier
 from ftrun.checkpointing.store import PartKey
 from ftrun.peer import FileRegion, PeerClient, Reply, Request
 

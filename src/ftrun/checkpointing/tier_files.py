@@ -10,7 +10,7 @@ holds a part whether its own ranks wrote it or a peer sent it.
 
 Small JSON files per session, each written atomically (write, rename):
 - `POLICY_FILE`, by the worker's manager: what the agent does with new parts off the training
-  path (replicate to the clique's nodes, copy to a directory on disk).
+  path (replicate to the clique's nodes; the copy on disk is the worker's own, `persist`).
 - `RESTORE_FILE`, by the agent before the workers start: the iteration every rank of the job can
   load (complete for every rank somewhere, and fetched to this node for its ranks), or -1. The
   worker's `find_latest()` reads it instead of running a collective.

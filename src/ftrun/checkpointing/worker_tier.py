@@ -1,4 +1,4 @@
-"""The worker's side of the node tier (`node_tier`): where parts go under ft_launcher, what the
+"""The worker's side of the node tier (`tier_files`): where parts go under ft_launcher, what the
 agent is asked to do with them, and what it decided to restore."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrun.checkpointing.errors import CheckpointUsageError
-from ftrun.checkpointing.node_tier import (
+from ftrun.checkpointing.tier_files import (
     ENV_CKPT_DIR,
     POLICY_FILE,
     PROTECTED_FILE,

@@ -33,7 +33,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from ftrun.checkpointing.agent_side import protected_part
 from ftrun.checkpointing.errors import CheckpointError
 from ftrun.checkpointing.format import TMP_MARK, PartInfo, read_info, read_part
 from ftrun.checkpointing.keeper.errors import PartRejectedError
@@ -47,7 +46,8 @@ from ftrun.checkpointing.keeper.names import (
     part_file_name,
     valid_session,
 )
-from ftrun.checkpointing.node_tier import (
+from ftrun.checkpointing.store import CORRUPT_SUFFIX, PartKey
+from ftrun.checkpointing.tier_files import (
     POLICY_FILE,
     PROTECTED_FILE,
     RESTORE_FILE,
@@ -56,7 +56,7 @@ from ftrun.checkpointing.node_tier import (
     read_json,
     write_json_atomically,
 )
-from ftrun.checkpointing.store import CORRUPT_SUFFIX, PartKey
+from ftrun.checkpointing.worker_tier import protected_part
 from ftrun.rendezvous.config import run_id_in_file_name
 
 log = logging.getLogger("ftrun.agent")
