@@ -5,6 +5,21 @@ and loads the newest iteration every rank has. Parts are written by `format`, la
 `layout`, kept by a `store.PartStore`; `replication` holds NVRx's clique arithmetic.
 `GlobalCheckpointManager` saves to shared storage through DCP; `restore` takes the newest good
 copy across tiers.
+
+A part's way under ft_launcher, step by step:
+1. `manager.save` writes the part into node memory (`FTRUN_CKPT_DIR`, the agent's directory,
+   see `tier_files`) through `store.DirectoryStore` (reusing a retired part's file,
+   `recycled`), and the session's `POLICY_FILE` says how to replicate (`worker_tier`);
+2. with `persist_to_disk`, the save copies it under `root_local_ckpt_dir` too (`persist`);
+3. the node agent's keeper (`keeper.replicator`, a thread) sees the new part and pushes it over
+   the peer channel to the agents of the other ranks of its clique (`replication`,
+   `keeper.holdings.push_targets`), which install it in their node memory (`keeper.transfer`);
+4. it then protects the newest iteration this node holds whole (`PROTECTED_FILE`), so that
+   neither the workers' clean-up nor the replicas' drops it;
+5. after a failure, before the new round's workers start, the keepers agree on the newest
+   iteration complete for every rank and fetch what a replacement node lacks from the peers
+   that hold it (`keeper.restore`), and write the decision (`RESTORE_FILE`);
+6. the restarted worker's `find_latest`/`load` read that decision and the part from node memory.
 """
 
 from ftrun.checkpointing.async_calls import (

@@ -10,8 +10,8 @@ one failure takes down (ranks per node, NVRx's default being the GPU count) so t
 sit on other nodes. W must be a multiple of J*F.
 
 Here the strategies only hold the parameters and answer `clique_of`: the copying itself is the
-node agent's job under ft_launcher (a later step), never done by `LocalCheckpointManager` under
-plain torchrun. No process group is created, so the lazy variant is the same thing by another
+checkpoint keeper's, in the node agent under ft_launcher (`keeper.replicator`), and never done
+under plain torchrun. No process group is created, so the lazy variant is the same thing by another
 name (NVRx's delays creating process groups).
 """
 
