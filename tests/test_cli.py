@@ -19,10 +19,10 @@ import pytest
 from ftrun.agent.config import AgentConfig
 from ftrun.agent.numa import NumaPlan
 from ftrun.config import LaunchConfig
-from ftrun.errors import ConfigError, ExitCode, RestartBudgetSpentError
+from ftrun.errors import ConfigError, ExitCode, FtrunError
+from ftrun.ft_launcher import build as build_module
 from ftrun.ft_launcher import cli
-from ftrun.ft_launcher import config as config_module
-from ftrun.ft_launcher.config import build_config
+from ftrun.ft_launcher.build import build_config
 from ftrun.ft_launcher.nvrx_options import NVRX_OPTIONS
 from ftrun.ft_launcher.options import BY_NAME, OPTIONS, YAML_KEYS, help_text, parse_argv
 from ftrun.rank_monitor.config import RankMonitorConfig
@@ -521,7 +521,7 @@ def test_every_option_changes_the_config_warns_or_is_refused(
     opt: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # No NVML here: --numa-binding's plan is made up (test_numa.py reads a fake NVML).
-    monkeypatch.setattr(config_module, "plan_launch", lambda *a: NumaPlan("node", ()))
+    monkeypatch.setattr(build_module, "plan_launch", lambda *a: NumaPlan("node", ()))
     yaml_file = write_yaml(tmp_path, "fault_tolerance: {safety_factor: 2}\n")
     base, added = EFFECTS[opt.name]
     added = tuple(arg.replace("YAML", yaml_file) for arg in added)
@@ -664,7 +664,7 @@ def test_main_turns_ftrun_errors_into_their_exit_code(
     monkeypatch: pytest.MonkeyPatch, restore_logging: None
 ) -> None:
     def run_node(config: LaunchConfig) -> ExitCode:
-        raise RestartBudgetSpentError("spent")
+        raise FtrunError("spent")
 
     fake_agent(monkeypatch, run_node)
     with pytest.raises(SystemExit) as info:

@@ -10,7 +10,7 @@ import pytest
 from ftrun.agent.health import check_node
 from ftrun.agent.nic_health import check_ib_ports
 from ftrun.errors import ConfigError, NodeUnhealthyError
-from ftrun.ft_launcher.config import build_config
+from ftrun.ft_launcher.build import build_config
 from ftrun.rendezvous.config import HealthCheckConfig
 from launch import start_job
 

@@ -39,7 +39,7 @@ from ftrun.agent.worker_env import worker_envs
 from ftrun.agent.workers import spawn_process
 from ftrun.errors import ConfigError, ExitCode
 from ftrun.ft_launcher import cli
-from ftrun.ft_launcher.config import build_config
+from ftrun.ft_launcher.build import build_config
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
 
 FAKES = Path(__file__).resolve().parent / "fakes"

@@ -17,15 +17,9 @@ from ftrun.agent.state import AgentState, IllegalTransitionError, check_transiti
 from ftrun.errors import ExitCode, RendezvousFailedError
 from ftrun.rendezvous.config import RendezvousConfig, RendezvousImpl
 from ftrun.rendezvous.control import JobControl
+from ftrun.rendezvous.errors import DESCRIPTOR_VERSION, DescriptorVersionError, InfraRankError
 from ftrun.rendezvous.factory import create_rendezvous
-from ftrun.rendezvous.ranks import (
-    DESCRIPTOR_VERSION,
-    DescriptorVersionError,
-    InfraRankError,
-    NodeDescriptor,
-    order_nodes,
-    row_from_json,
-)
+from ftrun.rendezvous.ranks import NodeDescriptor, order_nodes, row_from_json
 
 IMPLS = pytest.mark.parametrize("impl", list(RendezvousImpl))
 _ids = itertools.count()

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from ftrun.rendezvous.errors import DescriptorVersionError, InfraRankError
 from ftrun.rendezvous.published import Progress, PublishedRound
-from ftrun.rendezvous.ranks import DescriptorVersionError, InfraRankError, NodeDescriptor
+from ftrun.rendezvous.ranks import NodeDescriptor
 from ftrun.rendezvous.slots import Arrival, RoundView, plan_round
 
 

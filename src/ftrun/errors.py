@@ -58,7 +58,3 @@ class NodeUnhealthyError(FtrunError):
     """A health check failed on this node: it must not run workers."""
 
     exit_code = ExitCode.DO_NOT_RELAUNCH
-
-
-class RestartBudgetSpentError(FtrunError):
-    """A failure happened after `--max-restarts` in-job restarts."""

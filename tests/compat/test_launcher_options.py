@@ -9,7 +9,7 @@ import pytest
 
 from ftrun.errors import ConfigError, ExitCode
 from ftrun.ft_launcher import cli
-from ftrun.ft_launcher.config import build_config
+from ftrun.ft_launcher.build import build_config
 from ftrun.ft_launcher.nvrx_options import NVRX_OPTIONS
 
 

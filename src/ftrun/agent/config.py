@@ -1,4 +1,4 @@
-"""The per-node agent's configuration (built by `ftrun.ft_launcher.config` only)."""
+"""The per-node agent's configuration (built by `ftrun.ft_launcher.build` only)."""
 
 from __future__ import annotations
 

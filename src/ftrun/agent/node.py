@@ -36,7 +36,7 @@ from ftrun.agent.worker_env import worker_envs
 from ftrun.agent.workers import WorkerExited, WorkerGroup
 from ftrun.errors import ExitCode, FtrunError, NodeUnhealthyError
 from ftrun.rank_monitor import FirstProgress, ProgressSnapshot, Verdict, WorkloadControl
-from ftrun.rendezvous.barrier import JoinInterruptedError
+from ftrun.rendezvous.errors import JoinInterruptedError
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import ServiceRequest
 
@@ -178,7 +178,8 @@ class NodeAgent:
         self._round = rnd
         self.events.cycle = rnd.number
         # A standby node arrived again when the cycle it waited through ended.
-        started = max(started, getattr(self.rt.rendezvous, "arrived_at", started))
+        if rnd.arrived_at is not None:
+            started = max(started, rnd.arrived_at)
         self.events.emit(
             "rendezvous_done",
             duration=round(time.monotonic() - started, 6),

@@ -20,7 +20,7 @@ The GPU of local rank N is entry N of the launcher's CUDA_VISIBLE_DEVICES (an in
 CUDA_DEVICE_ORDER=PCI_BUS_ID and on nodes with identical GPUs.
 
 `read_topology` is the one function that reads NVML (and sysfs, for hyperthread siblings);
-`plan` is pure; `plan_launch` joins them, once per launch (`ftrun.ft_launcher.config`). The
+`plan` is pure; `plan_launch` joins them, once per launch (`ftrun.ft_launcher.build`). The
 worker applies its binding itself (`ftrun.agent.prewarm.binding`).
 """
 

@@ -18,7 +18,7 @@ from ftrun.agent.inbox import SignalRecorder
 from ftrun.agent.prewarm.service import start_early
 from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError, ExitCode, FtrunError
-from ftrun.ft_launcher.config import config_from
+from ftrun.ft_launcher.build import config_from
 from ftrun.ft_launcher.options import PROG, help_text, parse_argv
 
 log = logging.getLogger(__name__)

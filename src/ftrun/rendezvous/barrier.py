@@ -40,15 +40,9 @@ from torch.distributed.elastic.rendezvous import (
 from ftrun.errors import ExitCode
 from ftrun.rendezvous.config import RendezvousConfig
 from ftrun.rendezvous.control import JobControl, existing_keys, wait_for_key, wait_for_keys
+from ftrun.rendezvous.errors import DescriptorVersionError, InfraRankError, JoinInterruptedError
 from ftrun.rendezvous.published import Progress, PublishedRound
-from ftrun.rendezvous.ranks import (
-    DescriptorVersionError,
-    InfraRankError,
-    NodeDescriptor,
-    Round,
-    order_nodes,
-    row_from_json,
-)
+from ftrun.rendezvous.ranks import NodeDescriptor, Round, order_nodes, row_from_json
 from ftrun.rendezvous.slots import Arrival, RoundView, plan_round, standbys
 
 log = logging.getLogger("ftrun.rendezvous")
@@ -63,10 +57,6 @@ _TAKEOVER_S = DESCRIPTOR_GRACE_S + 3 * _WAIT_CHUNK_S
 
 Probe = Callable[[NodeDescriptor], bool]
 """Whether the agent behind a descriptor still answers (its peer channel); False: gone."""
-
-
-class JoinInterruptedError(Exception):
-    """The agent asked to stop waiting (a signal arrived)."""
 
 
 @dataclasses.dataclass
@@ -107,7 +97,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
         self._grace = descriptor_grace
         self._closed_size = (-1, 0)
         """(cycle, size) of the last closed round `num_nodes_waiting` looked at."""
-        self.arrived_at = 0.0
+        self._arrived_at = 0.0
         """When this node last arrived at a round (monotonic): a standby node's wait for earlier
         cycles to end is not its rendezvous time."""
 
@@ -159,7 +149,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
             cycle = self.control.cycle()
             # Built before arriving: a closer gives an arrival only a short grace to write it.
             mine = self._descriptor().to_json()
-            self.arrived_at = time.monotonic()
+            self._arrived_at = time.monotonic()
             index = self._store.add(self._key(cycle, "arrivals"), 1) - 1
             self._store.set(self._key(cycle, f"node/{index}"), mine)
             planning = _Planning(cycle)
@@ -169,7 +159,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
             published = self._published(cycle)
             rnd = published.round_for(cycle, index)
             if rnd is not None:
-                return rnd
+                return dataclasses.replace(rnd, arrived_at=self._arrived_at)
             log.info("round %d closed without this node: standing by for the next", cycle)
             if self._on_standby is not None:
                 self._on_standby(cycle, tuple(n.node for n in published.nodes()))

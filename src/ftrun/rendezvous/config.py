@@ -1,4 +1,4 @@
-"""Rendezvous configuration (built by `ftrun.ft_launcher.config` only)."""
+"""Rendezvous configuration (built by `ftrun.ft_launcher.build` only)."""
 
 from __future__ import annotations
 

@@ -22,9 +22,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
-from ftrun.rendezvous.barrier import JoinInterruptedError
 from ftrun.rendezvous.config import RendezvousConfig
 from ftrun.rendezvous.control import JobControl
+from ftrun.rendezvous.errors import JoinInterruptedError
 from ftrun.rendezvous.ranks import NodeDescriptor, Round, order_nodes
 
 BACKEND = "ftrun-dynamic"

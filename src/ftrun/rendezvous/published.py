@@ -14,12 +14,8 @@ import json
 import zlib
 from collections.abc import Sequence
 
-from ftrun.rendezvous.ranks import (
-    DescriptorVersionError,
-    InfraRankError,
-    NodeDescriptor,
-    Round,
-)
+from ftrun.rendezvous.errors import DescriptorVersionError, InfraRankError
+from ftrun.rendezvous.ranks import NodeDescriptor, Round
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,31 +7,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from ftrun.errors import ExitCode, FtrunError
+from ftrun.rendezvous.errors import DESCRIPTOR_VERSION, DescriptorVersionError, InfraRankError
 
 INFRA_RANK_VARS = ("SLURM_PROCID", "SLURM_NODEID", "GROUP_RANK")
-DESCRIPTOR_VERSION = 3
-"""1: node, host, local_world_size, master_port, infra_rank, unversioned; 2: + peer_port;
-3: same fields, but the barrier's published round carries slots and standbys (hot spares)."""
-
-
-class InfraRankError(FtrunError):
-    """Infra group ranks are missing or duplicated; a configuration problem."""
-
-    exit_code = ExitCode.USAGE
-
-
-class DescriptorVersionError(FtrunError):
-    """A node publishes its descriptor in another format: the nodes run different ftrun releases."""
-
-    exit_code = ExitCode.USAGE
-
-    def __init__(self, node: object, version: object) -> None:
-        self.node, self.version = node, version
-        super().__init__(
-            f"node {node} publishes node descriptor version {version}, this ftrun reads version "
-            f"{DESCRIPTOR_VERSION}: run the same ftrun release on every node of the job"
-        )
 
 
 class NodeDescriptor(NamedTuple):
@@ -131,6 +109,9 @@ class Round:
     """Nodes that arrived but wait as hot spares for a later cycle."""
     stalled_cycles: int = 0
     """Cycles in a row, just before this one, whose ranks made no progress (see `published`)."""
+    arrived_at: float | None = dataclasses.field(default=None, compare=False)
+    """This node's own: when (its monotonic clock) it arrived for this round, if the rendezvous
+    knows (a standby node arrives again when the cycle it waited through ends); not shared."""
 
     @property
     def me(self) -> NodeDescriptor:
