@@ -1,10 +1,12 @@
-"""Suite-wide fixtures: every process a test starts must be gone when it ends; rank monitor
-servers and in-process clients registered with them (rank monitor and workload control tests)."""
+"""Suite-wide fixtures: every process a test starts must be gone when it ends (and, where a
+module asks, `no_leftover_threads`, every thread); rank monitor servers and in-process clients
+registered with them (rank monitor and workload control tests)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -43,6 +45,18 @@ def no_leftover_processes() -> Iterator[None]:
                 proc.kill()
         reap_zombies()
         pytest.fail(f"processes left behind: {names}")
+
+
+@pytest.fixture
+def no_leftover_threads() -> Iterator[None]:
+    """Every thread the test started has ended (bounded wait) when it ends."""
+    before = set(threading.enumerate())
+    yield
+    wait_for(
+        lambda: not [t for t in threading.enumerate() if t not in before and t.is_alive()],
+        timeout=10,
+        what="the threads the test started to exit",
+    )
 
 
 @pytest.fixture

@@ -29,15 +29,7 @@ from support import run_gloo_ranks, wait_for
 WAIT_S = 10
 
 
-@pytest.fixture(autouse=True)
-def no_leftover_threads() -> Iterator[None]:
-    before = set(threading.enumerate())
-    yield
-    wait_for(
-        lambda: not [t for t in threading.enumerate() if t not in before],
-        timeout=WAIT_S,
-        what="the threads the test started to exit",
-    )
+pytestmark = pytest.mark.usefixtures("no_leftover_threads")
 
 
 @pytest.fixture

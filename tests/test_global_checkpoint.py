@@ -11,8 +11,6 @@ import io
 import json
 import os
 import pickle
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +26,13 @@ from ftrun.checkpointing import (
 from ftrun.checkpointing import global_files as gf
 from ftrun.checkpointing.dcp_safe import load_metadata
 from ftrun.checkpointing.hierarchy import Verdict, choose, judge
-from support import run_gloo_ranks, wait_for
+from support import run_gloo_ranks
 
 # One process without torch.distributed: DCP says it assumes a single process.
 single_process = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
-@pytest.fixture(autouse=True)
-def no_leftover_threads() -> Iterator[None]:
-    before = set(threading.enumerate())
-    yield
-    wait_for(
-        lambda: not [t for t in threading.enumerate() if t not in before and t.is_alive()],
-        timeout=10,
-        what="the threads the test started to exit",
-    )
+pytestmark = pytest.mark.usefixtures("no_leftover_threads")
 
 
 @pytest.mark.parametrize(
@@ -165,7 +155,7 @@ def _flip_byte(path: Path) -> None:
 
 
 PRELUDE = r"""
-import datetime, json, os, sys, time
+import datetime, json, os, sys, threading, time
 import torch, torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from ftrun.checkpointing import (AsyncCallError, GlobalCheckpointManager,
@@ -175,11 +165,13 @@ root, rank = sys.argv[1], int(os.environ["RANK"])
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
 world = dist.get_world_size()
 fault = {"fail_rank": None, "hold": None}
+held = threading.Event()  # set once a held write is under way
 write_data = FileSystemWriter.write_data
 def faulty_write_data(self, plan, planner):  # the injected faults: fail, or hold the write
     if fault["fail_rank"] == rank:
         raise OSError("No space left on device")
     while fault["hold"] is not None and not os.path.exists(fault["hold"]):
+        held.set()
         time.sleep(0.01)
     return write_data(self, plan, planner)
 FileSystemWriter.write_data = faulty_write_data
@@ -272,7 +264,7 @@ glob.save(state, 1, is_async=False)
 fault["hold"] = os.path.join(root, "never")
 state["step"] = 2
 glob.save(state, 2)
-time.sleep(0.5)  # the write of 2 is under way (held)
+assert held.wait(20), "the write of 2 never started"  # under way, and held
 glob.close(abort=True)
 out["after_abort"] = visible()
 print(json.dumps(out), flush=True)

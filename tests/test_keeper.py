@@ -535,7 +535,8 @@ def test_a_malformed_policy_is_logged_once_and_copies_nothing(
     (a.tier.root / S / POLICY_FILE).write_text('{"replication_factor": "two"}')
     a.write(S, K(1, 0))
     a.write(S, K(2, 1))
-    time.sleep(0.3)  # many polls
+    polled = a.keeper.replicator.polls
+    wait_for(lambda: a.keeper.replicator.polls >= polled + 5, 10, "five more polls")
     complaints = [r for r in caplog.records if POLICY_FILE in r.getMessage()]
     assert len(complaints) == 1 and complaints[0].levelno == logging.WARNING
     assert not a.events.of("ckpt_replicated") and not b.tier.sessions()

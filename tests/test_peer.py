@@ -197,7 +197,7 @@ def test_connections_are_reused_and_stale_ones_replaced(client):
         peer_server.register("echo", echo)
         first = client.request(HOST, peer_server.port, "echo", {})[0]["peer"]
         assert client.request(HOST, peer_server.port, "echo", {})[0]["peer"] == first
-        time.sleep(0.5)  # the server closed the idle connection; the client notices
+        wait_for(lambda: peer_server.open_connections == 0, 10, "the idle connection closed")
         assert client.request(HOST, peer_server.port, "echo", {})[0]["peer"] != first
 
 

@@ -138,6 +138,12 @@ class PeerServer:
             raise ValueError(f"request kind {kind!r} is reserved or already registered")
         self._handlers[kind] = handler
 
+    @property
+    def open_connections(self) -> int:
+        """Connections being served now."""
+        with self._lock:
+            return len(self._connections)
+
     def start(self) -> PeerServer:
         self._accepter.start()
         log.info("peer channel serving on %s:%d", self.host, self.port)

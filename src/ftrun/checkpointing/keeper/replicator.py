@@ -55,6 +55,8 @@ class Replicator:
     ) -> None:
         self._tier = tier
         self._client = client
+        self.polls = 0
+        """Polls done so far (tests wait on it)."""
         self._settings = settings
         self._emit = emit
         self._lock = threading.Lock()
@@ -116,6 +118,7 @@ class Replicator:
                 self.tick()
             except Exception as exc:
                 self._complain("tick", f"checkpoint keeper: replication failed: {exc!r}")
+            self.polls += 1
 
     def _handle_new(self, session: str, new: list[PartKey], rnd: Round) -> None:
         try:
