@@ -6,7 +6,6 @@ NVML comes from `agent.nvml` (loaded lazily, replaced by a fake in tests).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import subprocess
@@ -17,6 +16,7 @@ from typing import Any
 
 from ftrun.agent.nic_health import check_ib_ports
 from ftrun.agent.nvml import load_nvml
+from ftrun.agent.termination import Delivery, terminate
 from ftrun.errors import NodeUnhealthyError
 from ftrun.rendezvous.config import HealthCheckConfig
 from ftrun.services import NodeService
@@ -150,8 +150,7 @@ def _run_command(command: str, timeout: float) -> None:
         try:
             output, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):  # it may have ended meanwhile
-                os.killpg(proc.pid, 9)
+            terminate([proc.pid], Delivery.at_once())  # the command and its children
             proc.communicate()
             raise NodeUnhealthyError(f"health command timed out after {timeout:g}s") from None
     if proc.returncode != 0:

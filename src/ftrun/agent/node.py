@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import queue
 import signal
 import time
@@ -31,7 +30,13 @@ from ftrun.agent.policy import Action, AgentEvent, Facts, Outcome, Policy
 from ftrun.agent.reporting import CycleReport
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.state import AgentState, check_transition
-from ftrun.agent.termination import StopResult, become_subreaper, stop_process_groups
+from ftrun.agent.termination import (
+    Delivery,
+    StopResult,
+    become_subreaper,
+    kill_group_now,
+    terminate,
+)
 from ftrun.agent.worker_env import worker_envs
 from ftrun.agent.workers import WorkerExited, WorkerGroup
 from ftrun.errors import ExitCode, FtrunError, NodeUnhealthyError
@@ -120,9 +125,8 @@ class NodeAgent:
             control.report_unhealthy(control.cycle(), self.rt.node, action.report_unhealthy)
         if action.leave is not None:
             control.mark_gone(self.rt.node, action.leave)
-        for pid in action.kill:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
+        for pid in action.kill:  # hung ranks: their stacks are taken, nothing to wait for
+            kill_group_now(pid)
         if action.vote is not None and self._round is not None:
             if action.vote.failure:
                 log.error("cycle %d failed: %s", self._round.number, action.vote.cause)
@@ -361,10 +365,8 @@ class NodeAgent:
         group = self._group
         self._group = None
         assert group is not None
-        result = stop_process_groups(
-            group.pids, self._stop_signal, self.cfg.workers_stop_timeout,
-            keep=self.rt.services.kept_pids(),
-        )  # fmt: skip
+        delivery = Delivery.graceful(self._stop_signal, self.cfg.workers_stop_timeout)
+        result = terminate(group.pids, delivery, keep=self.rt.services.kept_pids())
         group.join_threads()
         self.rt.monitor.forget_all()
         # Exits, verdicts and notes of the stopped workers are stale; signals are not.

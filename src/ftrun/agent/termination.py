@@ -1,8 +1,16 @@
-"""The one bounded termination routine: signal -> deadline -> SIGKILL -> bounded wait.
+"""The one termination routine: deliver (a signal, a grace period, SIGKILL), then wait, bounded.
+
+Every place that stops processes uses it: the agent's stop (`terminate`, whole process groups
+with a `Delivery`), a hung rank killed at once and a timed-out health command
+(`kill_group_now`), the fork server's children at its end (`kill_group_now`, `wait_reaped`).
 
 Whole process groups: each worker leads its own group, so its children and grandchildren get
 the signal too. Descendants that moved to another group (setsid) are found through psutil
 (the agent is a child subreaper, so orphans stay its descendants) and signalled one by one.
+
+Waiting: on pidfds (`pidfd_open`, Linux 5.3+), which become readable when a process exits, a
+non-child's too, and never reap it: the workers' own waiters (Popen) keep their exit status.
+Where pidfds are not available the wait polls the processes' state. Every wait has a deadline.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import ctypes
 import dataclasses
 import logging
 import os
+import select
 import signal
 import time
 
@@ -21,8 +30,9 @@ log = logging.getLogger("ftrun.agent")
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-_KILL_WAIT_S = 5.0
-_POLL_S = 0.005
+KILL_WAIT_S = 5.0
+"""How long SIGKILLed processes get to disappear before they count as survivors."""
+_POLL_S = 0.02
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -37,56 +47,134 @@ def die_with_parent() -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class Delivery:
+    """How processes are asked to go: `first`, then SIGKILL for those still there after
+    `grace` seconds (none when `first` is SIGKILL)."""
+
+    first: signal.Signals
+    grace: float
+
+    @classmethod
+    def graceful(cls, sig: signal.Signals, grace: float) -> Delivery:
+        return cls(sig, grace)
+
+    @classmethod
+    def at_once(cls) -> Delivery:
+        """SIGKILL now: a hung rank, whose stacks are already taken."""
+        return cls(signal.SIGKILL, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
 class StopResult:
     duration: float
     killed: int
-    """Processes that needed SIGKILL."""
+    """Processes still there when the grace period ended (sent SIGKILL then)."""
     survivors: int
     """Processes still alive after SIGKILL and the bounded wait (should be 0)."""
 
 
-def stop_process_groups(
-    leaders: list[int], sig: signal.Signals, timeout: float, keep: frozenset[int] = frozenset()
+def terminate(
+    leaders: list[int], delivery: Delivery, keep: frozenset[int] = frozenset()
 ) -> StopResult:
     """Stop every process in the groups led by `leaders`, and every stray descendant.
 
     `keep` holds pids never to signal: the node services' own processes (the fork server).
     """
     started = time.monotonic()
-    targets = _targets(leaders, keep)
-    _signal_all(leaders, targets, sig)
-    alive = _wait_gone(targets, timeout)
-    alive += [p for p in _targets(leaders, keep) if p not in targets]
+    targets, orphans = _targets(leaders, keep)
+    _signal_all(leaders, targets, delivery.first)
+    alive = wait_gone(targets, delivery.grace)
+    later, more_orphans = _targets(leaders, keep)
+    alive += [p for p in later if p.pid not in {t.pid for t in targets}]
+    orphans |= more_orphans
     killed = len(alive)
     if alive:
-        log.warning("%d process(es) ignored %s; sending SIGKILL", killed, sig.name)
+        if delivery.first != signal.SIGKILL:
+            log.warning("%d process(es) ignored %s; sending SIGKILL", killed, delivery.first.name)
         _signal_all(leaders, alive, signal.SIGKILL)
-        alive = _wait_gone(alive, _KILL_WAIT_S)
-    reap_orphans()
+        alive = wait_gone(alive, KILL_WAIT_S)
+    _reap(orphans)
     for proc in alive:
         log.error("process %d survived SIGKILL", proc.pid)
     return StopResult(time.monotonic() - started, killed, len(alive))
 
 
-def reap_orphans() -> None:
-    """Collect exit statuses of orphans that re-parented to us (never our own Popen children).
-
-    Only pids that are not Popen-managed are waited for: reaping a worker's status here would
-    make its Popen report a clean exit.
-    """
-    me = psutil.Process()
-    for child in me.children():
-        with contextlib.suppress(psutil.Error, ChildProcessError):
-            if child.status() == psutil.STATUS_ZOMBIE and child.pid in _ORPHANS:
-                os.waitpid(child.pid, os.WNOHANG)
-                _ORPHANS.discard(child.pid)
+def kill_group_now(pid: int) -> None:
+    """SIGKILL the process group `pid` leads, and `pid` itself (in case it does not lead one
+    yet); a process already gone is not an error."""
+    for kill in (os.killpg, os.kill):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(pid, signal.SIGKILL)
 
 
-_ORPHANS: set[int] = set()
+def wait_reaped(pid: int, timeout: float) -> int | None:
+    """Wait (at most `timeout`) for our child `pid` to exit and reap it: its exit code, or
+    None if it is still running at the deadline (or is not our child)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            got, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return None
+        if got == pid:
+            return os.waitstatus_to_exitcode(status)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        _wait_exit([pid], min(left, 1.0))
 
 
-def _targets(leaders: list[int], keep: frozenset[int]) -> list[psutil.Process]:
+def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait (at most `timeout`) until each process has exited (a zombie counts as exited);
+    returns those still running. Never reaps: a child's status stays for its own waiter."""
+    alive = [p for p in procs if _running(p)]
+    if alive and timeout > 0:
+        _wait_exit([p.pid for p in alive], timeout)
+        alive = [p for p in alive if _running(p)]
+    return alive
+
+
+def _wait_exit(pids: list[int], timeout: float) -> None:
+    """Block until every pid has exited or `timeout` passed: on pidfds where possible."""
+    deadline = time.monotonic() + timeout
+    fds = _pidfds(pids)
+    if fds is None:
+        while any(_running_pid(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        return
+    try:
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        pending = len(fds)
+        while pending and (left := deadline - time.monotonic()) > 0:
+            for fd, _ in poller.poll(left * 1000):
+                poller.unregister(fd)
+                pending -= 1
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _pidfds(pids: list[int]) -> list[int] | None:
+    """A pidfd per pid still there; None where the kernel has no pidfds (poll instead)."""
+    fds: list[int] = []
+    for pid in pids:
+        try:
+            fds.append(os.pidfd_open(pid))
+        except ProcessLookupError:
+            continue  # gone already (reaped)
+        except (AttributeError, OSError):
+            for fd in fds:
+                os.close(fd)
+            return None
+    return fds
+
+
+def _targets(leaders: list[int], keep: frozenset[int]) -> tuple[list[psutil.Process], set[int]]:
+    """(every process to signal, the orphans among them: our children that no Popen owns)."""
     found: dict[int, psutil.Process] = {}
+    orphans: set[int] = set()
     for pid in leaders:
         with contextlib.suppress(psutil.Error):
             leader = psutil.Process(pid)
@@ -101,23 +189,18 @@ def _targets(leaders: list[int], keep: frozenset[int]) -> list[psutil.Process]:
             if os.getpgid(proc.pid) in groups:
                 found[proc.pid] = proc
             if proc.ppid() == os.getpid() and proc.pid not in leaders and proc.pid not in keep:
-                _ORPHANS.add(proc.pid)
+                orphans.add(proc.pid)
                 found[proc.pid] = proc
-    return [proc for pid, proc in found.items() if pid not in keep and pid != os.getpid()]
+    targets = [proc for pid, proc in found.items() if pid not in keep and pid != os.getpid()]
+    return targets, orphans
 
 
-def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    """Wait until each process has exited (a zombie counts as exited); returns the rest.
-
-    Not psutil.wait_procs: for our own children it calls waitpid, stealing the exit status
-    that the workers' Popen objects are waiting for.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = [p for p in procs if _running(p)]
-        if not alive or time.monotonic() >= deadline:
-            return alive
-        time.sleep(_POLL_S)
+def _reap(orphans: set[int]) -> None:
+    """Collect the exit status of orphans that re-parented to us (never a Popen's child: its
+    Popen would then report a clean exit)."""
+    for pid in orphans:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
 
 
 def _running(proc: psutil.Process) -> bool:
@@ -125,6 +208,12 @@ def _running(proc: psutil.Process) -> bool:
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def _running_pid(pid: int) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return _running(psutil.Process(pid))
+    return False
 
 
 def _signal_all(leaders: list[int], procs: list[psutil.Process], sig: signal.Signals) -> None:

@@ -22,7 +22,6 @@ import contextlib
 import itertools
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -34,7 +33,7 @@ from ftrun.agent.prewarm import wire as proto
 from ftrun.agent.prewarm.forked import ForkedWorker, await_death
 from ftrun.agent.prewarm.pools import SERVER_ONLY_ENV
 from ftrun.agent.prewarm.target import PythonTarget
-from ftrun.agent.termination import die_with_parent
+from ftrun.agent.termination import die_with_parent, kill_group_now
 from ftrun.errors import FtrunError
 
 log = logging.getLogger("ftrun.agent")
@@ -228,7 +227,7 @@ class ForkServer:
                 try:
                     announce(worker.pid)
                 except BaseException:
-                    _kill_group(worker.pid)
+                    kill_group_now(worker.pid)
                     req.discard()
                     raise
                 with contextlib.suppress(OSError):  # a child that died meanwhile says so itself
@@ -449,12 +448,6 @@ def _path0(target: PythonTarget) -> str:
         return os.getcwd()
     path = os.path.abspath(target.target)
     return path if os.path.isdir(path) else os.path.dirname(os.path.realpath(path))
-
-
-def _kill_group(pid: int) -> None:
-    for kill in (os.killpg, os.kill):
-        with contextlib.suppress(OSError):
-            kill(pid, signal.SIGKILL)
 
 
 def _close(*fds: int) -> None:

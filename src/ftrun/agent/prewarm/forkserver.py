@@ -59,6 +59,7 @@ from ftrun.agent.prewarm.wire import (
     recv_frame,
     send_frame,
 )
+from ftrun.agent.termination import KILL_WAIT_S, kill_group_now, wait_reaped
 
 # ---- the server -----------------------------------------------------------------------------
 
@@ -204,14 +205,12 @@ class _Server:
     def _shutdown(self) -> None:
         """Kill what is left (whole groups), reap it and report it, as far as the agent listens."""
         for pid in self.children:
-            with contextlib.suppress(OSError):
-                os.killpg(pid, signal.SIGKILL)
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)  # not yet its group's leader
+            kill_group_now(pid)
+        deadline = time.monotonic() + KILL_WAIT_S
         for pid in list(self.children):
-            with contextlib.suppress(ChildProcessError):
-                _, status = os.waitpid(pid, 0)
-                self._send_quietly(encode("exit", pid=pid, code=os.waitstatus_to_exitcode(status)))
+            code = wait_reaped(pid, max(0.0, deadline - time.monotonic()))
+            if code is not None:
+                self._send_quietly(encode("exit", pid=pid, code=code))
         self.children.clear()
 
     def send(self, frame: bytes) -> None:

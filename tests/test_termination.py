@@ -1,0 +1,61 @@
+"""The one termination routine (`agent.termination`) on real processes: whole groups, a grace
+period then SIGKILL, SIGKILL at once, bounded waits, and no exit status stolen from a Popen."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+from ftrun.agent.termination import Delivery, kill_group_now, terminate, wait_reaped
+
+IGNORES_TERM = (
+    "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+    "print('ready', flush=True); time.sleep(60)"
+)
+ENDS_ON_TERM = "import time; print('ready', flush=True); time.sleep(60)"
+
+
+def start(code: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert proc.stdout is not None
+    with proc.stdout:  # it prints nothing more
+        assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_a_group_that_ends_on_sigterm_is_not_sigkilled_and_keeps_its_status() -> None:
+    proc = start(ENDS_ON_TERM)
+    result = terminate([proc.pid], Delivery.graceful(signal.SIGTERM, 10.0))
+    assert (result.killed, result.survivors) == (0, 0) and result.duration < 5
+    assert proc.wait(5) == -signal.SIGTERM  # the Popen still gets the status
+
+
+def test_a_group_ignoring_sigterm_gets_sigkill_after_the_grace_period_children_included() -> None:
+    proc = start(IGNORES_TERM)
+    started = time.monotonic()
+    result = terminate([proc.pid], Delivery.graceful(signal.SIGTERM, 0.5))
+    assert time.monotonic() - started >= 0.5
+    assert result.killed == 2 and result.survivors == 0  # the leader and its child
+    assert proc.wait(5) == -signal.SIGKILL
+
+
+def test_sigkill_at_once_does_not_wait_for_a_grace_period() -> None:
+    proc = start(IGNORES_TERM)
+    result = terminate([proc.pid], Delivery.at_once())
+    assert result.survivors == 0 and result.duration < 5
+    assert proc.wait(5) == -signal.SIGKILL
+
+
+def test_kill_group_now_and_a_bounded_reap() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            start_new_session=True)  # fmt: skip
+    assert wait_reaped(proc.pid, 0.2) is None  # still running at the deadline
+    kill_group_now(proc.pid)
+    assert wait_reaped(proc.pid, 10) == -signal.SIGKILL
+    kill_group_now(proc.pid)  # gone: not an error
+    proc.returncode = -signal.SIGKILL  # reaped above: tell the Popen, so it does not wait
