@@ -30,13 +30,7 @@ from ftrun.agent.policy import Action, AgentEvent, Facts, Outcome, Policy
 from ftrun.agent.reporting import CycleReport
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.state import AgentState, check_transition
-from ftrun.agent.termination import (
-    Delivery,
-    StopResult,
-    become_subreaper,
-    kill_group_now,
-    terminate,
-)
+from ftrun.agent.termination import PROCESSES, Delivery, StopResult, Termination, become_subreaper
 from ftrun.agent.worker_env import worker_envs
 from ftrun.agent.workers import WorkerExited, WorkerGroup
 from ftrun.errors import ExitCode, FtrunError, NodeUnhealthyError
@@ -59,8 +53,12 @@ _READS_JOB_STATE = (p.JoinReady, p.JoinFailed, p.CycleEnded)
 class NodeAgent:
     """Runs the local workers of every cycle of one job on this node."""
 
-    def __init__(self, runtime: AgentRuntime, signals: SignalRecorder) -> None:
+    def __init__(
+        self, runtime: AgentRuntime, signals: SignalRecorder, termination: Termination = PROCESSES
+    ) -> None:
+        """`termination`: how workers are stopped (a fake in tests that run no process)."""
         self.rt = runtime
+        self._termination = termination
         self.cfg = runtime.config.agent
         self.events = runtime.events
         self.report = CycleReport(runtime)
@@ -126,7 +124,7 @@ class NodeAgent:
         if action.leave is not None:
             control.mark_gone(self.rt.node, action.leave)
         for pid in action.kill:  # hung ranks: their stacks are taken, nothing to wait for
-            kill_group_now(pid)
+            self._termination.kill_now(pid)
         if action.vote is not None and self._round is not None:
             if action.vote.failure:
                 log.error("cycle %d failed: %s", self._round.number, action.vote.cause)
@@ -366,7 +364,7 @@ class NodeAgent:
         self._group = None
         assert group is not None
         delivery = Delivery.graceful(self._stop_signal, self.cfg.workers_stop_timeout)
-        result = terminate(group.pids, delivery, keep=self.rt.services.kept_pids())
+        result = self._termination.terminate(group.pids, delivery, self.rt.services.kept_pids())
         group.join_threads()
         self.rt.monitor.forget_all()
         # Exits, verdicts and notes of the stopped workers are stale; signals are not.

@@ -23,6 +23,7 @@ import os
 import select
 import signal
 import time
+from typing import Protocol
 
 import psutil
 
@@ -97,6 +98,29 @@ def terminate(
     for proc in alive:
         log.error("process %d survived SIGKILL", proc.pid)
     return StopResult(time.monotonic() - started, killed, len(alive))
+
+
+class Termination(Protocol):
+    """What the agent needs to stop workers: the real one is `PROCESSES`; a test's fake stops
+    fake workers."""
+
+    def terminate(
+        self, leaders: list[int], delivery: Delivery, keep: frozenset[int] = frozenset()
+    ) -> StopResult: ...
+
+    def kill_now(self, pid: int) -> None: ...
+
+
+class _Processes:
+    """`Termination` over real processes (`terminate`, `kill_group_now`)."""
+
+    def terminate(
+        self, leaders: list[int], delivery: Delivery, keep: frozenset[int] = frozenset()
+    ) -> StopResult:
+        return terminate(leaders, delivery, keep)
+
+    def kill_now(self, pid: int) -> None:
+        kill_group_now(pid)
 
 
 def kill_group_now(pid: int) -> None:
@@ -223,3 +247,6 @@ def _signal_all(leaders: list[int], procs: list[psutil.Process], sig: signal.Sig
     for proc in procs:
         with contextlib.suppress(psutil.Error):
             proc.send_signal(sig)
+
+
+PROCESSES: Termination = _Processes()

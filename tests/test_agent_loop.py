@@ -1,0 +1,80 @@
+"""The agent loop with no process (`agent_harness`): the real NodeAgent, policy, rendezvous on
+a HashStore, rank monitor and events; fake workers whose exits the test decides, and a fake
+termination. Each test checks one decision the launcher tests used to check with processes."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+from agent_harness import FakeWorker, running_agent
+from ftrun.errors import ExitCode
+from ftrun.rank_monitor import HangKind, Verdict, WorkloadAction, WorkloadControl
+from ftrun.services import ServiceRequest
+from support import wait_for
+
+
+def test_workers_that_finish_end_the_job_with_success(tmp_path: Path) -> None:
+    with running_agent(tmp_path) as node:
+        for worker in node.spawner.started(2):
+            worker.exit(0)
+        assert node.result() == ExitCode.SUCCESS
+    assert [e["code"] for e in node.events("exit")] == [0]
+
+
+def test_a_crash_restarts_the_cycle_then_the_budget_ends_the_job(tmp_path: Path) -> None:
+    with running_agent(tmp_path, ["--max-restarts=1"]) as node:
+        first = node.spawner.started(2)
+        first[1].exit(1)  # the other worker is stopped by the agent
+        second = node.spawner.started(4)[2:]
+        assert [w.rank for w in second] == [0, 1]
+        assert node.termination.stops[0][1].first == signal.SIGTERM
+        second[0].exit(1)
+        assert node.result() == ExitCode.FAILED
+    assert len(node.events("workers_started")) == 2
+
+
+def test_a_signal_stops_the_workers_and_exits_preempted(tmp_path: Path) -> None:
+    with running_agent(tmp_path, ["--max-restarts=3"]) as node:
+        node.spawner.started(2)
+        node.signal(signal.SIGTERM)
+        assert node.result() == ExitCode.PREEMPTED
+    assert len(node.termination.stops) == 1 and len(node.spawner.workers) == 2
+
+
+def test_a_hung_rank_is_killed_at_once_and_the_cycle_restarts(tmp_path: Path) -> None:
+    with running_agent(tmp_path, ["--max-restarts=1"]) as node:
+        workers = node.spawner.started(2)
+        monitor = node.runtime.monitor
+        wait_for(lambda: monitor._expected.get(1) == workers[1].pid, 5, "rank 1 expected")
+        node.post(_verdict(workers[1]))
+        node.spawner.started(4)
+        assert node.termination.killed == [workers[1].pid]
+        for worker in node.spawner.workers[2:]:
+            worker.exit(0)
+        assert node.result() == ExitCode.SUCCESS
+
+
+def test_a_workload_shutdown_request_ends_the_job_without_relaunch(tmp_path: Path) -> None:
+    with running_agent(tmp_path, ["--max-restarts=3"]) as node:
+        workers = node.spawner.started(2)
+        pid = workers[0].pid
+        node.post(WorkloadControl(0, pid, pid, WorkloadAction.ShutdownWorkload, "done", 0.0))
+        assert node.result() == ExitCode.DO_NOT_RELAUNCH
+    assert [e["action"] for e in node.events("control_request")] == ["ShutdownWorkload"]
+
+
+def test_a_service_asking_to_stop_the_job_stops_it(tmp_path: Path) -> None:
+    """The straggler detector's `--ft-straggler-action=stop`: a ServiceRequest on the inbox."""
+    with running_agent(tmp_path, ["--max-restarts=3"]) as node:
+        node.spawner.started(2)
+        node.post(ServiceRequest("straggler detector", WorkloadAction.ShutdownWorkload, "slow"))
+        assert node.result() == ExitCode.DO_NOT_RELAUNCH
+
+
+def _verdict(worker: FakeWorker) -> Verdict:
+    now = time.monotonic()
+    return Verdict(rank=worker.rank, pid=worker.pid, worker_pid=worker.pid,
+                   kind=HangKind.HEARTBEAT, section=None, timeout=1.0, waited=1.0,
+                   deadline=now, detected_at=now, stack_file=None, stack="")  # fmt: skip
