@@ -6,7 +6,7 @@ STAMP     := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 FAULT_REPEATS ?= 3
 
-.PHONY: install test lint demo bench faults clean
+.PHONY: install test check lint demo bench bench-more bench-gpu faults clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,9 +26,11 @@ test: $(STAMP) lint
 demo: $(STAMP)
 	$(VPY) examples/demo.py
 
+# bench/README.md says which question each bench answers, where its results are and on what
+# machine. `bench`: the CPU benches of this VM's tables; `bench-more`: the rest that runs here
+# (NVRX_EXAMPLES: NVRx's examples/ folder); `bench-gpu`: on the GPU device (`. bench/device_setup.sh`).
 bench: $(STAMP)
 	$(VPY) bench/heartbeat.py
-	$(VPY) bench/restart.py --runs $(or $(BENCH_RUNS),5)
 	$(VPY) bench/compare.py --runs $(or $(BENCH_RUNS),5)
 	$(VPY) bench/spares.py --runs $(or $(BENCH_RUNS),5)
 	$(VPY) bench/checkpoint.py --runs $(or $(BENCH_RUNS),5)
@@ -38,6 +40,19 @@ bench: $(STAMP)
 	$(VPY) bench/ettr.py --runs $(or $(BENCH_RUNS),1)
 	$(VPY) bench/straggler.py
 	$(VPY) bench/rendezvous_scale.py --repeats $(or $(BENCH_RUNS),3)
+
+bench-more: $(STAMP)
+	$(VPY) bench/forkserver.py
+	$(VPY) bench/peer_throughput.py
+	$(VPY) bench/lightning_overhead.py
+	$(VPY) bench/nvrx_examples.py --set cpu --skip-basic --examples $(or $(NVRX_EXAMPLES),.nvrx/examples)
+
+bench-gpu:
+	python3 bench/gpu_compare.py --runs $(or $(BENCH_RUNS),3)
+	python3 bench/checkpoint_gpu.py
+	python3 bench/straggler_gpu.py
+	python3 bench/numa_check.py
+	python3 bench/nvrx_examples.py --set cuda --examples $(or $(NVRX_EXAMPLES),.nvrx/examples)
 
 faults: $(STAMP)
 	$(VPY) tests/faults/run_matrix.py --repeats $(FAULT_REPEATS)

@@ -63,6 +63,8 @@ def test_a_workload_shutdown_request_ends_the_job_without_relaunch(tmp_path: Pat
         node.post(WorkloadControl(0, pid, pid, WorkloadAction.ShutdownWorkload, "done", 0.0))
         assert node.result() == ExitCode.DO_NOT_RELAUNCH
     assert [e["action"] for e in node.events("control_request")] == ["ShutdownWorkload"]
+    assert "asked to shut the workload down" in node.events("exit")[0]["why"]
+    # (end to end, through a real client and launchers: test_spares' exclude test)
 
 
 def test_a_service_asking_to_stop_the_job_stops_it(tmp_path: Path) -> None:
@@ -71,6 +73,8 @@ def test_a_service_asking_to_stop_the_job_stops_it(tmp_path: Path) -> None:
         node.spawner.started(2)
         node.post(ServiceRequest("straggler detector", WorkloadAction.ShutdownWorkload, "slow"))
         assert node.result() == ExitCode.DO_NOT_RELAUNCH
+    assert "shut the workload down" in node.events("exit")[0]["why"]
+    # (end to end, the detector naming and excluding a slow node: test_straggler_launch)
 
 
 def _verdict(worker: FakeWorker) -> Verdict:

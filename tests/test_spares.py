@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from ftrun.errors import ExitCode
@@ -161,19 +160,6 @@ def test_a_worker_excludes_its_node_and_the_spare_takes_over(tmp_path: Path):
     }
     assert job.events("control_request")[0]["action"] == "ExcludeThisNode"
     assert (job.ckpt_dir / "FINISHED").exists()
-
-
-def test_a_worker_shuts_the_workload_down(tmp_path: Path):
-    job = start_job(
-        tmp_path, 3, [*SPARE], ["--request", "ShutdownWorkload:0:0:5", "--steps", "400"],
-        script=CONTROL,
-    )  # fmt: skip
-    started = time.monotonic()
-    codes = wait_all(job, 60)
-    assert set(codes.values()) == {ExitCode.DO_NOT_RELAUNCH}  # the standby node too
-    assert time.monotonic() - started < 60
-    assert not (job.ckpt_dir / "FINISHED").exists()
-    assert "asked to shut the workload down" in job.events("exit")[0]["why"]
 
 
 def test_a_node_with_a_nic_port_down_is_replaced(tmp_path: Path):

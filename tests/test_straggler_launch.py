@@ -74,15 +74,3 @@ def test_exclude_continues_without_the_slow_node(tmp_path):
 
 def slow_name(job: Job, node) -> str:
     return next(e["node"] for e in job.events("exit") if e["node"].endswith(f"-{node.proc.pid}"))
-
-
-def test_stop_ends_the_job_on_every_node(tmp_path):
-    """`stop`: the reporting agent asks for ShutdownWorkload, and every launcher exits 3 (do not
-    relaunch) long before the job's 400 steps are done; no finished flag."""
-    args = [*INTERVAL, "--ft-straggler-action=stop"]
-    job = start_job(tmp_path, 2, args, ["--steps", "400", "--slow", "1:1.6"], WORKER, nproc=1)
-    assert job.wait(90) == [ExitCode.DO_NOT_RELAUNCH] * 2
-    straggler = job.events("straggler")[0]
-    assert straggler["action"] == "stop" and straggler["ranks"] == [1]
-    assert "shut the workload down" in job.events("exit")[0]["why"]
-    assert not (job.ckpt_dir / "FINISHED").exists()
