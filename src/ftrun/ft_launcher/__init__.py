@@ -5,7 +5,8 @@ ftrun.ft_launcher.cli` runs without a double-import warning.
 """
 
 from ftrun.config import LaunchConfig
-from ftrun.ft_launcher.build import build_config, load_ft_yaml
+from ftrun.ft_launcher.build import build_config
 from ftrun.ft_launcher.options import OPTIONS, Option
+from ftrun.ft_launcher.yaml_file import load_ft_yaml
 
 __all__ = ["OPTIONS", "LaunchConfig", "Option", "build_config", "load_ft_yaml"]

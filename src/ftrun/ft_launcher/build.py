@@ -8,52 +8,28 @@ affinity from NVML): it starts nothing and logs nothing; what deserves a warning
 
 from __future__ import annotations
 
-import difflib
 import os
 import sys
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, NamedTuple
-
-import yaml
 
 from ftrun.agent.config import AgentConfig
 from ftrun.agent.numa import NumaError, NumaPlan, plan_launch
 from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError
-from ftrun.ft_launcher import values as v
+from ftrun.ft_launcher.build_rendezvous import rendezvous_config
 from ftrun.ft_launcher.options import (
     OPTIONS,
-    YAML_KEYS,
-    YAML_SECTION,
     CommandLine,
     Resolved,
     parse_argv,
     resolve,
 )
+from ftrun.ft_launcher.yaml_file import load_ft_yaml
 from ftrun.rank_monitor.config import RankMonitorConfig
-from ftrun.rendezvous.config import HealthCheckConfig, RendezvousConfig, RendezvousImpl
+from ftrun.rendezvous.config import HealthCheckConfig
 from ftrun.straggler.config import StragglerAction, StragglerConfig
-
-MASTER_PORT = 29500
-"""torchrun's --master-port default (static rendezvous)."""
-C10D_PORT = 29400
-"""torchrun's c10d rendezvous port when --rdzv-endpoint names none."""
-LOCAL_STORE = "127.0.0.1:0"
-"""--standalone: a store on this host, on a port the OS picks."""
-_CONF_TIMEOUTS = ("join_timeout", "last_call_timeout", "close_timeout")
-_CONF_TORCH_ONLY = (
-    "heartbeat_timeout",
-    "keep_alive_interval",
-    "keep_alive_max_attempt",
-    "store_type",
-    "timeout",
-)
-"""--rdzv-conf keys that torch's c10d/static rendezvous reads and ftrun's does not."""
-_CONF_KNOWN = (*_CONF_TIMEOUTS, "is_host", "read_timeout", *_CONF_TORCH_ONLY)
-
 
 DeviceCounter = Callable[[str], int]
 """Counts the local devices for `--nproc-per-node` auto/cpu/gpu/xpu; `ValueError` if none."""
@@ -111,7 +87,7 @@ def config_from(
     notes = _unsupported(opts)
     return LaunchConfig(
         agent=_agent(opts, line, environ, devices, notes),
-        rendezvous=_rendezvous(opts, notes),
+        rendezvous=rendezvous_config(opts, notes),
         monitor=RankMonitorConfig(
             initial_rank_heartbeat_timeout=opts["initial_rank_heartbeat_timeout"],
             rank_heartbeat_timeout=opts["rank_heartbeat_timeout"],
@@ -171,195 +147,6 @@ def _health(opts: Resolved, notes: list[str]) -> HealthCheckConfig:
         nic=opts["enable_nic_healthcheck"],
         nic_sysfs_root=opts["nic_sysfs_root"],
     )
-
-
-# --- YAML -------------------------------------------------------------------------------------
-
-
-def load_ft_yaml(path: str) -> dict[str, Any]:
-    """The `fault_tolerance:` mapping of a YAML file, wherever it sits; unknown keys are errors."""
-    try:
-        with open(path, encoding="utf-8") as stream:
-            document = yaml.safe_load(stream)
-    except OSError as err:
-        raise ConfigError(f"--ft-cfg-path {path}: {err.strerror or err}") from None
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"--ft-cfg-path {path}: not UTF-8 text ({err.reason})") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"--ft-cfg-path {path}: bad YAML: {_yaml_problem(err)}") from None
-    found = _find_sections(document)
-    if not found:
-        raise ConfigError(f"--ft-cfg-path {path}: no '{YAML_SECTION}:' mapping in the file")
-    if len(found) > 1:
-        where = ", ".join(location for location, _ in found)
-        raise ConfigError(f"--ft-cfg-path {path}: several '{YAML_SECTION}:' sections ({where})")
-    section = found[0][1] or {}
-    for key in section:
-        if key not in YAML_KEYS:
-            hint = difflib.get_close_matches(str(key), sorted(YAML_KEYS), n=1)
-            guess = f" (did you mean {hint[0]}?)" if hint else ""
-            raise ConfigError(f"{path}: unknown key {YAML_SECTION}.{key}{guess}")
-    return dict(section)
-
-
-def _yaml_problem(err: yaml.YAMLError) -> str:
-    """PyYAML's multi-line message as one line: the problem and where."""
-    mark = getattr(err, "problem_mark", None)
-    problem = getattr(err, "problem", None) or str(err)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return " ".join(f"{problem}{where}".split())
-
-
-def _find_sections(document: Any) -> list[tuple[str, Mapping[str, Any] | None]]:
-    """Every `fault_tolerance:` key holding a mapping (or nothing), at any depth, in order."""
-    found: list[tuple[str, Mapping[str, Any] | None]] = []
-    found_ids: set[int] = set()  # one section reached twice through a YAML alias counts once
-    visited: set[int] = set()  # aliases can also make cycles
-    stack: list[tuple[str, Any]] = [("", document)]
-    while stack:
-        location, node = stack.pop()
-        if id(node) in visited or not isinstance(node, (dict, list)):
-            continue
-        visited.add(id(node))
-        items = node.items() if isinstance(node, dict) else enumerate(node)
-        children = []
-        for key, child in items:
-            where = f"{location}[{key}]" if isinstance(node, list) else f"{location}.{key}"
-            if not _is_section(node, key, child):
-                children.append((where, child))
-            elif child is None or id(child) not in found_ids:
-                found.append((where.lstrip("."), child))
-                found_ids.add(id(child))
-        stack.extend(reversed(children))
-    return found
-
-
-def _is_section(parent: dict[Any, Any] | list[Any], key: Any, child: Any) -> bool:
-    return (
-        isinstance(parent, dict)
-        and key == YAML_SECTION
-        and (child is None or isinstance(child, dict))
-    )
-
-
-# --- rendezvous -------------------------------------------------------------------------------
-
-
-class _Meeting(NamedTuple):
-    backend: str
-    endpoint: str
-    run_id: str
-    node_rank: int | None
-    local: bool
-    """A store on this host on a free port (--standalone, or torchrun's one-node default)."""
-
-
-def _rendezvous(opts: Resolved, notes: list[str]) -> RendezvousConfig:
-    min_nodes, max_nodes = opts["nnodes"]
-    meeting = _meeting_point(opts, max_nodes, notes)
-    if meeting.local:
-        min_nodes = max_nodes = 1
-    impl = RendezvousImpl(opts["rdzv_impl"])
-    conf = dict(opts["rdzv_conf"])
-    label = opts.labels["rdzv_conf"]
-    _check_conf_keys(conf, label, notes)
-    timeouts = {key: _conf_value(conf, key, v.positive_number, label) for key in _CONF_TIMEOUTS}
-    is_host = _conf_value(conf, "is_host", v.boolean, label)
-    if "read_timeout" in conf:
-        conf["read_timeout"] = str(_conf_value(conf, "read_timeout", v.positive_number, label))
-    if timeouts["close_timeout"] is not None and impl is not RendezvousImpl.DYNAMIC:
-        notes.append(f"{label} close_timeout is only used by --ft-rdzv-impl=dynamic; ignored")
-    if is_host is not None and meeting.local:
-        notes.append(f"{label} is_host is ignored: this node serves its own local store")
-    return RendezvousConfig(
-        endpoint=meeting.endpoint,
-        run_id=meeting.run_id,
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        impl=impl,
-        backend=meeting.backend,
-        is_host=True if meeting.local else is_host,
-        use_infra_group_rank=opts["use_infra_group_rank"],
-        node_rank=meeting.node_rank,
-        local_addr=opts["local_addr"],
-        conf=MappingProxyType(conf),
-        **{key: value for key, value in timeouts.items() if value is not None},
-    )
-
-
-def _check_conf_keys(conf: Mapping[str, str], label: str, notes: list[str]) -> None:
-    """Unknown --rdzv-conf keys are errors (a typo would do nothing); torch's keys that ftrun's
-    rendezvous does not read get a warning."""
-    for key in conf:
-        if key in _CONF_TORCH_ONLY:
-            notes.append(f"{label} {key}: read by torch's rendezvous, not ftrun's; ignored")
-        elif key not in _CONF_KNOWN:
-            hint = difflib.get_close_matches(key, _CONF_KNOWN, n=1)
-            guess = f"did you mean {hint[0]}? " if hint else ""
-            raise ConfigError(
-                f"{label}: unknown key {key!r} ({guess}known: {', '.join(_CONF_KNOWN)})"
-            )
-
-
-def _conf_value(conf: dict[str, str], key: str, parse: Callable[[Any], Any], label: str) -> Any:
-    """Take `key` out of the --rdzv-conf pairs, parsed; None when absent."""
-    if key not in conf:
-        return None
-    try:
-        return parse(conf.pop(key))
-    except ValueError as err:
-        raise ConfigError(f"{label} {key}: {err}") from None
-
-
-def _ignored(opts: Resolved, names: Sequence[str], why: str, notes: list[str]) -> None:
-    """A warning naming those of `names` that were set although `why` makes them moot."""
-    given = [opts.labels[name] for name in names if opts.is_set(name)]
-    if given:
-        notes.append(f"{', '.join(given)} ignored: {why}")
-
-
-def _meeting_point(opts: Resolved, max_nodes: int, notes: list[str]) -> _Meeting:
-    """Backend, store endpoint, run id and node rank, decided the way torchrun decides them."""
-    local = _Meeting("c10d", LOCAL_STORE, str(uuid.uuid4()), None, local=True)
-    if opts["standalone"]:
-        if max_nodes > 1:
-            raise ConfigError(
-                f"--standalone runs one node, but {opts.labels['nnodes']} asks for more"
-            )
-        names = ("rdzv_backend", "rdzv_endpoint", "rdzv_id", "master_addr", "master_port")
-        _ignored(opts, (*names, "node_rank"), "--standalone uses a local store", notes)
-        return local
-    backend, endpoint = opts["rdzv_backend"], opts["rdzv_endpoint"]
-    if backend == "static" and not endpoint and not opts.is_set("master_port") and max_nodes == 1:
-        # torchrun >= 2.5 does the same: one static node needs no fixed port
-        why = "one static node without --master-port uses a local store"
-        _ignored(opts, ("rdzv_id", "master_addr", "node_rank"), why, notes)
-        return local
-    if not opts["rdzv_id"]:
-        raise ConfigError(f"{opts.labels['rdzv_id']}: must not be empty")
-    if backend == "static":
-        label = opts.labels["rdzv_endpoint"] if endpoint else "--master-addr/--master-port"
-        if endpoint:
-            _ignored(opts, ("master_addr", "master_port"), f"{label} names the store", notes)
-        port = opts["master_port"] if opts["master_port"] is not None else MASTER_PORT
-        address = _endpoint(endpoint or v.format_endpoint(opts["master_addr"], port), None, label)
-        if opts["node_rank"] >= max_nodes:
-            raise ConfigError(
-                f"{opts.labels['node_rank']}: {opts['node_rank']} is not below the node count"
-                f" ({max_nodes})"
-            )
-        return _Meeting(backend, address, opts["rdzv_id"], opts["node_rank"], local=False)
-    why = "only used with --rdzv-backend=static"
-    _ignored(opts, ("node_rank", "master_addr", "master_port"), why, notes)
-    address = _endpoint(endpoint or "localhost", C10D_PORT, opts.labels["rdzv_endpoint"])
-    return _Meeting(backend, address, opts["rdzv_id"], None, local=False)
-
-
-def _endpoint(raw: str, default_port: int | None, label: str) -> str:
-    try:
-        return v.format_endpoint(*v.endpoint(raw, default_port))
-    except ValueError as err:
-        raise ConfigError(f"{label}: {err}") from None
 
 
 # --- agent ------------------------------------------------------------------------------------
