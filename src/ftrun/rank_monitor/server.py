@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import heapq
 import logging
 import os
 import queue
@@ -41,6 +40,7 @@ from ftrun.rank_monitor.config import (
     ENV_STACK_SIGNAL,
     RankMonitorConfig,
 )
+from ftrun.rank_monitor.deadlines import Deadlines
 from ftrun.rank_monitor.records import FirstProgress, ProgressSnapshot, Verdict
 from ftrun.rank_monitor.timings import TimingBatch, TimingSenders
 from ftrun.rank_monitor.tracker import NotReadyError, Overdue, RankProgress
@@ -99,8 +99,7 @@ class RankMonitorServer:
         self._registered: dict[int, _Peer] = {}
         self._first_progress: list[FirstProgress] = []  # noted under the lock, sent after it
         self._controls: list[tuple[bytes, int, WorkloadControl]] = []  # likewise, with whom to ack
-        self._heap: list[tuple[float, int, bytes]] = []
-        self._armed: dict[bytes, float] = {}
+        self._deadlines = Deadlines()
         self._ctx = zmq.Context.instance()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -212,7 +211,8 @@ class RankMonitorServer:
             events = dict(poller.poll(self._sleep_ms()))
             if self._sock in events:
                 self._drain()
-            if self._heap and self._heap[0][0] <= time.monotonic():
+            due = self._deadlines.next()
+            if due is not None and due <= time.monotonic():
                 self._catch_up()
                 self._fire_due()
 
@@ -225,9 +225,10 @@ class RankMonitorServer:
             pass
 
     def _sleep_ms(self) -> int:
-        if not self._heap:
+        due = self._deadlines.next()
+        if due is None:
             return _MAX_SLEEP_MS
-        delay = self._heap[0][0] - time.monotonic()
+        delay = due - time.monotonic()
         # Round up: waking a hair early would only re-arm, waking late costs latency.
         return max(0, min(_MAX_SLEEP_MS, int(delay * 1000) + 1))
 
@@ -388,27 +389,15 @@ class RankMonitorServer:
     # ---- deadlines -------------------------------------------------------------------------
 
     def _arm(self, identity: bytes, progress: RankProgress) -> None:
-        """Push the rank's earliest deadline if it is earlier than the one already armed.
-
-        Later deadlines are not pushed: when the armed one pops, `_fire_due` re-checks the
-        rank and re-arms, so a heartbeat costs no heap operation.
-        """
+        """Arm the rank's earliest deadline (see `deadlines`: only an earlier one is pushed)."""
         overdue = progress.next_overdue()
-        if overdue is None:
-            return
-        armed = self._armed.get(identity)
-        if armed is None or overdue.deadline < armed:
-            self._armed[identity] = overdue.deadline
-            heapq.heappush(self._heap, (overdue.deadline, progress.rank, identity))
+        if overdue is not None:
+            self._deadlines.arm(identity, progress.rank, overdue.deadline)
 
     def _fire_due(self) -> None:
         hung: list[tuple[_Peer, Overdue, float]] = []
         with self._lock:
-            while self._heap and self._heap[0][0] <= time.monotonic():
-                deadline, _, identity = heapq.heappop(self._heap)
-                if self._armed.get(identity) != deadline:
-                    continue  # superseded by an earlier deadline for the same peer
-                del self._armed[identity]
+            for identity in self._deadlines.pop_due(time.monotonic()):
                 peer = self._peers.get(identity)
                 if peer is None:
                     continue
