@@ -23,6 +23,10 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	$(VPY) -m pytest -q
 
+# The suite without whole-job process tests, the Slurm cluster and the fault matrix: < 90 s.
+check: $(STAMP) lint
+	$(VPY) -m pytest -q -m "not process and not slurm and not faults"
+
 demo: $(STAMP)
 	$(VPY) examples/demo.py
 

@@ -7,8 +7,12 @@ import json
 import signal
 from pathlib import Path
 
+import pytest
+
 from ftrun.errors import ExitCode
 from launch import ROOT, node_of, start_job
+
+pytestmark = pytest.mark.process
 
 WORKER = ROOT / "tests" / "workers" / "rank0_finishes.py"
 STOP_TIMEOUT_S = 5

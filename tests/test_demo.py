@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.process
+
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
 
 

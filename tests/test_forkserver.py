@@ -27,6 +27,8 @@ from ftrun.agent.prewarm.target import PythonTarget
 from ftrun.errors import FtrunError
 from support import WORKERS, wait_for
 
+pytestmark = pytest.mark.process
+
 PROBE = str(WORKERS / "forked_probe.py")
 BASE_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 DEADLINE = 20.0

@@ -32,7 +32,7 @@ from support import run_gloo_ranks
 single_process = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
-pytestmark = pytest.mark.usefixtures("no_leftover_threads")
+pytestmark = [pytest.mark.process, pytest.mark.usefixtures("no_leftover_threads")]
 
 
 @pytest.mark.parametrize(

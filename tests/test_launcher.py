@@ -15,6 +15,8 @@ import pytest
 from launch import start_job
 from support import wait_for
 
+pytestmark = pytest.mark.process
+
 TRAIN = ["--steps", "20", "--save-every", "5", "--step-time", "0.02"]
 PREEMPTED = 75
 

@@ -406,6 +406,7 @@ def worker_log(job: Job, cycle: int, rank: int) -> str:
     return "".join(p.read_text() for p in job.log_dir.glob(f"*/cycle{cycle}/rank{rank}/*.log"))
 
 
+@pytest.mark.process
 def test_a_crash_and_a_hang_resume_from_the_newest_checkpoint_with_calculated_timeouts(tmp_path):
     """Cycle 0: rank 3 is killed at step 12; cycle 1 resumes from the local checkpoint of step
     10, calculates timeouts after its first save, and rank 0 hangs at step 37: the configured
@@ -427,6 +428,7 @@ def test_a_crash_and_a_hang_resume_from_the_newest_checkpoint_with_calculated_ti
     assert json.loads((job.ckpt_dir / "FINISHED").read_text())["ending"] == "max_steps"
 
 
+@pytest.mark.process
 def test_sigterm_to_the_launchers_saves_and_the_next_run_resumes_from_that_step(tmp_path):
     """Run 1 gets SIGTERM on both launchers: every rank stops at the same step after saving
     last-preempted.ckpt, and the launchers exit 75 (no finished flag). Run 2 (a relaunch)

@@ -16,6 +16,8 @@ from ftrun.rendezvous.config import HealthCheckConfig
 from launch import ROOT, node_of, start_job
 from support import wait_for
 
+pytestmark = pytest.mark.process
+
 FAKES = ROOT / "tests" / "fakes"
 TRAIN = ["--steps", "20", "--save-every", "5", "--step-time", "0.02"]
 HEALTHY = json.dumps({"devices": 2})

@@ -148,6 +148,7 @@ def test_options_build_the_nic_config():
         build_config(["--ft-enable-nic-healthcheck", "--ft-nic-sysfs-root=", "s"], {})
 
 
+@pytest.mark.process
 def test_a_node_with_a_port_down_exits_unhealthy_and_the_other_is_told(tmp_path: Path):
     good = fake_sysfs(tmp_path / "ib-good", {"mlx5_0/1": UP, "mlx5_1/1": UP})
     bad = fake_sysfs(tmp_path / "ib-bad", {"mlx5_0/1": UP, "mlx5_1/1": {**UP, "state": "1: DOWN"}})

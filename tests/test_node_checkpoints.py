@@ -10,10 +10,13 @@ import tempfile
 from pathlib import Path
 
 import psutil
+import pytest
 
 from ftrun.checkpointing.keeper.node_tier import DEFAULT_BASES, DIR_PREFIX
 from launch import Job, Node, node_of, start_job
 from support import wait_for
+
+pytestmark = pytest.mark.process
 
 WORKER = Path(__file__).resolve().parent / "workers" / "ckpt_worker.py"
 ARGS = ["--max-restarts=3", "--rdzv-conf=last_call_timeout=5"]

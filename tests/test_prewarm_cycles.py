@@ -13,6 +13,8 @@ import pytest
 
 from launch import ROOT, Job, start_job
 
+pytestmark = pytest.mark.process
+
 PROBE = ROOT / "tests" / "workers" / "prewarm_probe.py"
 TIMEOUT = 90
 

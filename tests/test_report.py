@@ -534,6 +534,7 @@ def check_against_step_logs(log_dir: Path, steps_dir: Path) -> Report:
     return report
 
 
+@pytest.mark.process
 def test_recovery_matches_the_workers_own_step_logs(tmp_path: Path) -> None:
     """Acceptance (issue 13): a live run through the launcher, the report against the logs."""
     job = start_job(tmp_path, 2, ["--max-restarts=1"], WORKER_ARGS, script=PROGRESS_WORKER, nproc=2)

@@ -15,9 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ftrun.errors import ExitCode
 from launch import Job, Node, node_of, start_job
 from support import wait_for
+
+pytestmark = pytest.mark.process
 
 ROOT = Path(__file__).resolve().parent
 CONTROL = ROOT / "workers" / "control_worker.py"

@@ -6,8 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from ftrun.errors import ExitCode
 from launch import Job, node_of, start_job
+
+pytestmark = pytest.mark.process
 
 WORKER = Path(__file__).resolve().parent / "workers" / "straggler_worker.py"
 INTERVAL = ["--ft-straggler-report-interval=0.5"]

@@ -8,7 +8,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from ftrun.agent.termination import Delivery, kill_group_now, terminate, wait_reaped
+
+pytestmark = pytest.mark.process
 
 IGNORES_TERM = (
     "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
