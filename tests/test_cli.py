@@ -1,4 +1,4 @@
-"""ft_launcher's options, config building and error path (pure, except one subprocess test)."""
+"""ft_launcher's options, config building and error path, all in this process."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import dataclasses
 import logging
 import re
 import signal
-import subprocess
 import sys
 import types
 import uuid
@@ -695,19 +694,18 @@ def test_main_help_and_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     ],
     ids=["bad-value", "bad-yaml", "unknown-flag", "unsupported"],
 )
-def test_usage_errors_exit_2_with_one_line(tmp_path: Path, argv: Sequence[str]) -> None:
+def test_usage_errors_exit_2_with_one_line(
+    tmp_path: Path, argv: Sequence[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In this process (`cli.main` exits before anything starts); the whole command in a
+    subprocess is the fault matrix's (tests/faults/test_fault_config.py)."""
     bad_yaml = write_yaml(tmp_path, "fault_tolerance:\n  safety_factor: [1\n")
     argv = [arg.replace("BAD", bad_yaml) for arg in argv]
-    done = subprocess.run(
-        [PY, "-m", "ftrun.ft_launcher.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 2
-    assert done.stdout == ""
-    assert len(done.stderr.splitlines()) == 1, done.stderr
-    assert done.stderr.startswith("ft_launcher: error: ")
-    assert "Traceback" not in done.stderr
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("ft_launcher: error: ")
+    assert "Traceback" not in err
