@@ -10,7 +10,9 @@ import time
 
 import pytest
 
+from ftrun.agent.health import _run_command
 from ftrun.agent.termination import Delivery, kill_group_now, terminate, wait_reaped
+from ftrun.errors import NodeUnhealthyError
 
 pytestmark = pytest.mark.process
 
@@ -63,3 +65,15 @@ def test_kill_group_now_and_a_bounded_reap() -> None:
     assert wait_reaped(proc.pid, 10) == -signal.SIGKILL
     kill_group_now(proc.pid)  # gone: not an error
     proc.returncode = -signal.SIGKILL  # reaped above: tell the Popen, so it does not wait
+
+
+def test_a_timed_out_health_command_is_killed_with_its_group_only() -> None:
+    """The agent's other children (the fork server) are not the command's: they stay."""
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with pytest.raises(NodeUnhealthyError, match=r"timed out after 0\.3s"):
+            _run_command("sleep 30 & sleep 30", 0.3)
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait(10)

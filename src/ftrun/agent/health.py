@@ -16,7 +16,7 @@ from typing import Any
 
 from ftrun.agent.nic_health import check_ib_ports
 from ftrun.agent.nvml import load_nvml
-from ftrun.agent.termination import Delivery, terminate
+from ftrun.agent.termination import kill_group_now
 from ftrun.errors import NodeUnhealthyError
 from ftrun.rendezvous.config import HealthCheckConfig
 from ftrun.services import NodeService
@@ -150,7 +150,9 @@ def _run_command(command: str, timeout: float) -> None:
         try:
             output, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            terminate([proc.pid], Delivery.at_once())  # the command and its children
+            # The command's group only: `terminate` would also take the agent's other children
+            # (the fork server) for orphans.
+            kill_group_now(proc.pid)
             proc.communicate()
             raise NodeUnhealthyError(f"health command timed out after {timeout:g}s") from None
     if proc.returncode != 0:
