@@ -20,12 +20,14 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench examples slurm
 
+# Two xdist workers: most of the time is whole jobs waiting on their own clocks, not CPU.
+# The Slurm tests share one worker (one cluster per host: `--dist loadgroup`).
 test: $(STAMP) lint
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q -n 2 --dist loadgroup
 
 # The suite without whole-job process tests, the Slurm cluster and the fault matrix: < 90 s.
 check: $(STAMP) lint
-	$(VPY) -m pytest -q -m "not process and not slurm and not faults"
+	$(VPY) -m pytest -q -n 2 -m "not process and not slurm and not faults"
 
 demo: $(STAMP)
 	$(VPY) examples/demo.py
