@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from ftrun.agent.health import _run_command
@@ -24,6 +25,12 @@ IGNORES_TERM = (
 ENDS_ON_TERM = "import time; print('ready', flush=True); time.sleep(60)"
 
 
+def others(proc: subprocess.Popen[str]) -> frozenset[int]:
+    """This process's other children (under xdist, a Slurm daemon re-parented here, say): the
+    agent takes its direct children that lead no worker group for orphans to stop."""
+    return frozenset(p.pid for p in psutil.Process().children() if p.pid != proc.pid)
+
+
 def start(code: str) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True
@@ -36,7 +43,7 @@ def start(code: str) -> subprocess.Popen[str]:
 
 def test_a_group_that_ends_on_sigterm_is_not_sigkilled_and_keeps_its_status() -> None:
     proc = start(ENDS_ON_TERM)
-    result = terminate([proc.pid], Delivery.graceful(signal.SIGTERM, 10.0))
+    result = terminate([proc.pid], Delivery.graceful(signal.SIGTERM, 10.0), others(proc))
     assert (result.killed, result.survivors) == (0, 0) and result.duration < 5
     assert proc.wait(5) == -signal.SIGTERM  # the Popen still gets the status
 
@@ -44,7 +51,7 @@ def test_a_group_that_ends_on_sigterm_is_not_sigkilled_and_keeps_its_status() ->
 def test_a_group_ignoring_sigterm_gets_sigkill_after_the_grace_period_children_included() -> None:
     proc = start(IGNORES_TERM)
     started = time.monotonic()
-    result = terminate([proc.pid], Delivery.graceful(signal.SIGTERM, 0.5))
+    result = terminate([proc.pid], Delivery.graceful(signal.SIGTERM, 0.5), others(proc))
     assert time.monotonic() - started >= 0.5
     assert result.killed == 2 and result.survivors == 0  # the leader and its child
     assert proc.wait(5) == -signal.SIGKILL
@@ -52,7 +59,7 @@ def test_a_group_ignoring_sigterm_gets_sigkill_after_the_grace_period_children_i
 
 def test_sigkill_at_once_does_not_wait_for_a_grace_period() -> None:
     proc = start(IGNORES_TERM)
-    result = terminate([proc.pid], Delivery.at_once())
+    result = terminate([proc.pid], Delivery.at_once(), others(proc))
     assert result.survivors == 0 and result.duration < 5
     assert proc.wait(5) == -signal.SIGKILL
 

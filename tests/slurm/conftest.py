@@ -255,14 +255,6 @@ def _tail(text: str, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every Slurm test on one xdist worker: the cluster is one per host."""
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(item.fspath).parents:
-            item.add_marker(pytest.mark.xdist_group("slurm"))
-
-
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
     if not sys.platform.startswith("linux") or os.geteuid() != 0:

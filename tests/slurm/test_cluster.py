@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+# One Slurm cluster per host: every Slurm test on the same xdist worker (`--dist loadgroup`).
+pytestmark = pytest.mark.xdist_group("slurm")
+
 
 @pytest.mark.slurm
 def test_two_node_job_runs_one_task_per_node(slurm_cluster, tmp_path):

@@ -21,6 +21,9 @@ from ftrun_jobs import (
     train_args,
 )
 
+# One Slurm cluster per host: every Slurm test on the same xdist worker (`--dist loadgroup`).
+pytestmark = pytest.mark.xdist_group("slurm")
+
 # Upper bounds, not expectations: one run takes ~10-25 s here (2 cores shared with other test
 # sessions; every worker imports torch), a requeued job waits ~11 s more (cred_expire=10).
 ONE_RUN_S = 150

@@ -15,6 +15,10 @@ from support import wait_for
 
 pytest.importorskip("pytorch_lightning", reason="needs ftrun[lightning]")
 
+# One Slurm cluster per host: every Slurm test on the same xdist worker (`--dist loadgroup`).
+pytestmark = pytest.mark.xdist_group("slurm")
+
+
 EXAMPLE = REPO / "examples" / "lightning_train.py"
 LAUNCHER = ["--ft-prewarm-modules=torch,torch.distributed,pytorch_lightning"]
 ONE_RUN_S = 150  # upper bounds: every worker imports Lightning (seconds on 2 cores)
