@@ -44,6 +44,7 @@ from ftrun.checkpointing.replication import (
 )
 from ftrun.checkpointing.state_dict import BasicTensorAwareStateDict, TensorAwareStateDict
 from ftrun.checkpointing.torch_async import TorchAsyncCheckpoint
+from ftrun.lazy import lazy_getattr
 
 # The global tier and `restore` import torch.distributed.checkpoint (~0.5 s): only when used,
 # so that a worker that saves locally restarts without paying for it.
@@ -62,14 +63,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
-
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 __all__ = [
     "AsyncCallError",

@@ -7,9 +7,9 @@ The workload control names are light, and load with the package.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ftrun.lazy import lazy_getattr
 from ftrun.rank_monitor.config import RankMonitorConfig
 from ftrun.rank_monitor.records import FirstProgress, ProgressSnapshot, Verdict
 from ftrun.rank_monitor.tracker import HangKind
@@ -33,7 +33,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _FROM_SERVER:
-        return getattr(importlib.import_module("ftrun.rank_monitor.server"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, dict.fromkeys(_FROM_SERVER, "ftrun.rank_monitor.server"))

@@ -11,8 +11,7 @@ that `ftrun.config` (which reads `straggler.config`) does not load the worker's 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ftrun.lazy import lazy_getattr
 
 _LAZY = {
     "CallableId": "ftrun.straggler.detector",
@@ -23,11 +22,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = ["CallableId", "Detector", "Report", "Statistic", "StragglerId"]

@@ -12,7 +12,9 @@ subprocess and logging with it). The names below load `client` on first use.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ftrun.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from ftrun.agent.prewarm.client import ForkServer, ForkServerError
@@ -21,9 +23,4 @@ if TYPE_CHECKING:
 __all__ = ["ForkServer", "ForkServerError", "ForkedWorker"]
 
 
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from ftrun.agent.prewarm import client
-
-        return getattr(client, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, dict.fromkeys(__all__, "ftrun.agent.prewarm.client"))
