@@ -84,19 +84,19 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
             popped.append(tensor)
             return _Placeholder(tensor.shape, tensor.dtype, tensor.device)
 
-        self.state_dict = _map(self.state_dict, torch.Tensor, take)
+        self.state_dict = map_nested(self.state_dict, torch.Tensor, take)
         return popped
 
     @property
     def tensors(self) -> list[torch.Tensor]:
         found: list[torch.Tensor] = []
-        _map(self.state_dict, torch.Tensor, lambda t: found.append(t) or t)
+        map_nested(self.state_dict, torch.Tensor, lambda t: found.append(t) or t)
         return found
 
     @property
     def is_hollow(self) -> bool:
         holes: list[_Placeholder] = []
-        _map(self.state_dict, _Placeholder, lambda p: holes.append(p) or p)
+        map_nested(self.state_dict, _Placeholder, lambda p: holes.append(p) or p)
         return bool(holes)
 
     def insert_tensors(self, tensor_data: Iterable[torch.Tensor]) -> None:
@@ -108,12 +108,12 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
             except StopIteration:
                 raise ValueError("fewer tensors than the state has places for") from None
 
-        self.state_dict = _map(self.state_dict, _Placeholder, put)
+        self.state_dict = map_nested(self.state_dict, _Placeholder, put)
         if next(supply, None) is not None:
             raise ValueError("more tensors than the state has places for")
 
     def init_tensors(self) -> None:
-        self.state_dict = _map(
+        self.state_dict = map_nested(
             self.state_dict,
             _Placeholder,
             lambda p: torch.empty(p.shape, dtype=p.dtype, device=p.device),
@@ -126,27 +126,38 @@ class BasicTensorAwareStateDict(TensorAwareStateDict):
             devices.append(tensor.device)
             return tensor.to("cpu", non_blocking=non_blocking)
 
-        self.state_dict = _map(self.state_dict, torch.Tensor, to_cpu)
+        self.state_dict = map_nested(self.state_dict, torch.Tensor, to_cpu)
         self._devices = devices
 
     def restore_tensor_device(self, non_blocking: bool = True) -> None:
         if self._devices is None:
             return
         devices = iter(self._devices)
-        self.state_dict = _map(
+        self.state_dict = map_nested(
             self.state_dict, torch.Tensor, lambda t: t.to(next(devices), non_blocking=non_blocking)
         )
         self._devices = None
 
 
-def _map(value: Any, kind: type, fn: Callable[[Any], Any]) -> Any:
-    """`value` rebuilt with `fn` applied to every `kind` inside its dicts, lists and tuples."""
+def map_nested(value: Any, kind: type, fn: Callable[[Any], Any]) -> Any:
+    """`value` rebuilt with `fn` applied to every `kind` inside its dicts, lists and tuples.
+
+    A dict keeps its type where its constructor allows (an OrderedDict stays one) and its
+    attributes (a `state_dict()`'s `_metadata`); named tuples and other objects are kept as
+    they are."""
     if isinstance(value, kind):
         return fn(value)
     if isinstance(value, dict):
-        return type(value)((k, _map(v, kind, fn)) for k, v in value.items())
+        mapped = {k: map_nested(v, kind, fn) for k, v in value.items()}
+        try:
+            rebuilt = type(value)(mapped)
+        except TypeError:
+            return mapped
+        if hasattr(value, "__dict__"):
+            rebuilt.__dict__.update(value.__dict__)
+        return rebuilt
     if isinstance(value, list):
-        return [_map(v, kind, fn) for v in value]
+        return [map_nested(v, kind, fn) for v in value]
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_map(v, kind, fn) for v in value)
+        return tuple(map_nested(v, kind, fn) for v in value)
     return value

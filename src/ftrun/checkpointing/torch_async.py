@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ftrun.checkpointing.async_calls import AsyncCallsQueue, AsyncRequest
+from ftrun.checkpointing.state_dict import map_nested
 
 logger = logging.getLogger("ftrun.checkpointing")
 
@@ -72,22 +73,9 @@ class TorchAsyncCheckpoint:
 
 def host_copy(value: Any) -> Any:
     """`value` with every tensor copied to new host memory; dicts, lists and tuples rebuilt."""
-    if isinstance(value, torch.Tensor):
-        tensor = value.detach()
-        if tensor.device.type == "cpu":
-            return tensor.clone()
-        return tensor.to("cpu", non_blocking=True)
-    if isinstance(value, dict):
-        copied = {k: host_copy(v) for k, v in value.items()}
-        try:
-            rebuilt = type(value)(copied)  # an OrderedDict stays one
-        except TypeError:
-            return copied
-        if hasattr(value, "__dict__"):  # a state_dict's `_metadata`
-            rebuilt.__dict__.update(value.__dict__)
-        return rebuilt
-    if isinstance(value, list):
-        return [host_copy(v) for v in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(host_copy(v) for v in value)
-    return value
+    return map_nested(value, torch.Tensor, _to_host)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    return tensor.clone() if tensor.device.type == "cpu" else tensor.to("cpu", non_blocking=True)
