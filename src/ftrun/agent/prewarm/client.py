@@ -32,6 +32,8 @@ from collections.abc import Callable, Mapping, Sequence
 from ftrun.agent.prewarm import wire as proto
 from ftrun.agent.prewarm.forked import ForkedWorker, await_death
 from ftrun.agent.prewarm.pools import SERVER_ONLY_ENV
+from ftrun.agent.prewarm.spawn_request import SpawnRequest, close_fds
+from ftrun.agent.prewarm.start_env import path0, start_env_mismatch
 from ftrun.agent.prewarm.target import PythonTarget
 from ftrun.agent.termination import die_with_parent, kill_group_now
 from ftrun.errors import FtrunError
@@ -47,40 +49,10 @@ CLOSE_TIMEOUT = 5.0
 GONE_TIMEOUT = 5.0
 """After the server died: how long its workers get to die of PDEATHSIG."""
 
-IMPORT_TIME_PREFIXES = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "GOTO_", "KMP_", "NUMEXPR_",
-                        "VECLIB_", "LD_", "MALLOC_", "TORCHDYNAMO_", "TORCHINDUCTOR_",
-                        "TORCH_COMPILE_")  # fmt: skip
-IMPORT_TIME_NAMES = frozenset({"GLIBC_TUNABLES", "LANG", "LC_ALL", "LC_CTYPE", "TORCH_LOGS"})
-"""Variables read when the interpreter or a native library starts: a forked worker keeps the
-server's values, so a worker whose environment differs in one of them is not forked."""
-
 
 class ForkServerError(FtrunError):
     """The fork server cannot start this worker (dead, broken, unsafe to fork, refused, or the
     worker's start-up environment differs): spawn the worker plainly instead."""
-
-
-class _Request:
-    """One spawn in flight: the pipes' read ends until the reply turns them into a worker."""
-
-    def __init__(
-        self, stdout_fd: int, stderr_fd: int, gate_fd: int | None, args: list[str]
-    ) -> None:
-        self.stdout_fd = stdout_fd
-        self.stderr_fd = stderr_fd
-        self.gate_fd = gate_fd
-        """The start gate's write end (with `announce`): one byte lets the child run."""
-        self.args = args
-        self.done = threading.Event()
-        self.worker: ForkedWorker | None = None
-        self.error: str | None = None
-
-    def discard(self) -> None:
-        if self.worker is not None:
-            self.worker.stdout.close()
-            self.worker.stderr.close()
-        else:
-            _close(self.stdout_fd, self.stderr_fd)
 
 
 class ForkServer:
@@ -108,7 +80,7 @@ class ForkServer:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._requests: dict[int, _Request] = {}
+        self._requests: dict[int, SpawnRequest] = {}
         self._workers: dict[int, ForkedWorker] = {}
         self._ready = False
         self._error: str | None = None
@@ -141,7 +113,7 @@ class ForkServer:
         argv = [sys.executable, "-u", "-m", "ftrun.agent.prewarm.forkserver"]
         argv += ["--fd", str(theirs.fileno()), "--parent", str(os.getpid())]
         if target is not None:
-            argv += ["--path0", _path0(target)]
+            argv += ["--path0", path0(target)]
         argv += ["--", *modules]
         try:
             proc = subprocess.Popen(
@@ -194,7 +166,7 @@ class ForkServer:
         killed and the exception propagates. Raises ForkServerError when the caller should spawn
         the worker plainly.
         """
-        mismatch = self._start_env_mismatch(env)
+        mismatch = start_env_mismatch(self._env, env)
         if mismatch:
             raise ForkServerError(
                 f"the worker's environment differs from the fork server's in {mismatch}, read "
@@ -235,7 +207,7 @@ class ForkServer:
             return worker
         finally:
             if req.gate_fd is not None:
-                _close(req.gate_fd)
+                close_fds(req.gate_fd)
 
     def deepen(self, modules: Sequence[str]) -> bool:
         """Ask the server to import `modules` now; returns at once (False: nothing was sent,
@@ -289,11 +261,11 @@ class ForkServer:
 
     def _send_spawn(
         self, target: PythonTarget, env: Mapping[str, str], cwd: str, args: list[str], gated: bool
-    ) -> _Request:
+    ) -> SpawnRequest:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         gate_r, gate_w = os.pipe() if gated else (None, None)
-        req = _Request(out_r, err_r, gate_w, args)
+        req = SpawnRequest(out_r, err_r, gate_w, args)
         fds = [out_w, err_w] + ([gate_r] if gate_r is not None else [])
         rid = None
         try:
@@ -319,21 +291,13 @@ class ForkServer:
                 self._requests.pop(rid, None)  # type: ignore[arg-type]
             req.discard()
             if gate_w is not None:
-                _close(gate_w)
+                close_fds(gate_w)
             if isinstance(exc, (OSError, proto.ProtocolViolation)):
                 raise ForkServerError(f"cannot send to the fork server: {exc}") from exc
             raise
         finally:
-            _close(*fds)  # the server has its copies now (or never will)
+            close_fds(*fds)  # the server has its copies now (or never will)
         return req
-
-    def _start_env_mismatch(self, env: Mapping[str, str]) -> list[str]:
-        names = {
-            k
-            for k in {*env, *self._env}
-            if k.startswith(IMPORT_TIME_PREFIXES) or k in IMPORT_TIME_NAMES
-        }
-        return sorted(k for k in names if env.get(k) != self._env.get(k))
 
     # ---- the reader thread ---------------------------------------------------------------------
 
@@ -440,17 +404,3 @@ class ForkServer:
             self._proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._proc.wait(CLOSE_TIMEOUT)
-
-
-def _path0(target: PythonTarget) -> str:
-    """`sys.path[0]` of `python -u [-m] target`, started in the current directory."""
-    if target.module:
-        return os.getcwd()
-    path = os.path.abspath(target.target)
-    return path if os.path.isdir(path) else os.path.dirname(os.path.realpath(path))
-
-
-def _close(*fds: int) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)

@@ -22,7 +22,7 @@ join, atexit, flush, `os._exit`).
 
 What a fork cannot give back: the str hash seed (shared by all workers of a server, unless
 PYTHONHASHSEED fixes it anyway), and whatever the prewarm imports read from the environment
-(the agent refuses workers whose interpreter/thread variables differ: `client.IMPORT_TIME_*`).
+(the agent refuses workers whose interpreter/thread variables differ: `start_env.IMPORT_TIME_*`).
 After the imports the server runs gc.collect() and gc.freeze(): the children's collector then
 leaves the shared objects alone and their pages stay shared (copy-on-write).
 

@@ -1,0 +1,44 @@
+"""One spawn in flight between the agent's `ForkServer` and its fork server.
+
+The agent sends the server the write ends of a worker's stdout and stderr pipes (and, with a
+start gate, the gate's read end) and keeps the other ends here until the server's reply: a
+"spawned" note turns them into the `ForkedWorker`, an "error" note into the refusal's text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+from ftrun.agent.prewarm.forked import ForkedWorker
+
+
+class SpawnRequest:
+    """One spawn in flight: the pipes' read ends until the reply turns them into a worker."""
+
+    def __init__(
+        self, stdout_fd: int, stderr_fd: int, gate_fd: int | None, args: list[str]
+    ) -> None:
+        self.stdout_fd = stdout_fd
+        self.stderr_fd = stderr_fd
+        self.gate_fd = gate_fd
+        """The start gate's write end (with `announce`): one byte lets the child run."""
+        self.args = args
+        self.done = threading.Event()
+        self.worker: ForkedWorker | None = None
+        self.error: str | None = None
+
+    def discard(self) -> None:
+        if self.worker is not None:
+            self.worker.stdout.close()
+            self.worker.stderr.close()
+        else:
+            close_fds(self.stdout_fd, self.stderr_fd)
+
+
+def close_fds(*fds: int) -> None:
+    """Close each of `fds`, ignoring those already closed."""
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
