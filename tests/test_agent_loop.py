@@ -47,7 +47,7 @@ def test_a_hung_rank_is_killed_at_once_and_the_cycle_restarts(tmp_path: Path) ->
     with running_agent(tmp_path, ["--max-restarts=1"]) as node:
         workers = node.spawner.started(2)
         monitor = node.runtime.monitor
-        wait_for(lambda: monitor._expected.get(1) == workers[1].pid, 5, "rank 1 expected")
+        wait_for(lambda: monitor._ranks.expected.get(1) == workers[1].pid, 5, "rank 1 expected")
         node.post(_verdict(workers[1]))
         node.spawner.started(4)
         assert node.termination.killed == [workers[1].pid]

@@ -3,9 +3,10 @@
 One thread owns the ZeroMQ ROUTER socket and the deadline heap; it sleeps exactly until the next
 deadline or message, so a hang is found within milliseconds of its deadline. The hung rank's
 stacks are then captured off that thread (`capture`), and its verdict posted once they are in:
-a slow capture never delays another rank's deadline. The owner (the
-agent, or a test) talks to it through `expect_rank`/`forget_rank` and receives `Verdict`s through
-a callback (default: the `verdicts` queue).
+a slow capture never delays another rank's deadline. The owner (the agent, or a test) talks to
+it through `expect_rank`/`forget_rank` (kept in a `RankRegistry`, which admits a rank's HELLO
+only from the process spawned for it) and receives `Verdict`s through a callback (default: the
+`verdicts` queue).
 
 It also notes training progress for reports: each registration's first progress (heartbeat or
 section end) goes to the `on_progress` callback as a `FirstProgress`, and `progress_snapshot()`
@@ -17,7 +18,6 @@ straggler detector's section timings to `on_timings` as a `TimingBatch` (see `ti
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import queue
@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import psutil
 import zmq
 
 from ftrun.errors import ProtocolError
@@ -42,6 +41,7 @@ from ftrun.rank_monitor.config import (
 )
 from ftrun.rank_monitor.deadlines import Deadlines
 from ftrun.rank_monitor.records import FirstProgress, ProgressSnapshot, Verdict
+from ftrun.rank_monitor.registry import Peer, RankRegistry, is_self_or_descendant
 from ftrun.rank_monitor.timings import TimingBatch, TimingSenders
 from ftrun.rank_monitor.tracker import NotReadyError, Overdue, RankProgress
 from ftrun.rank_monitor.workload import WorkloadAction, WorkloadControl
@@ -51,14 +51,6 @@ log = logging.getLogger("ftrun.rank_monitor")
 _MAX_DRAIN = 512  # messages handled per batch, so a flood cannot hold the lock for long
 _MAX_SLEEP_MS = 1000
 _CATCH_UP_S = 0.5
-
-
-@dataclasses.dataclass
-class _Peer:
-    progress: RankProgress
-    identity: bytes
-    spawned_pid: int
-    """The pid the owner registered (the HELLO may come from a descendant of it)."""
 
 
 class RankMonitorServer:
@@ -90,13 +82,10 @@ class RankMonitorServer:
         self._on_control = on_control
         self._on_timings = on_timings
         self._capturer = StackCapturer(capture, config.stack_signal, config.stack_capture_timeout)
-        self._timing_senders = TimingSenders(_is_self_or_descendant)
+        self._timing_senders = TimingSenders(is_self_or_descendant)
         self._timings: list[TimingBatch] = []  # likewise
         self._lock = threading.Lock()
-        self._expected: dict[int, int] = {}  # rank -> pid the owner spawned
-        self._peers: dict[bytes, _Peer] = {}  # ZeroMQ identity -> rank state
-        # rank -> its latest registration, kept after a verdict or a goodbye for the snapshot
-        self._registered: dict[int, _Peer] = {}
+        self._ranks = RankRegistry()  # who may register, and who did
         self._first_progress: list[FirstProgress] = []  # noted under the lock, sent after it
         self._controls: list[tuple[bytes, int, WorkloadControl]] = []  # likewise, with whom to ack
         self._deadlines = Deadlines()
@@ -142,56 +131,28 @@ class RankMonitorServer:
     def expect_rank(self, rank: int, pid: int) -> None:
         """Allow `rank` to register from process `pid` (or a descendant of it)."""
         with self._lock:
-            self._expected[rank] = pid
+            self._ranks.expect(rank, pid)
 
     def forget_rank(self, rank: int) -> None:
         """Stop watching `rank` (its worker was stopped or exited)."""
         with self._lock:
-            self._expected.pop(rank, None)
-            self._registered.pop(rank, None)
-            for identity, peer in list(self._peers.items()):
-                if peer.progress.rank == rank:
-                    del self._peers[identity]
+            self._ranks.forget(rank)
 
     def forget_all(self) -> None:
         with self._lock:
-            self._expected.clear()
-            self._peers.clear()
-            self._registered.clear()
+            self._ranks.clear()
             self._timing_senders.clear()
 
     def progress_snapshot(self) -> list[ProgressSnapshot]:
         """Where each expected rank's current registration got to, in rank order: taken right
         before the owner stops its workers, it holds their last progress."""
         with self._lock:
-            peers = [
-                peer
-                for rank, peer in sorted(self._registered.items())
-                if self._expected.get(rank) == peer.spawned_pid
-            ]
-            return [
-                ProgressSnapshot(
-                    rank=p.progress.rank,
-                    pid=p.progress.pid,
-                    worker_pid=p.spawned_pid,
-                    first_progress=p.progress.first_progress,
-                    last_progress=p.progress.last_progress,
-                    first_iteration=p.progress.first_iteration,
-                    last_iteration=p.progress.last_iteration,
-                )
-                for p in peers
-            ]
+            return self._ranks.snapshot()
 
     def progressing_ranks(self) -> set[int]:
         """Ranks that sent a heartbeat or opened a section since they registered."""
         with self._lock:
-            return {
-                peer.progress.rank
-                for peer in self._peers.values()
-                if peer.progress.last_heartbeat is not None
-                or peer.progress.out_of_section_since is not None
-                or peer.progress.open_sections
-            }
+            return self._ranks.progressing()
 
     def worker_env(self) -> dict[str, str]:
         """The environment variables a worker's RankMonitorClient needs."""
@@ -286,7 +247,7 @@ class RankMonitorServer:
         if isinstance(message, wire.Timings):
             self._note_timings(identity, message, now)
             return
-        peer = self._peers.get(identity)
+        peer = self._ranks.peers.get(identity)
         if peer is None:
             self._drop(f"{type(message).__name__} from an unregistered peer")
             if hasattr(message, "seq"):
@@ -294,7 +255,7 @@ class RankMonitorServer:
             return
         self._dispatch(identity, peer, message, now)
 
-    def _dispatch(self, identity: bytes, peer: _Peer, message: wire.Message, now: float) -> None:
+    def _dispatch(self, identity: bytes, peer: Peer, message: wire.Message, now: float) -> None:
         progress = peer.progress
         match message:
             case wire.Heartbeat(iteration=iteration):
@@ -318,21 +279,21 @@ class RankMonitorServer:
                 control = WorkloadControl(p.rank, p.pid, peer.spawned_pid, what, text, now)
                 self._controls.append((identity, seq, control))
             case wire.Goodbye():
-                del self._peers[identity]
+                del self._ranks.peers[identity]
                 return
             case _:
                 self._drop(f"unexpected {type(message).__name__}")
                 return
         self._arm(identity, progress)
 
-    def _note_first_progress(self, peer: _Peer, now: float, iteration: int | None) -> None:
+    def _note_first_progress(self, peer: Peer, now: float, iteration: int | None) -> None:
         p = peer.progress
         self._first_progress.append(FirstProgress(p.rank, p.pid, peer.spawned_pid, now, iteration))
 
     def _note_timings(self, identity: bytes, message: wire.Timings, now: float) -> None:
         if self._on_timings is None:
             return
-        expected = self._expected.get(message.rank)
+        expected = self._ranks.expected.get(message.rank)
         spawned = self._timing_senders.spawned_pid(identity, message.rank, message.pid, expected)
         if spawned is None:
             self._drop(f"timings from rank {message.rank} pid {message.pid}, not spawned here")
@@ -340,23 +301,18 @@ class RankMonitorServer:
         self._timings.append(TimingBatch(message.rank, spawned, message.sections, now))
 
     def _hello(self, identity: bytes, hello: wire.Hello, now: float) -> None:
-        expected_pid = self._expected.get(hello.rank)
-        if expected_pid is None or not _is_self_or_descendant(hello.pid, expected_pid):
+        spawned_pid = self._ranks.admitted_pid(hello.rank, hello.pid)
+        if spawned_pid is None:
             self._drop(f"HELLO from rank {hello.rank} pid {hello.pid}, which was not spawned here")
             self._reply(identity, hello.seq, error=f"rank {hello.rank} is not expected here")
             return
-        for other, peer in list(self._peers.items()):
-            if peer.progress.rank == hello.rank:
-                del self._peers[other]  # a re-registration replaces the old connection
         progress = RankProgress(hello.rank, hello.pid, now, self.config.initial_timeouts())
         progress.warmup_iterations = (
             self.config.num_warmup_iterations
             if hello.warmup_iterations is None
             else hello.warmup_iterations
         )
-        self._peers[identity] = self._registered[hello.rank] = _Peer(
-            progress, identity, expected_pid
-        )
+        self._ranks.register(identity, progress, spawned_pid)
         self._reply(identity, hello.seq, data=progress.timeouts.to_wire())
         self._arm(identity, progress)
 
@@ -386,7 +342,7 @@ class RankMonitorServer:
         if self.dropped_messages <= 10 or self.dropped_messages % 1000 == 0:
             log.warning("dropped monitor message #%d: %s", self.dropped_messages, why)
 
-    # ---- deadlines -------------------------------------------------------------------------
+    # ---- deadlines and hang verdicts: `_fire_due` judges, `_report` captures, `_post` posts --
 
     def _arm(self, identity: bytes, progress: RankProgress) -> None:
         """Arm the rank's earliest deadline (see `deadlines`: only an earlier one is pushed)."""
@@ -395,23 +351,23 @@ class RankMonitorServer:
             self._deadlines.arm(identity, progress.rank, overdue.deadline)
 
     def _fire_due(self) -> None:
-        hung: list[tuple[_Peer, Overdue, float]] = []
+        hung: list[tuple[Peer, Overdue, float]] = []
         with self._lock:
             for identity in self._deadlines.pop_due(time.monotonic()):
-                peer = self._peers.get(identity)
+                peer = self._ranks.peers.get(identity)
                 if peer is None:
                     continue
                 now = time.monotonic()
                 overdue = peer.progress.next_overdue()
                 if overdue is not None and overdue.deadline <= now:
-                    del self._peers[identity]  # one verdict per registration
+                    del self._ranks.peers[identity]  # one verdict per registration
                     hung.append((peer, overdue, now))
                 else:
                     self._arm(identity, peer.progress)
         if hung:
             self._report(hung)
 
-    def _report(self, hung: list[tuple[_Peer, Overdue, float]]) -> None:
+    def _report(self, hung: list[tuple[Peer, Overdue, float]]) -> None:
         """Capture the hung ranks' stacks off this thread; their verdicts follow (`_post`)."""
         progresses = [peer.progress for peer, _, _ in hung]
         files = [stacks.stack_file(self.job_dir, p.rank, p.pid) for p in progresses]
@@ -419,12 +375,12 @@ class RankMonitorServer:
         self._capturer.submit(targets, lambda dumps: self._post(hung, files, dumps))
 
     def _post(
-        self, hung: list[tuple[_Peer, Overdue, float]], files: list[Path], dumps: dict[Path, str]
+        self, hung: list[tuple[Peer, Overdue, float]], files: list[Path], dumps: dict[Path, str]
     ) -> None:
         for (peer, overdue, detected_at), path in zip(hung, files, strict=True):
             progress = peer.progress
             with self._lock:
-                forgotten = self._expected.get(progress.rank) != peer.spawned_pid
+                forgotten = not self._ranks.is_current(peer)
             if forgotten:  # the owner stopped this worker while its stacks were collected
                 continue
             verdict = Verdict(
@@ -442,12 +398,3 @@ class RankMonitorServer:
             )
             log.info("%s", verdict.describe())
             self._on_verdict(verdict)
-
-
-def _is_self_or_descendant(pid: int, ancestor: int) -> bool:
-    if pid == ancestor:
-        return True
-    try:
-        return any(parent.pid == ancestor for parent in psutil.Process(pid).parents())
-    except psutil.Error:
-        return False
