@@ -8,36 +8,24 @@ worker restarts and replicates them to peers, behind the same `PartStore`; with
 `root_local_ckpt_dir` (`persist`).
 
 Collectives: under plain torchrun, when `torch.distributed` is initialized, `find_latest` and
-`load` are collective (every rank must call them, as in NVRx): `find_latest` all-reduces (MIN)
-a CPU int64 tensor on the default group, a CUDA one if that group is NCCL-only; gloo needs
-nothing else. Under ft_launcher the agents agreed on the iteration before the workers started
-(`RESTORE_FILE`): no collective. `save` is never collective.
+`load` are collective (every rank must call them, as in NVRx; see `collective`). Under
+ft_launcher the agents agreed on the iteration before the workers started (`RESTORE_FILE`): no
+collective. `save` is never collective.
 
-Retention: after a successful write of iteration k, this rank's parts other than k and its
-`keep_complete - 1` newest complete parts below k are removed, leftovers included. Parts
-above k are from a run that was rolled back, and go too. Ranks clean up independently: with
-`keep_complete=1`, if one rank finishes writing k+1 (and drops k) while another dies before
-finishing it, no iteration is complete on both and `find_latest` says -1 (rather than load
-mismatched iterations): the crash during a save that local checkpoints exist for. So the
-default keeps 2 complete parts (plus the one being written). Under ft_launcher the part of the
-iteration the agent protects (`PROTECTED_FILE`: the newest one this node holds whole, replicas
-included) is kept too, whatever its age: replicas travel after the save, and a node lost in
-between must leave its peers a complete iteration.
+Retention: after a successful write, the rank's older parts beyond `keep_complete` complete ones
+are removed (`retention` says which, and why the default keeps 2).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import torch
-import torch.distributed as dist
-
 from ftrun.checkpointing.async_calls import AsyncRequest
+from ftrun.checkpointing.collective import all_true, min_max, rank_and_world_size
 from ftrun.checkpointing.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -46,6 +34,7 @@ from ftrun.checkpointing.errors import (
 )
 from ftrun.checkpointing.format import PartInfo
 from ftrun.checkpointing.persist import copy_part
+from ftrun.checkpointing.retention import parts_to_remove
 from ftrun.checkpointing.state_dict import BasicTensorAwareStateDict, TensorAwareStateDict
 from ftrun.checkpointing.store import DirectoryStore, PartKey, PartStore, PreparedPart
 from ftrun.checkpointing.worker_tier import agent_tier, protected_part, restore_decision
@@ -83,7 +72,7 @@ class LocalCheckpointManager:
     under ft_launcher (its agents start with empty memory): resume a new job from the global
     tier.
 
-    `keep_complete` is explained in the module docstring; `store` replaces either store.
+    `keep_complete` is explained in `retention`; `store` replaces either store.
     """
 
     def __init__(
@@ -187,7 +176,7 @@ class LocalCheckpointManager:
     @property
     def rank(self) -> int:
         """NVRx's: this process's global rank."""
-        return _rank_and_world_size()[0]
+        return rank_and_world_size()[0]
 
     def find_latest(self) -> int:
         """The newest iteration for which every rank has a complete part (header checked,
@@ -198,13 +187,13 @@ class LocalCheckpointManager:
         removed that iteration), until the ranks agree; the bound only goes down.
         """
         self._settle()
-        rank, world_size = _rank_and_world_size()
+        rank, world_size = rank_and_world_size()
         if self._tier is not None and (agreed := restore_decision(self._tier)) is not None:
             return agreed.iteration if agreed.world_size == world_size else -1
         bound = _NO_BOUND
         while True:
             mine = self._newest_at_most(bound, rank, world_size)
-            low, high = _min_max(mine)
+            low, high = min_max(mine)
             if low == high or low < 0:
                 return low
             bound = low
@@ -227,7 +216,7 @@ class LocalCheckpointManager:
         """
         target = _unwrap(into)[0] if into is not None else None
         self._settle()
-        rank, world_size = _rank_and_world_size()
+        rank, world_size = rank_and_world_size()
         while True:
             iteration = self.find_latest()
             if iteration < 0:
@@ -244,7 +233,7 @@ class LocalCheckpointManager:
                 # The agents chose this iteration for every rank: a bad part is for them to
                 # replace (a replica, or an older iteration) at the restart this error causes.
                 raise CheckpointCorruptError(f"rank {rank}: part of iteration {iteration} is bad")
-            agreed = self._tier is not None or _all_true(loaded is not None)
+            agreed = self._tier is not None or all_true(loaded is not None)
             if agreed and loaded is not None:
                 state, info = loaded
                 logger.info(
@@ -271,14 +260,9 @@ class LocalCheckpointManager:
 
     def _remove_others(self, store: PartStore, key: PartKey) -> None:
         complete = store.list(key.rank, key.world_size)
-        older = [k for k in complete if k.iteration < key.iteration]
-        keep = {key, *older[max(0, len(older) - (self._keep_complete - 1)) :]}
         protected = protected_part(self._tier) if self._tier is not None else None
-        if protected is not None and protected.iteration < key.iteration:
-            keep.add(PartKey(protected.iteration, key.rank, protected.world_size))
-        for other in store.list(key.rank, key.world_size, complete_only=False):
-            if other in keep:
-                continue
+        present = store.list(key.rank, key.world_size, complete_only=False)
+        for other in parts_to_remove(key, complete, present, self._keep_complete, protected):
             if other.iteration > key.iteration:
                 logger.info(
                     "[rank %d] removing iteration %d, newer than %d: left by a rolled-back run",
@@ -319,7 +303,7 @@ class LocalCheckpointManager:
             logger.error("the background save failed: %s", e)
 
     def _key(self, iteration: int) -> PartKey:
-        rank, world_size = _rank_and_world_size()
+        rank, world_size = rank_and_world_size()
         return PartKey(iteration, rank, world_size)
 
 
@@ -363,47 +347,3 @@ def _unwrap(state_dict: Any) -> tuple[Any, dict[str, str]]:
 def _rewrap(state: Any, info: PartInfo) -> Any:
     wrapped = info.metadata.get(WRAPPER_KEY) == "BasicTensorAwareStateDict"
     return BasicTensorAwareStateDict(state) if wrapped else state
-
-
-def _rank_and_world_size() -> tuple[int, int]:
-    """From torch.distributed when initialized, else torchrun's RANK/WORLD_SIZE, else 0 of 1."""
-    if _distributed():
-        return dist.get_rank(), dist.get_world_size()
-    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-    if not 0 <= rank < world_size:
-        raise CheckpointUsageError(f"RANK={rank} is not in 0..WORLD_SIZE-1={world_size - 1}")
-    return rank, world_size
-
-
-def _env_int(name: str, default: int) -> int:
-    text = os.environ.get(name)
-    if text is None:
-        return default
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointUsageError(f"{name}={text!r} is not an integer") from None
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _collective_device() -> torch.device:
-    """CPU, unless the default group only speaks NCCL (which cannot reduce CPU tensors)."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _min_max(value: int) -> tuple[int, int]:
-    """(min, max) of `value` over all ranks: one all-reduce MIN of (value, -value)."""
-    if not _distributed():
-        return value, value
-    both = torch.tensor([value, -value], dtype=torch.int64, device=_collective_device())
-    dist.all_reduce(both, op=dist.ReduceOp.MIN)
-    return int(both[0]), -int(both[1])
-
-
-def _all_true(flag: bool) -> bool:
-    return _min_max(int(flag))[0] == 1
