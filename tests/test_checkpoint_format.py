@@ -1,7 +1,7 @@
 """The checkpoint part format: round trips, a safetensors-layout reader of our own, refusals
 that name the path, damage found on read, no pickle on the load path, failed writes clean up.
 
-Real files in tmp_path; nothing in the format is mocked (one seam, `format._copy_into`, is made
+Real files in tmp_path; nothing in the format is mocked (one seam, `part_write._copy_into`, is made
 to fail with ENOSPC half-way through a write).
 """
 
@@ -25,16 +25,17 @@ import crc32c
 import pytest
 import torch
 
-from ftrun.checkpointing import format as fmt
-from ftrun.checkpointing import pinning
+from ftrun.checkpointing import part_write, pinning
 from ftrun.checkpointing.errors import (
     CheckpointCorruptError,
     CheckpointFormatError,
     CheckpointNotFoundError,
     CheckpointWriteError,
 )
-from ftrun.checkpointing.format import read_info, read_part, write_part
+from ftrun.checkpointing.format import read_info, read_part
 from ftrun.checkpointing.layout import DTYPE_NAMES
+from ftrun.checkpointing.part_write import write_part
+from ftrun.checkpointing.recycled import Recycled
 
 SAFETENSORS_ITEMSIZE = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
@@ -355,7 +356,7 @@ def test_a_write_failing_half_way_leaves_the_old_part(
     write_part(tmp_path / "a", old, 1)
     write_part(tmp_path / "b", old, 1)
     copies = []
-    real_copy = fmt._copy_into
+    real_copy = part_write._copy_into
 
     def copy_then_fill_the_disk(dst: torch.Tensor, src: torch.Tensor) -> None:
         copies.append(1)
@@ -363,7 +364,7 @@ def test_a_write_failing_half_way_leaves_the_old_part(
             raise OSError(errno.ENOSPC, "No space left on device")
         real_copy(dst, src)
 
-    monkeypatch.setattr(fmt, "_copy_into", copy_then_fill_the_disk)
+    monkeypatch.setattr(part_write, "_copy_into", copy_then_fill_the_disk)
     with pytest.raises(CheckpointWriteError) as info:
         write_part(tmp_path / "b", {"x": torch.ones(100), "y": torch.ones(100)}, 2)
     assert (
@@ -398,13 +399,13 @@ def test_cuda_tensors_are_copied_to_host(tmp_path: Path, monkeypatch: pytest.Mon
     registered = []
     real = pinning._register
     monkeypatch.setattr(pinning, "_register", lambda *a: registered.append(a) or real(*a))
-    on_disk = fmt.prepare_part(tmp_path / "d", state, 2, keep_mapping=True)
+    on_disk = part_write.prepare_part(tmp_path / "d", state, 2, keep_mapping=True)
     on_disk.commit()
     assert not registered and on_disk.kept_mapping is not None  # a disk file's: never pinned
     on_disk.kept_mapping.close()
     shm = Path(tempfile.mkdtemp(prefix="ftrun-test-pin-", dir="/dev/shm"))
     try:
-        pending = fmt.prepare_part(shm / "k", state, 2, keep_mapping=True)
+        pending = part_write.prepare_part(shm / "k", state, 2, keep_mapping=True)
         info = pending.commit()
         mapping = pending.kept_mapping
         assert isinstance(mapping, pinning.Mapping) and mapping._pinned is not None
@@ -412,8 +413,8 @@ def test_cuda_tensors_are_copied_to_host(tmp_path: Path, monkeypatch: pytest.Mon
         assert all(torch.equal(loaded[k], v.cpu()) for k, v in state.items())
         del loaded
         state2 = {k: v * 2 for k, v in state.items()}
-        recycled = fmt.Recycled(shm / "k", info.nbytes, mapping)
-        fmt.prepare_part(shm / "k", state2, 3, recycled=recycled, keep_mapping=True).commit()
+        recycled = Recycled(shm / "k", info.nbytes, mapping)
+        part_write.prepare_part(shm / "k", state2, 3, recycled=recycled, keep_mapping=True).commit()
         assert len(registered) == 1 and mapping._pinned is not None  # the recycled: still pinned
         loaded, _ = read_part(shm / "k")
         assert all(torch.equal(loaded[k], v.cpu()) for k, v in state2.items())
@@ -439,7 +440,7 @@ def test_cuda_copies_fall_back_when_memory_cannot_be_pinned(
     shm = Path(tempfile.mkdtemp(prefix="ftrun-test-pin-", dir="/dev/shm"))
     try:
         with caplog.at_level(logging.WARNING, logger=pinning.__name__):
-            pending = fmt.prepare_part(shm / "p", state, 1, keep_mapping=True)
+            pending = part_write.prepare_part(shm / "p", state, 1, keep_mapping=True)
             pending.commit()
         assert pending.kept_mapping is not None and pending.kept_mapping._pinned is None
         assert "cannot page-lock checkpoint memory" in caplog.text and pinning._disabled

@@ -24,7 +24,6 @@ from torch.distributed import TCPStore
 
 from ftrun.agent.peering import PeerService
 from ftrun.checkpointing.errors import CheckpointUsageError
-from ftrun.checkpointing.format import write_part
 from ftrun.checkpointing.keeper import KeeperService, KeeperSettings
 from ftrun.checkpointing.keeper import holdings as plan
 from ftrun.checkpointing.keeper.errors import PartRejectedError, RestoreError
@@ -42,6 +41,7 @@ from ftrun.checkpointing.keeper.names import parse_iteration_dir, parse_part_nam
 from ftrun.checkpointing.keeper.node_tier import OWNER_LOCK, NodeTier, remove_abandoned
 from ftrun.checkpointing.keeper.transfer import PUSH, push_part
 from ftrun.checkpointing.manager import LocalCheckpointManager
+from ftrun.checkpointing.part_write import write_part
 from ftrun.checkpointing.replication import CliqueReplicationStrategy
 from ftrun.checkpointing.store import PartKey
 from ftrun.checkpointing.tier_files import (

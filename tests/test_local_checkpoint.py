@@ -27,7 +27,8 @@ from ftrun.checkpointing import (
     LazyCliqueReplicationStrategy,
     LocalCheckpointManager,
 )
-from ftrun.checkpointing.format import PartInfo, read_part, write_part
+from ftrun.checkpointing.format import PartInfo, read_part
+from ftrun.checkpointing.part_write import write_part
 from ftrun.checkpointing.store import DirectoryStore, PartKey, PreparedPart
 from support import run_gloo_ranks
 

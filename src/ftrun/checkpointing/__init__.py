@@ -1,8 +1,9 @@
 """Local checkpoints of training state, NVRx's API, without pickle.
 
 `LocalCheckpointManager` saves each rank's part of an iteration as one safetensors-layout file
-and loads the newest iteration every rank has. Parts are written by `format`, laid out by
-`layout`, kept by a `store.PartStore`; `replication` holds NVRx's clique arithmetic.
+and loads the newest iteration every rank has. Parts are written by `part_write`, read by
+`format`, laid out by `layout`, kept by a `store.PartStore`; `replication` holds NVRx's clique
+arithmetic.
 `GlobalCheckpointManager` saves to shared storage through DCP; `restore` takes the newest good
 copy across tiers.
 
@@ -36,8 +37,9 @@ from ftrun.checkpointing.errors import (
     CheckpointUsageError,
     CheckpointWriteError,
 )
-from ftrun.checkpointing.format import PartInfo, read_part, write_part
+from ftrun.checkpointing.format import PartInfo, read_part
 from ftrun.checkpointing.manager import CkptID, LocalCheckpointManager
+from ftrun.checkpointing.part_write import write_part
 from ftrun.checkpointing.replication import (
     CliqueReplicationStrategy,
     LazyCliqueReplicationStrategy,

@@ -1,6 +1,6 @@
 """`LocalCheckpointManager`: NVRx's local-checkpoint API over plain files on this node.
 
-Each rank writes its own part of each iteration (see `store` for where, `format` for how).
+Each rank writes its own part of each iteration (see `store` for where, `part_write` for how).
 Under plain torchrun the parts are files under `root_local_ckpt_dir`; under ft_launcher they
 go to the node agent's memory (`tier_files`, `keeper.node_tier`), which keeps them across
 worker restarts and replicates them to peers, behind the same `PartStore`; with

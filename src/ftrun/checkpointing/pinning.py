@@ -10,7 +10,7 @@ are not registered: pinning every page of a new mapping, to unpin it at once, bu
 nor are mappings of files on disk (cudaHostRegister of a shared mapping of an ext4 file failed,
 error 1, where tmpfs worked, on Linux 6.18: writable long-term pins of disk files are refused).
 
-`Mapping` is the mmap `format` writes parts through: it unregisters itself before it is closed
+`Mapping` is the mmap `part_write` writes parts through: it unregisters itself before it is closed
 or freed (the driver keeps registered pages pinned, and their range registered, past an munmap).
 Nothing here calls CUDA unless a part holds CUDA tensors, so CPU-only torch never does.
 

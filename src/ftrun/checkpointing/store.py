@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ftrun.checkpointing.errors import CheckpointCorruptError, CheckpointWriteError
-from ftrun.checkpointing.format import PartInfo, PendingPart, prepare_part, read_info, read_part
+from ftrun.checkpointing.format import PartInfo, read_info, read_part
+from ftrun.checkpointing.part_write import PendingPart, prepare_part
 from ftrun.checkpointing.read_into import read_part_into
 from ftrun.checkpointing.recycled import RecyclePool
 
@@ -89,7 +90,7 @@ class DirectoryStore:
     With `recycle` (node memory under ft_launcher), a removed part's file is not deleted but
     kept out of sight as `.recycled-<part name>` (one per rank) and written again by the next save
     of that rank, still mapped: the save's copy then costs a memcpy, not a new file's page
-    allocation (see `format`). A part this process read is never recycled (its readers map it).
+    allocation (see `part_write`). A part this process read is never recycled (its readers map it).
     """
 
     def __init__(self, root: str | Path, recycle: bool = False) -> None:
