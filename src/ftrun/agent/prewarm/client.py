@@ -166,24 +166,7 @@ class ForkServer:
         killed and the exception propagates. Raises ForkServerError when the caller should spawn
         the worker plainly.
         """
-        mismatch = start_env_mismatch(self._env, env)
-        if mismatch:
-            raise ForkServerError(
-                f"the worker's environment differs from the fork server's in {mismatch}, read "
-                "at interpreter start: a forked worker would not see its own values"
-            )
-        if not self._settled.wait(max(0.0, self._ready_by - time.monotonic())):
-            raise ForkServerError(
-                f"the fork server is still importing {list(self.modules)} "
-                f"{self._ready_timeout:g}s after its start"
-            )
-        if not self._deepened.wait(max(0.0, self._deepen_by - time.monotonic())):
-            raise ForkServerError(
-                f"the fork server is still importing its deep modules {self._ready_timeout:g}s "
-                "after it was asked to"
-            )
-        if self._error is not None:
-            raise ForkServerError(self._error)
+        self._await_forkable(env)
         args = [sys.executable, "-u", *(["-m"] if target.module else []), target.target]
         args += target.args
         req = self._send_spawn(target, env, cwd, args, gated=announce is not None)
@@ -258,6 +241,28 @@ class ForkServer:
         self.close()
 
     # ---- sending -----------------------------------------------------------------------------
+
+    def _await_forkable(self, env: Mapping[str, str]) -> None:
+        """Wait for the imports (bounded); raise ForkServerError if a worker with `env` cannot
+        be forked (now)."""
+        mismatch = start_env_mismatch(self._env, env)
+        if mismatch:
+            raise ForkServerError(
+                f"the worker's environment differs from the fork server's in {mismatch}, read "
+                "at interpreter start: a forked worker would not see its own values"
+            )
+        if not self._settled.wait(max(0.0, self._ready_by - time.monotonic())):
+            raise ForkServerError(
+                f"the fork server is still importing {list(self.modules)} "
+                f"{self._ready_timeout:g}s after its start"
+            )
+        if not self._deepened.wait(max(0.0, self._deepen_by - time.monotonic())):
+            raise ForkServerError(
+                f"the fork server is still importing its deep modules {self._ready_timeout:g}s "
+                "after it was asked to"
+            )
+        if self._error is not None:
+            raise ForkServerError(self._error)
 
     def _send_spawn(
         self, target: PythonTarget, env: Mapping[str, str], cwd: str, args: list[str], gated: bool
