@@ -39,29 +39,29 @@ demo: $(STAMP)
 # machine. `bench`: the CPU benches of this VM's tables; `bench-more`: the rest that runs here
 # (NVRX_EXAMPLES: NVRx's examples/ folder); `bench-gpu`: on the GPU device (`. bench/device_setup.sh`).
 bench: $(STAMP)
-	$(VPY) bench/heartbeat.py
-	$(VPY) bench/compare.py --runs $(or $(BENCH_RUNS),5)
-	$(VPY) bench/spares.py --runs $(or $(BENCH_RUNS),5)
-	$(VPY) bench/checkpoint.py --runs $(or $(BENCH_RUNS),5)
-	$(VPY) bench/restore_floor.py --runs $(or $(BENCH_RUNS),5)
-	$(VPY) bench/replication.py --runs $(or $(BENCH_RUNS),3)
-	$(VPY) bench/async_global.py --runs $(or $(BENCH_RUNS),3)
-	$(VPY) bench/ettr.py --runs $(or $(BENCH_RUNS),1)
-	$(VPY) bench/straggler.py
-	$(VPY) bench/rendezvous_scale.py --repeats $(or $(BENCH_RUNS),3)
+	$(VPY) bench/monitor/heartbeat.py
+	$(VPY) bench/restart/compare.py --runs $(or $(BENCH_RUNS),5)
+	$(VPY) bench/restart/spares.py --runs $(or $(BENCH_RUNS),5)
+	$(VPY) bench/checkpoint/checkpoint.py --runs $(or $(BENCH_RUNS),5)
+	$(VPY) bench/checkpoint/restore_floor.py --runs $(or $(BENCH_RUNS),5)
+	$(VPY) bench/checkpoint/replication.py --runs $(or $(BENCH_RUNS),3)
+	$(VPY) bench/checkpoint/async_global.py --runs $(or $(BENCH_RUNS),3)
+	$(VPY) bench/checkpoint/ettr.py --runs $(or $(BENCH_RUNS),1)
+	$(VPY) bench/monitor/straggler.py
+	$(VPY) bench/rendezvous/rendezvous_scale.py --repeats $(or $(BENCH_RUNS),3)
 
 bench-more: $(STAMP)
-	$(VPY) bench/forkserver.py
-	$(VPY) bench/peer_throughput.py
-	$(VPY) bench/lightning_overhead.py
-	$(VPY) bench/nvrx_examples.py --set cpu --skip-basic --examples $(or $(NVRX_EXAMPLES),.nvrx/examples)
+	$(VPY) bench/restart/forkserver.py
+	$(VPY) bench/checkpoint/peer_throughput.py
+	$(VPY) bench/monitor/lightning_overhead.py
+	$(VPY) bench/compat/nvrx_examples.py --set cpu --skip-basic --examples $(or $(NVRX_EXAMPLES),.nvrx/examples)
 
 bench-gpu:
-	python3 bench/gpu_compare.py --runs $(or $(BENCH_RUNS),3)
-	python3 bench/checkpoint_gpu.py
-	python3 bench/straggler_gpu.py
-	python3 bench/numa_check.py
-	python3 bench/nvrx_examples.py --set cuda --examples $(or $(NVRX_EXAMPLES),.nvrx/examples)
+	python3 bench/restart/gpu_compare.py --runs $(or $(BENCH_RUNS),3)
+	python3 bench/checkpoint/checkpoint_gpu.py
+	python3 bench/monitor/straggler_gpu.py
+	python3 bench/placement/numa_check.py
+	python3 bench/compat/nvrx_examples.py --set cuda --examples $(or $(NVRX_EXAMPLES),.nvrx/examples)
 
 faults: $(STAMP)
 	$(VPY) tests/faults/run_matrix.py --repeats $(FAULT_REPEATS)

@@ -9,7 +9,7 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || return 1
 export PYTHONPATH="/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-# Several NVRx launchers on one host (bench/compare.py runs 2 per job).
+# Several NVRx launchers on one host (bench/restart/compare.py runs 2 per job).
 export NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE=1
 # One GPU, no NVLink peers: keep NCCL from probing for multicast (see the device's KINDS.md).
 export NCCL_NVLS_ENABLE=0

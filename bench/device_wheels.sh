@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Download into .whl/ the wheels the GPU device needs for bench/gpu_compare.py.
+# Download into .whl/ the wheels the GPU device needs for bench/restart/gpu_compare.py.
 #
 # The device (x86-64, Python 3.12, torch and numpy installed system-wide) has no network: every
 # wheel travels in the working tree. Run from the repository root; .whl/ is kept out of git

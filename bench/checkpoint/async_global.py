@@ -2,7 +2,7 @@
 beside DCP's own `async_save`, a sync `torch.save`, and the staging copy they all start with.
 
 One rank (a gloo group of one on 127.0.0.1, so DCP runs its distributed path), a state shaped
-like bench/checkpoint.py's `build_state` (`--size-mib`, default 1024), on CPU. Every
+like checkpoint.py's, `common.state.build_state` (`--size-mib`, default 1024), on CPU. Every
 measurement runs once on a 4 MiB state first, untimed (imports, threads, and the check that the
 saved state loads back equal); ftrun's first 1 GiB save (its staging buffers allocated) is
 reported on its own row. Then `--runs` runs, each of every row in this order; ratios are to the
@@ -27,14 +27,21 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from checkpoint import (
+from torch.distributed.checkpoint import async_save
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
+
+from common import OUT
+from common.jobs import free_port
+from common.report import load_average, machine_line, progress, table
+from common.state import (
     MIB,
     Scratch,
     build_state,
@@ -47,8 +54,6 @@ from checkpoint import (
     timed,
     torch_save_fsync,
 )
-from common import BENCH, load_average, machine_line, progress, table
-from torch.distributed.checkpoint import async_save
 
 from ftrun.checkpointing import GlobalCheckpointManager, restore
 
@@ -63,9 +68,7 @@ ROWS = {
 
 
 def init_one_rank() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
 
@@ -159,7 +162,7 @@ def main() -> None:
     nbytes = args.size_mib * MIB
     print(report(runs, first_stall, nbytes))
     print(machine_line(load_before))
-    out = BENCH / "out" / f"async_global-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = OUT / f"async_global-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"size_mib": args.size_mib, "first_stall": first_stall,
                                "runs": runs}, indent=1))  # fmt: skip

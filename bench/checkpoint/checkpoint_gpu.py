@@ -46,7 +46,7 @@ the end, on errors and SIGTERM too; after each ftrun run it checks that no mappi
 page-locked and /dev/shm is back to its usage before. Raw per-run seconds go to `--json`
 (default bench/out/checkpoint-gpu-*.json).
 
-    python bench/checkpoint_gpu.py [--gib 8] [--runs 3] [--markdown] [--nvrx-path DIR]
+    python bench/checkpoint/checkpoint_gpu.py [--gib 8] [--runs 3] [--markdown] [--nvrx-path DIR]
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ import gc
 import json
 import os
 import shutil
-import signal
 import statistics
 import sys
 import time
@@ -67,7 +66,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from checkpoint import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
+
+from common import OUT, exit_on_sigterm
+from common.report import load_average, machine_line, progress, table
+from common.state import (
+    MIB,
     Scratch,
     default_disk_dir,
     filesystem_type,
@@ -75,14 +80,12 @@ from checkpoint import (
     tensors_of,
     vector_names,
 )
-from common import BENCH, load_average, machine_line, progress, table
 
 from ftrun.checkpointing import LocalCheckpointManager, pinning
 from ftrun.checkpointing.format import read_part
 from ftrun.checkpointing.tier_files import ENV_CKPT_DIR
 
 GIB = 2**30
-MIB = 2**20
 GB = 1e9
 SHM = Path("/dev/shm")
 WARMUP_BYTES = 64 * MIB
@@ -379,10 +382,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def _terminate(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds through the clean-up
-
-
 def sizes(args: argparse.Namespace) -> tuple[int, bool, list[str]]:
     """The state's size (cut to fit /dev/shm), whether DCP fits on the disk, and notes."""
     notes = []
@@ -417,7 +416,7 @@ def report(runs: list[dict[str, float]], nbytes: int, count: int, labels: dict[s
 
 def main() -> None:
     args = parse_args()
-    signal.signal(signal.SIGTERM, _terminate)
+    exit_on_sigterm()
     if not torch.cuda.is_available():
         sys.exit("checkpoint_gpu: needs a CUDA GPU")
     load = load_average()
@@ -461,7 +460,7 @@ def main() -> None:
         f"{machine_line(load)}; {torch.cuda.get_device_name(device)}; torch {torch.__version__}"
     )
     print(machine)
-    path = args.json or BENCH / "out" / f"checkpoint-gpu-{started}.json"
+    path = args.json or OUT / f"checkpoint-gpu-{started}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     raw = {"args": {k: str(v) for k, v in vars(args).items()}, "nbytes": nbytes}
     raw.update(machine=machine, notes=notes, nvrx=nvrx_label, runs=runs)

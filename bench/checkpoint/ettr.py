@@ -1,9 +1,9 @@
 """Effective training time under failures: three ways to checkpoint, each at its best interval.
 
-A plain training (`bench/ettr_worker.py`: 2 launchers x 2 gloo ranks, `--state-mib` of state per
-rank, one all_reduce and `--step-sleep` s per step) runs for `--duration` seconds while the bench
-SIGKILLs one worker every `--mtbf` seconds (ranks in turn; a kill waits until that rank has
-stepped since the last one, so every failure hits a training job). Three settings:
+A plain training (`bench/workers/ettr_worker.py`: 2 launchers x 2 gloo ranks, `--state-mib` of
+state per rank, one all_reduce and `--step-sleep` s per step) runs for `--duration` seconds while
+the bench SIGKILLs one worker every `--mtbf` seconds (ranks in turn; a kill waits until that rank
+has stepped since the last one, so every failure hits a training job). Three settings:
 
 - torchrun + torch.save: a global checkpoint (every rank's shard, fsync, a barrier, `latest`);
 - NVRx + sync local saves: NVRx's ft_launcher, each rank's shard torch.saved to a node-local
@@ -18,13 +18,12 @@ MTBF) minimises stall time plus expected work redone. ETTR = progress x step tim
 where progress is the newest step rank 0 finished by the end and the step time is the median of
 the steps without a save (measured in the same run). Start-up counts as lost, as in a real job.
 
-    .venv/bin/python bench/ettr.py [--duration 120] [--mtbf 30] [--runs 1] [--markdown]
+    .venv/bin/python bench/checkpoint/ettr.py [--duration 120] [--mtbf 30] [--runs 1] [--markdown]
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import dataclasses
 import itertools
@@ -39,26 +38,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from common import (
-    FT,
-    NVRX,
-    TORCHRUN_NO_SHARE,
-    WORLD,
-    Job,
-    Launcher,
-    Stats,
-    become_subreaper,
-    job,
-    load_average,
-    machine_line,
-    progress,
-    table,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
 
-WORKER = Path(__file__).resolve().parent / "ettr_worker.py"
+from common import WORKERS
+from common.jobs import FT, NVRX, TORCHRUN_NO_SHARE, WORLD, Job, Launcher, job, take_charge
+from common.logs import Line, read_lines, steady_stalls
+from common.report import Stats, load_average, machine_line, progress, table
+
+WORKER = WORKERS / "ettr_worker.py"
 CALIBRATION_SAVE_EVERY = 10
 MIN_CALIBRATION_SAVES = 4
-WARM_SAVES = 3
 KILL_WAIT_S = 60.0
 GLOBAL_EVERY = 10  # local saves per global one: the durable copy, for what node memory loses
 
@@ -83,32 +72,6 @@ SETTINGS = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class Line:
-    ts: float
-    pid: int
-    kind: str  # step | save | restore
-    step: int
-    seconds: float = 0.0
-
-
-def read_lines(out: Path, rank: int) -> list[Line]:
-    path = out / f"rank{rank}.log"
-    if not path.exists():
-        return []
-    lines = []
-    for text in path.read_text(errors="replace").split("\n")[:-1]:
-        fields = text.split()
-        values = dict(f.split("=", 1) for f in fields[1:] if "=" in f)
-        for kind, extra in (("step", None), ("save", "stall"), ("restore", "took")):
-            if kind in values:
-                seconds = float(values[extra]) if extra else 0.0
-                lines.append(
-                    Line(float(fields[0]), int(values["pid"]), kind, int(values[kind]), seconds)
-                )
-    return lines
-
-
 def step_time(lines: Sequence[Line]) -> float | None:
     """Median gap between consecutive steps of one process with no save or restore between."""
     gaps = [
@@ -117,19 +80,6 @@ def step_time(lines: Sequence[Line]) -> float | None:
         if a.kind == b.kind == "step" and a.pid == b.pid and b.step == a.step + 1
     ]
     return statistics.median(gaps) if gaps else None
-
-
-def steady_stalls(lines: Sequence[Line]) -> list[float]:
-    """Save stalls, less each process's first `WARM_SAVES` (a new process pays for new memory
-    until its saves reuse retired ones, which the measured runs count where it happens)."""
-    seen: collections.Counter[int] = collections.Counter()
-    stalls = []
-    for line in lines:
-        if line.kind == "save":
-            if seen[line.pid] >= WARM_SAVES:
-                stalls.append(line.seconds)
-            seen[line.pid] += 1
-    return stalls
 
 
 def worker_args(args: argparse.Namespace, setting: Setting, ckpt: Path, every: int) -> list[str]:
@@ -261,7 +211,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    become_subreaper()
+    take_charge()
     load_before = load_average()
     settings = [s for s in SETTINGS if not args.only or s.save in args.only]
     settings = [s for s in settings if s.launcher.available or progress(f"skip {s.name}")]

@@ -4,7 +4,7 @@ The server runs in its own process (two agents are two processes); both ends hol
 pre-faulted anonymous shared memory (mmap), as the node-memory checkpoint tier will. Prints the
 best and median of `--repeats` transfers in MB/s (10^6 bytes per second).
 
-    python bench/peer_throughput.py [--gib 1] [--repeats 5]
+    python bench/checkpoint/peer_throughput.py [--gib 1] [--repeats 5]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Local checkpoints through the launcher: stall, time until replicated, restore after a crash.
 
-2 ft_launchers x 2 ranks of `bench/ettr_worker.py --save ftrun --replicate`: every rank saves
-its `--state-mib` state into node memory every `--save-every` steps with
+2 ft_launchers x 2 ranks of `bench/workers/ettr_worker.py --save ftrun --replicate`: every rank
+saves its `--state-mib` state into node memory every `--save-every` steps with
 `LocalCheckpointManager.save(is_async=True)`, and its node's agent copies the part to the agent
 of the next node (a clique of 2). Per run, with the floor measured in the same run (each rank
 times one copy of its state into preallocated tensors before training):
@@ -12,7 +12,7 @@ times one copy of its state into preallocated tensors before training):
 - restore after a crash: a worker is SIGKILLed; every rank of the restarted job times
   find_latest + load + the copy into its state (the `restore` line).
 
-    .venv/bin/python bench/replication.py [--sizes-mib 256 512] [--runs 3] [--markdown]
+    .venv/bin/python bench/checkpoint/replication.py [--sizes-mib 256 512] [--runs 3] [--markdown]
 """
 
 from __future__ import annotations
@@ -27,23 +27,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import (
-    FT,
-    WORLD,
-    Job,
-    Stats,
-    become_subreaper,
-    job,
-    load_average,
-    machine_line,
-    progress,
-    table,
-)
-from ettr import read_lines, steady_stalls
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
+
+from common import WORKERS
+from common.jobs import FT, WORLD, Job, job, take_charge
+from common.logs import read_lines, steady_stalls
+from common.report import Stats, load_average, machine_line, progress, table
 
 from ftrun.tools.events import load_events
 
-WORKER = Path(__file__).resolve().parent / "ettr_worker.py"
+WORKER = WORKERS / "ettr_worker.py"
 SAVES = 8
 WAIT_S = 180.0
 
@@ -131,7 +124,7 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=40, help="steps (0.05 s each)")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
-    become_subreaper()
+    take_charge()
     load_before = load_average()
     rows = []
     for mib in args.sizes_mib:

@@ -1,10 +1,10 @@
 """The floor under a verified restore from node memory: what reading a part's bytes out of
 /dev/shm into a model's tensors and checking them costs this machine, before any ftrun code.
 
-bench/checkpoint.py's restore target is <= 1.5x a memcpy into the model. This bench takes the
-format away (one flat tensor of `--sizes-mib`, random bytes, in a /dev/shm file) and measures
-the ways to get those bytes into a preallocated, touched tensor, each beside the memcpy of the
-same bytes in the same run (`dst.copy_(src)`, torch's intra-op threads):
+bench/checkpoint/checkpoint.py's restore target is <= 1.5x a memcpy into the model. This bench
+takes the format away (one flat tensor of `--sizes-mib`, random bytes, in a /dev/shm file) and
+measures the ways to get those bytes into a preallocated, touched tensor, each beside the memcpy
+of the same bytes in the same run (`dst.copy_(src)`, torch's intra-op threads):
 
 - preadv: the file read with `os.preadv` into the tensor in `--chunk-kib` chunks, split in two
   halves over 2 threads (the kernel copies; tmpfs looks every page up);
@@ -16,7 +16,8 @@ same bytes in the same run (`dst.copy_(src)`, torch's intra-op threads):
 
 Ratios are run by run to that run's memcpy; medians of `--runs`. Seconds are wall time.
 
-    python bench/restore_floor.py [--sizes-mib 1024 4096] [--runs 5] [--chunk-kib 1024]
+    python bench/checkpoint/restore_floor.py [--sizes-mib 1024 4096] [--runs 5]
+        [--chunk-kib 1024]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """NVRx 0.7's own examples under ftrun with only their import lines changed (issue 25's acceptance).
 
-    bench/nvrx_examples.py --examples <NVRx checkout>/examples --set cpu [--json out.json]
+    bench/compat/nvrx_examples.py --examples <NVRx checkout>/examples --set cpu [--json out.json]
 
 The examples are NVRx's, not ours: pass the `examples/` folder of a checkout of
 NVIDIA/nvidia-resiliency-ext (nothing of it is kept in this repository; `.nvrx/` is git-ignored
@@ -33,13 +33,16 @@ import json
 import os
 import re
 import shutil
-import socket
 import struct
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
+
+from common.jobs import free_port
 
 IMPORTS = (
     (r"^import nvidia_resiliency_ext\.fault_tolerance as", "import ftrun.client_lib as"),
@@ -92,12 +95,6 @@ def prepare(examples: Path, work: Path) -> Path:
     original = (examples / "checkpointing" / "local_ckpt.py").read_text()
     (local.parent / "local_ckpt_cpu.py").write_text(rewrite(original, DEVICE_LINES))
     return root
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launchers(nodes: int, nproc: int, argv: list[str]) -> list[list[str]]:

@@ -14,7 +14,7 @@ ftrun). Prints per variant the median and mean step time over all runs and the o
 the time rank 0 spent inside the ftrun callbacks' per-step hooks (`on_train_batch_start/end`,
 local saves included), measured in the worker by wrapping them: what they add to the training
 path, whatever else loads the machine (one-off work at the start and end is not counted).
-Usage: .venv/bin/python bench/lightning_overhead.py [--runs 3] [--steps 400] [--width 512]
+Usage: .venv/bin/python bench/monitor/lightning_overhead.py [--runs 3] [--steps 400] [--width 512]
 [--nproc 2]
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve()
-ROOT = HERE.parent.parent
+ROOT = HERE.parents[2]
 EXAMPLE = ROOT / "examples" / "lightning_train.py"
 RUN_TIMEOUT_S = 300
 PREWARM = "torch,torch.distributed,pytorch_lightning"

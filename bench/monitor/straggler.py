@@ -10,7 +10,7 @@
    report text, report JSON). NVRx computes its scores on every rank inside the training step
    with collectives: there is no agent-side step to set beside it.
 
-Usage: .venv/bin/python bench/straggler.py [--markdown]
+Usage: .venv/bin/python bench/monitor/straggler.py [--markdown]
 """
 
 from __future__ import annotations
@@ -21,11 +21,15 @@ import os
 import random
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import NVRX_BIN, table
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
+
+from common.jobs import NVRX_BIN
+from common.report import table
 
 REPEATS = 7
 ENTRIES = 200_000

@@ -1,7 +1,7 @@
 """The straggler detector's CUDA path on one GPU: CPU cost per section, with and without
 torch.profiler running, next to the raw cost of the CUDA calls it makes.
 
-Usage (a CUDA machine): python bench/straggler_gpu.py
+Usage (a CUDA machine): python bench/monitor/straggler_gpu.py
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ spawned or forked in the first cycle, forked in the restart. Each worker records
 affinity of the worker's GPU, read here through pynvml, and prints one line per worker and cycle.
 Exit 1 if any worker is bound elsewhere. core-complex must be refused in one line (exit 2).
 
-    python bench/numa_check.py            # on the device, after `. bench/device_setup.sh`
+    python bench/placement/numa_check.py  # on the device, after `. bench/device_setup.sh`
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-FT = BENCH.parent / ".venv" / "bin" / "ft_launcher"
+ROOT = Path(__file__).resolve().parents[2]
+FT = ROOT / ".venv" / "bin" / "ft_launcher"
 
 
 def worker(out: Path) -> None:

@@ -1,6 +1,6 @@
 """Rendezvous at scale: N simulated agents against one real TCPStore, barrier vs dynamic.
 
-    .venv/bin/python bench/rendezvous_scale.py --nodes 64,256,1024 --impl barrier,dynamic
+    .venv/bin/python bench/rendezvous/rendezvous_scale.py --nodes 64,256,1024 --impl barrier,dynamic
 
 The store is a real libuv TCPStore served by this process on 127.0.0.1. Every agent is a thread
 with its own TCPStore client connection, its own NodeDescriptor and its own rendezvous object

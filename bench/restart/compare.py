@@ -1,8 +1,8 @@
 """Side by side, as a user would run them: ft_launcher, torchrun and NVRx's ft_launcher.
 
-Every launcher runs the same plain training script, `bench/user_worker.py`: a tiny DDP model on
-gloo (`--model allreduce`: an all_reduce of a small tensor instead), a 0.05 s sleep per step, a
-checkpoint every 100 steps, RankMonitorClient sections and heartbeats under the two
+Every launcher runs the same plain training script, `bench/workers/user_worker.py`: a tiny DDP
+model on gloo (`--model allreduce`: an all_reduce of a small tensor instead), a 0.05 s sleep per
+step, a checkpoint every 100 steps, RankMonitorClient sections and heartbeats under the two
 fault-tolerant launchers, no client under torchrun; errors propagate and the interpreter tears
 down normally (none of the example's `os._exit` habit). 2 local launchers x 2 workers,
 `--rdzv-backend=c10d --max-restarts=3`, a fresh port and directory per job; ft_launcher and NVRx
@@ -21,8 +21,8 @@ hang, `--ft-rank-heartbeat-timeout=2`. Scenarios, each a fresh job:
 
 Launchers: ft (ft_launcher, defaults), torchrun-noshare (torchrun with
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which torch 2.13's torchrun needs to restart gloo workers
-at all: see common.TORCHRUN_NO_SHARE), torchrun (as it comes; recorded as "did not recover" when
-it does not), nvrx (NVRx's ft_launcher from bench/.nvrx-venv, see RESULTS.md). Runs are
+at all: see common.jobs.TORCHRUN_NO_SHARE), torchrun (as it comes; recorded as "did not recover"
+when it does not), nvrx (NVRx's ft_launcher from bench/.nvrx-venv, see RESULTS.md). Runs are
 interleaved: run 1 of every scenario and launcher, then run 2, ... Ratios are pair by pair (ft
 run i over the peer's run i, median of the ratios). The floor, `python -c "import torch"`, is
 timed once per run in the same session. Raw results go to bench/out/compare-<time>.json.
@@ -36,38 +36,36 @@ import dataclasses
 import json
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import psutil
-from common import (
-    BENCH,
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
+
+from common import OUT
+from common.jobs import (
     FT,
     NVRX,
     NVRX_BIN,
+    SECTION_ARGS,
     TORCHRUN,
     TORCHRUN_NO_SHARE,
     USER_WORKER,
-    VENV_BIN,
     WORLD,
     Job,
     Launcher,
-    become_subreaper,
+    import_torch_s,
     job,
-    load_average,
-    machine_line,
-    progress,
-    read_steps,
-    table,
-    user_all_stepping,
-    user_fault,
-    user_pids,
+    take_charge,
 )
+from common.logs import read_steps, user_all_stepping, user_fault, user_pids
+from common.report import load_average, machine_line, pair_ratios, progress, ratio_cell, table
 
 SCENARIOS = ("startup", "early", "late", "hang")
-SECTION_ARGS = ("--ft-rank-section-timeouts=step:60",)
 STARTUP_WAIT_S = 180.0
 STEP_S = 0.05  # user_worker.py's default --step-sleep
 SAMPLE_EVERY_S = 2.0
@@ -221,18 +219,15 @@ def await_recovery(run_: Job, args: argparse.Namespace, outcome: Outcome) -> Non
 
 
 def describe(run_: Job, since: float | None = None, old: frozenset[int] = frozenset()) -> str:
-    """What the launchers did, for a run that did not reach its goal."""
-    codes = ", ".join("running" if c is None else f"exit {c}" for c in run_.exit_codes())
-    text = f"launchers: {codes}"
-    if since is not None:
-        new = [
-            len({r.pid for r in read_steps(run_.out, rank) if r.ts > since} - old)
-            for rank in range(WORLD)
-        ]
-        text += f"; new processes that logged a step after the fault, per rank: {new}"
-    for node in range(len(run_.procs)):
-        text += f"\n--- launcher{node}, last error lines:\n{run_.error_lines(node)}"
-    return text
+    """What the launchers did, and after a fault the workers started since, for a run that did
+    not reach its goal."""
+    if since is None:
+        return run_.describe()
+    new = [
+        len({r.pid for r in read_steps(run_.out, rank) if r.ts > since} - old)
+        for rank in range(WORLD)
+    ]
+    return run_.describe(f"new processes that logged a step after the fault, per rank: {new}")
 
 
 def ft_events(run_: Job) -> list[dict[str, Any]]:
@@ -326,16 +321,6 @@ def sample_footprint(run_: Job, until: float) -> dict[str, float] | None:
         "samples": len(ready_mb),
         "window_s": elapsed,
     }
-
-
-# ---- the floor ---------------------------------------------------------------------------------
-
-
-def import_torch_s() -> float:
-    """Wall time of a fresh `python -c "import torch"`: what any cold restart pays at least."""
-    start = time.perf_counter()
-    subprocess.run([str(VENV_BIN / "python"), "-c", "import torch"], check=True)
-    return time.perf_counter() - start
 
 
 # ---- the plan -----------------------------------------------------------------------------------
@@ -434,16 +419,6 @@ def series(outcomes: Sequence[Outcome], key: str, metric: Metric) -> dict[int, f
     }
 
 
-def pair_ratios(ours: dict[int, float | None], peer: dict[int, float | None]) -> list[float]:
-    """ft run i / peer run i, for the runs where both have a figure."""
-    ratios = []
-    for run, value in sorted(ours.items()):
-        other = peer.get(run)
-        if value is not None and other:
-            ratios.append(value / other)
-    return ratios
-
-
 def cell(values: dict[int, float | None], fmt: str, timeout: float | None) -> str:
     clean = [v for v in values.values() if v is not None]
     if not values:
@@ -456,13 +431,6 @@ def cell(values: dict[int, float | None], fmt: str, timeout: float | None) -> st
     if len(clean) < len(values):
         text += f", {len(clean)}/{len(values)} recovered"
     return text
-
-
-def ratio_cell(ratios: list[float]) -> str:
-    if not ratios:
-        return "-"
-    text = f"{statistics.median(ratios):.2f}"
-    return text + (f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else "")
 
 
 def target_cell(metric: Metric, data: dict[str, dict[int, float | None]]) -> str:
@@ -624,7 +592,7 @@ def main() -> None:
         else:
             progress(f"NVRx not installed ({NVRX.argv[0]} missing): left out (see RESULTS.md)")
             args.launchers.remove("nvrx")
-    become_subreaper()
+    take_charge()
     load = load_average()
     started = time.strftime("%Y%m%d-%H%M%S")
     outcomes, floor = measure(args)
@@ -643,7 +611,7 @@ def main() -> None:
     notes = failures(outcomes)
     if notes:
         print("\nRuns that did not reach their goal:\n" + notes)
-    path = args.json or BENCH / "out" / f"compare-{started}.json"
+    path = args.json or OUT / f"compare-{started}.json"
     meta = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine_line(load)}
     write_json(path, outcomes, floor, meta)
     progress(f"raw results: {path}")

@@ -9,7 +9,7 @@ interleaved run by run:
   last worker's first line (the server imports once, not once per rank);
 - PSS (psutil memory_full_info().pss) of N live plain workers vs server + N forked workers.
 
-Run: .venv/bin/python bench/forkserver.py [--runs 5] [--workers 2] [--modules torch,...]
+Run: .venv/bin/python bench/restart/forkserver.py [--runs 5] [--workers 2] [--modules torch,...]
 """
 
 from __future__ import annotations

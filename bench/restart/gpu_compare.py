@@ -1,7 +1,7 @@
 """One GPU, one plain training script, three launchers: ft_launcher, torchrun and NVRx 0.7.0.
 
-Every job runs `bench/gpu_user_worker.py` (151M transformer, AdamW, DDP over NCCL, `torch.save`
-every `--ckpt-every` steps, no client of any launcher) under one launcher with
+Every job runs `bench/workers/gpu_user_worker.py` (151M transformer, AdamW, DDP over NCCL,
+`torch.save` every `--ckpt-every` steps, no client of any launcher) under one launcher with
 `--standalone --nproc-per-node=1 --max-restarts=3` (a fresh store port per job, chosen by the
 launcher) in a fresh directory. The worker crashes once at `--early` (5) and once at `--late`
 (35), and trains on to `--steps` (late + 10) from the checkpoint. A job counts when its launcher
@@ -12,7 +12,7 @@ and the launcher that goes first rotates from run to run.
 Contenders: `ftrun` (`python -m ftrun.ft_launcher.cli`, which works from PYTHONPATH=src without
 console scripts), `torchrun` (`python -m torch.distributed.run`), `nvrx` (NVRx's launcher
 `main`, with NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE=1; left out when it does not import). ftrun and
-NVRx get `--ft-rank-section-timeouts=step:60`, as in bench/compare.py. Settings: `omp-unset`
+NVRx get `--ft-rank-section-timeouts=step:60`, as in compare.py. Settings: `omp-unset`
 (OMP_NUM_THREADS removed) and `omp1` (OMP_NUM_THREADS=1). Variants: `plain` and `compile`
 (worker `--compile`); the compile variant adds `ftrun-nocache`: ftrun with
 TORCHINDUCTOR_FORCE_DISABLE_CACHES=1, a restart of a compiled model without warm caches.
@@ -51,21 +51,14 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
-from common import (
-    BENCH,
-    TAG_ENV,
-    Job,
-    Launcher,
-    Stats,
-    become_subreaper,
-    kill_everything,
-    parse_step_line,
-    progress,
-    table,
-)
-from compare import SECTION_ARGS, pair_ratios, ratio_cell
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
 
-WORKER = BENCH / "gpu_user_worker.py"
+from common import OUT, WORKERS
+from common.jobs import SECTION_ARGS, TAG_ENV, Job, Launcher, kill_everything, take_charge
+from common.logs import parse_step_line
+from common.report import Stats, pair_ratios, progress, ratio_cell, table
+
+WORKER = WORKERS / "gpu_user_worker.py"
 PY = sys.executable
 NVRX_MAIN = "from nvidia_resiliency_ext.fault_tolerance.launcher import main; main()"
 RDZV_ARGS = ("--standalone", "--nproc-per-node=1", "--max-restarts=3")
@@ -152,7 +145,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--late", type=int, default=35, help="step of the late crash")
     parser.add_argument("--steps", type=int, help="steps in all (default: late + 10)")
     parser.add_argument("--job-timeout", type=float, default=240.0, help="s per job")
-    parser.add_argument("--out-dir", type=Path, default=BENCH / "out", help="raw results")
+    parser.add_argument("--out-dir", type=Path, default=OUT, help="raw results")
     parser.add_argument("--json", type=Path, help="default: OUT_DIR/gpu-compare-<time>.json")
     parser.add_argument("--from-json", type=Path, nargs="+", help="tabulate these; run nothing")
     parser.add_argument("--markdown", action="store_true", help="markdown tables")
@@ -522,7 +515,7 @@ def main() -> None:
         if "nvrx" in keys and not nvrx_importable():
             progress("NVRx left out: `import nvidia_resiliency_ext` fails here")
             keys.remove("nvrx")
-        become_subreaper()
+        take_charge()
         machine = machine_line(args.device)
         progress(f"machine: {machine}")
         started = time.strftime("%Y%m%d-%H%M%S")

@@ -1,8 +1,8 @@
 """A node lost while a standby node waits: how long until training is back, side by side.
 
 As a user would try hot spares: 3 launchers with `--nnodes=2` (2 workers each, the plain
-`bench/user_worker.py`, DDP on gloo, `--max-restarts=3`), so one launcher is left over. After
-`--train-s` (20) s of training, the launcher of an active node that does not serve the
+`bench/workers/user_worker.py`, DDP on gloo, `--max-restarts=3`), so one launcher is left over.
+After `--train-s` (20) s of training, the launcher of an active node that does not serve the
 rendezvous store is SIGKILLed with its process group (its workers die with it, as when a
 machine dies). Measured: the kill -> every rank has finished a step in a new process (in the
 round that took the standby node in). Launchers: ft_launcher (standby nodes are hot spares),
@@ -18,27 +18,29 @@ import contextlib
 import os
 import signal
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import psutil
-from common import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
+
+from common.jobs import (
     FT,
     NNODES,
     NVRX,
+    SECTION_ARGS,
     TORCHRUN_NO_SHARE,
     USER_WORKER,
     Job,
     Launcher,
-    become_subreaper,
+    import_torch_s,
     job,
-    load_average,
-    machine_line,
-    progress,
-    table,
-    user_all_stepping,
-    user_pids,
+    take_charge,
 )
-from compare import SECTION_ARGS, import_torch_s
+from common.logs import user_all_stepping, user_pids
+from common.report import load_average, machine_line, progress, table
 
 LAUNCHERS = {"ft": FT, "torchrun-noshare": TORCHRUN_NO_SHARE, "nvrx": NVRX}
 STARTUP_WAIT_S = 180.0
@@ -103,7 +105,7 @@ def one_run(launcher: Launcher, train_s: float) -> tuple[float | None, str]:
 
 def main() -> None:
     args = parse_args()
-    become_subreaper()
+    take_charge()
     load_before = load_average()
     launchers = {k: LAUNCHERS[k] for k in args.launchers if LAUNCHERS[k].available}
     results: dict[str, list[float | None]] = {k: [] for k in launchers}

@@ -7,8 +7,8 @@ steps into `--ckpt-dir`, resumed with `torch.load` when the file is there; `--co
 model in `torch.compile`. Errors propagate: no signal handlers, no `os._exit`. Run it under any
 launcher:
 
-    torchrun --standalone --nproc-per-node=1 bench/gpu_user_worker.py --ckpt-dir /tmp/ckpt
-    ft_launcher --standalone --nproc-per-node=1 bench/gpu_user_worker.py --ckpt-dir /tmp/ckpt
+    torchrun --standalone --nproc-per-node=1 bench/workers/gpu_user_worker.py --ckpt-dir /tmp/c
+    ft_launcher --standalone --nproc-per-node=1 bench/workers/gpu_user_worker.py --ckpt-dir /tmp/c
 
 With `FTRUN_BENCH_CLIENT=ftrun` (or `nvrx`) in the environment it reports to the launcher's rank
 monitor through ftrun's (or NVRx's) `RankMonitorClient`: a `step` section around each step and a

@@ -7,8 +7,8 @@ rest of the step, a checkpoint every `--ckpt-every` steps that the next run resu
 propagate: no signal handlers, no `os._exit`, the interpreter's normal teardown. Run it under
 any launcher:
 
-    ft_launcher --nproc-per-node=2 bench/user_worker.py --client ftrun --out /tmp/run
-    torchrun --nproc-per-node=2 bench/user_worker.py --client none --out /tmp/run
+    ft_launcher --nproc-per-node=2 bench/workers/user_worker.py --client ftrun --out /tmp/run
+    torchrun --nproc-per-node=2 bench/workers/user_worker.py --client none --out /tmp/run
 
 One line per step goes to `<out>/rank<RANK>.log` (the only habit the benchmark needs):
 

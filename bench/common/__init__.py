@@ -1,0 +1,30 @@
+"""What the benches share; a bench finds it by putting bench/ on `sys.path` (its first lines).
+
+- `jobs`: the launchers, one job of them (started, waited on, killed and checked gone), built on
+  the tests' process harness (tests/support.py, tests/launch.py);
+- `logs`: the workers' log lines (bench/workers/user_worker.py, ettr_worker.py);
+- `report`: statistics, ratios, tables, the machine line, progress;
+- `state`: the checkpoint benches' model + optimizer state, their scratch directories and disks.
+
+Here: the paths, and SIGTERM turned into an exit that runs the clean-up.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent
+ROOT = BENCH.parent
+WORKERS = BENCH / "workers"
+OUT = BENCH / "out"  # raw results (git-ignored)
+
+
+def _terminate(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the clean-up
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM exits as Ctrl-C would, through every `finally` and `with` on the way out: the
+    bench's jobs, directories and servers are cleaned up, not left running."""
+    signal.signal(signal.SIGTERM, _terminate)
