@@ -21,7 +21,7 @@ become_subreaper()
 # c10d reverse-resolves the address of every socket it connects or accepts; where the resolver
 # drops queries (this VM), each drop stalls that connect by glibc's default 5 s. Set before any
 # lookup in this process, and inherited by the launchers and workers the tests start (as
-# bench/rendezvous_scale.py does for itself).
+# bench/rendezvous/rendezvous_scale.py does for itself).
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 

@@ -1,10 +1,10 @@
 """The barrier round at scale, counted: O(1) store writes per node, and one Round for all.
 
 Agents are threads, each with its own TCPStore client connection to one real TCPStore on
-127.0.0.1 and its own BarrierRendezvousHandler (as in bench/rendezvous_scale.py, which times the
-same round at 1024 nodes; here only counts and outcomes are asserted, never times). Each client
-is wrapped in a `CountingStore` that records every operation the handler makes with its key.
-"""
+127.0.0.1 and its own BarrierRendezvousHandler (as in bench/rendezvous/rendezvous_scale.py,
+which times the same round at 1024 nodes; here only counts and outcomes are asserted, never
+times). Each client is wrapped in a `CountingStore` that records every operation the handler
+makes with its key."""
 
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
 """Page-locking a part's mapping, so that CUDA tensors are copied into it at the bus's speed.
 
-A device-to-host copy into pageable memory goes through the driver's own small pinned buffer
-(a DMA, then a host memcpy, chunk by chunk): 10 GB/s against 55 GB/s into pinned memory, for an
-8 GiB state on an H100 (bench/checkpoint_gpu.py). A mapping in node memory (/dev/shm) that the
-store keeps for later saves (`keep_mapping`, a recycled file's) is page-locked once with
-`cudaHostRegister`; its copies are then `non_blocking` DMAs straight into the file's pages, one
-synchronize per device before `prepare_part` returns. One-shot mappings (closed at `commit`)
-are not registered: pinning every page of a new mapping, to unpin it at once, buys nothing;
-nor are mappings of files on disk (cudaHostRegister of a shared mapping of an ext4 file failed,
+A device-to-host copy into pageable memory goes through the driver's own small pinned buffer (a
+DMA, then a host memcpy, chunk by chunk): 10 GB/s against 55 GB/s into pinned memory, for an 8
+GiB state on an H100 (bench/checkpoint/checkpoint_gpu.py). A mapping in node memory (/dev/shm)
+that the store keeps for later saves (`keep_mapping`, a recycled file's) is page-locked once
+with `cudaHostRegister`; its copies are then `non_blocking` DMAs straight into the file's pages,
+one synchronize per device before `prepare_part` returns. One-shot mappings (closed at `commit`)
+are not registered: pinning every page of a new mapping, to unpin it at once, buys nothing; nor
+are mappings of files on disk (cudaHostRegister of a shared mapping of an ext4 file failed,
 error 1, where tmpfs worked, on Linux 6.18: writable long-term pins of disk files are refused).
 
 `Mapping` is the mmap `part_write` writes parts through: it unregisters itself before it is closed

@@ -10,8 +10,8 @@ oldest unresolved section is dropped rather than waited for.
 Two ways to make the CUDA calls: `RuntimeEvents` calls the CUDA runtime that torch loaded
 directly (ctypes, on the raw current stream: about 1 us a call), `TorchEvents` goes through
 `torch.cuda.Event` (its `record()` looks the current stream up through Python objects: about
-12 us on an H100 host, measured by bench/straggler_gpu.py), used where the runtime library is
-not found in the process.
+12 us on an H100 host, measured by bench/monitor/straggler_gpu.py), used where the runtime
+library is not found in the process.
 """
 
 from __future__ import annotations
