@@ -40,7 +40,8 @@ FAILED = 1  # restart budget spent in the job: a relaunch may help
 USAGE = 2  # bad flag/config: a relaunch will not help
 DO_NOT_RELAUNCH = 3  # the launcher says a relaunch is pointless
 NO_PROGRESS = 4  # --ft-max-no-progress-cycles cycles in a row without progress: do not relaunch
-EXCLUDED = 5  # this node left at a worker's request; the others' codes tell the job's outcome
+EXCLUDED = 5  # this node left the job (a worker's request, a fault); the others' codes tell
+REPEATED_FAILURE = 6  # the same failure on --ft-max-same-failure nodes: do not relaunch
 PREEMPTED = 75  # stopped by SIGTERM/SIGINT: relaunch me
 
 HISTORY_FILE = "relaunches.jsonl"
@@ -48,8 +49,8 @@ HISTORY_FILE = "relaunches.jsonl"
 _NO_LIMIT_S = 365 * 86400
 SCONTROL_TIMEOUT_S = 30
 # Which code a run reports when launchers disagree: a refusal to relaunch first, then a failure.
-_SEVERITY = (DO_NOT_RELAUNCH, NO_PROGRESS, USAGE, FAILED, PREEMPTED)
-_REFUSALS = (DO_NOT_RELAUNCH, NO_PROGRESS, USAGE)
+_SEVERITY = (DO_NOT_RELAUNCH, REPEATED_FAILURE, NO_PROGRESS, USAGE, FAILED, PREEMPTED)
+_REFUSALS = (DO_NOT_RELAUNCH, REPEATED_FAILURE, NO_PROGRESS, USAGE)
 _CODE_NAMES = {
     SUCCESS: "success",
     FAILED: "restart budget spent",
@@ -57,6 +58,7 @@ _CODE_NAMES = {
     DO_NOT_RELAUNCH: "do not relaunch",
     NO_PROGRESS: "no progress",
     EXCLUDED: "node excluded",
+    REPEATED_FAILURE: "the same failure on several nodes",
     PREEMPTED: "preempted",
 }
 

@@ -5,7 +5,9 @@ registered with them (rank monitor and workload control tests)."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -101,3 +103,16 @@ def make_server(tmp_path: Path) -> Iterator:
     yield make
     for server in servers:
         server.stop()
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """tests/fakes/pynvml.py imported as `pynvml`; the test describes the GPUs in FAKE_NVML."""
+    spec = importlib.util.spec_from_file_location(
+        "pynvml", Path(__file__).parent / "fakes" / "pynvml.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    return monkeypatch

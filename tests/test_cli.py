@@ -60,6 +60,9 @@ NVRX_YAML_KEYS = {
     "straggler_section_relative_threshold",
     "straggler_section_individual_threshold",
     "straggler_action",
+    "max_same_failure",
+    "health_interval",
+    "health_action",
 }
 
 
@@ -338,7 +341,8 @@ def test_timeouts_and_section_timeouts() -> None:
 
 def test_yaml_keys_are_nvrx_names() -> None:
     nvrx_only = {opt.yaml_key for opt in NVRX_OPTIONS if opt.yaml_key}
-    nvrx_spellings = {"storage_healthcheck_path"}  # NVRx's name of one of ftrun's keys
+    # NVRx's names of ftrun's keys
+    nvrx_spellings = {"storage_healthcheck_path", "node_health_check_interval"}
     assert set(YAML_KEYS) == NVRX_YAML_KEYS | nvrx_only | nvrx_spellings
 
 
@@ -498,6 +502,9 @@ EFFECTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("--ft-straggler-section-individual-threshold=0.5",),
     ),
     "straggler_action": ((), ("--ft-straggler-action=exclude",)),
+    "max_same_failure": ((), ("--ft-max-same-failure=0",)),
+    "health_interval": ((), ("--ft-health-interval=1",)),
+    "health_action": ((), ("--ft-health-action=log",)),
     # NVRx-only options: each is refused (tests/compat/test_launcher_options.py)
     **{opt.name: ((), (f"{opt.label}=x",)) for opt in NVRX_OPTIONS},
 }

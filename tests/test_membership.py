@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import signal
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,16 +20,6 @@ FAKES = ROOT / "tests" / "fakes"
 TRAIN = ["--steps", "20", "--save-every", "5", "--step-time", "0.02"]
 HEALTHY = json.dumps({"devices": 2})
 BROKEN = json.dumps({"devices": 2, "faults": {"1": ["retired_pages"]}})
-
-
-@pytest.fixture
-def fake_nvml(monkeypatch):
-    spec = importlib.util.spec_from_file_location("pynvml", FAKES / "pynvml.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setitem(sys.modules, "pynvml", module)
-    return monkeypatch
 
 
 @pytest.mark.parametrize(

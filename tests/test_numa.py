@@ -3,7 +3,6 @@ and its errors, and the binding applied in one real short-lived process."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -210,16 +209,11 @@ FAKE_SPEC: dict[str, Any] = {
 
 
 @pytest.fixture
-def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    """tests/fakes/pynvml.py as `pynvml`, FAKE_NVML describing FAKE_SPEC, no sysfs siblings."""
-    spec = importlib.util.spec_from_file_location("pynvml", FAKES / "pynvml.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setitem(sys.modules, "pynvml", module)
-    monkeypatch.setenv("FAKE_NVML", json.dumps(FAKE_SPEC))
-    monkeypatch.setattr(numa, "_read_cores", lambda cpus: {})  # this host's hyperthreads
-    yield monkeypatch
+def fake_nvml(fake_nvml: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """The fake NVML (conftest's), FAKE_NVML describing FAKE_SPEC, no sysfs siblings."""
+    fake_nvml.setenv("FAKE_NVML", json.dumps(FAKE_SPEC))
+    fake_nvml.setattr(numa, "_read_cores", lambda cpus: {})  # this host's hyperthreads
+    yield fake_nvml
 
 
 def launch(mode: str, nproc: int, visible: str | None) -> list[tuple[str, str]]:

@@ -164,7 +164,8 @@ def test_cli_json(tmp_path: Path) -> None:
     result = run_cli(str(CRASH_HANG), "--json", "--out", str(tmp_path / "t.png"))
     assert result.exit_code == 0
     data = json.loads(result.stdout)
-    assert data["schema"] == 3 and data["outcome"] == "SUCCESS"
+    assert data["schema"] == 4 and data["outcome"] == "SUCCESS"
+    assert data["attributions"] == []  # events from before failures were named
     assert data["timeline"] == str(tmp_path / "t.png") and data["timeline_note"] is None
     assert data["progress_reported"] is False and data["startup_s"] is None
     assert [f["kind"] for f in data["failures"]] == [CRASH, HANG]

@@ -175,7 +175,8 @@ def test_a_node_with_a_nic_port_down_is_replaced(tmp_path: Path):
         (port / "phys_state").write_text("5: LinkUp\n")
         (port / "counters" / "link_downed").write_text("0\n")
     job = start_job(
-        tmp_path, 3, [*SPARE, "--ft-enable-nic-healthcheck"],
+        # The check before each round (the watch while training is test_health_watch's).
+        tmp_path, 3, [*SPARE, "--ft-enable-nic-healthcheck", "--ft-health-interval=0"],
         ["--steps", "60", "--step-time", "0.1", "--crash", "0:0:30"],
         node_env=[{"FTRUN_NIC_SYSFS_ROOT": str(root)} for root in roots],
     )  # fmt: skip

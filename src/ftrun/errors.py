@@ -26,6 +26,9 @@ class ExitCode(enum.IntEnum):
     EXCLUDED = 5
     """This node left the job at a worker's ExcludeThisNode request; the job goes on without it
     (its outcome is the other launchers' codes)."""
+    REPEATED_FAILURE = 6
+    """The same failure on `--ft-max-same-failure` different nodes: a fault of the software or
+    the data, not of a node; do not relaunch (the report names the failure)."""
     PREEMPTED = 75
     """Stopped by SIGTERM/SIGINT (preemption, time limit): relaunch me (EX_TEMPFAIL)."""
 

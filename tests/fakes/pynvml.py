@@ -5,6 +5,8 @@ Driven by the FAKE_NVML environment variable, JSON: {"devices": N, "faults": {"I
 For `--numa-binding`, optionally: "cpu_affinity" and "mem_affinity": {"INDEX": {"node":
 CPULIST, "socket": CPULIST}} (a device or scope left out: NVML_ERROR_NOT_SUPPORTED), and
 "uuids": {"GPU-...": INDEX, "MIG-...": INDEX} (a MIG instance's parent is that GPU).
+For the health watch: "xid_file": PATH, whose lines "INDEX XID" are the Xid events (a test
+appends one while the job trains), and "throttle": {"INDEX": clock-event reason bits}.
 """
 
 from __future__ import annotations
@@ -31,6 +33,54 @@ class NVMLError(Exception):
 
 class NVMLError_NotSupported(NVMLError):
     pass
+
+
+class NVMLError_Timeout(NVMLError):
+    pass
+
+
+nvmlEventTypeXidCriticalError = 0x8
+_xids_read = 0
+"""Lines of the xid file already returned as events."""
+
+
+class _EventData:
+    def __init__(self, device: int, xid: int) -> None:
+        self.device, self.eventType, self.eventData = device, nvmlEventTypeXidCriticalError, xid
+
+
+def nvmlEventSetCreate() -> list[int]:
+    return []
+
+
+def nvmlDeviceRegisterEvents(handle: int, _types: int, _event_set: list[int]) -> None:
+    return None
+
+
+def nvmlEventSetWait_v2(_event_set: list[int], _timeout_ms: int) -> _EventData:
+    global _xids_read
+    path = _spec().get("xid_file")
+    lines = []
+    if path and os.path.exists(path):
+        with open(path) as f:
+            lines = [line.split() for line in f if line.strip()]
+    if _xids_read >= len(lines):
+        raise NVMLError_Timeout(10)
+    index, xid = lines[_xids_read]
+    _xids_read += 1
+    return _EventData(int(index), int(xid))
+
+
+def nvmlEventSetFree(_event_set: list[int]) -> None:
+    return None
+
+
+def nvmlDeviceGetIndex(handle: int) -> int:
+    return handle
+
+
+def nvmlDeviceGetCurrentClocksEventReasons(handle: int) -> int:
+    return int(_spec().get("throttle", {}).get(str(handle), 0))
 
 
 def _spec() -> dict:

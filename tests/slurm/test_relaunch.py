@@ -33,6 +33,7 @@ def test_exit_codes_mirror_ftrun_errors():
     assert relaunch.DO_NOT_RELAUNCH == ExitCode.DO_NOT_RELAUNCH
     assert relaunch.NO_PROGRESS == ExitCode.NO_PROGRESS
     assert relaunch.EXCLUDED == ExitCode.EXCLUDED
+    assert relaunch.REPEATED_FAILURE == ExitCode.REPEATED_FAILURE
     assert relaunch.PREEMPTED == ExitCode.PREEMPTED
 
 
@@ -53,6 +54,9 @@ def test_exit_codes_mirror_ftrun_errors():
         ([0, None, 0], None, 0, JobEnding.RUNNING, STOP, 0),
         ([0, 137, 5, 3], None, 0, JobEnding.RUNNING, STOP, 0),
         ([4, 4], None, 0, JobEnding.RUNNING, STOP, 4),
+        # the same failure on several nodes: a software fault, never relaunched
+        ([6, 6], None, 0, JobEnding.RUNNING, STOP, 6),
+        ([6, 1, 75], False, 0, JobEnding.RUNNING, STOP, 6),
         # relaunchable: budget spent in the job, preempted, killed, no code at all
         ([1, 1], False, 0, JobEnding.RUNNING, RELAUNCH, 1),
         ([75, 75], False, 2, JobEnding.RUNNING, RELAUNCH, 75),

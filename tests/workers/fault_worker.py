@@ -11,6 +11,9 @@ when that is given (so a fault can wait for another rank to be set up):
 
 --exit C:R:S:CODE     exit with CODE            --signal C:R:S:NAME  kill itself with signal NAME
 --segv C:R:S          a real segmentation fault --hang C:R:S         sleep inside the section
+--raise C:R:S,...     raise a ValueError (a traceback; several specs: one per cycle or rank)
+--raise-on-marked S   local rank 0 raises at step S of every cycle on a node that a test marked
+                      (<ckpt-dir>/fail-<FTRUN_NODE> exists)
 --hang-outside C:R:S  sleep after end_section, before the heartbeat (out of any section)
 --hang-first-hb C:R   sleep after init_workload_monitoring(), before the first heartbeat
 --stubborn C:R        ignore SIGTERM and start two children that ignore it too, one of them in
@@ -57,6 +60,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--signal", default="", metavar="C:R:S:NAME")
     parser.add_argument("--segv", default="", metavar="C:R:S")
     parser.add_argument("--hang", default="", metavar="C:R:S")
+    parser.add_argument("--raise", dest="raise_", default="", metavar="C:R:S,...")
+    parser.add_argument("--raise-on-marked", type=int, default=0, metavar="S")
     parser.add_argument("--hang-outside", default="", metavar="C:R:S")
     parser.add_argument("--hang-first-hb", default="", metavar="C:R")
     parser.add_argument("--stubborn", default="", metavar="C:R")
@@ -104,7 +109,22 @@ def segfault() -> None:
     ctypes.string_at(0)
 
 
+def load_batch(step: int) -> None:
+    raise ValueError(f"batch {step} of rank {RANK} is corrupt")
+
+
+def raises_here(args: argparse.Namespace, step: int) -> bool:
+    if any(matches(spec, step) is not None for spec in args.raise_.split(",")):
+        return True
+    if args.raise_on_marked != step or os.environ.get("LOCAL_RANK", "0") != "0":
+        return False
+    return (args.ckpt_dir / f"fail-{os.environ.get('FTRUN_NODE')}").exists()
+
+
 def inject(args: argparse.Namespace, step: int) -> None:
+    if raises_here(args, step):
+        print(f"rank {RANK}: raising at cycle {CYCLE} step {step}", flush=True)
+        load_batch(step)
     specs = (args.exit, args.signal, args.segv, args.hang)
     if all(matches(spec, step) is None for spec in specs):
         return

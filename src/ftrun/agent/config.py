@@ -35,6 +35,12 @@ class AgentConfig:
     """Stop the job (exit `ExitCode.NO_PROGRESS`) after this many cycles in a row whose ranks
     reported no iteration past the job's best; <= 0: never. Jobs that report no iterations
     through the client are not judged."""
+    max_same_failure: int = 3
+    """Stop the job (exit `ExitCode.REPEATED_FAILURE`) once the same failure signature has
+    been seen on this many different nodes; <= 0: never (`agent.repeats`)."""
+    health_action: str = "exclude"
+    """What a fault the health watch finds while training does: 'log', 'restart' or
+    'exclude' (the node leaves if a standby node or the minimum size allows; else logged)."""
     monitor_interval: float = 0.1
     log_dir: Path | None = None
     """Where events and per-cycle worker logs go; None means a fresh directory under /tmp."""

@@ -25,6 +25,8 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from ftrun.agent import policy as p
+from ftrun.agent.evidence import Evidence
+from ftrun.agent.health_watch import HealthFinding
 from ftrun.agent.inbox import SignalReceived, SignalRecorder, take_queued
 from ftrun.agent.policy import Action, AgentEvent, Facts, Outcome, Policy
 from ftrun.agent.reporting import CycleReport
@@ -35,6 +37,7 @@ from ftrun.agent.worker_env import worker_envs
 from ftrun.agent.workers import WorkerExited, WorkerGroup
 from ftrun.errors import ExitCode, FtrunError, NodeUnhealthyError
 from ftrun.rank_monitor import FirstProgress, ProgressSnapshot, Verdict, WorkloadControl
+from ftrun.rendezvous.control import FailureRecord
 from ftrun.rendezvous.errors import JoinInterruptedError
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import ServiceRequest
@@ -48,6 +51,8 @@ _STORE_LINGER_S = 5.0
 _VERDICT_WINDOW_S = 0.05
 # Events whose decision depends on the job's state in the store (shutdown, failure count).
 _READS_JOB_STATE = (p.JoinReady, p.JoinFailed, p.CycleEnded)
+# Failures, judged against the job's history of failures.
+_READS_HISTORY = (p.WorkerEnded, p.HangsFound, p.HealthFound)
 
 
 class NodeAgent:
@@ -62,7 +67,11 @@ class NodeAgent:
         self.cfg = runtime.config.agent
         self.events = runtime.events
         self.report = CycleReport(runtime)
-        self.policy = Policy(self.cfg.max_restarts, self.cfg.max_no_progress_cycles)
+        self.evidence = Evidence(runtime)
+        self.policy = Policy(
+            self.cfg.max_restarts, self.cfg.max_no_progress_cycles, self.cfg.max_same_failure,
+            self.cfg.health_action,
+        )  # fmt: skip
         self.state = AgentState.HEALTH_CHECK
         self._inbox = runtime.inbox
         self._signals = signals
@@ -114,10 +123,24 @@ class NodeAgent:
             facts = dataclasses.replace(
                 facts, shutdown=control.shutdown_requested(), failures=control.failures()
             )
+        if isinstance(event, _READS_HISTORY) and self._round is not None:
+            rnd, min_nodes = self._round, self.rt.config.rendezvous.min_nodes
+            facts = dataclasses.replace(
+                facts, history=self.rt.control.failure_history(),
+                can_lose_node=len(rnd.nodes) - 1 >= min_nodes
+                or bool(rnd.standby) or self.rt.rendezvous.num_nodes_waiting() > 0,
+            )  # fmt: skip
         return self.policy.decide(self.state, event, facts)
 
     def _apply(self, action: Action) -> None:
         control, outcome = self.rt.control, action.outcome
+        if action.record is not None and self._round is not None:
+            self.report.failure(action.record, *action.decision())
+            if not action.record.secondary:
+                record = FailureRecord(self._round.number, self.rt.node, action.record.key)
+                control.record_failure(record)
+        if action.note is not None:
+            log.warning("%s", action.note)
         if action.report_unhealthy is not None:
             self.events.emit("unhealthy", reason=action.report_unhealthy)
             control.report_unhealthy(control.cycle(), self.rt.node, action.report_unhealthy)
@@ -177,7 +200,7 @@ class NodeAgent:
             return self._decide(p.JoinFailed(f"rendezvous failed: {exc}"))
         except FtrunError as exc:
             return self._decide(p.JoinFailed(str(exc), exc.exit_code))
-        self._round = rnd
+        before, self._round = self._round, rnd
         self.events.cycle = rnd.number
         # A standby node arrived again when the cycle it waited through ended.
         if rnd.arrived_at is not None:
@@ -194,6 +217,7 @@ class NodeAgent:
         )
         log.info("cycle %d: group rank %d of %d nodes, world size %d",
                  rnd.number, rnd.group_rank, len(rnd.nodes), rnd.world_size)  # fmt: skip
+        self.evidence.lost_nodes(before, rnd)
         return self._decide(p.Joined())
 
     def _start(self) -> Action:
@@ -256,13 +280,16 @@ class NodeAgent:
         if isinstance(item, WorkerExited) and item.pid in running:
             running.discard(item.pid)
             self.report.worker_exit(item)
-            return p.WorkerEnded(item.rank, item.returncode, len(running))
+            signature = self.evidence.of_exit(self._group, item)
+            return p.WorkerEnded(item.rank, item.returncode, len(running), signature)
         if isinstance(item, Verdict) and item.worker_pid in running:
             return self._hangs(item)
         if isinstance(item, SignalReceived):
             return self._signal_event(item)
         if isinstance(item, WorkloadControl) and item.worker_pid in running:
             return self._control_event(item)
+        if isinstance(item, HealthFinding):
+            return p.HealthFound(item.signature, item.fault)
         if isinstance(item, ServiceRequest):
             log.warning("the %s asks for %s: %s", item.service, item.action.name, item.reason)
             return p.ControlRequested(-1, item.action, item.reason, by=f"the {item.service}")
@@ -279,9 +306,10 @@ class NodeAgent:
         verdicts = [first, *(v for v in queued if v.worker_pid in current)]
         for verdict in verdicts:
             self.report.hang(verdict, self._round)
+        signature = self.evidence.of_hang(verdicts, self._round, self._group)
         return p.HangsFound(
             tuple(v.rank for v in verdicts), tuple(v.worker_pid for v in verdicts),
-            first.kind.value,
+            first.kind.value, signature,
         )  # fmt: skip
 
     def _control_event(self, item: WorkloadControl) -> p.ControlRequested:
@@ -294,7 +322,9 @@ class NodeAgent:
     def _stop(self) -> Action:
         pids = self._group.pids if self._group else []
         self._note_progress("stop")
+        self.evidence.before_stop(self._round, self._group)
         result = self._stop_workers()
+        self.evidence.after_stop(self._round)
         self.events.emit(
             "stop_done",
             duration=round(result.duration, 6),

@@ -17,6 +17,13 @@ Rules worth knowing:
 - A worker's control request ends the cycle: ExcludeThisNode makes this node leave for good
   (`ExitCode.EXCLUDED`, the others restart without it), ShutdownWorkload ends the job with
   `ExitCode.DO_NOT_RELAUNCH`; Continue changes nothing.
+- A failure is named (`attribution.Signature`) and judged against the job's history of
+  failures (`repeats.judge`): the same failure on `--ft-max-same-failure` nodes stops the job
+  with `ExitCode.REPEATED_FAILURE`; a node that fails the same way twice leaves (if the job can
+  go on without it); anything else restarts.
+- A health finding while training (`HealthFound`) does what `--ft-health-action` says: `log`,
+  `restart` (a failure like any other), or `exclude` (the node leaves when the job can go on
+  without it, else it is logged). Findings that are not faults (throttling) are only logged.
 - `--ft-max-no-progress-cycles`: a round that starts after that many cycles in a row without
   progress (see `rendezvous.published.Progress`) ends the job with `ExitCode.NO_PROGRESS`.
 """
@@ -26,155 +33,32 @@ from __future__ import annotations
 import dataclasses
 import signal
 
+from ftrun.agent.attribution import Signature
+from ftrun.agent.observed import (
+    AgentEvent,
+    ControlRequested,
+    CycleEnded,
+    Facts,
+    HangsFound,
+    HealthChecked,
+    HealthFound,
+    Joined,
+    JoinFailed,
+    JoinReady,
+    NodesWaiting,
+    Outcome,
+    PeersFinished,
+    Signalled,
+    SpawnFailed,
+    StoreLost,
+    WorkerEnded,
+    WorkersStarted,
+    WorkersStopped,
+)
+from ftrun.agent.repeats import Decision, judge
 from ftrun.agent.state import AgentState
 from ftrun.errors import ExitCode
 from ftrun.rank_monitor.workload import WorkloadAction
-from ftrun.rendezvous.control import Shutdown
-
-
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """How this launcher ends: its exit code and the reason logged with it."""
-
-    code: ExitCode
-    reason: str
-
-
-# ---- events: what the executor observed --------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class HealthChecked:
-    problem: str | None = None
-    """None: healthy; else why the node must not run workers."""
-    code: ExitCode = ExitCode.DO_NOT_RELAUNCH
-
-
-@dataclasses.dataclass(frozen=True)
-class JoinReady:
-    """About to join a round; the answer is to exit, or to stay (join now)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Joined:
-    """This node is in the round."""
-
-
-@dataclasses.dataclass(frozen=True)
-class JoinFailed:
-    reason: str
-    code: ExitCode = ExitCode.FAILED
-    closed: bool = False
-    """The rendezvous was closed (a shutdown): exit with the shutdown in force if any."""
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkersStarted:
-    pass
-
-
-@dataclasses.dataclass(frozen=True)
-class SpawnFailed:
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerEnded:
-    rank: int
-    returncode: int
-    """Negative: killed by that signal (Popen's convention)."""
-    others_running: int
-    """Local workers of this cycle still running after this one."""
-
-
-@dataclasses.dataclass(frozen=True)
-class HangsFound:
-    ranks: tuple[int, ...]
-    pids: tuple[int, ...]
-    """The hung workers' process group leaders: killed at once (they cannot be asked)."""
-    kind: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Signalled:
-    signum: int
-
-
-@dataclasses.dataclass(frozen=True)
-class CycleEnded:
-    """Another node ended this cycle (restart vote or shutdown) while this one watched."""
-
-
-@dataclasses.dataclass(frozen=True)
-class NodesWaiting:
-    count: int
-    """Nodes that arrived after the round closed."""
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreLost:
-    error: str
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkersStopped:
-    pass
-
-
-@dataclasses.dataclass(frozen=True)
-class ControlRequested:
-    """A worker asked for a workload action (`ftrun.client_lib.WorkloadControlRequest`)."""
-
-    rank: int
-    action: WorkloadAction
-    description: str
-    by: str = ""
-    """Who asked when it is no rank (a node service, e.g. the straggler detector)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PeersFinished:
-    """Every node of the round reported success (or the exit barrier timed out)."""
-
-    all_finished: bool = True
-    """False: the exit barrier timed out before every node reported."""
-
-
-AgentEvent = (
-    HealthChecked
-    | JoinReady
-    | Joined
-    | JoinFailed
-    | WorkersStarted
-    | SpawnFailed
-    | WorkerEnded
-    | HangsFound
-    | ControlRequested
-    | Signalled
-    | CycleEnded
-    | NodesWaiting
-    | StoreLost
-    | WorkersStopped
-    | PeersFinished
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Facts:
-    """What the executor knows when it asks: this node, its cycle, the job's state in the store."""
-
-    node: str
-    cycle: int
-    shutdown: Shutdown | None = None
-    failures: int = 0
-    """Failure restarts of the job so far (scale-ups do not count)."""
-    round_size: int = 0
-    max_nodes: int = 1
-    after_stop: Outcome | None = None
-    """While stopping: how this node ends after the stop (None: it restarts)."""
-    stalled_cycles: int = 0
-    """Cycles in a row before the joined round that made no progress."""
-
 
 # ---- actions: what the executor does -------------------------------------------------------------
 
@@ -204,6 +88,18 @@ class Action:
     """How this node ends (EXITING now, or after STOPPING); None with STOPPING: restart."""
     stop_signal: signal.Signals | None = None
     """The signal that stops the workers; None: the configured termination signal."""
+    record: Signature | None = None
+    """A failure of this node to add to the job's history (and `failures.jsonl`)."""
+    note: str | None = None
+    """A decision worth a log line that changes nothing (a node that stays, a finding logged)."""
+
+    def decision(self) -> tuple[str, str]:
+        """What this action does about a failure, and why (for the events and failures.jsonl)."""
+        if self.shutdown is not None:
+            return "stop job", self.shutdown.reason
+        if self.leave is not None:
+            return "exclude node", self.leave
+        return "restart", self.note or ""
 
 
 KEEP_WATCHING = Action(None)
@@ -216,6 +112,10 @@ class Policy:
     max_restarts: int
     max_no_progress_cycles: int = 0
     """<= 0: never stop for lack of progress."""
+    max_same_failure: int = 3
+    """<= 0: never stop for a failure that repeats across nodes."""
+    health_action: str = "exclude"
+    """What a health fault found while training does: 'log', 'restart' or 'exclude'."""
 
     def decide(self, state: AgentState, event: AgentEvent, facts: Facts) -> Action:
         if isinstance(event, Signalled):
@@ -273,13 +173,48 @@ class Policy:
 
     def _worker_ended(self, event: WorkerEnded, facts: Facts) -> Action:
         if event.returncode != 0:
-            return _restart(f"rank {event.rank} on {facts.node} {exit_text(event.returncode)}")
+            cause = f"rank {event.rank} on {facts.node} {exit_text(event.returncode)}"
+            return self._failure(cause, event.signature, facts)
         return KEEP_WATCHING if event.others_running else Action(AgentState.SUCCEEDED)
 
     def _hangs(self, event: HangsFound, facts: Facts) -> Action:
         ranks = ", ".join(str(r) for r in event.ranks)
         cause = f"rank(s) {ranks} on {facts.node} hung ({event.kind})"
-        return dataclasses.replace(_restart(cause), kill=event.pids)
+        return dataclasses.replace(self._failure(cause, event.signature, facts), kill=event.pids)
+
+    def _health_found(self, event: HealthFound, facts: Facts) -> Action:
+        found = f"health on {facts.node}: {event.signature.describe()}"
+        if not event.fault or self.health_action == "log":
+            return Action(None, note=found)
+        if self.health_action == "restart" or facts.can_lose_node:
+            return self._failure(found, event.signature, facts, exclude_now=True)
+        return Action(None, note=f"{found}; the node stays: no standby node waits and the job "
+                                 "is at its minimum size")  # fmt: skip
+
+    def _failure(
+        self, cause: str, signature: Signature | None, facts: Facts, exclude_now: bool = False
+    ) -> Action:
+        """A failure of this node: restart, or, judged against the job's history, leave or
+        stop the job. `exclude_now`: the failure itself asks for the node to leave (a health
+        fault under --ft-health-action=exclude)."""
+        if signature is None:
+            return _restart(cause)
+        cause = f"{cause}: {signature.key}"
+        found = judge(signature, facts.node, facts.cycle, facts.history, self.max_same_failure,
+                      facts.can_lose_node)  # fmt: skip
+        if found.decision is Decision.STOP:
+            done = Outcome(ExitCode.REPEATED_FAILURE, found.reason)
+            return Action(AgentState.STOPPING, record=signature, shutdown=done)
+        if found.decision is Decision.EXCLUDE or (exclude_now and self.health_action == "exclude"):
+            why = found.reason or f"node {facts.node} excluded: {signature.key}"
+            return Action(
+                AgentState.STOPPING, record=signature, leave=why, vote=RestartVote(why),
+                outcome=Outcome(ExitCode.EXCLUDED, why),
+            )  # fmt: skip
+        return Action(
+            AgentState.STOPPING, record=signature, vote=RestartVote(cause),
+            note=found.reason or None,
+        )  # fmt: skip
 
     def _control(self, event: ControlRequested, facts: Facts) -> Action:
         asked = f"{event.by or f'rank {event.rank}'} on {facts.node} asked to"
@@ -379,6 +314,7 @@ _HANDLERS = {
     (_S.STARTING, SpawnFailed): Policy._spawn_failed,
     (_S.RUNNING, WorkerEnded): Policy._worker_ended,
     (_S.RUNNING, HangsFound): Policy._hangs,
+    (_S.RUNNING, HealthFound): Policy._health_found,
     (_S.RUNNING, ControlRequested): Policy._control,
     (_S.RUNNING, CycleEnded): Policy._cycle_ended,
     (_S.RUNNING, NodesWaiting): Policy._nodes_waiting,

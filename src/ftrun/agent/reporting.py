@@ -3,11 +3,14 @@ training progress the rank monitor saw. Events for tools, one clear log line for
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import signal
 import time
 from collections.abc import Sequence
 
+from ftrun.agent.attribution import Signature
 from ftrun.agent.prewarm.marks import forget_marks, read_marks
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.workers import WorkerExited
@@ -16,6 +19,8 @@ from ftrun.rank_monitor.stacks import where_stuck
 from ftrun.rendezvous.ranks import Round
 
 log = logging.getLogger("ftrun.agent")
+
+FAILURES_FILE = "failures.jsonl"
 
 
 class CycleReport:
@@ -38,6 +43,25 @@ class CycleReport:
         if item.returncode < 0:
             fields["signal"] = signal.Signals(-item.returncode).name
         self.events.emit("worker_exited", **fields)
+
+    def failure(self, signature: Signature, decision: str, reason: str) -> None:
+        """A failure of this node, named, and what the policy made of it: an event, and a line
+        of `<log-dir>/failures.jsonl` (one file for the job's nodes; one O_APPEND write each)."""
+        fields = signature.as_dict() | {"decision": decision}
+        if reason:
+            fields["reason"] = reason
+        self.events.emit("failure", **fields)
+        line = {"ts": round(time.time(), 6), "node": self.rt.node, "cycle": self.events.cycle}
+        data = (json.dumps(line | fields) + "\n").encode()
+        path = self.rt.node_log_dir.parent / FAILURES_FILE
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            log.warning("could not append to %s: %s", path, exc)
 
     def hang(self, verdict: Verdict, rnd: Round | None) -> None:
         """Keep the stacks with the cycle's logs and say in one line who hung where."""

@@ -23,6 +23,7 @@ from torch.distributed import Store
 from ftrun.agent.cycle_info import CycleInfoService
 from ftrun.agent.gpu_memory import GpuReclaimService
 from ftrun.agent.health import HealthService
+from ftrun.agent.health_watch import HealthWatch
 from ftrun.agent.monitoring import MonitorService
 from ftrun.agent.peering import PeerService
 from ftrun.agent.prewarm.client import ForkServer
@@ -135,6 +136,8 @@ def open_runtime(
             services.add(factory(context))
         on_timings = _fan_out(observers) if observers else None
         monitor = services.add(MonitorService(config.monitor, job_dir, inbox.put, on_timings))
+        if config.health.watch_interval > 0 and (config.health.gpu or config.health.nic):
+            services.add(HealthWatch(config.health, events.emit, inbox.put))
         if agent.gpu_memory_reclaim_timeout > 0:
             services.add(
                 GpuReclaimService(

@@ -8,8 +8,12 @@ from pathlib import Path
 
 from ftrun.agent.prewarm.binding import BIND_VARIABLES
 from ftrun.agent.rank_env import rank_variables
+from ftrun.client_lib.flight import BUFFER_VARS
 from ftrun.config import LaunchConfig
 from ftrun.rendezvous.ranks import Round
+
+FLIGHT_RECORDER_ENTRIES = 2000
+"""Collectives each worker's flight recorder keeps (torch's own suggestion for NCCL jobs)."""
 
 
 def worker_envs(
@@ -54,6 +58,11 @@ def shared_env(
     agent, rdzv = config.agent, config.rendezvous
     env = {**environ, **agent.extra_env, **services_env}
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    # Attribution: torch's flight recorder (a hang names the collective a rank never entered),
+    # unless the user sized it (0: off), and faulthandler's stacks on a fatal signal.
+    if not any(name in env for name in BUFFER_VARS):
+        env[BUFFER_VARS[0]] = str(FLIGHT_RECORDER_ENTRIES)
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     env.update(
         ROLE_NAME=agent.role,
         TORCHELASTIC_MAX_RESTARTS=str(agent.max_restarts),

@@ -110,6 +110,7 @@ class Worker:
     rank: int
     proc: WorkerProcess
     log_dir: Path
+    stderr_relay: threading.Thread | None = None
 
 
 class WorkerGroup:
@@ -173,10 +174,12 @@ class WorkerGroup:
             target = worker.log_dir / f"{name}.log"
             # --duplicate-*-filters: matching console lines, one file per stream and cycle
             filtered = filtered_log(worker.log_dir.parent, name) if show and filters else None
-            self._start_thread(
+            thread = self._start_thread(
                 functools.partial(_pump, stream, target, console, show, prefix, filters, filtered),
                 f"relay-{name}-rank{worker.rank}",
             )
+            if name == "stderr":
+                worker.stderr_relay = thread
 
     def _shows(self, local_rank: int, flag: int) -> bool:
         """Whether this stream reaches the console (it always reaches the log file)."""
@@ -187,10 +190,26 @@ class WorkerGroup:
         teed = self._config.tee.get(local_rank, Std.NONE) & flag
         return bool(teed or not redirected)
 
-    def _start_thread(self, target: object, name: str) -> None:
+    def stderr_tail(self, pid: int, size: int, timeout: float = 0.5) -> str:
+        """The end of an exited worker's stderr log, once its relay has copied what the worker
+        wrote (bounded: a child of the worker may hold the pipe open)."""
+        worker = next((w for w in self.workers if w.proc.pid == pid), None)
+        if worker is None:
+            return ""
+        if worker.stderr_relay is not None:
+            worker.stderr_relay.join(timeout)
+        try:
+            with (worker.log_dir / "stderr.log").open("rb") as f:
+                f.seek(max(0, f.seek(0, 2) - size))
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def _start_thread(self, target: object, name: str) -> threading.Thread:
         thread = threading.Thread(target=target, name=name, daemon=True)  # type: ignore[arg-type]
         thread.start()
         self._threads.append(thread)
+        return thread
 
 
 def _pump(

@@ -32,7 +32,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from ftrun.client_lib import timeouts
+from ftrun.client_lib import flight, timeouts
 from ftrun.errors import ProtocolError, RankMonitorClientError
 from ftrun.rank_monitor import protocol as wire
 from ftrun.rank_monitor.config import ENV_JOB_DIR, ENV_MONITOR_ADDR, ENV_RANK, ENV_STACK_SIGNAL
@@ -79,6 +79,7 @@ class RankMonitorClient:
             raise RankMonitorClientError("init_workload_monitoring() was already called")
         address, job_dir, stack_signal, rank = _env()
         self._register_stack_dump(job_dir, rank, stack_signal)
+        flight.start_listener(job_dir, rank)
         self._ctx = _background_context()
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)

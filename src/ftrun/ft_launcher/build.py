@@ -146,6 +146,7 @@ def _health(opts: Resolved, notes: list[str]) -> HealthCheckConfig:
         command=opts["node_health_check_cmd"],
         nic=opts["enable_nic_healthcheck"],
         nic_sysfs_root=opts["nic_sysfs_root"],
+        watch_interval=opts["health_interval"],
     )
 
 
@@ -177,6 +178,8 @@ def _agent(
         role=opts["role"],
         max_restarts=opts["max_restarts"],
         max_no_progress_cycles=opts["max_no_progress_cycles"],
+        max_same_failure=opts["max_same_failure"],
+        health_action=opts["health_action"],
         monitor_interval=opts["monitor_interval"],
         log_dir=Path(opts["log_dir"]) if opts["log_dir"] else None,
         redirects=_per_rank(opts["redirects"], nproc),

@@ -40,8 +40,9 @@ _ATTRIBUTION = (
 # fmt: off
 NVRX_OPTIONS: tuple[Option, ...] = (
     _refused("restart_policy", "NVRx's worker group restart policy (deprecated there).",
-             "ftrun restarts when any worker fails (NVRx's only policy, any-failed); limit "
-             "restarts with --max-restarts and --ft-max-no-progress-cycles",
+             "ftrun restarts when any worker fails (NVRx's only policy, any-failed) and learns "
+             "from the failures: --ft-max-same-failure; limit restarts with --max-restarts and "
+             "--ft-max-no-progress-cycles",
              nvrx_default="any-failed"),
     _refused("install_exception_hook", "NVRx's sys.excepthook in workers that calls os._exit.",
              "not needed: ftrun sees a worker's exit when it happens and keeps its own "
@@ -64,13 +65,11 @@ NVRX_OPTIONS: tuple[Option, ...] = (
     _refused("node_health_check_endpoint", "NVRx's node health service socket (nvhcd).",
              "use --ft-node-health-check-cmd, --ft-gpu-health-check and "
              "--ft-enable-nic-healthcheck"),
-    _refused("node_health_check_interval", "NVRx's node health polling interval.",
-             "ftrun checks node health before each rendezvous; use --ft-node-health-check-cmd",
-             nvrx_default=5.0),
     _refused("restart_check_interval", "NVRx's restart state polling (deprecated there).",
              "not needed: ftrun decides restarts on events, not by polling", nvrx_default=60.0),
     _refused("enable_nic_monitor", "NVRx's link_downed polling while training.",
-             "use --ft-enable-nic-healthcheck (checked before each rendezvous)",
+             "use --ft-enable-nic-healthcheck (checked before each rendezvous and, every "
+             "--ft-health-interval, while training)",
              nvrx_default=False),
     _refused("pci_topo_file", "NVRx's GPU/NIC topology file for the NIC monitor.",
              "use --ft-enable-nic-healthcheck (every InfiniBand port)", nvrx_default=None),

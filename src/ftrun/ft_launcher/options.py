@@ -153,6 +153,20 @@ FT_OPTIONS: tuple[Option, ...] = (
     _ft("max_no_progress_cycles", _default(_AGENT, "max_no_progress_cycles"), v.integer,
         "Stop the job (exit 4, not relaunched) after N cycles in a row without an iteration "
         "past the best reported through the client; <= 0: off.", metavar="N"),
+    _ft("max_same_failure", _default(_AGENT, "max_same_failure"), v.integer,
+        "Stop the job (exit 6, not relaunched) once the same failure signature was seen on N "
+        "different nodes (a fault of the software or data); a node whose last two failures "
+        "look the same leaves if the job can go on without it; <= 0: off.", metavar="N"),
+    _ft("health_interval", _default(_HEALTH, "watch_interval"), v.non_negative_number,
+        "While training, read GPU health from NVML (Xid events, uncorrected ECC, pending page "
+        "retirement or row remapping, thermal and power-brake throttling) and, with the NIC "
+        "check on, link_downed, every SECONDS; 0: only before each rendezvous (NVRx's "
+        "node_health_check_interval).", metavar="SECONDS",
+        aliases=("node_health_check_interval",)),
+    _ft("health_action", _default(_AGENT, "health_action"), v.choice("log", "restart", "exclude"),
+        "What a fault found while training does: log it; restart the job; or exclude the node "
+        "(it leaves at once if a standby node or the minimum size allows, else it is logged). "
+        "Throttling is always only logged."),
     _ft("log_level", "INFO", v.log_level, "Launcher log level.", metavar="LEVEL"),
     _ft("node_health_check_cmd", _default(_HEALTH, "command"), v.optional_text,
         "Command that must exit 0 before each rendezvous.", metavar="CMD"),

@@ -66,3 +66,6 @@ class HealthCheckConfig:
     """Check every InfiniBand port in sysfs (`agent.nic_health`): ACTIVE, LinkUp, not flapped."""
     nic_sysfs_root: str = "/sys/class/infiniband"
     """Where the NIC check finds the devices (tests point it at a fake tree)."""
+    watch_interval: float = 5.0
+    """While workers run, read GPU health (and, with `nic`, the link_downed counters) every
+    this many seconds (`agent.health_watch`); 0: only before each rendezvous."""

@@ -21,6 +21,16 @@ from ftrun.errors import ExitCode, RendezvousFailedError
 
 
 @dataclasses.dataclass(frozen=True)
+class FailureRecord:
+    """One failure of the job's history: which node failed in which cycle, and how (the
+    `Signature.key` of `agent.attribution`)."""
+
+    cycle: int
+    node: str
+    key: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Shutdown:
     """The job is ending: every agent exits with `code`."""
 
@@ -110,6 +120,12 @@ class JobControl:
         """This node leaves the job for good: rounds stop keeping a slot for it."""
         self._store.set(self._key(f"gone/{node}"), reason)
 
+    def left_on_purpose(self, node: str, cycle: int) -> bool:
+        """Whether `node` said why it is not in `cycle`: it left the job, or was unhealthy."""
+        return self._store.check([self.gone_key(node)]) or self._store.check(
+            [self.unhealthy_key(cycle, node)]
+        )
+
     def gone_key(self, node: str) -> str:
         return self._key(f"gone/{node}")
 
@@ -122,6 +138,37 @@ class JobControl:
 
     def progress_key(self, cycle: int, node: str) -> str:
         return self._key(f"c{cycle}/progress/{node}")
+
+    def record_failure(self, record: FailureRecord) -> None:
+        """Add a failure to the job's history (one atomic append: nodes never overwrite)."""
+        line = json.dumps([record.cycle, record.node, record.key]) + "\n"
+        self._store.append(self._key("failure_log"), line)
+
+    def failure_history(self) -> tuple[FailureRecord, ...]:
+        """The job's failures so far, oldest first (kept in the store for the job's life)."""
+        key = self._key("failure_log")
+        if not self._store.check([key]):
+            return ()
+        lines = self._store.get(key).decode().splitlines()
+        return tuple(FailureRecord(int(c), str(n), str(k)) for c, n, k in map(json.loads, lines))
+
+    def request_collectives(self, cycle: int) -> None:
+        """A hang in `cycle`: every node dumps its ranks' flight recorders before its stop."""
+        self._store.set(self._key(f"c{cycle}/fr_request"), "1")
+
+    def collectives_requested(self, cycle: int) -> bool:
+        return self._store.check([self._key(f"c{cycle}/fr_request")])
+
+    def publish_collectives(self, cycle: int, node: str, summary: str) -> None:
+        self._store.set(self._key(f"c{cycle}/fr/{node}"), summary)
+
+    def collectives(self, cycle: int, nodes: list[str], timeout: float) -> dict[str, str]:
+        """The nodes' published summaries, waiting up to `timeout` for all of them."""
+        keys = {self._key(f"c{cycle}/fr/{node}"): node for node in nodes}
+        wait_for_keys(self._store, list(keys), timeout)
+        return {
+            keys[k]: self._store.get(k).decode() for k in existing_keys(self._store, list(keys))
+        }
 
     def arrive(self, cycle: int, barrier: str) -> int:
         """Count this node into a per-cycle barrier (`succeeded`, `left`); returns the count."""

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from ftrun.tools.events import Event
 
 CRASH, HANG, SIGNAL, STORE_LOST, RESTART = "crash", "hang", "signal", "store lost", "restart"
+NODE_LOST, HEALTH = "node lost", "health"
 _FAILURE_EVENTS = ("worker_exited", "hang", "signal", "store_lost")
 _HANG_TEXT = {
     "no first heartbeat": "no first heartbeat",
@@ -94,6 +95,8 @@ class Failure:
 def _is_failure(event: Event) -> bool:
     if event.event == "worker_exited":
         return event.get("code") != 0
+    if event.event == "failure":  # a health fault the policy acted on has no other event
+        return event.get("kind") == HEALTH
     return event.event in _FAILURE_EVENTS
 
 
@@ -114,8 +117,11 @@ def find_failures(
         later = [times[c] for c in cycles[i + 1 :] if times[c].start(by_progress) is not None]
         timing = _Timing(times[cycle], later[0] if later else None, job_end, by_progress)
         number = len(failures) + 1
+        lost = _lost_nodes(events, cycle)
         if in_cycle:
-            failure = _from_events(number, cycle, in_cycle, events, timing)
+            failure = _from_events(number, cycle, _causes_first(in_cycle, events), events, timing)
+            if lost:
+                failure = _node_lost(failure, lost)
         else:
             failure = _restart_without_failure(number, cycle, events, timing)
         failures.append(failure)
@@ -217,6 +223,33 @@ def _from_events(
     )
 
 
+def _lost_nodes(events: Sequence[Event], cycle: int) -> list[str]:
+    """Nodes lost in `cycle` (a survivor tells it with the next round's `node_lost`)."""
+    return [n for e in events if e.event == "node_lost" and e.get("lost_cycle") == cycle
+            for n in e.get("nodes", [])]  # fmt: skip
+
+
+def _causes_first(in_cycle: Sequence[Event], events: Sequence[Event]) -> list[Event]:
+    """The cycle's failure events with those of nodes whose failure was a cause (not a
+    `secondary` consequence, by the node's own `failure` event) first, each in time order."""
+    named = [e for e in events if e.event == "failure" and e.cycle == in_cycle[0].cycle]
+    causes = {e.node for e in named if not e.get("secondary")}
+    if not causes:
+        return list(in_cycle)
+    return sorted(in_cycle, key=lambda e: (e.node not in causes, e.ts))
+
+
+def _node_lost(failure: Failure, lost: Sequence[str]) -> Failure:
+    """A lost node is the cause; what failed on the others is its consequence."""
+    names = ", ".join(lost)
+    return dataclasses.replace(
+        failure, kind=NODE_LOST, nodes=tuple(lost), ranks=(),
+        cause=f"node {names} lost (its launcher and workers gone)",
+        exit_code=None, signal=None, hang=None,
+        secondary=(f"{failure.cause} (a consequence)", *failure.secondary),
+    )  # fmt: skip
+
+
 def _restart_without_failure(
     number: int, cycle: int, events: Sequence[Event], timing: _Timing
 ) -> Failure:
@@ -254,7 +287,8 @@ def _restart_without_failure(
 
 
 def _kind(event: Event) -> str:
-    return {"worker_exited": CRASH, "hang": HANG, "signal": SIGNAL}.get(event.event, STORE_LOST)
+    kinds = {"worker_exited": CRASH, "hang": HANG, "signal": SIGNAL, "failure": HEALTH}
+    return kinds.get(event.event, STORE_LOST)
 
 
 def _hang_info(hangs: Sequence[Event]) -> HangInfo:
@@ -307,6 +341,8 @@ def describe(group: Sequence[Event], hang: HangInfo | None) -> str:
         return f"rank {first.get('rank')} on {first.node} crashed: {how}"
     if first.event == "signal":
         return f"{first.get('signal')} on {first.node} (preemption or cancel)"
+    if first.event == "failure":
+        return f"health fault on {first.node}: {first.get('detail')} ({first.get('message', '')})"
     if first.event == "store_lost":
         return f"{first.node} lost the rendezvous store: {first.get('error', '?')}"
     hang = hang or _hang_info(group)

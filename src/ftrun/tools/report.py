@@ -19,6 +19,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 from ftrun.errors import ExitCode
+from ftrun.tools.attribution import Attribution, attribute
 from ftrun.tools.events import Event, EventSet
 from ftrun.tools.failures import CycleTimes, Failure, find_failures
 from ftrun.tools.startup import StartupSplit, startup_splits
@@ -105,6 +106,8 @@ class Report:
     nodes: tuple[NodeInfo, ...]
     cycles: tuple[Cycle, ...]
     failures: tuple[Failure, ...]
+    attributions: tuple[Attribution, ...]
+    """Per failed cycle: its signature, the suspect, the evidence, the policy's decision."""
     spans: tuple[Span, ...]
     startup: tuple[StartupSplit, ...]
     """Per cycle, where its slowest rank's start-up went (`rank_startup` events)."""
@@ -156,6 +159,7 @@ def build_report(events: EventSet) -> Report:
         nodes=nodes,
         cycles=cycles,
         failures=failures,
+        attributions=attribute(all_events),
         spans=spans,
         startup=startup_splits(all_events),
         warnings=events.warnings,

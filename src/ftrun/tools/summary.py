@@ -18,8 +18,9 @@ from ftrun.tools.failures import Failure, ranks_text
 from ftrun.tools.report import Cycle, NodeInfo, Report
 from ftrun.tools.startup import startup_lines
 
-JSON_SCHEMA_VERSION = 3
-"""3: `startup`, per cycle where its slowest rank's start-up went.
+JSON_SCHEMA_VERSION = 4
+"""4: `attributions`, per failed cycle its signature, suspect, evidence and decision.
+3: `startup`, per cycle where its slowest rank's start-up went.
 2: training measured on progress (`progress_reported`, `startup_s`, `redone_s`, cycles'
 `stepping_at`/`training_until`, failures' `redone_iterations`/`redone_s`), `timeline_note`."""
 NO_PROGRESS = "no training progress reported (no RankMonitorClient): times below are process times"
@@ -57,6 +58,7 @@ def _lines(report: Report, timeline: str | None, timeline_note: str | None) -> I
     yield from _cycle_lines(report.cycles, clock, report.progress_reported)
     yield from startup_lines(report.startup)
     yield from _failure_lines(report.failures, clock, report.progress_reported)
+    yield from _attribution_lines(report)
     if timeline or timeline_note:
         yield ""
         yield f"Timeline   {timeline or timeline_note}"
@@ -210,6 +212,20 @@ def _failure_lines(
             yield f"     then: {line}"
         for note in failure.notes:
             yield f"     NOTE: {note}"
+
+
+def _attribution_lines(report: Report) -> Iterator[str]:
+    if not report.attributions:
+        return
+    yield ""
+    yield "Attribution  (signature | suspect | evidence | decision)"
+    for found in report.attributions:
+        rank = f" rank {found.rank}" if found.rank is not None else ""
+        yield f"  cycle {found.cycle}  {found.signature}"
+        yield f"     suspect: {found.node}{rank}"
+        for line in found.evidence:
+            yield f"     evidence: {line}"
+        yield f"     decision: {found.decision}"
 
 
 def _redone(failure: Failure) -> str:

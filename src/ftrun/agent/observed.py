@@ -1,0 +1,170 @@
+"""What the agent's executor observed and knows when it asks `policy.Policy` to decide: one
+frozen dataclass per event, the `AgentEvent` union of them, and the `Facts` read with them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ftrun.agent.attribution import Signature
+from ftrun.errors import ExitCode
+from ftrun.rank_monitor.workload import WorkloadAction
+from ftrun.rendezvous.control import FailureRecord, Shutdown
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How this launcher ends: its exit code and the reason logged with it."""
+
+    code: ExitCode
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class HealthChecked:
+    problem: str | None = None
+    """None: healthy; else why the node must not run workers."""
+    code: ExitCode = ExitCode.DO_NOT_RELAUNCH
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinReady:
+    """About to join a round; the answer is to exit, or to stay (join now)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Joined:
+    """This node is in the round."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinFailed:
+    reason: str
+    code: ExitCode = ExitCode.FAILED
+    closed: bool = False
+    """The rendezvous was closed (a shutdown): exit with the shutdown in force if any."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkersStarted:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class SpawnFailed:
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerEnded:
+    rank: int
+    returncode: int
+    """Negative: killed by that signal (Popen's convention)."""
+    others_running: int
+    """Local workers of this cycle still running after this one."""
+    signature: Signature | None = None
+    """What the failure looks like (None: not named; restarts as a plain failure)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HangsFound:
+    ranks: tuple[int, ...]
+    pids: tuple[int, ...]
+    """The hung workers' process group leaders: killed at once (they cannot be asked)."""
+    kind: str
+    signature: Signature | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class HealthFound:
+    """The health watch found a problem on this node while the workers ran."""
+
+    signature: Signature
+    fault: bool
+    """A fault (Xid, uncorrected ECC, pending retirement, a link that went down) rather than a
+    degradation (throttling): only faults act."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Signalled:
+    signum: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CycleEnded:
+    """Another node ended this cycle (restart vote or shutdown) while this one watched."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NodesWaiting:
+    count: int
+    """Nodes that arrived after the round closed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreLost:
+    error: str
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkersStopped:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlRequested:
+    """A worker asked for a workload action (`ftrun.client_lib.WorkloadControlRequest`)."""
+
+    rank: int
+    action: WorkloadAction
+    description: str
+    by: str = ""
+    """Who asked when it is no rank (a node service, e.g. the straggler detector)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PeersFinished:
+    """Every node of the round reported success (or the exit barrier timed out)."""
+
+    all_finished: bool = True
+    """False: the exit barrier timed out before every node reported."""
+
+
+AgentEvent = (
+    HealthChecked
+    | JoinReady
+    | Joined
+    | JoinFailed
+    | WorkersStarted
+    | SpawnFailed
+    | WorkerEnded
+    | HangsFound
+    | HealthFound
+    | ControlRequested
+    | Signalled
+    | CycleEnded
+    | NodesWaiting
+    | StoreLost
+    | WorkersStopped
+    | PeersFinished
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What the executor knows when it asks: this node, its cycle, the job's state in the store."""
+
+    node: str
+    cycle: int
+    shutdown: Shutdown | None = None
+    failures: int = 0
+    """Failure restarts of the job so far (scale-ups do not count)."""
+    round_size: int = 0
+    max_nodes: int = 1
+    after_stop: Outcome | None = None
+    """While stopping: how this node ends after the stop (None: it restarts)."""
+    stalled_cycles: int = 0
+    """Cycles in a row before the joined round that made no progress."""
+    history: tuple[FailureRecord, ...] = ()
+    """The job's failures before this one (read for a failure of a running cycle)."""
+    can_lose_node: bool = False
+    """A standby node waits, or the round is above the job's minimum size."""

@@ -1,0 +1,103 @@
+"""The worker's side of collective-level hang attribution: dump PyTorch's flight recorder when
+the node's agent asks.
+
+A rank hung in a collective is blocked in C++ with the GIL released, so a Python signal
+handler would never run (the main thread never returns to the interpreter). Instead, a daemon
+thread waits on a FIFO in the job's 0700 directory (`fr/rank<R>-pid<P>.fifo`): opening it for
+reading blocks until the agent opens it for writing, so the thread costs nothing until then.
+The agent writes where the dump goes; the thread calls torch's JSON dump
+(`torch._C._distributed_c10d._dump_fr_trace_json`: no pickle) and renames the file into place.
+
+Started by `RankMonitorClient.init_workload_monitoring()` when the flight recorder is on
+(`TORCH_FR_BUFFER_SIZE`, or its NCCL-era name, above 0); importing this module never imports
+torch, and a dump is only attempted once the training script has imported it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+from pathlib import Path
+
+FR_DIR = "fr"
+"""Under the job's IPC directory: the FIFOs and the dumps."""
+BUFFER_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+"""torch 2.13 reads the first, falling back to the second (distributed_c10d.py)."""
+_MAX_REQUEST = 4096
+_listener: threading.Thread | None = None
+"""This process's listener: one, however many clients it makes (a fork gets its own)."""
+
+
+def fifo_path(job_dir: Path, rank: int, pid: int) -> Path:
+    return job_dir / FR_DIR / f"rank{rank}-pid{pid}.fifo"
+
+
+def recorder_on(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+    """Whether torch records collectives in this process (a buffer size above 0)."""
+    for name in BUFFER_VARS:
+        if name in environ:
+            try:
+                return int(environ[name]) > 0
+            except ValueError:
+                return False
+    return False
+
+
+def start_listener(job_dir: Path, rank: int) -> threading.Thread | None:
+    """Create this rank's FIFO and the thread that answers dump requests, once per process;
+    None if the recorder is off."""
+    global _listener
+    fifo = fifo_path(job_dir, rank, os.getpid())
+    if _listener is not None and _listener.is_alive() and fifo.exists():
+        return _listener
+    if not recorder_on():
+        return None
+    try:
+        fifo.parent.mkdir(mode=0o700, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            fifo.unlink()
+        os.mkfifo(fifo, 0o600)
+    except OSError:
+        return None  # no attribution for this rank; training goes on
+    thread = threading.Thread(
+        target=_serve, args=(fifo, job_dir / FR_DIR), name="ftrun-flight-recorder", daemon=True
+    )
+    thread.start()
+    _listener = thread
+    return thread
+
+
+def _serve(fifo: Path, out_dir: Path) -> None:
+    while True:
+        try:
+            fd = os.open(fifo, os.O_RDONLY)  # blocks until the agent opens it for writing
+        except OSError:
+            return
+        try:
+            request = os.read(fd, _MAX_REQUEST).decode("utf-8", "replace").strip()
+        finally:
+            os.close(fd)
+        target = Path(request)
+        # Only a plain file name in our own directory: the FIFO is the agent's, but be strict.
+        if target.parent != out_dir or not target.name.endswith(".json"):
+            continue
+        _dump(target)
+
+
+def _dump(target: Path) -> None:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return  # the script never imported torch: nothing was recorded
+    try:
+        data = torch._C._distributed_c10d._dump_fr_trace_json(True, False)
+    except Exception:
+        return
+    tmp = target.with_suffix(".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data if isinstance(data, bytes) else str(data).encode())
+        os.replace(tmp, target)
+    except OSError:
+        return

@@ -1,0 +1,87 @@
+"""Attribution: per failed cycle, what failed (its signature), the suspected node and rank, the
+evidence, and what the restart policy decided.
+
+Read from the launchers' events: `failure` (a named failure and the policy's decision, written
+by the node it happened on), `node_lost` (a node that vanished with its workers, told by a
+survivor at the next round), `health_finding`, `hang` (where the ranks were stuck) and
+`collectives` (the collective a hung rank never entered). Failures marked `secondary` (a
+peer or the store went away) are consequences: the cause is the primary failure of the cycle,
+or the lost node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from ftrun.tools.events import Event
+
+
+@dataclasses.dataclass(frozen=True)
+class Attribution:
+    cycle: int
+    signature: str
+    """The failure's key (what the policy compares), or what was lost."""
+    node: str
+    rank: int | None
+    evidence: tuple[str, ...]
+    decision: str
+    """'restart', 'exclude node', 'stop job' (with why), or 'restart (node lost)'."""
+
+
+def attribute(events: Sequence[Event]) -> tuple[Attribution, ...]:
+    """One attribution per cycle that has a named failure or a lost node, in cycle order."""
+    failed = {e.cycle for e in events if e.event in ("failure", "collectives")}
+    lost = {int(e.get("lost_cycle", -1)) for e in events if e.event == "node_lost"}
+    cycles = sorted(failed | lost)
+    found = []
+    for cycle in cycles:
+        if (one := _cycle(cycle, events)) is not None:
+            found.append(one)
+    return tuple(found)
+
+
+def _cycle(cycle: int, events: Sequence[Event]) -> Attribution | None:
+    named = [e for e in events if e.event == "failure" and e.cycle == cycle]
+    primary = [e for e in named if not e.get("secondary")]
+    lost = [n for e in events if e.event == "node_lost" and e.get("lost_cycle") == cycle
+            for n in e.get("nodes", [])]  # fmt: skip
+    consequences = tuple(f"then on {e.node}: {e.get('key')}" for e in named if e not in primary)
+    if primary:
+        first = primary[0]
+        evidence = (*_evidence(first, events), *consequences)
+        decision = str(first.get("decision", "restart"))
+        if first.get("reason"):
+            decision += f": {first.get('reason')}"
+        return Attribution(cycle, str(first.get("key")), first.node, first.get("rank"),
+                           evidence, decision)  # fmt: skip
+    stalled = [e for e in events if e.event == "collectives" and e.cycle == cycle
+               and e.get("missing")]  # fmt: skip
+    if stalled:
+        first = stalled[0]
+        suspects = first.get("suspects") or ["?"]
+        decision = str(named[0].get("decision", "restart")) if named else "restart"
+        return Attribution(cycle, f"collective: {first.get('op')} not entered", suspects[0],
+                           first.get("missing")[0], (str(first.get("summary")), *consequences),
+                           decision)  # fmt: skip
+    if lost:
+        what = f"node lost: {', '.join(lost)} (launcher and workers gone)"
+        return Attribution(cycle, what, lost[0], None, consequences, "restart without it")
+    if named:
+        first = named[0]
+        return Attribution(cycle, str(first.get("key")), first.node, first.get("rank"),
+                           ("a consequence of a failure that left no record",),
+                           str(first.get("decision", "restart")))  # fmt: skip
+    return None
+
+
+def _evidence(failure: Event, events: Sequence[Event]) -> tuple[str, ...]:
+    lines = []
+    if failure.get("message") and failure.get("kind") != "health":  # the finding says it
+        lines.append(str(failure.get("message")))
+    same = [e for e in events if e.cycle == failure.cycle and e.node == failure.node]
+    for finding in (e for e in same if e.event == "health_finding"):
+        lines.append(f"health: {finding.get('finding')} ({finding.get('reading', '')})")
+    for hang in (e for e in same if e.event == "hang" and e.get("where")):
+        lines.append(f"rank {hang.get('rank')} {hang.get('where')}")
+    return tuple(dict.fromkeys(lines))

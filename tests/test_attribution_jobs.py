@@ -1,0 +1,137 @@
+"""Attribution with real launchers: health faults while training, failures that repeat on a
+node or across nodes, and a lost node named as the cause (2 nodes x 2 ranks, plus a standby).
+
+The ranks are tests/workers/fault_worker.py (no torch: the decisions are the agents'); the lost
+node runs examples/train_ddp.py, whose surviving ranks fail in gloo when their peer dies.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ftrun.errors import ExitCode
+from launch import Job, start_job
+from support import wait_for
+from test_spares import killable, lose, rounds, standby_nodes, wait_all
+
+pytestmark = pytest.mark.process
+
+ROOT = Path(__file__).resolve().parent
+FAULT = ROOT / "workers" / "fault_worker.py"
+COLLECTIVE = ROOT / "workers" / "collective_worker.py"
+FAKES = ROOT / "fakes"
+TWO_BY_TWO = ["--nnodes=2", "--nproc-per-node=2", "--max-restarts=5",
+              "--rdzv-conf=last_call_timeout=5"]  # fmt: skip
+POLL_S = 0.2
+
+
+def report(job: Job) -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "ftrun.tools.cli", "report", "--no-timeline", str(job.log_dir)],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout  # fmt: skip
+
+
+def failures(job: Job) -> list[dict]:
+    path = job.log_dir / "failures.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_an_xid_while_training_excludes_the_node_and_the_standby_takes_its_slot(tmp_path: Path):
+    xids = [tmp_path / f"xids{i}" for i in range(3)]
+    envs = [{"PYTHONPATH": str(FAKES), "FAKE_NVML": json.dumps({"devices": 1,
+             "xid_file": str(path)})} for path in xids]  # fmt: skip
+    job = start_job(
+        tmp_path, 3, [*TWO_BY_TWO, f"--ft-health-interval={POLL_S}"],
+        ["--steps", "150", "--step-time", "0.05"], script=FAULT, node_env=envs,
+    )  # fmt: skip
+    wait_for(lambda: len(job.progress(0)) >= 5, 90, "training on 2 nodes")
+    first = rounds(job)[0]
+    victim = killable(job, 0)
+    name = next(n for n in first if n.endswith(f"-{victim.proc.pid}"))
+    injected = time.time()
+    xids[victim.index].write_text("0 79\n")
+    codes = wait_all(job, 120)
+    assert codes == {n.index: ExitCode.EXCLUDED if n is victim else 0 for n in job.nodes}
+    [finding] = job.events("health_finding")
+    assert (finding["node"], finding["finding"], finding["fault"]) == (name, "Xid 79", True)
+    assert finding["ts"] - injected < POLL_S + 1.0  # one poll, and this host's scheduling
+    spare = standby_nodes(job, 0).pop()
+    assert rounds(job)[1] == [spare if n == name else n for n in first]
+    assert [(f["node"], f["key"]) for f in failures(job)] == [(name, "health: Xid 79")]
+    assert all(e["node"] != name for e in job.events("rendezvous_done") if e["cycle"] == 1)
+
+
+def test_the_same_exception_on_two_nodes_stops_the_job_not_relaunched(tmp_path: Path):
+    # Cycle 0: rank 0 (first node) raises; cycle 1: rank 2 (second node), in the same place.
+    job = start_job(
+        tmp_path, 2, [*TWO_BY_TWO, "--ft-max-same-failure=2"],
+        ["--raise", "0:0:3,1:2:3", "--steps", "200", "--step-time", "0.02"], script=FAULT,
+    )  # fmt: skip
+    codes = wait_all(job, 120)
+    assert set(codes.values()) == {ExitCode.REPEATED_FAILURE}
+    keys = {f["key"] for f in failures(job) if not f.get("secondary")}
+    assert keys == {"exception: ValueError at fault_worker.py:113 in load_batch"}
+    assert len({f["node"] for f in failures(job)}) == 2
+    text = report(job)
+    assert (
+        "the same failure in 2 cycles on 2 nodes" in text
+        and "ValueError at fault_worker.py" in text
+    )
+
+
+def test_a_node_failing_twice_the_same_way_is_excluded(tmp_path: Path):
+    job = start_job(
+        tmp_path, 3, [*TWO_BY_TWO], ["--raise-on-marked", "20", "--steps", "60"], script=FAULT,
+    )  # fmt: skip
+    job.wait_event("rendezvous_done", 2)
+    victim = killable(job, 0)
+    name = next(n for n in rounds(job)[0] if n.endswith(f"-{victim.proc.pid}"))
+    job.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    (job.ckpt_dir / f"fail-{name}").write_text("")
+    codes = wait_all(job, 120)
+    assert codes == {n.index: ExitCode.EXCLUDED if n is victim else 0 for n in job.nodes}
+    mine = [f for f in failures(job) if f["node"] == name]
+    assert len(mine) == 2 and mine[0]["key"] == mine[1]["key"]
+    assert name not in rounds(job)[2]
+    assert "failed the same way twice" in report(job)
+
+
+def test_a_lost_node_is_named_as_the_cause(tmp_path: Path):
+    job = start_job(tmp_path, 3, ["--nnodes=2", "--max-restarts=3",
+                                  "--rdzv-conf=last_call_timeout=5"],
+                    ["--steps", "60", "--step-time", "0.05"])  # fmt: skip
+    wait_for(lambda: len(job.progress(0)) >= 5, 90, "training on 2 nodes")
+    victim = killable(job, 0)
+    name = next(n for n in rounds(job)[0] if n.endswith(f"-{victim.proc.pid}"))
+    lose(victim)
+    wait_all(job, 120)
+    [lost] = job.events("node_lost")
+    assert (lost["nodes"], lost["lost_cycle"]) == ([name], 0)
+    assert all(f.get("secondary") for f in failures(job))  # the survivor's rank: a consequence
+    text = report(job)
+    assert f"node {name} lost" in text
+
+
+def test_a_rank_that_skips_an_all_reduce_is_named_by_the_flight_recorders(tmp_path: Path):
+    job = start_job(
+        tmp_path, 2, ["--nnodes=2", "--nproc-per-node=2", "--max-restarts=1",
+                      "--ft-rank-heartbeat-timeout=3"],
+        ["--skip", "0:3:10", "--steps", "30"], script=COLLECTIVE,
+    )  # fmt: skip
+    codes = wait_all(job, 120)
+    assert set(codes.values()) == {0}
+    found = job.events("collectives")[0]  # from each node that judged ranks hung
+    assert all(e["summary"] == found["summary"] for e in job.events("collectives"))
+    assert (found["op"], found["seq"], found["missing"]) == ("all_reduce", 10, [3])
+    assert found["entered"] == [0, 1, 2] and found["last_completed"] == 9
+    assert sorted(found["nodes_answered"]) == sorted(rounds(job)[0])
+    kept = list(job.log_dir.glob("*/cycle0/flight-rank*.json"))
+    assert len(kept) == 4
+    assert "rank(s) 3 never entered all_reduce seq 10" in report(job)
