@@ -84,4 +84,6 @@ def _evidence(failure: Event, events: Sequence[Event]) -> tuple[str, ...]:
         lines.append(f"health: {finding.get('finding')} ({finding.get('reading', '')})")
     for hang in (e for e in same if e.event == "hang" and e.get("where")):
         lines.append(f"rank {hang.get('rank')} {hang.get('where')}")
+    for found in (e for e in events if e.event == "collectives" and e.cycle == failure.cycle):
+        lines.append(f"flight recorders: {found.get('summary')}")
     return tuple(dict.fromkeys(lines))
