@@ -61,6 +61,7 @@ bench-gpu:
 	python3 bench/checkpoint/checkpoint_gpu.py
 	python3 bench/monitor/straggler_gpu.py
 	python3 bench/monitor/health_watch.py
+	python3 bench/monitor/flight_recorder.py
 	python3 bench/placement/numa_check.py
 	python3 bench/compat/nvrx_examples.py --set cuda --examples $(or $(NVRX_EXAMPLES),.nvrx/examples)
 
