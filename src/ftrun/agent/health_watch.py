@@ -78,9 +78,11 @@ class GpuReadings:
         self._handles = [nvml.nvmlDeviceGetHandleByIndex(i)
                          for i in range(nvml.nvmlDeviceGetCount())]  # fmt: skip
         self._events = nvml.nvmlEventSetCreate()
-        for handle in self._handles:
-            _optional(nvml, lambda h=handle: nvml.nvmlDeviceRegisterEvents(
-                h, _XID_CRITICAL, self._events))  # fmt: skip
+        for index, handle in enumerate(self._handles):
+            try:
+                nvml.nvmlDeviceRegisterEvents(handle, _XID_CRITICAL, self._events)
+            except nvml.NVMLError as exc:  # e.g. not supported on this GPU or driver
+                log.warning("health watch: no Xid events from GPU %d (%s)", index, exc)
         self._ecc: dict[int, int] = {}
         self._told: set[tuple[int, str]] = set()
 

@@ -123,7 +123,8 @@ class NodeAgent:
             facts = dataclasses.replace(
                 facts, shutdown=control.shutdown_requested(), failures=control.failures()
             )
-        if isinstance(event, _READS_HISTORY) and self._round is not None:
+        named = getattr(event, "signature", None) is not None  # a failure, not an exit 0
+        if isinstance(event, _READS_HISTORY) and named and self._round is not None:
             rnd, min_nodes = self._round, self.rt.config.rendezvous.min_nodes
             facts = dataclasses.replace(
                 facts, history=self.rt.control.failure_history(),
