@@ -16,6 +16,7 @@ torch, and a dump is only attempted once the training script has imported it.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import threading
@@ -87,13 +88,15 @@ def _serve(fifo: Path, out_dir: Path) -> None:
 
 
 def _dump(target: Path) -> None:
+    """Write the dump, or why there is none: the agent waits for the file either way."""
     torch = sys.modules.get("torch")
-    if torch is None:
-        return  # the script never imported torch: nothing was recorded
-    try:
-        data = torch._C._distributed_c10d._dump_fr_trace_json(True, False)
-    except Exception:
-        return
+    if torch is None:  # the script never imported torch: nothing was recorded
+        data: bytes = b'{"unavailable": "torch is not imported"}'
+    else:
+        try:
+            data = torch._C._distributed_c10d._dump_fr_trace_json(True, False)
+        except Exception as exc:
+            data = json.dumps({"unavailable": f"{type(exc).__name__}: {exc}"}).encode()
     tmp = target.with_suffix(".tmp")
     try:
         with open(tmp, "wb") as f:
