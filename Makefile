@@ -54,6 +54,7 @@ bench-more: $(STAMP)
 	$(VPY) bench/restart/forkserver.py
 	$(VPY) bench/checkpoint/peer_throughput.py
 	$(VPY) bench/monitor/lightning_overhead.py
+	$(VPY) bench/monitor/rerun.py
 	$(VPY) bench/compat/nvrx_examples.py --set cpu --skip-basic --examples $(or $(NVRX_EXAMPLES),.nvrx/examples)
 
 bench-gpu:

@@ -42,6 +42,8 @@ DO_NOT_RELAUNCH = 3  # the launcher says a relaunch is pointless
 NO_PROGRESS = 4  # --ft-max-no-progress-cycles cycles in a row without progress: do not relaunch
 EXCLUDED = 5  # this node left the job (a worker's request, a fault); the others' codes tell
 REPEATED_FAILURE = 6  # the same failure on --ft-max-same-failure nodes: do not relaunch
+RESUME_TO_DISAMBIGUATE = 16  # a rejected result must be re-run on other GPUs: relaunch
+FAILED_ON_RESULT_VALIDATION = 17  # a rejected result reproduced elsewhere (fatal): stop
 PREEMPTED = 75  # stopped by SIGTERM/SIGINT: relaunch me
 
 HISTORY_FILE = "relaunches.jsonl"
@@ -49,8 +51,9 @@ HISTORY_FILE = "relaunches.jsonl"
 _NO_LIMIT_S = 365 * 86400
 SCONTROL_TIMEOUT_S = 30
 # Which code a run reports when launchers disagree: a refusal to relaunch first, then a failure.
-_SEVERITY = (DO_NOT_RELAUNCH, REPEATED_FAILURE, NO_PROGRESS, USAGE, FAILED, PREEMPTED)
-_REFUSALS = (DO_NOT_RELAUNCH, REPEATED_FAILURE, NO_PROGRESS, USAGE)
+_SEVERITY = (DO_NOT_RELAUNCH, FAILED_ON_RESULT_VALIDATION, REPEATED_FAILURE, NO_PROGRESS, USAGE,
+             FAILED, RESUME_TO_DISAMBIGUATE, PREEMPTED)  # fmt: skip
+_REFUSALS = (DO_NOT_RELAUNCH, FAILED_ON_RESULT_VALIDATION, REPEATED_FAILURE, NO_PROGRESS, USAGE)
 _CODE_NAMES = {
     SUCCESS: "success",
     FAILED: "restart budget spent",
@@ -59,6 +62,8 @@ _CODE_NAMES = {
     NO_PROGRESS: "no progress",
     EXCLUDED: "node excluded",
     REPEATED_FAILURE: "the same failure on several nodes",
+    RESUME_TO_DISAMBIGUATE: "re-run a rejected result elsewhere",
+    FAILED_ON_RESULT_VALIDATION: "failed on result validation",
     PREEMPTED: "preempted",
 }
 

@@ -93,7 +93,13 @@ def test_dependencies_point_one_way() -> None:
     assert graph["ftrun.tools"] <= {"ftrun.events", "ftrun.straggler.config"}, graph["ftrun.tools"]
 
 
-SUBSYSTEMS = ("ftrun.checkpointing", "ftrun.straggler", "ftrun.lightning", "ftrun.tools")
+SUBSYSTEMS = (
+    "ftrun.checkpointing",
+    "ftrun.straggler",
+    "ftrun.lightning",
+    "ftrun.rerun",
+    "ftrun.tools",
+)
 
 
 def test_the_agent_imports_no_subsystem_and_none_imports_the_agent() -> None:

@@ -29,6 +29,12 @@ class ExitCode(enum.IntEnum):
     REPEATED_FAILURE = 6
     """The same failure on `--ft-max-same-failure` different nodes: a fault of the software or
     the data, not of a node; do not relaunch (the report names the failure)."""
+    RESUME_TO_DISAMBIGUATE = 16
+    """A rejected result must be re-run on other GPUs and no standby node was there to do it
+    in this job: relaunch from the checkpoint just saved (Megatron-Core's 16)."""
+    FAILED_ON_RESULT_VALIDATION = 17
+    """A result failed validation and re-running it elsewhere reproduced it (`fatal`): the
+    re-run state machine stopped the job; do not relaunch (Megatron-Core's 17)."""
     PREEMPTED = 75
     """Stopped by SIGTERM/SIGINT (preemption, time limit): relaunch me (EX_TEMPFAIL)."""
 
@@ -55,6 +61,12 @@ class ProtocolError(FtrunError):
 
 class RendezvousFailedError(FtrunError):
     """The nodes could not meet (timeout, store gone, bad infra rank)."""
+
+
+class NodeExcludedError(FtrunError):
+    """This standby node was excluded from the job while it waited (a re-run found it faulty)."""
+
+    exit_code = ExitCode.EXCLUDED
 
 
 class NodeUnhealthyError(FtrunError):

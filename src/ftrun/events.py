@@ -173,6 +173,22 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
         _opt("nodes_answered", LIST),
         _opt("suspects", LIST, "the nodes of the missing ranks"),
     ),
+    "rerun_suspect": (
+        _req("rank", INT, "the rank whose rejected result reproduced in place"),
+        _req("iteration", INT),
+        _req("message", STR, "the validation's message (e.g. 'loss is NaN')"),
+        _opt("result", STR),
+    ),
+    "rerun_verdict": (
+        _req("diagnostic", STR, "transient_error, persistent_error or correct_result"),
+        _req("rank", INT),
+        _req("iteration", INT),
+        _req("message", STR),
+        _opt("initial", STR, "the rejected result"),
+        _opt("rerun", STR, "the re-run's result"),
+        _opt("suspect_node", STR, "the node whose result was rejected"),
+        _opt("fatal", BOOL),
+    ),
     "node_lost": (
         _req("nodes", LIST, "nodes of the cycle that did not come back and did not say why"),
         _req("lost_cycle", INT, "the cycle they were lost in (the event's own cycle is the next)"),

@@ -34,6 +34,8 @@ def test_exit_codes_mirror_ftrun_errors():
     assert relaunch.NO_PROGRESS == ExitCode.NO_PROGRESS
     assert relaunch.EXCLUDED == ExitCode.EXCLUDED
     assert relaunch.REPEATED_FAILURE == ExitCode.REPEATED_FAILURE
+    assert relaunch.RESUME_TO_DISAMBIGUATE == ExitCode.RESUME_TO_DISAMBIGUATE
+    assert relaunch.FAILED_ON_RESULT_VALIDATION == ExitCode.FAILED_ON_RESULT_VALIDATION
     assert relaunch.PREEMPTED == ExitCode.PREEMPTED
 
 
@@ -57,6 +59,9 @@ def test_exit_codes_mirror_ftrun_errors():
         # the same failure on several nodes: a software fault, never relaunched
         ([6, 6], None, 0, JobEnding.RUNNING, STOP, 6),
         ([6, 1, 75], False, 0, JobEnding.RUNNING, STOP, 6),
+        # the re-run state machine: 16 relaunches (other GPUs decide), 17 stops
+        ([16, 16], False, 0, JobEnding.RUNNING, RELAUNCH, 16),
+        ([17, 17, 17], False, 0, JobEnding.RUNNING, STOP, 17),
         # relaunchable: budget spent in the job, preempted, killed, no code at all
         ([1, 1], False, 0, JobEnding.RUNNING, RELAUNCH, 1),
         ([75, 75], False, 2, JobEnding.RUNNING, RELAUNCH, 75),

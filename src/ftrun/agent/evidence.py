@@ -28,11 +28,15 @@ from ftrun.agent.attribution import (
 from ftrun.agent.flight_recorder import FlightRecorder, suspect_nodes
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.workers import WorkerExited, WorkerGroup
+from ftrun.errors import ExitCode
 from ftrun.rank_monitor import Verdict
 from ftrun.rendezvous.control import FailureRecord
 from ftrun.rendezvous.ranks import Round
 
 log = logging.getLogger("ftrun.agent")
+
+_NOT_FAILURES = (0, ExitCode.RESUME_TO_DISAMBIGUATE, ExitCode.FAILED_ON_RESULT_VALIDATION)
+"""Exits the re-run state machine asks for: decisions, not failures to name."""
 
 
 class Evidence:
@@ -45,7 +49,7 @@ class Evidence:
 
     def of_exit(self, group: WorkerGroup | None, item: WorkerExited) -> Signature | None:
         """A worker's own failure, named from the end of its stderr; None for an exit 0."""
-        if item.returncode == 0 or group is None:
+        if item.returncode in _NOT_FAILURES or group is None:
             return None
         tail = group.stderr_tail(item.pid, STDERR_TAIL_BYTES)
         return exit_signature(item.returncode, tail, item.rank)

@@ -123,13 +123,18 @@ class NodeAgent:
             facts = dataclasses.replace(
                 facts, shutdown=control.shutdown_requested(), failures=control.failures()
             )
+        # Standby nodes of this node's round: another node's vote may have moved the job on.
+        rnd = self._round
+        if isinstance(event, p.WorkerEnded) and event.returncode in p.RERUN_CODES and rnd:
+            waiting = self.rt.rendezvous.num_nodes_waiting(rnd.number) > 0
+            facts = dataclasses.replace(facts, standby_waiting=waiting)
         named = getattr(event, "signature", None) is not None  # a failure, not an exit 0
-        if isinstance(event, _READS_HISTORY) and named and self._round is not None:
-            rnd, min_nodes = self._round, self.rt.config.rendezvous.min_nodes
+        if isinstance(event, _READS_HISTORY) and named and rnd is not None:
+            min_nodes = self.rt.config.rendezvous.min_nodes
             facts = dataclasses.replace(
                 facts, history=self.rt.control.failure_history(),
                 can_lose_node=len(rnd.nodes) - 1 >= min_nodes
-                or bool(rnd.standby) or self.rt.rendezvous.num_nodes_waiting() > 0,
+                or bool(rnd.standby) or self.rt.rendezvous.num_nodes_waiting(rnd.number) > 0,
             )  # fmt: skip
         return self.policy.decide(self.state, event, facts)
 

@@ -168,3 +168,5 @@ class Facts:
     """The job's failures before this one (read for a failure of a running cycle)."""
     can_lose_node: bool = False
     """A standby node waits, or the round is above the job's minimum size."""
+    standby_waiting: bool = False
+    """A standby node waits to take a slot (read for a re-run request, a worker's exit 16)."""

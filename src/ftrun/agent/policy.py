@@ -24,6 +24,11 @@ Rules worth knowing:
 - A health finding while training (`HealthFound`) does what `--ft-health-action` says: `log`,
   `restart` (a failure like any other), or `exclude` (the node leaves when the job can go on
   without it, else it is logged). Findings that are not faults (throttling) are only logged.
+- The re-run state machine (`ftrun.rerun`): a worker's exit 16 asks for the step to be re-run
+  on another node. It is not a failure: the job restarts (the suspect node steps aside, a
+  standby takes its slot) when a standby node waits; otherwise every launcher exits 16 (a
+  relaunch lands elsewhere). A worker's exit 17 (a rejected result reproduced elsewhere, fatal)
+  stops the job with 17, not relaunched.
 - `--ft-max-no-progress-cycles`: a round that starts after that many cycles in a row without
   progress (see `rendezvous.published.Progress`) ends the job with `ExitCode.NO_PROGRESS`.
 """
@@ -172,6 +177,8 @@ class Policy:
         return _restart(f"spawn failed on {facts.node}: {event.reason}")
 
     def _worker_ended(self, event: WorkerEnded, facts: Facts) -> Action:
+        if event.returncode in RERUN_CODES:
+            return _rerun(event, facts)
         if event.returncode != 0:
             cause = f"rank {event.rank} on {facts.node} {exit_text(event.returncode)}"
             return self._failure(cause, event.signature, facts)
@@ -284,6 +291,24 @@ class Policy:
         if state in (AgentState.RUNNING, AgentState.STARTING):
             return Action(AgentState.STOPPING, outcome=lost)
         return Action(AgentState.EXITING, outcome=lost)
+
+
+RERUN_CODES = (ExitCode.RESUME_TO_DISAMBIGUATE, ExitCode.FAILED_ON_RESULT_VALIDATION)
+
+
+def _rerun(event: WorkerEnded, facts: Facts) -> Action:
+    """The re-run state machine's exits: re-run elsewhere (16), or the diagnosis is done (17)."""
+    who = f"rank {event.rank} on {facts.node}"
+    if event.returncode == ExitCode.FAILED_ON_RESULT_VALIDATION:
+        why = f"{who}: a rejected result was reproduced on another node (fatal): stopping"
+        return Action(AgentState.STOPPING,
+                      shutdown=Outcome(ExitCode.FAILED_ON_RESULT_VALIDATION, why))  # fmt: skip
+    if facts.standby_waiting:
+        why = f"{who}: a rejected result is re-run on another node"
+        return Action(AgentState.STOPPING, vote=RestartVote(why, failure=False))
+    why = (f"{who}: a rejected result must be re-run on other GPUs and no standby node waits: "
+           "relaunch the job from its checkpoint")  # fmt: skip
+    return Action(AgentState.STOPPING, shutdown=Outcome(ExitCode.RESUME_TO_DISAMBIGUATE, why))
 
 
 def _exit(code: ExitCode, reason: str) -> Action:

@@ -37,9 +37,9 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from ftrun.errors import ExitCode
+from ftrun.errors import ExitCode, NodeExcludedError
 from ftrun.rendezvous.config import RendezvousConfig
-from ftrun.rendezvous.control import JobControl, existing_keys, wait_for_key, wait_for_keys
+from ftrun.rendezvous.control import existing_keys, job_control, wait_for_key, wait_for_keys
 from ftrun.rendezvous.errors import DescriptorVersionError, InfraRankError, JoinInterruptedError
 from ftrun.rendezvous.published import Progress, PublishedRound
 from ftrun.rendezvous.ranks import NodeDescriptor, Round, order_nodes, row_from_json
@@ -90,7 +90,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
         self._config = config
         self._prefix = f"ftrun/{config.run_id}"
         self._store = store
-        self.control = JobControl(store, self._prefix)
+        self.control = job_control(store, config.run_id)
         self._descriptor = descriptor
         self._probe = probe
         self._on_standby = on_standby
@@ -121,10 +121,10 @@ class BarrierRendezvousHandler(RendezvousHandler):
     def set_closed(self) -> None:
         self.control.shutdown(ExitCode.SUCCESS, "rendezvous closed", self.control.cycle())
 
-    def num_nodes_waiting(self) -> int:
-        """Nodes that arrived at the current round but are not in it (candidates for a
-        scale-up while the round is smaller than `max_nodes`)."""
-        cycle = self.control.cycle()
+    def num_nodes_waiting(self, cycle: int | None = None) -> int:
+        """Nodes that arrived at round `cycle` (default: the current one) but are not in it
+        (standby nodes; candidates for a scale-up while the round is below `max_nodes`)."""
+        cycle = self.control.cycle() if cycle is None else cycle
         closed = self._key(cycle, "closed")
         if not self._store.check([closed]):
             return 0
@@ -208,7 +208,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
         published = PublishedRound(
             rows=tuple(planning.rows[a.index] for a in chosen),
             indices=tuple(a.index for a in chosen),
-            standby=tuple(a.node for a in standbys(arrivals, chosen, view.by_infra)),
+            standby=tuple(a.node for a in standbys(arrivals, chosen, view.by_infra, view.aside)),
             progress=self._progress(planning),
             error=error,
         )
@@ -237,6 +237,9 @@ class BarrierRendezvousHandler(RendezvousHandler):
             gone=frozenset(planning.gone),
             capacity=config.max_nodes - unhealthy - len(planning.gone - planning.gone_unhealthy),
             last_call_over=waited,
+            aside=self.control.stepped_aside(planning.cycle)
+            if previous is not None
+            else frozenset(),
         )
 
     def _find_gone(self, planning: _Planning, arrived: set[str]) -> None:
@@ -297,8 +300,12 @@ class BarrierRendezvousHandler(RendezvousHandler):
         return self._published(cycle)
 
     def _await_next(self, cycle: int, deadline: float, interrupted: Callable[[], bool]) -> None:
+        me = self._descriptor().node
         while not self.control.wait_restart(cycle, _WAIT_CHUNK_S):
             self._check_waiting(deadline, interrupted)
+            if self._store.check([self.control.gone_key(me)]):  # excluded while standing by
+                reason = self._store.get(self.control.gone_key(me)).decode()
+                raise NodeExcludedError(f"excluded while standing by: {reason}")
 
     def _check_waiting(self, deadline: float, interrupted: Callable[[], bool]) -> None:
         if interrupted():

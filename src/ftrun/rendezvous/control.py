@@ -38,6 +38,11 @@ class Shutdown:
     reason: str
 
 
+def job_control(store: Store, run_id: str) -> JobControl:
+    """The job's control keys: the one place their prefix is made."""
+    return JobControl(store, f"ftrun/{run_id}")
+
+
 class JobControl:
     """Typed access to the job's control keys under `prefix`."""
 
@@ -120,11 +125,23 @@ class JobControl:
         """This node leaves the job for good: rounds stop keeping a slot for it."""
         self._store.set(self._key(f"gone/{node}"), reason)
 
+    def step_aside(self, node: str, cycle: int) -> None:
+        """`node` gives up its slot in `cycle` and stands by: a step must be re-run elsewhere."""
+        self._store.append(self._key(f"c{cycle}/aside"), node + "\n")
+
+    def stepped_aside(self, cycle: int) -> frozenset[str]:
+        """The nodes that give up their slot in `cycle` (one read, whatever the job's size)."""
+        key = self._key(f"c{cycle}/aside")
+        if not self._store.check([key]):
+            return frozenset()
+        return frozenset(filter(None, self._store.get(key).decode().splitlines()))
+
     def left_on_purpose(self, node: str, cycle: int) -> bool:
         """Whether `node` said why it is not in `cycle`: it left the job, or was unhealthy."""
-        return self._store.check([self.gone_key(node)]) or self._store.check(
+        said = self._store.check([self.gone_key(node)]) or self._store.check(
             [self.unhealthy_key(cycle, node)]
         )
+        return said or node in self.stepped_aside(cycle + 1)
 
     def gone_key(self, node: str) -> str:
         return self._key(f"gone/{node}")

@@ -23,7 +23,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from ftrun.rendezvous.config import RendezvousConfig
-from ftrun.rendezvous.control import JobControl
+from ftrun.rendezvous.control import job_control
 from ftrun.rendezvous.errors import JoinInterruptedError
 from ftrun.rendezvous.ranks import NodeDescriptor, Round, order_nodes
 
@@ -45,7 +45,7 @@ class DynamicRendezvous:
         self._config = config
         self._store = store
         self._prefix = f"ftrun/{config.run_id}"
-        self.control = JobControl(store, self._prefix)
+        self.control = job_control(store, config.run_id)
         self._descriptor = descriptor
         self.handler = DynamicRendezvousHandler.from_backend(
             run_id=config.run_id,
@@ -73,8 +73,8 @@ class DynamicRendezvous:
         nodes = order_nodes(arrivals, self._config.use_infra_group_rank)
         return Round(cycle, nodes, nodes.index(arrivals[info.rank]))
 
-    def num_nodes_waiting(self) -> int:
-        return self.handler.num_nodes_waiting()
+    def num_nodes_waiting(self, cycle: int | None = None) -> int:
+        return self.handler.num_nodes_waiting()  # torch's: the current round only
 
     def _next_rendezvous(self, interrupted: Callable[[], bool], cycle: int) -> RendezvousInfo:
         """torch's call blocks until its own deadline; run it aside so that signals and

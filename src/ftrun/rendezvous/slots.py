@@ -46,6 +46,9 @@ class RoundView:
     """The most nodes that can still take part (`max_nodes` less the unhealthy and the gone)."""
     last_call_over: bool = False
     """`last_call_timeout` has passed since `min_nodes` were there: wait for nobody else."""
+    aside: frozenset[str] = frozenset()
+    """Nodes that give up their slot this round (a step is re-run elsewhere): other spares
+    take it first; one of them takes a slot only when no other node can."""
 
 
 def plan_round(view: RoundView) -> tuple[Arrival, ...] | None:
@@ -55,16 +58,19 @@ def plan_round(view: RoundView) -> tuple[Arrival, ...] | None:
         first_of_owner.setdefault(arrival.node, arrival)
         if arrival.infra_rank is not None:
             first_of_owner.setdefault(arrival.infra_rank, arrival)
-    owned = [first_of_owner.get(owner) for owner in view.owners[: view.max_nodes]]
+    owned = [
+        None if owner in view.aside else first_of_owner.get(owner)
+        for owner in view.owners[: view.max_nodes]
+    ]
     pending = [
         owner
         for owner, arrival in zip(view.owners, owned, strict=False)
-        if arrival is None and owner not in view.gone
+        if arrival is None and owner not in view.gone and owner not in view.aside
     ]
     if pending and not view.last_call_over:
         return None
     slots = owned + [None] * (view.max_nodes - len(owned))
-    spares = iter(standbys(view.arrivals, slots, view.by_infra))
+    spares = iter(standbys(view.arrivals, slots, view.by_infra, view.aside))
     filled = [arrival if arrival is not None else next(spares, None) for arrival in slots]
     nodes = tuple(arrival for arrival in filled if arrival is not None)
     if len(nodes) == view.max_nodes:
@@ -78,11 +84,15 @@ def plan_round(view: RoundView) -> tuple[Arrival, ...] | None:
 
 
 def standbys(
-    arrivals: tuple[Arrival, ...], taken: list[Arrival | None] | tuple[Arrival, ...], by_infra: bool
+    arrivals: tuple[Arrival, ...],
+    taken: list[Arrival | None] | tuple[Arrival, ...],
+    by_infra: bool,
+    aside: frozenset[str] = frozenset(),
 ) -> list[Arrival]:
-    """Arrivals not in `taken`, in the order they take vacant slots."""
+    """Arrivals not in `taken`, in the order they take vacant slots (those stepping aside
+    last)."""
     used = {arrival.index for arrival in taken if arrival is not None}
     rest = [arrival for arrival in arrivals if arrival.index not in used]
     if by_infra:
         rest.sort(key=lambda a: (a.infra_rank is None, a.infra_rank or 0, a.index))
-    return rest
+    return sorted(rest, key=lambda a: a.node in aside)  # stable: the order above otherwise

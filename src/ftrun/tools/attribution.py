@@ -6,7 +6,8 @@ by the node it happened on), `node_lost` (a node that vanished with its workers,
 survivor at the next round), `health_finding`, `hang` (where the ranks were stuck) and
 `collectives` (the collective a hung rank never entered). Failures marked `secondary` (a
 peer or the store went away) are consequences: the cause is the primary failure of the cycle,
-or the lost node.
+or the lost node. Re-run verdicts (`rerun_verdict`, from `ftrun.rerun`) are listed apart:
+they diagnose a result, not a failure.
 """
 
 from __future__ import annotations
@@ -87,3 +88,38 @@ def _evidence(failure: Event, events: Sequence[Event]) -> tuple[str, ...]:
     for found in (e for e in events if e.event == "collectives" and e.cycle == failure.cycle):
         lines.append(f"flight recorders: {found.get('summary')}")
     return tuple(dict.fromkeys(lines))
+
+
+@dataclasses.dataclass(frozen=True)
+class RerunVerdict:
+    """A re-run state machine's diagnosis (`ftrun.rerun`), as one line of the report."""
+
+    cycle: int
+    iteration: int
+    rank: int
+    diagnostic: str
+    message: str
+    initial: str
+    rerun: str
+    suspect_node: str
+    outcome: str
+
+
+_OUTCOMES = {
+    "transient_error": "training went on with the re-run's result",
+    "persistent_error": "the suspect node was excluded; training went on elsewhere",
+}
+
+
+def rerun_verdicts(events: Sequence[Event]) -> tuple[RerunVerdict, ...]:
+    found = []
+    for e in (e for e in events if e.event == "rerun_verdict"):
+        diagnostic = str(e.get("diagnostic"))
+        outcome = _OUTCOMES.get(diagnostic, "")
+        if diagnostic == "correct_result":
+            outcome = "the job stopped (17)" if e.get("fatal") else "training went on"
+        found.append(RerunVerdict(e.cycle, int(e.get("iteration", -1)), int(e.get("rank", -1)),
+                                  diagnostic, str(e.get("message", "")), str(e.get("initial", "")),
+                                  str(e.get("rerun", "")), str(e.get("suspect_node", "")),
+                                  outcome))  # fmt: skip
+    return tuple(found)

@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 from ftrun.errors import ExitCode
-from ftrun.tools.attribution import Attribution, attribute
+from ftrun.tools.attribution import Attribution, RerunVerdict, attribute, rerun_verdicts
 from ftrun.tools.events import Event, EventSet
 from ftrun.tools.failures import CycleTimes, Failure, find_failures
 from ftrun.tools.startup import StartupSplit, startup_splits
@@ -108,6 +108,8 @@ class Report:
     failures: tuple[Failure, ...]
     attributions: tuple[Attribution, ...]
     """Per failed cycle: its signature, the suspect, the evidence, the policy's decision."""
+    reruns: tuple[RerunVerdict, ...]
+    """The re-run state machine's verdicts."""
     spans: tuple[Span, ...]
     startup: tuple[StartupSplit, ...]
     """Per cycle, where its slowest rank's start-up went (`rank_startup` events)."""
@@ -160,6 +162,7 @@ def build_report(events: EventSet) -> Report:
         cycles=cycles,
         failures=failures,
         attributions=attribute(all_events),
+        reruns=rerun_verdicts(all_events),
         spans=spans,
         startup=startup_splits(all_events),
         warnings=events.warnings,

@@ -19,7 +19,8 @@ from ftrun.tools.report import Cycle, NodeInfo, Report
 from ftrun.tools.startup import startup_lines
 
 JSON_SCHEMA_VERSION = 4
-"""4: `attributions`, per failed cycle its signature, suspect, evidence and decision.
+"""4: `attributions`, per failed cycle its signature, suspect, evidence and decision; `reruns`,
+the re-run state machine's verdicts.
 3: `startup`, per cycle where its slowest rank's start-up went.
 2: training measured on progress (`progress_reported`, `startup_s`, `redone_s`, cycles'
 `stepping_at`/`training_until`, failures' `redone_iterations`/`redone_s`), `timeline_note`."""
@@ -59,6 +60,7 @@ def _lines(report: Report, timeline: str | None, timeline_note: str | None) -> I
     yield from startup_lines(report.startup)
     yield from _failure_lines(report.failures, clock, report.progress_reported)
     yield from _attribution_lines(report)
+    yield from _rerun_lines(report)
     if timeline or timeline_note:
         yield ""
         yield f"Timeline   {timeline or timeline_note}"
@@ -226,6 +228,17 @@ def _attribution_lines(report: Report) -> Iterator[str]:
         for line in found.evidence:
             yield f"     evidence: {line}"
         yield f"     decision: {found.decision}"
+
+
+def _rerun_lines(report: Report) -> Iterator[str]:
+    if not report.reruns:
+        return
+    yield ""
+    yield "Re-runs  (ftrun.rerun: a rejected result re-run in place, then on another node)"
+    for v in report.reruns:
+        yield (f"  cycle {v.cycle} iteration {v.iteration} rank {v.rank}: {v.diagnostic} "
+               f"({v.message}): first {v.initial}, re-run {v.rerun}; suspect node "
+               f"{v.suspect_node}: {v.outcome}")  # fmt: skip
 
 
 def _redone(failure: Failure) -> str:

@@ -60,6 +60,7 @@ class Replicator:
         self._settings = settings
         self._emit = emit
         self._lock = threading.Lock()
+        self._ticking = threading.Lock()  # one pass at a time: the thread's, or a flush
         self._round: Round | None = None
         self._seen: set[tuple[str, PartKey]] = set()
         self._complaints: dict[str, str] = {}  # what was logged last, per topic: log once
@@ -93,6 +94,10 @@ class Replicator:
 
     def tick(self) -> None:
         """One poll: handle the parts this node's ranks wrote since the last one."""
+        with self._ticking:
+            self._tick()
+
+    def _tick(self) -> None:
         with self._lock:
             rnd = self._round
         if rnd is None:

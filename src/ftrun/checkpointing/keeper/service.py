@@ -9,6 +9,8 @@
   restored iteration protected (`PROTECTED_FILE`), and the parts of the timeline the job left
   removed (`holdings.after_restore`). The replicator and pushes from peers pause meanwhile
   and resume for the new round.
+- `on_stopped`, when the workers of a cycle are gone: one replication pass, so that what they
+  saved just before exiting has its replicas before the next round's agreement.
 
 A failing keeper never stops training: the thread logs and goes on; `on_round` never raises.
 If the restore fails on this node (a store error, a bug), every session of this node gets a
@@ -22,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from torch.distributed import Store
@@ -88,6 +90,15 @@ class KeeperService(NodeService):
             except Exception:
                 log.exception("checkpoint keeper: replication stays off this round")
             self._parts.cycle = rnd.number
+
+    def on_stopped(self, rnd: Round | None, pids: Iterable[int]) -> None:
+        """The workers are gone: replicate what they saved last before the next round (a
+        part written just before an exit, such as a re-run's checkpoint, would otherwise be
+        left to the next poll, after the restore agreement that needs it)."""
+        try:
+            self.replicator.tick()
+        except Exception as exc:
+            log.warning("checkpoint keeper: replicating the last parts failed: %r", exc)
 
     def close(self) -> None:
         self._parts.cycle = None

@@ -1,0 +1,99 @@
+"""The re-run state machine across nodes, with real launchers (gloo, 2 nodes x 2 ranks plus a
+standby): a fault injected in one rank's result (tests/workers/rerun_worker.py) is told apart
+as transient, a bad node's, or a correct but unexpected result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ftrun.errors import ExitCode
+from launch import Job, start_job
+from test_attribution_jobs import report
+from test_spares import killable, rounds, standby_nodes, wait_all
+
+pytestmark = pytest.mark.process
+
+WORKER = Path(__file__).resolve().parent / "workers" / "rerun_worker.py"
+JOB = ["--nnodes=2", "--nproc-per-node=2", "--max-restarts=3", "--rdzv-conf=last_call_timeout=5"]
+STEPS, FLIP_STEP = 40, 20
+
+
+def expected_w(steps: int, world: int = 4, lr: float = 0.01) -> float:
+    """The weight after `steps` clean steps (the worker's model, in float64)."""
+    w = 1.0
+    for step in range(1, steps + 1):
+        xs = [1.0 + 0.01 * step + 0.1 * r for r in range(world)]
+        w -= lr * sum(2 * (w - 2) * x * x for x in xs) / world
+    return w
+
+
+def progress(job: Job, rank: int) -> list[tuple[int, int, float, float]]:
+    rows = [line.split() for line in (job.ckpt_dir / f"progress-rank{rank}.txt").read_text()
+            .splitlines()]  # fmt: skip
+    return [(int(c), int(s), float(loss), float(w)) for c, s, loss, w, _ in rows]
+
+
+def start(tmp_path: Path, mode: str, *extra: str) -> Job:
+    job = start_job(tmp_path, 3, JOB, ["--flip", f"{mode}:{FLIP_STEP}", "--steps", str(STEPS),
+                                       *extra], script=WORKER)  # fmt: skip
+    job.wait_event("rendezvous_done", 2)
+    return job
+
+
+def flip_on(job: Job) -> tuple[str, int]:
+    """Flip the second rank of an active node that does not host the store; its name, rank."""
+    first = rounds(job)[0]
+    victim = killable(job, 0)
+    name = next(n for n in first if n.endswith(f"-{victim.proc.pid}"))
+    rank = 2 * first.index(name) + 1
+    job.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    (job.ckpt_dir / "flip-rank").write_text(str(rank))
+    return name, rank
+
+
+def test_a_one_off_flip_is_transient_and_nothing_restarts(tmp_path: Path):
+    job = start(tmp_path, "once")
+    _, rank = flip_on(job)
+    codes = wait_all(job, 120)
+    assert set(codes.values()) == {0}
+    assert len(rounds(job)) == 1
+    [verdict] = job.events("rerun_verdict")
+    assert (verdict["diagnostic"], verdict["rank"]) == ("transient_error", rank)
+    rows = progress(job, rank)
+    assert rows[-1][1] == STEPS and rows[-1][3] == pytest.approx(expected_w(STEPS), rel=1e-4)
+    text = report(job)
+    assert "Re-runs" in text and "transient_error (loss spike)" in text
+    assert "training went on with the re-run's result" in text
+
+
+def test_a_flip_on_one_node_excludes_it_and_the_standby_carries_on(tmp_path: Path):
+    job = start(tmp_path, "marked")
+    name, rank = flip_on(job)
+    (job.ckpt_dir / f"fail-{name}").write_text("")
+    codes = wait_all(job, 120)
+    victim = next(n for n in job.nodes if name.endswith(f"-{n.proc.pid}"))
+    assert codes == {n.index: ExitCode.EXCLUDED if n is victim else 0 for n in job.nodes}
+    [suspect] = job.events("rerun_suspect")
+    assert (suspect["node"], suspect["rank"]) == (name, rank)
+    [verdict] = job.events("rerun_verdict")
+    assert (verdict["diagnostic"], verdict["suspect_node"]) == ("persistent_error", name)
+    spare = standby_nodes(job, 0).pop()
+    assert rounds(job)[1] == [spare if n == name else n for n in rounds(job)[0]]
+    for r in range(4):  # every rank ends where a run without the fault ends
+        rows = progress(job, r)
+        assert rows[-1][:2] == (1, STEPS)
+        assert rows[-1][3] == pytest.approx(expected_w(STEPS), rel=1e-4)
+    redone = next(row for row in progress(job, rank) if row[0] == 1)
+    assert redone[1] == FLIP_STEP and redone[2] < 100  # the step re-run elsewhere, unflipped
+
+
+def test_a_result_that_reproduces_everywhere_is_correct_and_fatal_stops_with_17(tmp_path: Path):
+    job = start(tmp_path, "always", "--fatal")
+    flip_on(job)
+    codes = wait_all(job, 120)
+    assert set(codes.values()) == {ExitCode.FAILED_ON_RESULT_VALIDATION}
+    [verdict] = job.events("rerun_verdict")
+    assert verdict["diagnostic"] == "correct_result"
+    assert len(rounds(job)) == 2  # the re-run elsewhere, then the stop
