@@ -11,7 +11,6 @@ node ended the cycle.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import queue
 import signal
@@ -26,9 +25,10 @@ from torch.distributed.elastic.rendezvous import (
 
 from ftrun.agent import policy as p
 from ftrun.agent.evidence import Evidence
+from ftrun.agent.facts import read_facts
 from ftrun.agent.health_watch import HealthFinding
 from ftrun.agent.inbox import SignalReceived, SignalRecorder, take_queued
-from ftrun.agent.policy import Action, AgentEvent, Facts, Outcome, Policy
+from ftrun.agent.policy import Action, AgentEvent, Outcome, Policy
 from ftrun.agent.reporting import CycleReport
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.state import AgentState, check_transition
@@ -49,10 +49,6 @@ _SCALE_CHECK_S = 1.0
 # every second while joining): a few seconds cover them, a dead peer must not hold us long.
 _STORE_LINGER_S = 5.0
 _VERDICT_WINDOW_S = 0.05
-# Events whose decision depends on the job's state in the store (shutdown, failure count).
-_READS_JOB_STATE = (p.JoinReady, p.JoinFailed, p.CycleEnded)
-# Failures, judged against the job's history of failures.
-_READS_HISTORY = (p.WorkerEnded, p.HangsFound, p.HealthFound)
 
 
 class NodeAgent:
@@ -110,32 +106,7 @@ class NodeAgent:
     # ---- deciding and applying -------------------------------------------------------------
 
     def _decide(self, event: AgentEvent) -> Action:
-        facts = Facts(
-            node=self.rt.node,
-            cycle=self._round.number if self._round else -1,
-            round_size=len(self._round.nodes) if self._round else 0,
-            max_nodes=self.rt.config.rendezvous.max_nodes,
-            after_stop=self._after_stop,
-            stalled_cycles=self._round.stalled_cycles if self._round else 0,
-        )
-        if isinstance(event, _READS_JOB_STATE):
-            control = self.rt.control
-            facts = dataclasses.replace(
-                facts, shutdown=control.shutdown_requested(), failures=control.failures()
-            )
-        # Standby nodes of this node's round: another node's vote may have moved the job on.
-        rnd = self._round
-        if isinstance(event, p.WorkerEnded) and event.returncode in p.RERUN_CODES and rnd:
-            waiting = self.rt.rendezvous.num_nodes_waiting(rnd.number) > 0
-            facts = dataclasses.replace(facts, standby_waiting=waiting)
-        named = getattr(event, "signature", None) is not None  # a failure, not an exit 0
-        if isinstance(event, _READS_HISTORY) and named and rnd is not None:
-            min_nodes = self.rt.config.rendezvous.min_nodes
-            facts = dataclasses.replace(
-                facts, history=self.rt.control.failure_history(),
-                can_lose_node=len(rnd.nodes) - 1 >= min_nodes
-                or bool(rnd.standby) or self.rt.rendezvous.num_nodes_waiting(rnd.number) > 0,
-            )  # fmt: skip
+        facts = read_facts(self.rt, event, self._round, self._after_stop)
         return self.policy.decide(self.state, event, facts)
 
     def _apply(self, action: Action) -> None:

@@ -296,6 +296,7 @@ class RerunStateMachine:
             log.error("re-run scheduled on the suspect GPU again (%s, device %d): resume again "
                       "elsewhere", self.suspicious_node, self.suspicious_device)  # fmt: skip
             self.restart_again_requested = True
+            verdicts.tell(self._fact("suspect", message, result, fatal))  # step aside again
         elif differs:
             self._verdict(RerunDiagnostic.PERSISTENT_ERROR, result, message, fatal)
         else:

@@ -1,0 +1,53 @@
+"""What the executor reads before it asks the policy: `Facts`, from this node, its round and,
+for the events whose decision depends on them, the job's state in the store. Each store read
+happens only for the events that need it (a restart vote, a failure, a re-run request)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ftrun.agent import policy as p
+from ftrun.agent.observed import Outcome
+from ftrun.agent.runtime import AgentRuntime
+from ftrun.rendezvous.config import RendezvousImpl
+from ftrun.rendezvous.ranks import Round
+
+# Events whose decision depends on the job's state in the store (shutdown, failure count).
+_READS_JOB_STATE = (p.JoinReady, p.JoinFailed, p.CycleEnded)
+# Failures, judged against the job's history of failures.
+_READS_HISTORY = (p.WorkerEnded, p.HangsFound, p.HealthFound)
+
+
+def read_facts(
+    rt: AgentRuntime, event: p.AgentEvent, rnd: Round | None, after_stop: Outcome | None
+) -> p.Facts:
+    facts = p.Facts(
+        node=rt.node,
+        cycle=rnd.number if rnd else -1,
+        round_size=len(rnd.nodes) if rnd else 0,
+        max_nodes=rt.config.rendezvous.max_nodes,
+        after_stop=after_stop,
+        stalled_cycles=rnd.stalled_cycles if rnd else 0,
+    )
+    if isinstance(event, _READS_JOB_STATE):
+        control = rt.control
+        facts = dataclasses.replace(
+            facts, shutdown=control.shutdown_requested(), failures=control.failures()
+        )
+    if rnd is None:
+        return facts
+    # Standby nodes of this node's round: another node's vote may have moved the job on.
+    if isinstance(event, p.WorkerEnded) and event.returncode in p.RERUN_CODES:
+        # Only the barrier rendezvous lets a node step aside for a standby.
+        barrier = rt.config.rendezvous.impl is RendezvousImpl.BARRIER
+        waiting = barrier and rt.rendezvous.num_nodes_waiting(rnd.number) > 0
+        facts = dataclasses.replace(facts, standby_waiting=waiting)
+    named = getattr(event, "signature", None) is not None  # a failure, not an exit 0
+    if isinstance(event, _READS_HISTORY) and named:
+        min_nodes = rt.config.rendezvous.min_nodes
+        facts = dataclasses.replace(
+            facts, history=rt.control.failure_history(),
+            can_lose_node=len(rnd.nodes) - 1 >= min_nodes
+            or bool(rnd.standby) or rt.rendezvous.num_nodes_waiting(rnd.number) > 0,
+        )  # fmt: skip
+    return facts
