@@ -92,6 +92,19 @@ class Job:
             f"{count} {name!r} event(s)",
         )
 
+    def report(self) -> str:
+        """`ftrun report --no-timeline` of this job's log directory, as text."""
+        return subprocess.run(
+            [sys.executable, "-m", "ftrun.tools.cli", "report", "--no-timeline",
+             str(self.log_dir)], capture_output=True, text=True, check=True, timeout=60,
+        ).stdout  # fmt: skip
+
+    def failures(self) -> list[dict]:
+        """The lines of `<log-dir>/failures.jsonl` (the named failures of every node)."""
+        path = self.log_dir / "failures.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [json.loads(line) for line in lines]
+
     def progress(self, rank: int) -> list[tuple[int, int]]:
         path = self.ckpt_dir / f"progress-rank{rank}.txt"
         if not path.exists():

@@ -2,23 +2,21 @@
 node or across nodes, and a lost node named as the cause (2 nodes x 2 ranks, plus a standby).
 
 The ranks are tests/workers/fault_worker.py (no torch: the decisions are the agents'); the lost
-node runs examples/train_ddp.py, whose surviving ranks fail in gloo when their peer dies.
+node is test_spares.py's (its surviving ranks fail in gloo when their peer dies).
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from ftrun.errors import ExitCode
-from launch import Job, start_job
+from launch import start_job
 from support import wait_for
-from test_spares import killable, lose, rounds, standby_nodes, wait_all
+from test_spares import killable, rounds, standby_nodes, wait_all
 
 pytestmark = pytest.mark.process
 
@@ -29,18 +27,6 @@ FAKES = ROOT / "fakes"
 TWO_BY_TWO = ["--nnodes=2", "--nproc-per-node=2", "--max-restarts=5",
               "--rdzv-conf=last_call_timeout=5"]  # fmt: skip
 POLL_S = 0.2
-
-
-def report(job: Job) -> str:
-    return subprocess.run(
-        [sys.executable, "-m", "ftrun.tools.cli", "report", "--no-timeline", str(job.log_dir)],
-        capture_output=True, text=True, check=True, timeout=60,
-    ).stdout  # fmt: skip
-
-
-def failures(job: Job) -> list[dict]:
-    path = job.log_dir / "failures.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def test_an_xid_while_training_excludes_the_node_and_the_standby_takes_its_slot(tmp_path: Path):
@@ -64,7 +50,7 @@ def test_an_xid_while_training_excludes_the_node_and_the_standby_takes_its_slot(
     assert finding["ts"] - injected < POLL_S + 1.0  # one poll, and this host's scheduling
     spare = standby_nodes(job, 0).pop()
     assert rounds(job)[1] == [spare if n == name else n for n in first]
-    assert [(f["node"], f["key"]) for f in failures(job)] == [(name, "health: Xid 79")]
+    assert [(f["node"], f["key"]) for f in job.failures()] == [(name, "health: Xid 79")]
     assert all(e["node"] != name for e in job.events("rendezvous_done") if e["cycle"] == 1)
 
 
@@ -76,10 +62,10 @@ def test_the_same_exception_on_two_nodes_stops_the_job_not_relaunched(tmp_path: 
     )  # fmt: skip
     codes = wait_all(job, 120)
     assert set(codes.values()) == {ExitCode.REPEATED_FAILURE}
-    keys = {f["key"] for f in failures(job) if not f.get("secondary")}
+    keys = {f["key"] for f in job.failures() if not f.get("secondary")}
     assert keys == {"exception: ValueError at fault_worker.py:113 in load_batch"}
-    assert len({f["node"] for f in failures(job)}) == 2
-    text = report(job)
+    assert len({f["node"] for f in job.failures()}) == 2
+    text = job.report()
     assert (
         "the same failure in 2 cycles on 2 nodes" in text
         and "ValueError at fault_worker.py" in text
@@ -97,32 +83,16 @@ def test_a_node_failing_twice_the_same_way_is_excluded(tmp_path: Path):
     (job.ckpt_dir / f"fail-{name}").write_text("")
     codes = wait_all(job, 120)
     assert codes == {n.index: ExitCode.EXCLUDED if n is victim else 0 for n in job.nodes}
-    mine = [f for f in failures(job) if f["node"] == name]
+    mine = [f for f in job.failures() if f["node"] == name]
     assert len(mine) == 2 and mine[0]["key"] == mine[1]["key"]
     assert name not in rounds(job)[2]
-    assert "failed the same way twice" in report(job)
-
-
-def test_a_lost_node_is_named_as_the_cause(tmp_path: Path):
-    job = start_job(tmp_path, 3, ["--nnodes=2", "--max-restarts=3",
-                                  "--rdzv-conf=last_call_timeout=5"],
-                    ["--steps", "60", "--step-time", "0.05"])  # fmt: skip
-    wait_for(lambda: len(job.progress(0)) >= 5, 90, "training on 2 nodes")
-    victim = killable(job, 0)
-    name = next(n for n in rounds(job)[0] if n.endswith(f"-{victim.proc.pid}"))
-    lose(victim)
-    wait_all(job, 120)
-    [lost] = job.events("node_lost")
-    assert (lost["nodes"], lost["lost_cycle"]) == ([name], 0)
-    assert all(f.get("secondary") for f in failures(job))  # the survivor's rank: a consequence
-    text = report(job)
-    assert f"node {name} lost" in text
+    assert "failed the same way twice" in job.report()
 
 
 def test_a_rank_that_skips_an_all_reduce_is_named_by_the_flight_recorders(tmp_path: Path):
     job = start_job(
         tmp_path, 2, ["--nnodes=2", "--nproc-per-node=2", "--max-restarts=1",
-                      "--ft-rank-heartbeat-timeout=3"],
+                      "--ft-rank-heartbeat-timeout=2"],
         ["--skip", "0:3:10", "--steps", "30"], script=COLLECTIVE,
     )  # fmt: skip
     codes = wait_all(job, 120)
@@ -134,4 +104,4 @@ def test_a_rank_that_skips_an_all_reduce_is_named_by_the_flight_recorders(tmp_pa
     assert sorted(found["nodes_answered"]) == sorted(rounds(job)[0])
     kept = list(job.log_dir.glob("*/cycle0/flight-rank*.json"))
     assert len(kept) == 4
-    assert "rank(s) 3 never entered all_reduce seq 10" in report(job)
+    assert "rank(s) 3 never entered all_reduce seq 10" in job.report()

@@ -10,14 +10,13 @@ import pytest
 
 from ftrun.errors import ExitCode
 from launch import Job, start_job
-from test_attribution_jobs import report
 from test_spares import killable, rounds, standby_nodes, wait_all
 
 pytestmark = pytest.mark.process
 
 WORKER = Path(__file__).resolve().parent / "workers" / "rerun_worker.py"
 JOB = ["--nnodes=2", "--nproc-per-node=2", "--max-restarts=3", "--rdzv-conf=last_call_timeout=5"]
-STEPS, FLIP_STEP = 40, 20
+STEPS, FLIP_STEP = 30, 20
 
 
 def expected_w(steps: int, world: int = 4, lr: float = 0.01) -> float:
@@ -37,7 +36,7 @@ def progress(job: Job, rank: int) -> list[tuple[int, int, float, float]]:
 
 def start(tmp_path: Path, mode: str, *extra: str) -> Job:
     job = start_job(tmp_path, 3, JOB, ["--flip", f"{mode}:{FLIP_STEP}", "--steps", str(STEPS),
-                                       *extra], script=WORKER)  # fmt: skip
+                                       "--step-time", "0.03", *extra], script=WORKER)  # fmt: skip
     job.wait_event("rendezvous_done", 2)
     return job
 
@@ -63,7 +62,7 @@ def test_a_one_off_flip_is_transient_and_nothing_restarts(tmp_path: Path):
     assert (verdict["diagnostic"], verdict["rank"]) == ("transient_error", rank)
     rows = progress(job, rank)
     assert rows[-1][1] == STEPS and rows[-1][3] == pytest.approx(expected_w(STEPS), rel=1e-4)
-    text = report(job)
+    text = job.report()
     assert "Re-runs" in text and "transient_error (loss spike)" in text
     assert "training went on with the re-run's result" in text
 

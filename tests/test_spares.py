@@ -98,6 +98,11 @@ def test_a_lost_node_is_replaced_by_the_spare_in_its_slot(tmp_path: Path):
     # The survivor keeps its group rank; the spare takes the lost node's.
     assert final == [spare if n == lost else n for n in first]
     assert (job.ckpt_dir / "FINISHED").exists()
+    # The lost node is named as the cause, the survivor's gloo error as its consequence.
+    [named] = job.events("node_lost")
+    assert (named["nodes"], named["lost_cycle"]) == ([lost], 0)
+    assert all(f.get("secondary") for f in job.failures())
+    assert f"node {lost} lost" in job.report()
     ends = exit_times(job)
     assert max(ends) - min(ends) < PROMPT_EXIT_S
 

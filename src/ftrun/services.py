@@ -8,6 +8,7 @@ new branch in the agent loop. A service overrides the hooks it needs:
 - `worker_env(round)`  variables added to every worker's environment for that round
 - `on_round(round)`    after the rendezvous, before the workers start (e.g. fetch what they need)
 - `on_stopped(round, pids)`  after a cycle's workers are gone (e.g. wait for their GPU memory)
+- `on_finished(round)` once every local worker of the round exited 0, before the exit barrier
 - `kept_pids()`        processes of the service that the agent's stop routine must not signal
 - `close()`            once, at the end; must not raise
 
@@ -72,6 +73,9 @@ class NodeService:
         return None
 
     def on_stopped(self, rnd: Round | None, pids: Iterable[int]) -> None:
+        return None
+
+    def on_finished(self, rnd: Round) -> None:
         return None
 
     def kept_pids(self) -> frozenset[int]:
@@ -146,6 +150,10 @@ class NodeServices:
         stopped = tuple(pids)
         for service in self._services:
             service.on_stopped(rnd, stopped)
+
+    def on_finished(self, rnd: Round) -> None:
+        for service in self._services:
+            service.on_finished(rnd)
 
     def kept_pids(self) -> frozenset[int]:
         kept: frozenset[int] = frozenset()

@@ -321,6 +321,7 @@ class NodeAgent:
         assert rnd is not None
         self._group = None
         self._note_progress("finished")
+        self.rt.services.on_finished(rnd)
         control = self.rt.control
         control.arrive(rnd.number, "succeeded")
         deadline = time.monotonic() + self.cfg.exit_barrier_timeout

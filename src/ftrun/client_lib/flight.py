@@ -3,8 +3,8 @@ the node's agent asks.
 
 A rank hung in a collective is blocked in C++ with the GIL released, so a Python signal
 handler would never run (the main thread never returns to the interpreter). Instead, a daemon
-thread waits on a FIFO in the job's 0700 directory (`fr/rank<R>-pid<P>.fifo`): opening it for
-reading blocks until the agent opens it for writing, so the thread costs nothing until then.
+thread blocks reading a FIFO in the job's 0700 directory (`fr/rank<R>-pid<P>.fifo`), so it
+costs nothing until the agent writes a request (one line per request).
 The agent writes where the dump goes; the thread calls torch's JSON dump
 (`torch._C._distributed_c10d._dump_fr_trace_json`: no pickle) and renames the file into place.
 
@@ -60,31 +60,35 @@ def start_listener(job_dir: Path, rank: int) -> threading.Thread | None:
         with contextlib.suppress(FileNotFoundError):
             fifo.unlink()
         os.mkfifo(fifo, 0o600)
+        # Both ends open here, before the thread starts: the agent can write as soon as the
+        # FIFO exists, and our own writer keeps reads blocking (never an end-of-file).
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        os.open(fifo, os.O_WRONLY | os.O_CLOEXEC)  # held for the life of the process
+        os.set_blocking(reader, True)
     except OSError:
         return None  # no attribution for this rank; training goes on
     thread = threading.Thread(
-        target=_serve, args=(fifo, job_dir / FR_DIR), name="ftrun-flight-recorder", daemon=True
+        target=_serve, args=(reader, job_dir / FR_DIR), name="ftrun-flight-recorder", daemon=True
     )
     thread.start()
     _listener = thread
     return thread
 
 
-def _serve(fifo: Path, out_dir: Path) -> None:
+def _serve(reader: int, out_dir: Path) -> None:
+    pending = b""
     while True:
         try:
-            fd = os.open(fifo, os.O_RDONLY)  # blocks until the agent opens it for writing
+            chunk = os.read(reader, _MAX_REQUEST)  # blocks until the agent writes a request
         except OSError:
             return
-        try:
-            request = os.read(fd, _MAX_REQUEST).decode("utf-8", "replace").strip()
-        finally:
-            os.close(fd)
-        target = Path(request)
-        # Only a plain file name in our own directory: the FIFO is the agent's, but be strict.
-        if target.parent != out_dir or not target.name.endswith(".json"):
-            continue
-        _dump(target)
+        pending += chunk
+        *requests, pending = pending.split(b"\n")
+        for request in requests:
+            target = Path(request.decode("utf-8", "replace").strip())
+            # Only a plain file name in our own directory: the FIFO is the agent's, be strict.
+            if target.parent == out_dir and target.name.endswith(".json"):
+                _dump(target)
 
 
 def _dump(target: Path) -> None:

@@ -300,12 +300,18 @@ class BarrierRendezvousHandler(RendezvousHandler):
         return self._published(cycle)
 
     def _await_next(self, cycle: int, deadline: float, interrupted: Callable[[], bool]) -> None:
-        me = self._descriptor().node
         while not self.control.wait_restart(cycle, _WAIT_CHUNK_S):
+            self._raise_if_excluded()
             self._check_waiting(deadline, interrupted)
-            if self._store.check([self.control.gone_key(me)]):  # excluded while standing by
-                reason = self._store.get(self.control.gone_key(me)).decode()
-                raise NodeExcludedError(f"excluded while standing by: {reason}")
+        self._raise_if_excluded()  # before the shutdown that may have ended the wait
+
+    def _raise_if_excluded(self) -> None:
+        """A standby node excluded while it waited (a re-run found it faulty) leaves with 5,
+        also when the job ended meanwhile: the exclusion was said first."""
+        key = self.control.gone_key(self._descriptor().node)
+        if self._store.check([key]):
+            reason = self._store.get(key).decode()
+            raise NodeExcludedError(f"excluded while standing by: {reason}")
 
     def _check_waiting(self, deadline: float, interrupted: Callable[[], bool]) -> None:
         if interrupted():

@@ -2,7 +2,8 @@
 builder: the agent never imports `ftrun.rerun`).
 
 It reads what this node's ranks tell (`verdicts`): while the workers run, every
-`POLL_S`, and once more after they stopped, before the next rendezvous.
+`POLL_S`, and once more after they stopped (before the next rendezvous) or finished (before
+the job can end).
 - `suspect`: a rank's rejected result reproduced in place; this node steps aside for the next
   cycle (`JobControl.step_aside`), so a standby node takes its slot and re-runs the step. The
   ranks then exit 16, which the agent's policy turns into a restart that is not a failure.
@@ -51,6 +52,11 @@ class RerunService(NodeService):
         self._thread.start()
 
     def on_stopped(self, rnd: Round | None, pids: Iterable[int]) -> None:
+        self._halt()
+        self.sweep()
+
+    def on_finished(self, rnd: Round) -> None:
+        """A verdict the ranks wrote just before they finished still excludes its node."""
         self._halt()
         self.sweep()
 
