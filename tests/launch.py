@@ -126,6 +126,11 @@ def start_job(
     """Start `nodes` launchers (in `order`) for one job on a fresh rendezvous port."""
     log_dir, ckpt_dir = tmp / "logs", tmp / "ckpt"
     endpoint = f"127.0.0.1:{free_port()}"
+    # No deep warm-up (torch._dynamo in every fork server, about 1.2 s of CPU each) unless the
+    # test asks for one: on 2 cores and 2 xdist workers it is CPU taken from the jobs under
+    # test. tests/test_prewarm_cycles.py sets it itself; the demo and the fault matrix keep it.
+    if not any(arg.startswith("--ft-prewarm-deep-modules") for arg in launcher_args):
+        launcher_args = [*launcher_args, "--ft-prewarm-deep-modules=none"]
     common = [
         f"--nnodes={nodes}",
         f"--nproc-per-node={nproc}",
