@@ -99,3 +99,13 @@ def test_the_watch_reports_its_own_cost(fake_nvml) -> None:
     [(kind, fields)] = told
     assert kind == "health_watch" and fields["polls"] == 3 and fields["mean_us"] > 0
     service.close()
+
+
+def test_an_event_wait_that_fails_otherwise_than_empty_is_a_fault(fake_nvml) -> None:
+    fake_nvml.setenv("FAKE_NVML", json.dumps({"devices": 1}))
+    service = watch(HealthCheckConfig(watch_interval=1), [], [])
+    start(service)
+    fake_nvml.setenv("FAKE_NVML", json.dumps({"devices": 1, "event_error": 15}))
+    [found] = service.poll()
+    assert found.fault and found.signature.detail == "NVML event wait failed"
+    service.close()

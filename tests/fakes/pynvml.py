@@ -6,7 +6,8 @@ For `--numa-binding`, optionally: "cpu_affinity" and "mem_affinity": {"INDEX": {
 CPULIST, "socket": CPULIST}} (a device or scope left out: NVML_ERROR_NOT_SUPPORTED), and
 "uuids": {"GPU-...": INDEX, "MIG-...": INDEX} (a MIG instance's parent is that GPU).
 For the health watch: "xid_file": PATH, whose lines "INDEX XID" are the Xid events (a test
-appends one while the job trains), and "throttle": {"INDEX": clock-event reason bits}.
+appends one while the job trains), "throttle": {"INDEX": clock-event reason bits}, and
+"event_error": an NVML error code the event wait raises (other than its timeout).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def nvmlDeviceRegisterEvents(handle: int, _types: int, _event_set: list[int]) ->
 
 def nvmlEventSetWait_v2(_event_set: list[int], _timeout_ms: int) -> _EventData:
     global _xids_read
+    if "event_error" in _spec():  # e.g. 15: NVML_ERROR_GPU_IS_LOST
+        raise NVMLError(int(_spec()["event_error"]))
     path = _spec().get("xid_file")
     lines = []
     if path and os.path.exists(path):

@@ -45,6 +45,7 @@ APPLICATION_XIDS = frozenset({13, 31, 43, 45})
 """Xids that report the application's own error (graphics exception, MMU fault, stopped
 kernel, preemptive cleanup): not a reason to leave a node."""
 _XID_CRITICAL = 0x8  # nvmlEventTypeXidCriticalError
+_NVML_ERROR_TIMEOUT = 10
 _THROTTLES = {0x40: "hardware thermal slowdown", 0x20: "software thermal slowdown",
               0x80: "hardware power brake slowdown"}  # fmt: skip
 
@@ -102,7 +103,10 @@ class GpuReadings:
         while True:
             try:
                 data = nvml.nvmlEventSetWait_v2(self._events, 0)
-            except nvml.NVMLError:  # NVML_ERROR_TIMEOUT: nothing pending
+            except nvml.NVMLError as exc:
+                if getattr(exc, "value", None) != _NVML_ERROR_TIMEOUT:  # not "nothing pending"
+                    found.append(HealthFinding(health_signature("NVML event wait failed",
+                                                                str(exc)), True))  # fmt: skip
                 return found
             xid, gpu = int(data.eventData), _index(nvml, data.device)
             fault = xid not in APPLICATION_XIDS
