@@ -1,6 +1,8 @@
 """Naming the collective a rank never entered, from real flight-recorder dumps
-(tests/data/flight: two gloo ranks under torch 2.13, rank 1 skipped the 5th collective; each
-dumped with torch's JSON call while the other waited)."""
+(tests/data/flight: two gloo ranks under torch 2.13, rank 1 skipped the 5th collective, each
+dumped with torch's JSON call while the other waited; and two NCCL ranks on the device's two
+H200s under ft_launcher, torch 2.11, rank 1 skipping the 10th all_reduce of
+tests/workers/collective_worker.py --backend nccl)."""
 
 from __future__ import annotations
 
@@ -57,3 +59,11 @@ def test_a_dump_that_is_not_torchs_json_is_refused() -> None:
         assert summarize(0, raw) is None
     odd = summarize(0, b'{"pg_status": {"0": {"last_completed_collective": "x"}}}')
     assert odd is not None and odd.groups == {}
+
+
+def test_nccl_dumps_name_the_rank_that_skipped() -> None:
+    """NCCL's recorder leaves last_completed at -1 and marks its entries completed instead."""
+    found = [summarize(r, (FLIGHT / f"nccl-skip-rank{r}.json").read_bytes()) for r in (0, 1)]
+    [stall] = find_stalls([d for d in found if d is not None], range(2))
+    assert (stall.op, stall.seq, stall.last_completed) == ("all_reduce", 10, 9)
+    assert (stall.entered, stall.missing) == ((0,), (1,))

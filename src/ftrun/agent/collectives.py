@@ -105,12 +105,23 @@ def summarize(rank: int, raw: bytes) -> RankCollectives | None:
         except (KeyError, TypeError, ValueError):
             continue
         mine = [e for e in entries if isinstance(e, dict) and str(e.get("pg_id")) == str(pg_id)]
+        # NCCL's recorder (torch 2.11) leaves last_completed at -1 and marks entries instead.
+        done = [_seq(e) for e in mine if e.get("state") == "completed"]
+        completed = max([completed, *done])
+        enqueued = max([enqueued, *(_seq(e) for e in mine)])
         name, ranks = _identity(mine, configs)
         nxt = next((e for e in mine if e.get("collective_seq_id") == completed + 1), None)
         op = str(nxt.get("profiling_name", "")).split(":")[-1] if nxt else ""
         sizes = json.dumps(nxt.get("input_sizes")) if nxt else ""
         groups[str(pg_id)] = GroupState(name, ranks, completed, enqueued, op, sizes)
     return RankCollectives(rank, groups)
+
+
+def _seq(entry: dict[str, Any]) -> int:
+    try:
+        return int(entry.get("collective_seq_id", -1))
+    except (TypeError, ValueError):
+        return -1
 
 
 def _identity(

@@ -5,8 +5,9 @@ A rank hung in a collective is blocked in C++ with the GIL released, so a Python
 handler would never run (the main thread never returns to the interpreter). Instead, a daemon
 thread blocks reading a FIFO in the job's 0700 directory (`fr/rank<R>-pid<P>.fifo`), so it
 costs nothing until the agent writes a request (one line per request).
-The agent writes where the dump goes; the thread calls torch's JSON dump
-(`torch._C._distributed_c10d._dump_fr_trace_json`: no pickle) and renames the file into place.
+The agent writes where the dump goes; the thread calls torch's JSON dump (NCCL's
+`_dump_nccl_trace_json`, or the general `_dump_fr_trace_json` for gloo: no pickle) and renames
+the file into place.
 
 Started by `RankMonitorClient.init_workload_monitoring()` when the flight recorder is on
 (`TORCH_FR_BUFFER_SIZE`, or its NCCL-era name, above 0); importing this module never imports
@@ -91,6 +92,18 @@ def _serve(reader: int, out_dir: Path) -> None:
                 _dump(target)
 
 
+def _recorded(c10d: object) -> bytes:
+    """torch's JSON dump of the recorder that saw this rank's collectives: NCCL's own
+    (`_dump_nccl_trace_json`, torch 2.11 on the device) when it recorded any, else the general
+    one (gloo and the other backends)."""
+    nccl = getattr(c10d, "_dump_nccl_trace_json", None)
+    if nccl is not None:
+        data = nccl(True, False)
+        if json.loads(data).get("entries"):
+            return data
+    return c10d._dump_fr_trace_json(True, False)  # type: ignore[attr-defined]
+
+
 def _dump(target: Path) -> None:
     """Write the dump, or why there is none: the agent waits for the file either way."""
     torch = sys.modules.get("torch")
@@ -98,7 +111,7 @@ def _dump(target: Path) -> None:
         data: bytes = b'{"unavailable": "torch is not imported"}'
     else:
         try:
-            data = torch._C._distributed_c10d._dump_fr_trace_json(True, False)
+            data = _recorded(torch._C._distributed_c10d)
         except Exception as exc:
             data = json.dumps({"unavailable": f"{type(exc).__name__}: {exc}"}).encode()
     tmp = target.with_suffix(".tmp")
