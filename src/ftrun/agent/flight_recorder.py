@@ -34,8 +34,10 @@ log = logging.getLogger("ftrun.agent")
 DUMP_TIMEOUT_S = 3.0
 """How long the ranks get to write their dumps (a hung rank's listener thread answers at once;
 one whose main thread holds the GIL in C code may not answer at all)."""
-GATHER_TIMEOUT_S = 10.0
-"""How long the judging node waits for the other nodes' summaries."""
+GATHER_TIMEOUT_S = 5.0
+"""How long the judging node waits for the other nodes' summaries: they come within the other
+nodes' stop (a monitor interval to see the vote, and at most DUMP_TIMEOUT_S for their ranks);
+a node that never answers (its agent is gone) costs the restart this much, once."""
 _POLL_S = 0.01
 
 
