@@ -183,9 +183,13 @@ class RerunStateMachine:
 
     # ---- state to save with a checkpoint ----------------------------------------------------
 
-    def state_dict(self, data_iterator: DataIteratorArg = None) -> dict[str, Any]:
+    def state_dict(
+        self, data_iterator: DataIteratorArg = None, ckpt_format: str | None = None
+    ) -> dict[str, Any]:
         """What a re-run elsewhere needs: the machine's state, the step's batches, the RNG and
-        `state_save_func`'s state from before the step. Storable without pickle."""
+        `state_save_func`'s state from before the step. Storable without pickle, so one form
+        serves every checkpoint format: Megatron-Core's `ckpt_format` is accepted and not
+        needed (its sharded-object wrapping is the caller's, if it wants one)."""
         # The step's batches only when the step is to be re-run from this checkpoint.
         will_rerun = self.state is RerunState.WILL_RERUN_FROM_CHECKPOINT
         its = context.iterators(data_iterator) if will_rerun else []
