@@ -27,7 +27,7 @@ import os
 import re
 import signal
 
-from ftrun.rank_monitor.stacks import where_stuck
+from ftrun.rank_monitor.stacks import is_library, where_stuck
 
 STDERR_TAIL_BYTES = 64 * 1024
 """How much of a failed rank's stderr the agent reads (the end: the traceback is last)."""
@@ -38,8 +38,6 @@ _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+),? in (?P<fu
 _EXCEPTION = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)?)"
                         r"(?::\s?(?P<message>.*))?$")  # fmt: skip
 _FATAL = re.compile(r"^Fatal Python error: (?P<what>.+)$")
-_LIBRARY = re.compile(r"^<|/(?:site|dist)-packages/|/lib/python3\.\d+/")
-_FTRUN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _NCCL_RESULT = re.compile(r"NCCL error[^,]*,\s*(?P<what>[^(\n]+?)\s*(?:\(|, NCCL version|$)")
 _CUDA_ERROR = re.compile(r"CUDA error: (?P<what>[^\n]+)")
 _MESSAGE_CHARS = 240
@@ -208,7 +206,7 @@ def node_lost_signature(node: str) -> Signature:
 def _innermost_user(frames: list[re.Match[str]]) -> str:
     for match in reversed(frames):
         path = match["path"]
-        if not _LIBRARY.search(path) and not path.startswith(_FTRUN_DIR):
+        if not is_library(path):
             return f"{os.path.basename(path)}:{match['line']} in {match['func']}"
     return ""
 

@@ -109,9 +109,9 @@ def where_stuck(dump: str) -> StuckAt | None:
     if not main:
         return None
     innermost = main[0]
-    if not _is_library(innermost.path):
+    if not is_library(innermost.path):
         return StuckAt(_short(innermost, library=False), in_library=False)
-    own = (_short(frame, library=False) for frame in main if not _is_library(frame.path))
+    own = (_short(frame, library=False) for frame in main if not is_library(frame.path))
     return StuckAt(_short(innermost, library=True), in_library=True, caller=next(own, None))
 
 
@@ -130,7 +130,9 @@ def _is_thread_bootstrap(frame: _Frame) -> bool:
     return frame.path.endswith("threading.py") and frame.func == "_bootstrap"
 
 
-def _is_library(path: str) -> bool:
+def is_library(path: str) -> bool:
+    """Whether a frame's file is the interpreter's, an installed package's or ftrun's own;
+    anything else is the user's code."""
     return bool(_LIBRARY.search(path)) or path.startswith(_FTRUN_DIR)
 
 
