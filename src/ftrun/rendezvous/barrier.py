@@ -88,9 +88,9 @@ class BarrierRendezvousHandler(RendezvousHandler):
         descriptor_grace: float = DESCRIPTOR_GRACE_S,
     ) -> None:
         self._config = config
-        self._prefix = f"ftrun/{config.run_id}"
         self._store = store
         self.control = job_control(store, config.run_id)
+        self._prefix = self.control.prefix
         self._descriptor = descriptor
         self._probe = probe
         self._on_standby = on_standby

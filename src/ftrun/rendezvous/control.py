@@ -51,6 +51,11 @@ class JobControl:
         self._prefix = prefix
         self._store.compare_set(self._key("cycle"), "", "0")
 
+    @property
+    def prefix(self) -> str:
+        """The job's key prefix (`ftrun/<run id>`); the rendezvous keys its rounds under it."""
+        return self._prefix
+
     def _key(self, name: str) -> str:
         return f"{self._prefix}/{name}"
 

@@ -44,8 +44,8 @@ class DynamicRendezvous:
     ) -> None:
         self._config = config
         self._store = store
-        self._prefix = f"ftrun/{config.run_id}"
         self.control = job_control(store, config.run_id)
+        self._prefix = self.control.prefix
         self._descriptor = descriptor
         self.handler = DynamicRendezvousHandler.from_backend(
             run_id=config.run_id,
