@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 from ftrun.agent.config import AgentConfig
 from ftrun.identity import this_node
+from ftrun.observe.config import ObserveConfig
 from ftrun.rank_monitor.config import RankMonitorConfig
 from ftrun.rendezvous.config import HealthCheckConfig, RendezvousConfig
 from ftrun.straggler.config import StragglerConfig
@@ -29,6 +30,8 @@ class LaunchConfig:
     """Settings worth a warning (ignored flags, OMP_NUM_THREADS); `main` logs them."""
     straggler: StragglerConfig = dataclasses.field(default_factory=StragglerConfig)
     """The agents' straggler detection (`--ft-straggler-*`)."""
+    observe: ObserveConfig = dataclasses.field(default_factory=ObserveConfig)
+    """The live view: metrics and the status page (`--ft-metrics-port`, `--ft-status-*`)."""
 
     def this_node(self, environ: Mapping[str, str]) -> tuple[str, str]:
         """(advertised host, node name) of this launcher (`identity.this_node`)."""

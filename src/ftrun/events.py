@@ -17,7 +17,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +214,12 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
         _req("to", LIST, "the nodes that now hold a copy"),
         _req("bytes", INT, "the part's size"),
         _req("seconds", NUM, "from the first push to the last"),
+        _opt("lag", NUM, "from the part's write to its last copy (the replicated tier's lag)"),
+    ),
+    "ckpt_held": (
+        _req("session", STR),
+        _req("iteration", INT, "the newest iteration this node now holds whole (local tier)"),
+        _req("world_size", INT),
     ),
     "ckpt_corrupt": (
         _req("session", STR),
@@ -294,6 +300,9 @@ class EventLog:
 
     An event that does not match `SCHEMA` is a bug: it is logged as an error and written all
     the same (the reader skips it), since a launcher must not fail a job over its bookkeeping.
+
+    Live readers (the metrics, the status page's feed) `subscribe`: each gets every record
+    right after it is written, in the writer's thread, so a reader only queues or counts.
     """
 
     def __init__(self, log_dir: Path, node: str) -> None:
@@ -301,7 +310,13 @@ class EventLog:
         self._node = node
         self._lock = threading.Lock()
         self._file = self.path.open("a", encoding="utf-8")
+        self._readers: list[Callable[[Mapping[str, Any]], None]] = []
         self.cycle = 0
+
+    def subscribe(self, reader: Callable[[Mapping[str, Any]], None]) -> None:
+        """Call `reader(record)` with every event written from now on."""
+        with self._lock:
+            self._readers.append(reader)
 
     def emit(self, event: str, **fields: Any) -> None:
         for problem in problems(event, fields):
@@ -318,6 +333,12 @@ class EventLog:
         with self._lock:
             self._file.write(line + "\n")
             self._file.flush()
+            readers = tuple(self._readers)
+        for reader in readers:
+            try:
+                reader(record)
+            except Exception:  # a reader's bug must not cost the job its events
+                log.exception("an event reader failed on %s", event)
 
     def close(self) -> None:
         with self._lock:

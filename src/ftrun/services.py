@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
     from ftrun.config import LaunchConfig
     from ftrun.peer import PeerClient, PeerServer
+    from ftrun.rank_monitor.records import ProgressSnapshot
     from ftrun.rank_monitor.timings import TimingBatch
 
 log = logging.getLogger("ftrun.agent")
@@ -105,6 +106,13 @@ class ServiceContext:
     observe_timings: Callable[[Callable[[TimingBatch], None]], None]
     """Registers a callback for the section timings the rank monitor receives (called from
     the monitor's thread: it must only queue them)."""
+    read_events: Callable[[Callable[[Mapping[str, object]], None]], None]
+    """Registers a reader of every event this node writes from now on (`EventLog.subscribe`)."""
+    progress: Callable[[], list[ProgressSnapshot]]
+    """Where the node's ranks got to now (the rank monitor's `progress_snapshot`)."""
+    describe: Callable[[str, object], None]
+    """Sets a field of the cycle info every worker reads (`FTRUN_CYCLE_INFO`) from the next
+    round on (None removes it)."""
 
 
 ServiceFactory = Callable[[ServiceContext], NodeService]

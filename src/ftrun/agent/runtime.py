@@ -35,7 +35,7 @@ from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError, NodeUnhealthyError, RendezvousFailedError
 from ftrun.events import EventLog
 from ftrun.identity import free_port
-from ftrun.rank_monitor import RankMonitorServer
+from ftrun.rank_monitor import ProgressSnapshot, RankMonitorServer
 from ftrun.rendezvous.control import JobControl, wait_until
 from ftrun.rendezvous.factory import NodeRendezvous, create_rendezvous
 from ftrun.rendezvous.ranks import NodeDescriptor, Round, infra_rank_from_env
@@ -128,14 +128,21 @@ def open_runtime(
         store, is_store_host = _connect(config, health.first)
         peer = services.add(PeerService(store, config.rendezvous.run_id, host, node))
         observers: list[Callable[..., None]] = []
+        monitors: list[MonitorService] = []  # the monitor starts after the subsystems
+        described: dict[str, object] = {}  # the services' own fields of the cycle info
+
+        def progress() -> list[ProgressSnapshot]:
+            return monitors[0].server.progress_snapshot() if monitors else []
+
         context = ServiceContext(
             config, store, node, job_dir, log_dir, events.emit, inbox.put, peer.server,
-            peer.client, observers.append,
+            peer.client, observers.append, events.subscribe, progress, described.__setitem__,
         )  # fmt: skip
         for factory in subsystems:
             services.add(factory(context))
         on_timings = _fan_out(observers) if observers else None
         monitor = services.add(MonitorService(config.monitor, job_dir, inbox.put, on_timings))
+        monitors.append(monitor)
         if config.health.watch_interval > 0 and (config.health.gpu or config.health.nic):
             services.add(HealthWatch(config.health, events.emit, inbox.put))
         if agent.gpu_memory_reclaim_timeout > 0:
@@ -162,7 +169,9 @@ def open_runtime(
             config.rendezvous, store, runtime.descriptor, peer.answers, runtime.standing_by
         )
         services.add(
-            CycleInfoService(job_dir, config.rendezvous.run_id, environ, runtime.control.cause_of)
+            CycleInfoService(
+                job_dir, config.rendezvous.run_id, environ, runtime.control.cause_of, described
+            )
         )
         yield runtime
 

@@ -27,6 +27,7 @@ from ftrun.ft_launcher.options import (
     resolve,
 )
 from ftrun.ft_launcher.yaml_file import load_ft_yaml
+from ftrun.observe.config import ObserveConfig
 from ftrun.rank_monitor.config import RankMonitorConfig
 from ftrun.rendezvous.config import HealthCheckConfig
 from ftrun.straggler.config import StragglerAction, StragglerConfig
@@ -108,6 +109,11 @@ def config_from(
             section_relative_threshold=opts["straggler_section_relative_threshold"],
             section_individual_threshold=opts["straggler_section_individual_threshold"],
             action=StragglerAction(opts["straggler_action"]),
+        ),
+        observe=ObserveConfig(
+            metrics_port=opts["metrics_port"],
+            status_port=opts["status_port"],
+            bind=opts["status_bind"],
         ),
     )
 

@@ -49,12 +49,13 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     from ftrun.agent import run_node  # the agent (and torch) only once the config is valid
     from ftrun.checkpointing.keeper import keeper_service
+    from ftrun.observe.service import observe_service
     from ftrun.rerun.service import rerun_service
     from ftrun.straggler.service import straggler_service
 
     try:
         # The subsystems' services, in start order: the agent imports none of them.
-        subsystems = (straggler_service, keeper_service, rerun_service)
+        subsystems = (observe_service, straggler_service, keeper_service, rerun_service)
         code = run_node(config, workers_environ, signals, fork_server, subsystems)
     except FtrunError as err:
         log.error("%s", err)

@@ -25,6 +25,7 @@ from ftrun.ft_launcher.declare import default_of as _default
 from ftrun.ft_launcher.declare import ft_option as _ft
 from ftrun.ft_launcher.declare import torchrun_option as _torchrun
 from ftrun.ft_launcher.nvrx_options import NVRX_OPTIONS
+from ftrun.observe.config import ObserveConfig
 from ftrun.rank_monitor.config import RankMonitorConfig
 from ftrun.rendezvous.config import HealthCheckConfig, RendezvousConfig, RendezvousImpl
 from ftrun.straggler.config import StragglerAction, StragglerConfig, threshold
@@ -42,7 +43,7 @@ _DUP = (
 )
 _RANKS = {"metavar": "N|RANK:N,..."}
 _MONITOR, _AGENT, _HEALTH = RankMonitorConfig, AgentConfig, HealthCheckConfig
-_STRAGGLER = StragglerConfig
+_STRAGGLER, _OBSERVE = StragglerConfig, ObserveConfig
 _SCORE = "Straggler threshold: a rank whose {} score is below it is a straggler (0..1)."
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
 """torch.numa.binding.AffinityMode values (torchrun's --numa-binding choices)."""
@@ -199,6 +200,16 @@ FT_OPTIONS: tuple[Option, ...] = (
         "Modules the fork server imports once the first cycle's workers run, for the cycles "
         "after a restart (the first cycle never waits for them; none: off).",
         metavar="MOD,..."),
+    _ft("metrics_port", _default(_OBSERVE, "metrics_port"), v.optional_port,
+        "Serve this agent's Prometheus metrics on PORT (0: a free port, logged and written to "
+        "cycle-info.json; none: off).", metavar="PORT|none"),
+    _ft("status_port", _default(_OBSERVE, "status_port"), v.optional_port,
+        "The group-rank-0 agent serves the job's live status page on PORT (/ and /status.json, "
+        "read-only; 0: a free port; none: off). Every agent then also publishes its events "
+        "and its ranks' progress to the rendezvous store for it.", metavar="PORT|none"),
+    _ft("status_bind", _default(_OBSERVE, "bind"), v.text,
+        "Address the metrics and the status page listen on (0.0.0.0: every interface, for a "
+        "Prometheus server or a browser on another host).", metavar="ADDR"),
     _ft("straggler_detection", _default(_STRAGGLER, "enabled"), v.boolean,
         "Score the sections that workers time with ftrun.straggler.Detector and report "
         "stragglers (costs nothing when no worker uses it).", off_flags=True, **_ON),

@@ -305,7 +305,10 @@ def port(raw: Any) -> int:
 
 
 def optional_port(raw: Any) -> int | None:
-    return None if raw is None else port(raw)
+    """A port, or None for absent or `none` (off)."""
+    if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none")):
+        return None
+    return port(raw)
 
 
 def format_endpoint(host: str, port_number: int) -> str:

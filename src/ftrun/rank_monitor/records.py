@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from ftrun.rank_monitor.protocol import Timeouts
 from ftrun.rank_monitor.tracker import HangKind
 
 
@@ -59,3 +60,5 @@ class ProgressSnapshot:
     last_progress: float | None
     first_iteration: int | None
     last_iteration: int | None
+    timeouts: Timeouts | None = None
+    """The timeouts the monitor judges this rank by now (configured, or calculated)."""

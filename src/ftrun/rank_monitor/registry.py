@@ -85,6 +85,7 @@ class RankRegistry:
                 last_progress=p.progress.last_progress,
                 first_iteration=p.progress.first_iteration,
                 last_iteration=p.progress.last_iteration,
+                timeouts=p.progress.timeouts,
             )
             for p in peers
         ]

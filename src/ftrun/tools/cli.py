@@ -1,5 +1,6 @@
 """`ftrun`: tools around the launcher. `ftrun report LOG_DIR` explains what a job went through;
-`ftrun straggler LOG_DIR ...` retunes a running job's straggler detection.
+`ftrun status` shows where a job stands now; `ftrun straggler LOG_DIR ...` retunes a running
+job's straggler detection.
 
 Errors a person can fix (a wrong directory, files that are not events) end with one line on
 stderr and exit status 2, never a traceback: this runs after a bad night, on a bad log. The
@@ -9,22 +10,27 @@ with a line saying how to get the picture, and the command succeeds.
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 from pathlib import Path
 from typing import NoReturn
 
 import click
 
 from ftrun.errors import ConfigError
+from ftrun.observe.status import status_table
 from ftrun.straggler.config import StragglerAction, StragglerConfig, write_control
 from ftrun.tools.events import ReportInputError, load_events
 from ftrun.tools.report import build_report
+from ftrun.tools.status import StatusInputError, from_endpoint, from_log_dir
 from ftrun.tools.stragglers import scores_picture
 from ftrun.tools.summary import to_json, to_text
 
 EXIT_BAD_INPUT = 2
 EXIT_NO_TIMELINE = 1
 """The timeline could not be written where asked (matplotlib missing is not an error)."""
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
 NO_MATPLOTLIB = "not drawn: matplotlib is not installed (pip install 'ftrun[report]')"
 
 
@@ -119,8 +125,55 @@ def straggler(
     click.echo(f"{path}: {path.read_text(encoding='utf-8').strip()}")
 
 
-def _fail(message: str, code: int) -> NoReturn:
-    click.echo(f"ftrun report: error: {message}", err=True)
+@main.command()
+@click.option(
+    "--log-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The job's --log-dir: the status from its events files.",
+)
+@click.option(
+    "--endpoint",
+    metavar="HOST:PORT",
+    default=None,
+    help="A live status page (ft_launcher --ft-status-port): its /status.json.",
+)
+@click.option(
+    "--watch",
+    "watch",
+    type=float,
+    default=None,
+    is_flag=False,
+    flag_value=2.0,
+    metavar="[SECONDS]",
+    help="Refresh every SECONDS (2 without a value) until Ctrl-C.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the status document as JSON.")
+def status(log_dir: Path | None, endpoint: str | None, watch: float | None, as_json: bool) -> None:
+    """The job's status now: nodes and their state, ranks stepping, cycle, time lost, the last
+    failures, stragglers and checkpoints."""
+    if (log_dir is None) == (endpoint is None):
+        _fail("give one of --log-dir DIR or --endpoint HOST:PORT", EXIT_BAD_INPUT, "status")
+    if watch is not None and watch <= 0:
+        _fail("--watch: SECONDS must be positive", EXIT_BAD_INPUT, "status")
+    while True:
+        try:
+            doc = from_log_dir(log_dir) if log_dir is not None else from_endpoint(str(endpoint))
+        except StatusInputError as exc:
+            _fail(str(exc), EXIT_BAD_INPUT, "status")
+        text = json.dumps(doc, indent=1) + "\n" if as_json else status_table(doc)
+        if watch is None:
+            click.echo(text, nl=False)
+            return
+        click.echo(CLEAR_SCREEN + text, nl=False)
+        try:
+            time.sleep(watch)
+        except KeyboardInterrupt:
+            return
+
+
+def _fail(message: str, code: int, command: str = "report") -> NoReturn:
+    click.echo(f"ftrun {command}: error: {message}", err=True)
     sys.exit(code)
 
 

@@ -116,15 +116,17 @@ class Report:
     warnings: tuple[str, ...]
 
 
-def build_report(events: EventSet) -> Report:
-    """Everything the renderers show, computed once from the parsed events."""
+def build_report(events: EventSet, now: float | None = None) -> Report:
+    """Everything the renderers show, computed once from the parsed events. `now`: the job is
+    still running (the live view): its last states last until `now`, and so does its wall time."""
     all_events = sorted((e for evs in events.nodes.values() for e in evs), key=lambda e: e.ts)
     by_progress = any(e.event == "stepping" for e in all_events)
+    end = max(all_events[-1].ts, now or 0.0)
+    until = end if now is not None else None
     spans = tuple(
-        s for node, evs in events.nodes.items() for s in _Lane(node, by_progress).build(evs)
+        s for node, evs in events.nodes.items() for s in _Lane(node, by_progress).build(evs, until)
     )
     start = min([s.start for s in spans] + [all_events[0].ts])
-    end = all_events[-1].ts
     nodes = tuple(
         sorted(
             (_node_info(node, evs) for node, evs in events.nodes.items()),
@@ -181,10 +183,11 @@ class _Lane:
         self.cycle: int | None = None
         self.unfinished: set[int] = set()
 
-    def build(self, events: Sequence[Event]) -> list[Span]:
+    def build(self, events: Sequence[Event], until: float | None = None) -> list[Span]:
+        """`until`: the last state lasts until then (a running job), not its last event."""
         for event in events:
             self._step(event)
-        self._switch(None, events[-1].ts, None)
+        self._switch(None, until if until is not None else events[-1].ts, None)
         return self.spans
 
     def _step(self, event: Event) -> None:

@@ -161,6 +161,7 @@ class Replicator:
         if whole >= 0 and (protected is None or protected[1] != rnd.world_size
                            or protected[0] < whole):  # fmt: skip
             self._tier.write_protected(session, whole, rnd.world_size)
+            self._emit("ckpt_held", session=session, iteration=whole, world_size=rnd.world_size)
 
     def _handle(self, session: str, key: PartKey, policy: TierPolicy, rnd: Round) -> None:
         opened = open_part(self._tier.part_path(session, key))
@@ -221,6 +222,7 @@ class Replicator:
                 to=sent,
                 bytes=nbytes,
                 seconds=round(time.monotonic() - started, 6),
+                lag=round(max(time.time() - os.fstat(fd).st_mtime, 0.0), 6),
             )
 
     def _complain(self, topic: str, message: str, *args: Any) -> None:

@@ -1,0 +1,176 @@
+"""Every agent's Prometheus metrics: a `prometheus_client` collector read at scrape time.
+
+The series come from the node's `NodeView` (its events, folded as they are written), the rank
+monitor's progress snapshot (iteration, progress age, timeouts in force), and, on the agent that
+serves the status page, the job's status (ETTR and the time lost, the report's definitions).
+Nothing is updated on the training path: a scrape reads what the agent already holds.
+
+Cardinality, at 1,024 nodes x 8 ranks: labels are `job`, `node`, and where they apply `rank`
+(this node's ranks only: 8 per agent), `cause`/`kind` (failure kinds, a closed set), `state`
+(`NodeState`), `finding` (health findings: Xid numbers and NVML readings, a closed set),
+`section` (the sections the workers time, at most the monitor's 256, in practice a handful),
+`tier` (local, replicated). An agent serves about 40 + 3 x its ranks series, 70 at 8 ranks:
+about 72,000 for the whole job; stragglers add the worst 8 ranks' scores on the reporting node.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ftrun.observe.node_view import NodeState, NodeView
+from ftrun.rank_monitor.records import ProgressSnapshot
+
+SHOWN_STRAGGLERS = 8
+
+
+class NodeMetrics(Collector):
+    """The node's series; `apply` takes every event record (an `EventLog` subscriber)."""
+
+    def __init__(
+        self,
+        job: str,
+        node: str,
+        progress: Callable[[], Sequence[ProgressSnapshot]],
+        job_status: Callable[[], Mapping[str, Any] | None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`progress`: the rank monitor's snapshot (its monotonic clock is `clock`);
+        `job_status`: the status page's document, on the agent that serves it, else None."""
+        self._job, self._node = job, node
+        self._progress, self._job_status, self._clock = progress, job_status, clock
+        self._view = NodeView(node)
+        self._lock = threading.Lock()
+
+    def apply(self, record: Mapping[str, Any]) -> None:
+        with self._lock:
+            self._view.apply(record)
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            view = self._view
+            yield from self._node_series(view)
+            yield from self._checkpoint_series(view)
+            yield from self._straggler_series(view)
+        yield from self._rank_series(self._progress(), self._clock())
+        status = self._job_status()
+        if status and not status.get("waiting"):
+            yield from self._job_series(status)
+
+    def _family(self, kind: type, name: str, doc: str, *labels: str) -> Any:
+        return kind(name, doc, labels=["job", "node", *labels])
+
+    def _node_series(self, view: NodeView) -> Iterator[Metric]:
+        base = [self._job, self._node]
+        cycle = self._family(GaugeMetricFamily, "ftrun_cycle", "The job-wide cycle number.")
+        cycle.add_metric(base, view.cycle)
+        state = self._family(
+            GaugeMetricFamily, "ftrun_node_state", "1 for the node's current state.", "state"
+        )
+        for each in NodeState:
+            state.add_metric([*base, each.value], 1.0 if each is view.state else 0.0)
+        restarts = self._family(
+            CounterMetricFamily, "ftrun_restarts", "Restarts this node went through, by the "
+            "kind of its own failure in that cycle ('another node': none of its own).", "cause",
+        )  # fmt: skip
+        for cause, n in view.restarts.items():
+            restarts.add_metric([*base, cause], n)
+        failures = self._family(
+            CounterMetricFamily, "ftrun_failures", "This node's own failures, by kind.", "kind"
+        )
+        for kind, n in view.failures.items():
+            failures.add_metric([*base, kind], n)
+        health = self._family(
+            CounterMetricFamily, "ftrun_health_findings", "Health findings while training "
+            "(fault: acted on; else a degradation, logged).", "finding", "fault",
+        )  # fmt: skip
+        for (finding, fault), n in view.health.items():
+            health.add_metric([*base, finding, str(fault).lower()], n)
+        yield from (cycle, state, restarts, failures, health)
+
+    def _checkpoint_series(self, view: NodeView) -> Iterator[Metric]:
+        base = [self._job, self._node]
+        newest = self._family(
+            GaugeMetricFamily, "ftrun_checkpoint_iteration", "The newest iteration this node "
+            "holds whole (local) or has copied to its peers (replicated).", "tier",
+        )  # fmt: skip
+        lag = self._family(
+            GaugeMetricFamily, "ftrun_checkpoint_replication_lag_seconds",
+            "From the newest replicated part's write to its last copy.",
+        )  # fmt: skip
+        for tier, held in view.tiers.items():
+            newest.add_metric([*base, tier], held.iteration)
+            if held.lag is not None:
+                lag.add_metric(base, held.lag)
+        yield from (newest, lag)
+
+    def _straggler_series(self, view: NodeView) -> Iterator[Metric]:
+        report = view.stragglers
+        if not report:
+            return
+        score = GaugeMetricFamily(
+            "ftrun_straggler_score", "The lowest performance score (0..1) of the worst ranks, "
+            "from the last straggler report (on the reporting node).",
+            labels=["job", "node", "rank"],
+        )  # fmt: skip
+        for rank, node, value in (report.get("worst") or [])[:SHOWN_STRAGGLERS]:
+            score.add_metric([self._job, str(node), str(rank)], value)
+        yield score
+
+    def _rank_series(self, snapshot: Sequence[ProgressSnapshot], now: float) -> Iterator[Metric]:
+        base = [self._job, self._node]
+        iteration = self._family(
+            GaugeMetricFamily, "ftrun_rank_iteration", "The iteration the rank last reported.",
+            "rank",
+        )  # fmt: skip
+        age = self._family(
+            GaugeMetricFamily, "ftrun_rank_last_progress_age_seconds",
+            "Seconds since the rank's last heartbeat or section end.", "rank",
+        )  # fmt: skip
+        heartbeat = self._family(
+            GaugeMetricFamily, "ftrun_heartbeat_timeout_seconds",
+            "The heartbeat timeout in force (the longest of the node's ranks).",
+        )  # fmt: skip
+        section = self._family(
+            GaugeMetricFamily, "ftrun_section_timeout_seconds",
+            "Section timeouts in force (the longest of the node's ranks).", "section",
+        )  # fmt: skip
+        heartbeats: list[float] = []
+        sections: dict[str, float] = {}
+        for rank in snapshot:
+            labels = [*base, str(rank.rank)]
+            if rank.last_iteration is not None:
+                iteration.add_metric(labels, rank.last_iteration)
+            if rank.last_progress is not None:
+                age.add_metric(labels, max(now - rank.last_progress, 0.0))
+            if rank.timeouts is not None:
+                heartbeats += [rank.timeouts.heartbeat] if rank.timeouts.heartbeat else []
+                for name, value in rank.timeouts.sections.items():
+                    if value is not None:
+                        sections[name] = max(value, sections.get(name, 0.0))
+        if heartbeats:
+            heartbeat.add_metric(base, max(heartbeats))
+        for name, value in sections.items():
+            section.add_metric([*base, name], value)
+        yield from (iteration, age, heartbeat, section)
+
+    def _job_series(self, status: Mapping[str, Any]) -> Iterator[Metric]:
+        job = [self._job]
+        values = (
+            ("ftrun_job_ettr_ratio", "Effective training time so far / wall time (the report's "
+             "definition, from training progress).", status["ettr"]),
+            ("ftrun_job_lost_seconds", "Wall time not kept as training so far.", status["lost_s"]),
+            ("ftrun_job_wall_seconds", "Wall time since the job's launch.", status["wall_s"]),
+            ("ftrun_job_cycle", "The job's current cycle.", status["cycle"]),
+            ("ftrun_job_failed_cycles", "Cycles that ended in a failure.", status["restarts"]),
+        )  # fmt: skip
+        for name, doc, value in values:
+            family = GaugeMetricFamily(name, doc, labels=["job"])
+            family.add_metric(job, value if math.isfinite(value) else math.nan)
+            yield family

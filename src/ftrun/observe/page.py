@@ -1,0 +1,102 @@
+"""The status page's HTTP server: one static page and `/status.json`, read-only.
+
+GET and HEAD only (any other method: 501 from the standard library's handler), two paths, no
+query handling: nothing a request says can change the job. The document is rebuilt at most
+once per `refresh` seconds however many browsers poll it (`CachedStatus`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from typing import Any
+
+log = logging.getLogger("ftrun.agent")
+
+PAGE = resources.files("ftrun.observe").joinpath("status.html").read_bytes()
+
+
+class CachedStatus:
+    """The status document, rebuilt when older than `refresh` seconds (one builder at a time)."""
+
+    def __init__(
+        self,
+        build: Callable[[], Mapping[str, Any]],
+        refresh: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._build, self._refresh, self._clock = build, refresh, clock
+        self._lock = threading.Lock()
+        self._at: float | None = None
+        self._doc: Mapping[str, Any] | None = None
+
+    def get(self) -> Mapping[str, Any]:
+        with self._lock:
+            now = self._clock()
+            if self._doc is None or self._at is None or now - self._at >= self._refresh:
+                self._doc, self._at = self._build(), now
+            return self._doc
+
+    def last(self) -> Mapping[str, Any] | None:
+        """The last document built, without building one (for the metrics)."""
+        return self._doc
+
+
+def serve(status: CachedStatus, bind: str, port: int) -> ThreadingHTTPServer:
+    """Start serving in a daemon thread; `server.server_address` has the port picked."""
+
+    class Handler(_ReadOnlyHandler):
+        document = status
+
+    server = ThreadingHTTPServer((bind, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="ftrun-status-page", daemon=True).start()
+    return server
+
+
+class _ReadOnlyHandler(BaseHTTPRequestHandler):
+    document: CachedStatus
+    server_version = "ftrun-status"
+
+    def do_GET(self) -> None:
+        self._answer(body=True)
+
+    def do_HEAD(self) -> None:
+        self._answer(body=False)
+
+    def _answer(self, body: bool) -> None:
+        path = self.path.split("?", 1)[0]
+        if path in ("/", "/index.html"):
+            self._send(200, "text/html; charset=utf-8", PAGE, body)
+        elif path == "/status.json":
+            try:
+                data = json.dumps(self.document.get(), default=str).encode()
+            except Exception as exc:  # the store went away, or a bug: say so, keep serving
+                log.warning("status page: cannot build the status: %r", exc)
+                self._send(503, "text/plain", f"status unavailable: {exc}\n".encode(), body)
+                return
+            self._send(200, "application/json", data, body)
+        else:
+            self._send(404, "text/plain", b"not found\n", body)
+
+    def _send(self, code: int, kind: str, data: bytes, body: bool) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header(
+            "Content-Security-Policy",
+            "default-src 'self'; style-src 'unsafe-inline'; script-src 'unsafe-inline'",
+        )
+        self.end_headers()
+        if body:
+            self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return None  # a browser polling every 2 s must not fill the agent's log
