@@ -63,6 +63,9 @@ NVRX_YAML_KEYS = {
     "max_same_failure",
     "health_interval",
     "health_action",
+    "metrics_port",
+    "status_port",
+    "status_bind",
 }
 
 
@@ -463,6 +466,9 @@ EFFECTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "shutdown_timeout": ((), ("--shutdown-timeout=3",)),
     "virtual_local_rank": ((), ("--virtual-local-rank",)),
     "cfg_path": ((), ("--ft-cfg-path=YAML",)),
+    "metrics_port": ((), ("--ft-metrics-port=0",)),
+    "status_port": ((), ("--ft-status-port=9000",)),
+    "status_bind": ((), ("--ft-status-bind=0.0.0.0",)),
     "initial_rank_heartbeat_timeout": ((), ("--ft-initial-rank-heartbeat-timeout=5",)),
     "rank_heartbeat_timeout": ((), ("--ft-rank-heartbeat-timeout=5",)),
     "rank_section_timeouts": ((), ("--ft-rank-section-timeouts=step:5",)),

@@ -98,6 +98,7 @@ SUBSYSTEMS = (
     "ftrun.straggler",
     "ftrun.lightning",
     "ftrun.rerun",
+    "ftrun.observe",
     "ftrun.tools",
 )
 

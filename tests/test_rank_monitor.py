@@ -251,7 +251,11 @@ def test_first_progress_is_noted_once_per_registration_with_its_iteration(
         5,
         "the second step in the snapshot",
     )
-    assert snapshot == [ProgressSnapshot(5, me, me, note.at, snapshot[0].last_progress, 41, 42)]
+    timeouts = snapshot[0].timeouts  # the configured ones: nothing calculated yet
+    assert timeouts is not None and timeouts.heartbeat == 60.0
+    assert snapshot == [
+        ProgressSnapshot(5, me, me, note.at, snapshot[0].last_progress, 41, 42, timeouts)
+    ]
     assert snapshot[0].last_progress > note.at
     with pytest.raises(queue.Empty):
         notes.get(timeout=0.3)  # once per registration

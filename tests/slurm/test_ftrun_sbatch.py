@@ -16,6 +16,7 @@ from ftrun_jobs import (
     EXAMPLE,
     TRAIN_FIRST_RUN_FAULTS,
     Chain,
+    free_port,
     job_env,
     submit_chain,
     train_args,
@@ -48,10 +49,12 @@ def steps_of(chain: Chain, rank: int = 0) -> list[int]:
 def test_crash_restarts_in_job_and_finishes_in_one_job(slurm_cluster, tmp_path: Path):
     job_dir = tmp_path / "job"
     train = train_args(job_dir, "--steps", "8", "--save-every", "3", "--crash", "0:1:5")
+    page = free_port()
+    live_view = [f"--ft-status-port={page}", "--ft-metrics-port=0"]
     chain = submit_chain(
         slurm_cluster,
         tmp_path,
-        ["--max-restarts=1", str(EXAMPLE), *train],
+        ["--max-restarts=1", *live_view, str(EXAMPLE), *train],
         template_args=("--ft-max-job-relaunches=2",),
     )
 
@@ -69,6 +72,11 @@ def test_crash_restarts_in_job_and_finishes_in_one_job(slurm_cluster, tmp_path: 
     assert {cycle for cycle, _ in progress} == {0, 1}
     assert [step for cycle, step in progress if cycle == 1] == [4, 5, 6, 7, 8]
     assert (job_dir / "ckpt" / "FINISHED").exists()
+    # The recipe says where the live view is; the launchers served it.
+    output = chain.output(chain.first_job)
+    assert f":{page}/ and /status.json, served by group rank 0" in output, output
+    assert "metrics: a free port on each node" in output
+    assert f"ftrun.agent: status page: http://127.0.0.1:{page}/" in output, output
     chain.assert_no_processes_left()
 
 

@@ -24,8 +24,8 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ftrun.observe.node_view import NodeState, NodeView
 from ftrun.rank_monitor.records import ProgressSnapshot
+from ftrun.tools.node_view import NodeState, NodeView
 
 SHOWN_STRAGGLERS = 8
 

@@ -26,11 +26,11 @@ from ftrun.observe.config import ObserveConfig
 from ftrun.observe.feed import FeedReader, FeedWriter
 from ftrun.observe.metrics import NodeMetrics
 from ftrun.observe.page import CachedStatus, serve
-from ftrun.observe.status import job_status
 from ftrun.rank_monitor.records import ProgressSnapshot
 from ftrun.rendezvous.control import job_control
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import NodeService, ServiceContext
+from ftrun.tools.job_status import job_status
 
 log = logging.getLogger("ftrun.agent")
 

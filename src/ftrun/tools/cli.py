@@ -19,11 +19,11 @@ from typing import NoReturn
 import click
 
 from ftrun.errors import ConfigError
-from ftrun.observe.status import status_table
 from ftrun.straggler.config import StragglerAction, StragglerConfig, write_control
 from ftrun.tools.events import ReportInputError, load_events
+from ftrun.tools.job_status import status_table
 from ftrun.tools.report import build_report
-from ftrun.tools.status import StatusInputError, from_endpoint, from_log_dir
+from ftrun.tools.status_sources import StatusInputError, from_endpoint, from_log_dir
 from ftrun.tools.stragglers import scores_picture
 from ftrun.tools.summary import to_json, to_text
 

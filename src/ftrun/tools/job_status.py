@@ -13,8 +13,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ftrun.observe.node_view import NodeState, NodeView
 from ftrun.tools.events import Event, EventSet
+from ftrun.tools.node_view import NodeState, NodeView
 from ftrun.tools.report import build_report
 from ftrun.tools.summary import duration_text
 

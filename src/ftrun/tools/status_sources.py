@@ -14,8 +14,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ftrun.observe.status import job_status
 from ftrun.tools.events import ReportInputError, load_events
+from ftrun.tools.job_status import job_status
 
 FETCH_TIMEOUT_S = 5.0
 

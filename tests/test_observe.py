@@ -1,0 +1,359 @@
+"""The live view's parts without processes: the node's view of its events, the metrics (parsed
+with prometheus_client's own parser), the store feed (a HashStore), the job status, the page's
+read-only server and `ftrun status`."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from torch.distributed import HashStore
+
+from ftrun.observe.feed import FeedReader, FeedWriter
+from ftrun.observe.metrics import NodeMetrics
+from ftrun.observe.page import CachedStatus, serve
+from ftrun.rank_monitor.protocol import Timeouts
+from ftrun.rank_monitor.records import ProgressSnapshot
+from ftrun.tools.cli import main as ftrun_main
+from ftrun.tools.events import parse_line
+from ftrun.tools.job_status import job_status, status_table
+from ftrun.tools.node_view import ELSEWHERE, LAST_FAILURES, NodeState, NodeView
+
+NODES = ("n0", "n1")
+
+
+def rec(event: str, ts: float, cycle: int = 0, node: str = "n0", **fields: Any) -> dict:
+    return {"event": event, "ts": ts, "mono": ts, "node": node, "cycle": cycle, **fields}
+
+
+def cycle_records(node: str, cycle: int, t: float, rank0: int, failure: str | None) -> list[dict]:
+    """One cycle of one node: formed, started, stepping, then a failure and a restart."""
+    ranks = [rank0, rank0 + 1]
+    found = [
+        rec("health_check", t, cycle, node, duration=0.1),
+        rec("rendezvous_done", t + 0.5, cycle, node, duration=0.4, nodes=list(NODES),
+            group_rank=NODES.index(node), world_size=4),
+        rec("workers_started", t + 1, cycle, node, ranks=ranks, pids=[1, 2]),
+        rec("stepping", t + 2, cycle, node, ranks=ranks, progress_ts=t + 2, progress_mono=t + 2),
+    ]  # fmt: skip
+    if failure is not None:
+        found += [
+            rec("failure", t + 9, cycle, node, kind=failure, detail="ValueError",
+                key=f"{failure}: ValueError", rank=rank0, decision="restart"),
+            rec("last_progress", t + 9.1, cycle, node, before="stop", ranks=ranks),
+            rec("stop_done", t + 9.5, cycle, node, duration=0.4),
+            rec("restart", t + 9.6, cycle, node),
+        ]  # fmt: skip
+    return found
+
+
+# --- NodeView ---------------------------------------------------------------------------------
+
+
+def test_the_view_follows_the_states_and_counts_restarts_by_their_cause():
+    view = NodeView("n0")
+    for record in cycle_records("n0", 0, 100.0, 0, "exception"):
+        view.apply(record)
+    assert (view.state, view.since, view.restarts) == (
+        NodeState.RESTARTING,
+        109.5,
+        {"exception": 1},
+    )
+    for record in cycle_records("n0", 1, 110.0, 0, None):
+        view.apply(record)
+    assert (view.state, view.cycle, view.group_rank, view.stepping) == (
+        NodeState.STEPPING, 1, 0, (0, 1))  # fmt: skip
+    view.apply(rec("last_progress", 130.0, 1, before="stop", ranks=[0, 1]))
+    view.apply(rec("restart", 131.0, 1))  # stopped for another node's failure
+    view.apply(rec("failure", 140.0, 2, kind="peer lost", detail="gloo", key="k", secondary=True))
+    view.apply(rec("restart", 141.0, 2))
+    assert view.restarts == {"exception": 1, ELSEWHERE: 1, "peer lost": 1}
+    assert view.failures == {"exception": 1}  # a consequence is not this node's failure
+    view.apply(rec("exit", 150.0, 2, code=0))
+    assert (view.state, view.exit_code) == (NodeState.EXITED, 0)
+
+
+def test_the_view_keeps_a_bounded_failure_list_and_the_newest_checkpoint_of_each_tier():
+    view = NodeView("n0")
+    for i in range(20):
+        view.apply(rec("failure", float(i), i, kind="hang", detail="heartbeat", key="hang"))
+    assert len(view.last_failures) == LAST_FAILURES and view.failures == {"hang": 20}
+    view.apply(rec("ckpt_held", 1.0, session="s", iteration=20, world_size=4))
+    view.apply(rec("ckpt_held", 2.0, session="s", iteration=10, world_size=4))  # older: kept 20
+    view.apply(rec("ckpt_replicated", 3.0, session="s", iteration=20, rank=0, to=["n1"],
+                   bytes=1, seconds=0.5, lag=0.75))  # fmt: skip
+    assert view.tiers["local"].iteration == 20
+    assert (view.tiers["replicated"].iteration, view.tiers["replicated"].lag) == (20, 0.75)
+    view.apply(rec("health_finding", 4.0, finding="Xid 79", fault=True, gpu=0))
+    assert view.health == {("Xid 79", True): 1}
+
+
+# --- metrics ----------------------------------------------------------------------------------
+
+
+def snapshot(ranks: int, last: float, sections: dict[str, float] | None = None) -> list:
+    timeouts = Timeouts(heartbeat=30.0, sections=sections or {"step": 10.0})
+    return [ProgressSnapshot(r, 100 + r, 100 + r, 1.0, last - r, 0, 50 + r, timeouts)
+            for r in range(ranks)]  # fmt: skip
+
+
+def scrape(collector: NodeMetrics) -> dict[tuple[str, frozenset], float]:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    [found] = [v for (n, lab), v in samples.items() if n == name and set(labels.items()) <= lab]
+    return found
+
+
+def test_metrics_read_the_events_and_the_ranks_progress_at_scrape_time():
+    metrics = NodeMetrics("job", "n0", lambda: snapshot(2, 40.0), clock=lambda: 42.0)
+    for record in cycle_records("n0", 0, 100.0, 0, "exception"):
+        metrics.apply(record)
+    samples = scrape(metrics)
+    base = {"job": "job", "node": "n0"}
+    assert value(samples, "ftrun_restarts_total", cause="exception", **base) == 1
+    assert value(samples, "ftrun_failures_total", kind="exception") == 1
+    assert value(samples, "ftrun_node_state", state="restarting") == 1
+    assert value(samples, "ftrun_node_state", state="stepping") == 0
+    assert value(samples, "ftrun_rank_last_progress_age_seconds", rank="0") == 2.0
+    assert value(samples, "ftrun_rank_last_progress_age_seconds", rank="1") == 3.0
+    assert value(samples, "ftrun_rank_iteration", rank="1") == 51
+    assert value(samples, "ftrun_heartbeat_timeout_seconds") == 30.0
+    assert value(samples, "ftrun_section_timeout_seconds", section="step") == 10.0
+    assert not [n for n, _ in samples if n.startswith("ftrun_job_")]  # only with the page
+
+
+def test_metrics_stay_bounded_however_long_the_job_runs():
+    metrics = NodeMetrics("job", "n0", lambda: snapshot(8, 40.0), clock=lambda: 42.0)
+
+    def run(cycles: range) -> int:
+        for cycle in cycles:
+            for record in cycle_records("n0", cycle, 100.0 * cycle, 0, "hang"):
+                metrics.apply(record)
+            worst = [[r, f"n{r % 1024}", 0.5] for r in range(32)]
+            metrics.apply(rec("straggler_report", 1.0, cycle, seq=cycle, ranks=8192, worst=worst))
+        return len(scrape(metrics))
+
+    first = run(range(3))
+    assert run(range(3, 300)) == first
+    assert first < 100  # 8 ranks: see the module docstring of ftrun.observe.metrics
+
+
+def test_the_job_series_come_from_the_status_document():
+    status = {"ettr": 0.5, "lost_s": 10.0, "wall_s": 20.0, "cycle": 2, "restarts": 2}
+    samples = scrape(NodeMetrics("job", "n0", list, lambda: status))
+    assert value(samples, "ftrun_job_ettr_ratio", job="job") == 0.5
+    assert value(samples, "ftrun_job_lost_seconds") == 10.0
+
+
+# --- the store feed ---------------------------------------------------------------------------
+
+
+def test_the_feed_copies_events_and_the_reader_fetches_only_what_is_new():
+    store = HashStore()
+    writers = {node: FeedWriter(store, "ftrun/j", node) for node in NODES}
+    for writer in writers.values():
+        writer.register()
+    writers["n0"].events(cycle_records("n0", 0, 100.0, 0, None))
+    writers["n0"].events([rec("rank_startup", 101.0, rank=0, pid=1, path="forked")])  # local only
+    reader = FeedReader(store, "ftrun/j")
+    events, live = reader.read()
+    assert [len(events[n]) for n in NODES] == [4, 0]
+    assert live["n1"] == {"ts": 0, "cycle": 0, "progress": []}
+    writers["n1"].events(cycle_records("n1", 0, 100.0, 2, "exception"))
+    writers["n1"].live({"ts": 5.0, "cycle": 0, "progress": [[2, 7, 0.5]]})
+    events, live = reader.read()
+    assert [len(events[n]) for n in NODES] == [4, 8]
+    assert live["n1"]["progress"] == [[2, 7, 0.5]]
+    again = FeedWriter(store, "ftrun/j", "n0")  # a relaunched launcher continues the stream
+    again.register()
+    again.events([rec("exit", 200.0, 0, code=0)])
+    events, _ = reader.read()
+    assert events["n0"][-1].event == "exit" and len(events["n0"]) == 5
+    assert reader.nodes() == list(NODES)
+
+
+def test_a_line_that_is_not_an_event_is_skipped_and_counted():
+    store = HashStore()
+    writer = FeedWriter(store, "p", "n0")
+    writer.register()
+    store.set("p/observe/events/n0/1", b"not json")
+    store.set("p/observe/events/n0/n", b"1")
+    reader = FeedReader(store, "p")
+    assert reader.read()[0]["n0"] == [] and reader.skipped == 1
+    writer.events([rec("exit", 1.0, code=0)])  # the writer's own count goes on from 0: it
+    assert len(reader.read()[0]["n0"]) == 0  # wrote key 1 again, which the reader has read
+
+
+# --- the job status ---------------------------------------------------------------------------
+
+
+def events_of(records: list[dict]) -> dict[str, list]:
+    found: dict[str, list] = {}
+    for record in records:
+        event = parse_line(json.dumps(record))
+        assert event is not None, record
+        found.setdefault(event.node, []).append(event)
+    return found
+
+
+def two_node_job() -> list[dict]:
+    records = cycle_records("n0", 0, 100.0, 0, "exception") + cycle_records("n1", 0, 100.0, 2, None)
+    records += [rec("restart", 109.6, 0, "n1")]
+    records += cycle_records("n0", 1, 110.0, 0, None) + cycle_records("n1", 1, 110.0, 2, None)
+    return records
+
+
+def test_the_status_tells_each_node_the_cycle_the_failures_and_the_time_lost():
+    live = {"n0": {"ts": 119.0, "cycle": 1, "progress": [[0, 70, 0.2], [1, 71, 0.3]]}}
+    doc = job_status("job", events_of(two_node_job()), live, now=120.0)
+    assert (doc["outcome"], doc["cycle"], doc["restarts"]) == ("RUNNING", 1, 1)
+    assert [(n["node"], n["state"], n["stepping"]) for n in doc["nodes"]] == [
+        ("n0", "stepping", [0, 1]), ("n1", "stepping", [2, 3])]  # fmt: skip
+    assert doc["nodes"][0]["progress"] == [[0, 70, 1.2], [1, 71, 1.3]]  # aged since published
+    assert doc["nodes"][0]["last_failure"]["kind"] == "exception"
+    assert [f["signature"] for f in doc["failures"]] == ["exception: ValueError"]
+    assert doc["wall_s"] == pytest.approx(20.1)  # from the first health check's start
+    assert 0 < doc["effective_s"] < doc["wall_s"]
+    later = job_status("job", events_of(two_node_job()), live, now=130.0)
+    assert later["effective_s"] == doc["effective_s"] + 10  # still stepping: training so far
+    text = status_table(doc)
+    assert "cycle 1" in text and "n1" in text and "exception: ValueError on n0 rank 0" in text
+
+
+def test_a_lost_node_and_a_silent_one_are_shown_as_such():
+    live = {n: {"ts": 100.0, "cycle": 1, "progress": [[0, 7, 0.1]]} for n in NODES}
+    doc = job_status("job", events_of(two_node_job()), live, now=126.0)
+    assert [(n["state"], n["silent"]) for n in doc["nodes"]] == [("stepping", True)] * 2
+    records = [
+        *two_node_job(),
+        rec("health_check", 124.0, 1, "n0", duration=0.1),
+        rec("node_lost", 125.0, 2, "n0", nodes=["n1"], lost_cycle=1),
+    ]
+    doc = job_status("job", events_of(records), live, now=126.0)
+    assert [(n["state"], n["silent"]) for n in doc["nodes"]] == [
+        ("joining", False), ("lost", False)]  # fmt: skip
+
+
+def test_a_finished_job_keeps_its_figures():
+    records = [*two_node_job(), *(rec("exit", 121.0, 1, n, code=0) for n in NODES)]
+    first = job_status("job", events_of(records), {}, now=200.0)
+    assert first["outcome"] == "SUCCESS" and first["wall_s"] == pytest.approx(21.1)
+    assert job_status("job", events_of(records), {}, now=900.0) == {**first, "now": 900.0}
+
+
+def test_checkpoint_tiers_are_complete_when_every_node_holds_them():
+    records = [
+        *two_node_job(),
+        rec("ckpt_held", 115.0, 1, "n0", session="s", iteration=30, world_size=4),
+        rec("ckpt_held", 115.5, 1, "n1", session="s", iteration=20, world_size=4),
+        rec("ckpt_replicated", 116.0, 1, "n0", session="s", iteration=30, rank=0, to=["n1"],
+            bytes=1, seconds=0.1, lag=0.4),
+    ]  # fmt: skip
+    tiers = job_status("job", events_of(records), {}, now=120.0)["checkpoints"]
+    assert tiers == {
+        "local": {"iteration": 20, "newest": 30, "lag_s": None},
+        "replicated": {"iteration": None, "newest": 30, "lag_s": 0.4},
+    }
+
+
+# --- the page ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def page() -> Iterator[str]:
+    calls: list[int] = []
+
+    def build() -> dict:
+        calls.append(1)
+        if len(calls) > 1:
+            raise ConnectionError("store gone")
+        return {"job": "j", "waiting": True, "calls": len(calls)}
+
+    clock = iter(range(0, 1000, 10))  # every read is 10 s after the last: always rebuilt
+    server = serve(CachedStatus(build, 1.0, lambda: float(next(clock))), "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def http(url: str, method: str = "GET") -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=5) as got:
+            return got.status, got.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def test_the_page_serves_the_html_and_the_json_and_nothing_else(page: str):
+    code, body = http(page + "/")
+    assert code == 200 and b'fetch("status.json"' in body and b"innerHTML" not in body
+    assert http(page + "/status.json") == (200, b'{"job": "j", "waiting": true, "calls": 1}')
+    assert http(page + "/status.json")[0] == 503  # the build failed: said, and still serving
+    assert http(page + "/")[0] == 200
+    assert http(page + "/admin")[0] == 404
+    for method in ("POST", "PUT", "DELETE"):
+        assert http(page + "/status.json", method)[0] == 501  # read-only
+
+
+def test_the_status_is_rebuilt_at_most_once_per_refresh():
+    builds: list[float] = []
+    now = [0.0]
+
+    def build() -> dict:
+        builds.append(now[0])
+        return {}
+
+    cached = CachedStatus(build, 1.0, lambda: now[0])
+    assert cached.last() is None
+    for t in (0.0, 0.5, 0.99, 1.0, 1.5, 2.2):
+        now[0] = t
+        cached.get()
+    assert builds == [0.0, 1.0, 2.2]
+
+
+# --- ftrun status -----------------------------------------------------------------------------
+
+
+def test_ftrun_status_reads_a_log_dir(tmp_path: Path):
+    for node in NODES:
+        lines = [json.dumps(r) for r in two_node_job() if r["node"] == node]
+        (tmp_path / f"events-{node}.jsonl").write_text("\n".join(lines) + "\n")
+    result = CliRunner().invoke(ftrun_main, ["status", "--log-dir", str(tmp_path)])
+    assert result.exit_code == 0 and "n0" in result.output and "restarts 1" in result.output
+    result = CliRunner().invoke(ftrun_main, ["status", "--log-dir", str(tmp_path), "--json"])
+    assert json.loads(result.output)["cycle"] == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "give one of --log-dir DIR or --endpoint HOST:PORT"),
+        (["--log-dir", "x", "--endpoint", "h:1"], "give one of"),
+        (["--log-dir", "/nonexistent/dir"], "no such directory: /nonexistent/dir"),
+        (["--endpoint", "127.0.0.1:1"], "cannot read http://127.0.0.1:1/status.json"),
+        (["--endpoint", "127.0.0.1:1", "--watch", "0"], "--watch: SECONDS must be positive"),
+    ],
+)
+def test_ftrun_status_errors_are_one_line(args: list[str], message: str):
+    result = CliRunner().invoke(ftrun_main, ["status", *args])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert result.output.startswith("ftrun status: error: ") and message in result.output
