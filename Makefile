@@ -26,6 +26,7 @@ lint: $(STAMP)
 # scheduler, under the other worker's load, left a resubmitted job pending past its bound), and
 # a test whose outcome rests on tens of milliseconds between nodes.
 test: $(STAMP) lint
+	bash tests/browser/install-chromium.sh
 	$(VPY) -m pytest -q -n 2 --dist worksteal -m "not slurm and not alone"
 	$(VPY) -m pytest -q -m "slurm or alone"
 
@@ -56,6 +57,7 @@ bench-more: $(STAMP)
 	$(VPY) bench/checkpoint/peer_throughput.py
 	$(VPY) bench/monitor/lightning_overhead.py
 	$(VPY) bench/monitor/rerun.py
+	$(VPY) bench/monitor/live_view.py
 	$(VPY) bench/compat/nvrx_examples.py --set cpu --skip-basic --examples $(or $(NVRX_EXAMPLES),.nvrx/examples)
 
 bench-gpu:

@@ -43,6 +43,7 @@ WHEELS=(
     msgpack==1.2.4
     PyYAML==6.0.4
     crc32c==2.9.post0
+    prometheus_client==0.26.0
 )
 
 PLATFORMS=()

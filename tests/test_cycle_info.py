@@ -40,3 +40,15 @@ def test_attempt_defaults_to_zero_outside_slurm(tmp_path: Path) -> None:
         service = CycleInfoService(tmp_path, "job", environ, lambda _cycle: None)
         service.on_round(Round(0, NODES, 0))
         assert json.loads(service.path.read_text())["attempt"] == 0
+
+
+def test_fields_the_services_describe_are_written_from_the_next_round_on(tmp_path: Path) -> None:
+    described: dict[str, object] = {}
+    service = CycleInfoService(tmp_path, "job", {}, lambda _cycle: None, described)
+    service.on_round(Round(0, NODES, 0))
+    assert "metrics" not in json.loads(service.path.read_text())
+    described["metrics"] = "http://127.0.0.1:9400/metrics"
+    described["status"] = None  # a service took its field back (the page moved)
+    service.on_round(Round(1, NODES, 0))
+    info = json.loads(service.path.read_text())
+    assert info["metrics"] == "http://127.0.0.1:9400/metrics" and "status" not in info

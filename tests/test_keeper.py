@@ -470,6 +470,8 @@ def test_a_node_lost_before_its_newest_replicas_arrive_leaves_a_whole_iteration(
             node.write(S, K(4, rank))
     wait_for(lambda: len(a.tier.listed(S)) == len(b.tier.listed(S)) == 4, 10, "the replicas")
     wait_for(lambda: a.tier.read_protected(S) == b.tier.read_protected(S) == (4, 4), 10, "4")
+    (held,) = a.events.of("ckpt_held")  # the local tier of the live view
+    assert (held["iteration"], held["stall"]) == (4, None)  # no manager wrote these parts
     b.keeper.replicator.pause()  # b's new parts stay on b: it is about to be lost
     monkeypatch.setenv(ENV_CKPT_DIR, str(a.tier.root))
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -483,6 +485,8 @@ def test_a_node_lost_before_its_newest_replicas_arrive_leaves_a_whole_iteration(
     own_new = [K(i, r) for i in (6, 8) for r in (0, 1)]
     assert a.tier.listed(S) == sorted([K(4, 0), K(4, 1), K(4, 2), K(4, 3), *own_new])
     assert a.tier.read_protected(S) == (4, 4)
+    stall = a.tier.read_stall(S, (0, 1))  # how long the managers' saves blocked them
+    assert stall is not None and 0 < stall < 10
     b.keeper.close()
     run_round([a, c], round_of(2, [a, c]))
     assert a.restore_file() == c.restore_file() == RestoreDecision(4, 4)

@@ -137,6 +137,10 @@ def test_metrics_read_the_events_and_the_ranks_progress_at_scrape_time():
     assert value(samples, "ftrun_heartbeat_timeout_seconds") == 30.0
     assert value(samples, "ftrun_section_timeout_seconds", section="step") == 10.0
     assert not [n for n, _ in samples if n.startswith("ftrun_job_")]  # only with the page
+    metrics.apply(rec("ckpt_held", 110.0, session="s", iteration=40, world_size=4, stall=0.25))
+    samples = scrape(metrics)
+    assert value(samples, "ftrun_checkpoint_iteration", tier="local") == 40
+    assert value(samples, "ftrun_checkpoint_save_stall_seconds") == 0.25
 
 
 def test_metrics_stay_bounded_however_long_the_job_runs():
@@ -261,15 +265,15 @@ def test_a_finished_job_keeps_its_figures():
 def test_checkpoint_tiers_are_complete_when_every_node_holds_them():
     records = [
         *two_node_job(),
-        rec("ckpt_held", 115.0, 1, "n0", session="s", iteration=30, world_size=4),
+        rec("ckpt_held", 115.0, 1, "n0", session="s", iteration=30, world_size=4, stall=0.02),
         rec("ckpt_held", 115.5, 1, "n1", session="s", iteration=20, world_size=4),
         rec("ckpt_replicated", 116.0, 1, "n0", session="s", iteration=30, rank=0, to=["n1"],
             bytes=1, seconds=0.1, lag=0.4),
     ]  # fmt: skip
     tiers = job_status("job", events_of(records), {}, now=120.0)["checkpoints"]
     assert tiers == {
-        "local": {"iteration": 20, "newest": 30, "lag_s": None},
-        "replicated": {"iteration": None, "newest": 30, "lag_s": 0.4},
+        "local": {"iteration": 20, "newest": 30, "lag_s": None, "stall_s": 0.02},
+        "replicated": {"iteration": None, "newest": 30, "lag_s": 0.4, "stall_s": None},
     }
 
 
@@ -310,6 +314,7 @@ def test_the_page_serves_the_html_and_the_json_and_nothing_else(page: str):
     assert http(page + "/status.json")[0] == 503  # the build failed: said, and still serving
     assert http(page + "/")[0] == 200
     assert http(page + "/admin")[0] == 404
+    assert http(page + "/favicon.ico") == (204, b"")
     for method in ("POST", "PUT", "DELETE"):
         assert http(page + "/status.json", method)[0] == 501  # read-only
 

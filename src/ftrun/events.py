@@ -220,6 +220,12 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
         _req("session", STR),
         _req("iteration", INT, "the newest iteration this node now holds whole (local tier)"),
         _req("world_size", INT),
+        _opt(
+            "stall",
+            NUM,
+            "the longest time the latest save of one of this node's ranks "
+            "blocked its training (seconds)",
+        ),
     ),
     "ckpt_corrupt": (
         _req("session", STR),

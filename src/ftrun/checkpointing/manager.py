@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -37,7 +38,12 @@ from ftrun.checkpointing.persist import copy_part
 from ftrun.checkpointing.retention import parts_to_remove
 from ftrun.checkpointing.state_dict import BasicTensorAwareStateDict, TensorAwareStateDict
 from ftrun.checkpointing.store import DirectoryStore, PartKey, PartStore, PreparedPart
-from ftrun.checkpointing.worker_tier import agent_tier, protected_part, restore_decision
+from ftrun.checkpointing.worker_tier import (
+    agent_tier,
+    note_stall,
+    protected_part,
+    restore_decision,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -134,11 +140,13 @@ class LocalCheckpointManager:
         """
         if type(iteration) is not int or iteration < 0:
             raise CheckpointUsageError(f"iteration must be a non-negative int, not {iteration!r}")
+        started = time.monotonic()
         self.wait()
         key = self._key(iteration)
         payload, metadata = _unwrap(state_dict)
         if not is_async:
             self._after_write(key, self._store.write(key, payload, metadata))
+            self._note_stall(key, started)
             return None
         pending = self._store.prepare(key, payload, metadata)
         try:
@@ -148,7 +156,13 @@ class LocalCheckpointManager:
             raise
         with self._joining:
             self._in_flight = job
+        self._note_stall(key, started)
         return AsyncRequest(self._join, (job,), [])
+
+    def _note_stall(self, key: PartKey, started: float) -> None:
+        """Under ft_launcher, how long this save blocked the caller, for the agent's live view."""
+        if self._tier is not None:
+            note_stall(self._tier, key.rank, key.iteration, time.monotonic() - started)
 
     def wait(self) -> PartInfo | None:
         """Wait for the async save in flight; its `PartInfo`, or None if there was none.

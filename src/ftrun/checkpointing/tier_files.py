@@ -22,6 +22,9 @@ Small JSON files per session, each written atomically (write, rename):
   it holds: with several cliques, a job-wide complete iteration is certain only while every
   clique's replication keeps within `keep_complete - 1` saves of the newest (the agents do
   not agree on one protected iteration during training).
+- `STALL_FILE` (one per rank), by the worker's manager after each save: how long that save
+  blocked training (`{"iteration", "seconds"}`). The agent reports the longest of its ranks'
+  with each newly protected iteration (the `ckpt_held` event: the save stall of the live view).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ ENV_CKPT_DIR = "FTRUN_CKPT_DIR"
 POLICY_FILE = ".policy.json"
 RESTORE_FILE = ".restore.json"
 PROTECTED_FILE = ".protected.json"
+STALL_FILE = ".stall-rank{rank}.json"
 
 
 @dataclasses.dataclass(frozen=True)

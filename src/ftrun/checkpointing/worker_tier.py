@@ -14,6 +14,7 @@ from ftrun.checkpointing.tier_files import (
     POLICY_FILE,
     PROTECTED_FILE,
     RESTORE_FILE,
+    STALL_FILE,
     RestoreDecision,
     TierPolicy,
     read_json,
@@ -41,6 +42,16 @@ def agent_tier(session_id: str, repl_strategy: Any) -> Path | None:
         )
     write_json_atomically(tier / POLICY_FILE, policy.to_json())
     return tier
+
+
+def note_stall(tier: Path, rank: int, iteration: int, seconds: float) -> None:
+    """Tell the agent how long this rank's save of `iteration` blocked training (`STALL_FILE`);
+    never fails the save (the figure is for the live view only)."""
+    try:
+        path = tier / STALL_FILE.format(rank=rank)
+        write_json_atomically(path, {"iteration": iteration, "seconds": round(seconds, 6)})
+    except OSError as e:
+        logger.debug("could not note the save's stall: %s", e)
 
 
 def restore_decision(tier: Path) -> RestoreDecision | None:

@@ -104,11 +104,17 @@ class NodeMetrics(Collector):
             GaugeMetricFamily, "ftrun_checkpoint_replication_lag_seconds",
             "From the newest replicated part's write to its last copy.",
         )  # fmt: skip
+        stall = self._family(
+            GaugeMetricFamily, "ftrun_checkpoint_save_stall_seconds",
+            "The longest time the latest save of one of the node's ranks blocked its training.",
+        )  # fmt: skip
         for tier, held in view.tiers.items():
             newest.add_metric([*base, tier], held.iteration)
             if held.lag is not None:
                 lag.add_metric(base, held.lag)
-        yield from (newest, lag)
+            if held.stall is not None:
+                stall.add_metric(base, held.stall)
+        yield from (newest, lag, stall)
 
     def _straggler_series(self, view: NodeView) -> Iterator[Metric]:
         report = view.stragglers

@@ -81,6 +81,8 @@ class _ReadOnlyHandler(BaseHTTPRequestHandler):
                 self._send(503, "text/plain", f"status unavailable: {exc}\n".encode(), body)
                 return
             self._send(200, "application/json", data, body)
+        elif path == "/favicon.ico":  # browsers ask for it on every load: no error for that
+            self._send(204, "image/x-icon", b"", body)
         else:
             self._send(404, "text/plain", b"not found\n", body)
 

@@ -109,17 +109,19 @@ def _stragglers(views: Sequence[NodeView] | Any) -> dict[str, Any] | None:
 
 def _tiers(views: Sequence[NodeView] | Any, cycle: int) -> dict[str, dict[str, Any]]:
     """Per tier, the iteration every node of the current cycle holds (the job's newest
-    complete one) and the worst replication lag seen."""
+    complete one), the worst replication lag and the longest save stall seen."""
     current = [v for v in views if v.cycle == cycle and v.state is not NodeState.STANDBY]
     found: dict[str, dict[str, Any]] = {}
     for tier in sorted({t for v in current for t in v.tiers}):
         held = [v.tiers.get(tier) for v in current]
         complete = all(h is not None for h in held)
         lags = [h.lag for h in held if h is not None and h.lag is not None]
+        stalls = [h.stall for h in held if h is not None and h.stall is not None]
         found[tier] = {
             "iteration": min(h.iteration for h in held if h) if complete else None,
             "newest": max(h.iteration for h in held if h),
             "lag_s": max(lags) if lags else None,
+            "stall_s": max(stalls) if stalls else None,
         }
     return found
 
@@ -156,7 +158,11 @@ def _table_lines(status: Mapping[str, Any]) -> Iterator[str]:
         yield f"stragglers: {worst}  (median {stragglers.get('median')})"
     for tier, held in (status.get("checkpoints") or {}).items():
         lag = f", lag {held['lag_s']:.2f} s" if held.get("lag_s") is not None else ""
-        yield f"checkpoint {tier}: iteration {held['iteration']} (newest {held['newest']}{lag})"
+        stall = f", save stall {held['stall_s']:.3f} s" if held.get("stall_s") is not None else ""
+        yield (
+            f"checkpoint {tier}: iteration {held['iteration']} "
+            f"(newest {held['newest']}{lag}{stall})"
+        )
 
 
 _HEADER = (

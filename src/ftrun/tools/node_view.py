@@ -61,6 +61,8 @@ class Tier:
     """How long its replication took (replicated tier)."""
     lag: float | None = None
     """Seconds from the part's write to its replicas (replicated tier)."""
+    stall: float | None = None
+    """The longest time a rank's latest save blocked its training (local tier)."""
 
 
 @dataclasses.dataclass
@@ -140,7 +142,7 @@ class NodeView:
         self.stragglers = {k: record.get(k) for k in keep}
 
     def _held(self, record: Mapping[str, Any]) -> None:
-        self._tier("local", record)
+        self._tier("local", record, None, None, record.get("stall"))
 
     def _replicated(self, record: Mapping[str, Any]) -> None:
         self._tier("replicated", record, record.get("seconds"), record.get("lag"))

@@ -51,6 +51,7 @@ from ftrun.checkpointing.tier_files import (
     POLICY_FILE,
     PROTECTED_FILE,
     RESTORE_FILE,
+    STALL_FILE,
     RestoreDecision,
     TierPolicy,
     read_json,
@@ -236,6 +237,20 @@ class NodeTier:
             path.unlink(missing_ok=True)
         else:
             write_json_atomically(path, RestoreDecision(iteration, world_size).to_json())
+
+    def read_stall(self, session: str, ranks: Iterable[int]) -> float | None:
+        """The longest time the latest save of any of `ranks` blocked training (their
+        `STALL_FILE`s); None when none of them wrote one readably."""
+        found = []
+        for rank in ranks:
+            try:
+                raw = read_json(self.root / session / STALL_FILE.format(rank=rank))
+            except (OSError, ValueError):
+                continue
+            seconds = raw.get("seconds") if raw else None
+            if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+                found.append(float(seconds))
+        return max(found) if found else None
 
     def read_protected(self, session: str) -> tuple[int, int] | None:
         """The protected (iteration, world size), read as the workers read it; None if none

@@ -161,7 +161,10 @@ class Replicator:
         if whole >= 0 and (protected is None or protected[1] != rnd.world_size
                            or protected[0] < whole):  # fmt: skip
             self._tier.write_protected(session, whole, rnd.world_size)
-            self._emit("ckpt_held", session=session, iteration=whole, world_size=rnd.world_size)
+            mine = range(rnd.first_global_rank, rnd.first_global_rank + rnd.me.local_world_size)
+            stall = self._tier.read_stall(session, mine)
+            self._emit("ckpt_held", session=session, iteration=whole, world_size=rnd.world_size,
+                       stall=stall)  # fmt: skip
 
     def _handle(self, session: str, key: PartKey, policy: TierPolicy, rnd: Round) -> None:
         opened = open_part(self._tier.part_path(session, key))
