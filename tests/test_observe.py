@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from torch.distributed import HashStore
 
+from ftrun.observe import feed
 from ftrun.observe.feed import FeedReader, FeedWriter
 from ftrun.observe.metrics import NodeMetrics
 from ftrun.observe.page import CachedStatus, serve
@@ -193,6 +194,23 @@ def test_the_feed_copies_events_and_the_reader_fetches_only_what_is_new():
     assert reader.nodes() == list(NODES)
 
 
+def test_the_reader_asks_for_many_keys_in_bounded_requests(monkeypatch: pytest.MonkeyPatch):
+    asked: list[int] = []
+
+    class Counting(HashStore):
+        def multi_get(self, keys: list[str]) -> list[bytes]:
+            asked.append(len(keys))
+            return super().multi_get(keys)
+
+    store = Counting()
+    monkeypatch.setattr(feed, "BATCH", 3)
+    writer = FeedWriter(store, "p", "n0")
+    writer.register()
+    writer.events([rec("restart", float(i), i) for i in range(10)])
+    assert len(FeedReader(store, "p").read()[0]["n0"]) == 10
+    assert max(asked) == 3
+
+
 def test_a_line_that_is_not_an_event_is_skipped_and_counted():
     store = HashStore()
     writer = FeedWriter(store, "p", "n0")
@@ -290,8 +308,7 @@ def page() -> Iterator[str]:
             raise ConnectionError("store gone")
         return {"job": "j", "waiting": True, "calls": len(calls)}
 
-    clock = iter(range(0, 1000, 10))  # every read is 10 s after the last: always rebuilt
-    server = serve(CachedStatus(build, 1.0, lambda: float(next(clock))), "127.0.0.1", 0)
+    server = serve(CachedStatus(build, 0.0, lambda: 0.0), "127.0.0.1", 0)  # built every time
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
@@ -333,6 +350,22 @@ def test_the_status_is_rebuilt_at_most_once_per_refresh():
         now[0] = t
         cached.get()
     assert builds == [0.0, 1.0, 2.2]
+
+
+def test_a_slow_status_is_rebuilt_less_often():
+    now = [0.0]
+    builds: list[float] = []
+
+    def build() -> dict:  # takes 0.5 s: kept for 4 x 0.5 s
+        builds.append(now[0])
+        now[0] += 0.5
+        return {}
+
+    cached = CachedStatus(build, 1.0, lambda: now[0])
+    for t in (0.0, 1.6, 2.4, 2.6, 5.0):
+        now[0] = max(now[0], t)
+        cached.get()
+    assert builds == [0.0, 2.4, 5.0]
 
 
 # --- ftrun status -----------------------------------------------------------------------------

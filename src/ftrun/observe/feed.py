@@ -27,6 +27,8 @@ KEPT_LOCAL = frozenset({"rank_startup", "health_watch"})
 """Event kinds that stay in the node's file only (per-rank start-up splits, poll costs): the
 page does not show them and they would multiply the store's keys by the ranks."""
 EMPTY_LIVE = b'{"ts": 0, "cycle": 0, "progress": []}'
+BATCH = 1000
+"""Keys per store request when reading (see `FeedReader._get`)."""
 
 
 def _base(prefix: str) -> str:
@@ -93,7 +95,7 @@ class FeedReader:
         nodes = self.nodes()
         if not nodes:
             return self.events, {}
-        counts = self._store.multi_get([f"{self._base}/events/{n}/n" for n in nodes])
+        counts = self._get([f"{self._base}/events/{n}/n" for n in nodes])
         wanted: list[tuple[str, str]] = []
         for node, raw in zip(nodes, counts, strict=True):
             have = self._read.setdefault(node, 0)
@@ -101,7 +103,7 @@ class FeedReader:
             wanted += [
                 (node, f"{self._base}/events/{node}/{i}") for i in range(have + 1, int(raw) + 1)
             ]
-        lines = self._store.multi_get([key for _, key in wanted]) if wanted else []
+        lines = self._get([key for _, key in wanted])
         for (node, _), line in zip(wanted, lines, strict=True):
             self._read[node] += 1
             event = parse_line(line.decode(errors="replace"))
@@ -109,8 +111,17 @@ class FeedReader:
                 self.skipped += 1
             else:
                 self.events[node].append(event)
-        lives = self._store.multi_get([f"{self._base}/live/{n}" for n in nodes])
+        lives = self._get([f"{self._base}/live/{n}" for n in nodes])
         return self.events, {n: _live(raw) for n, raw in zip(nodes, lives, strict=True)}
+
+    def _get(self, keys: list[str]) -> list[bytes]:
+        """`multi_get` in requests of `BATCH` keys: torch's libuv store server answers one
+        large request in superlinear time, and every other client of the store waits
+        meanwhile (49,000 keys: 26 s in one request, 0.19 s in requests of 1,000)."""
+        found: list[bytes] = []
+        for start in range(0, len(keys), BATCH):
+            found += self._store.multi_get(keys[start : start + BATCH])
+        return found
 
 
 def _live(raw: bytes) -> dict[str, Any]:
