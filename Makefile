@@ -67,6 +67,8 @@ bench-gpu:
 	python3 bench/monitor/health_watch.py
 	python3 bench/monitor/flight_recorder.py
 	python3 bench/placement/numa_check.py
+	python3 bench/monitor/live_view.py --parts scrape page
+	python3 bench/monitor/live_view.py --parts steps --device cuda --nproc 1 --width 8192 --steps 1500 --pairs 5
 	python3 bench/compat/nvrx_examples.py --set cuda --examples $(or $(NVRX_EXAMPLES),.nvrx/examples)
 
 faults: $(STAMP)

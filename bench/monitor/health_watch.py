@@ -12,29 +12,21 @@ import argparse
 import contextlib
 import statistics
 import sys
-import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
+
+from common.timing import p99, timed
 
 from ftrun.agent.health_watch import HealthWatch
 from ftrun.agent.nvml import load_nvml
 from ftrun.rendezvous.config import HealthCheckConfig
 
 
-def timed(call: Callable[[], Any], count: int) -> list[float]:
-    """Microseconds per call, `count` calls."""
-    costs = []
-    for _ in range(count):
-        start = time.perf_counter()
-        call()
-        costs.append((time.perf_counter() - start) * 1e6)
-    return costs
-
-
 def row(name: str, costs: list[float]) -> str:
-    costs = sorted(costs)
-    p99 = costs[min(len(costs) - 1, int(len(costs) * 0.99))]
-    return f"| {name} | {statistics.median(costs):.1f} | {p99:.1f} |"
+    return f"| {name} | {statistics.median(costs):.1f} | {p99(costs):.1f} |"
 
 
 def single_calls(nvml: Any, count: int) -> list[str]:
