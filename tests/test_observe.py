@@ -5,6 +5,7 @@ read-only server and `ftrun status`."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -21,12 +22,14 @@ from ftrun.observe import feed
 from ftrun.observe.feed import FeedReader, FeedWriter
 from ftrun.observe.metrics import NodeMetrics
 from ftrun.observe.page import CachedStatus, serve
+from ftrun.observe.service import FeedThread
 from ftrun.rank_monitor.protocol import Timeouts
 from ftrun.rank_monitor.records import ProgressSnapshot
 from ftrun.tools.cli import main as ftrun_main
 from ftrun.tools.events import parse_line
 from ftrun.tools.job_status import job_status, status_table
 from ftrun.tools.node_view import ELSEWHERE, LAST_FAILURES, NodeState, NodeView
+from support import wait_for
 
 NODES = ("n0", "n1")
 
@@ -395,3 +398,29 @@ def test_ftrun_status_errors_are_one_line(args: list[str], message: str):
     result = CliRunner().invoke(ftrun_main, ["status", *args])
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
     assert result.output.startswith("ftrun status: error: ") and message in result.output
+
+
+def test_the_feed_thread_keeps_events_through_a_store_error_and_publishes_them_later():
+    failures = [2]  # the first two sets of an event key fail: the store host is unreachable
+
+    class Flaky(HashStore):
+        def set(self, key: str, value: bytes) -> None:
+            if "/events/n0/" in key and not key.endswith("/n") and failures[0] > 0:
+                failures[0] -= 1
+                raise ConnectionError("store unreachable")
+            super().set(key, value)
+
+    store = Flaky()
+    snapshot = [ProgressSnapshot(0, 1, 1, 1.0, time.monotonic(), 0, 7)]
+    thread = FeedThread(FeedWriter(store, "p", "n0"), lambda: snapshot, 0.1)
+    thread.start()
+    try:
+        for i in range(3):
+            thread.queue.put(rec("restart", float(i), 1))
+        reader = FeedReader(store, "p")
+        wait_for(lambda: len(reader.read()[0].get("n0", [])) == 3, 10, "the three events")
+        live = wait_for(lambda: (r := reader.read()[1]["n0"]) and r["progress"] and r, 10, "live")
+        assert live["cycle"] == 1 and live["progress"][0][:2] == [0, 7]
+    finally:
+        thread.stop()
+    assert failures == [0]

@@ -53,11 +53,12 @@ class ObserveService(NodeService):
         self._metrics_server: Any = None
         self.metrics = NodeMetrics(self._job, self._node, self._progress, self._page_status)
         context.read_events(self.metrics.apply)
-        self._feed: _Feed | None = None
+        self._feed: FeedThread | None = None
         if config.status_port is not None:
-            self._feed = _Feed(FeedWriter(self._store, self._prefix, self._node), self._progress,
+            self._feed = FeedThread(FeedWriter(self._store, self._prefix, self._node), self._progress,
                                config.publish_interval)  # fmt: skip
             context.read_events(self._feed.queue.put)
+            self._feed.start()
         if config.metrics_port is not None:
             self._serve_metrics(config.metrics_port)
 
@@ -77,8 +78,7 @@ class ObserveService(NodeService):
 
     def on_round(self, rnd: Round) -> None:
         if self._feed is not None:
-            self._feed.start()
-            if rnd.group_rank == 0 and rnd.me.node == self._node:
+            if rnd.group_rank == 0:
                 self._serve_page()
             elif self._page is not None:
                 log.info(
@@ -125,7 +125,7 @@ class ObserveService(NodeService):
             self._metrics_server.server_close()
 
 
-class _Feed:
+class FeedThread:
     """The thread that copies the node's events and progress into the store."""
 
     def __init__(
@@ -139,12 +139,14 @@ class _Feed:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = False
+        self._registered = False
+        self._pending: list[Mapping[str, Any]] = []
+        """Events taken from the queue and not yet in the store (kept across store errors)."""
         self._cycle = 0
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="ftrun-feed", daemon=True)
-            self._thread.start()
+        self._thread = threading.Thread(target=self._run, name="ftrun-feed", daemon=True)
+        self._thread.start()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -152,25 +154,29 @@ class _Feed:
             self._thread.join(timeout=5.0)
 
     def _run(self) -> None:
-        self._guarded(self._writer.register)
         next_live = 0.0
-        while not self._stopping.wait(_EVENTS_BATCH_S):
+        while True:
             self._guarded(self._publish_events)
-            if time.monotonic() >= next_live:
+            if time.monotonic() >= next_live and self._registered:
                 self._guarded(self._publish_live)
                 next_live = time.monotonic() + self._interval
+            if self._stopping.wait(_EVENTS_BATCH_S):
+                break
         self._guarded(self._publish_events)  # the last ones: the exit, the stop
 
     def _publish_events(self) -> None:
-        batch = []
+        if not self._registered:
+            self._writer.register()
+            self._registered = True
         while True:
             try:
-                batch.append(self.queue.get_nowait())
+                self._pending.append(self.queue.get_nowait())
             except queue.Empty:
                 break
-        if batch:
-            self._cycle = int(batch[-1].get("cycle", self._cycle))
-        self._writer.events(batch)
+        if self._pending:
+            self._cycle = int(self._pending[-1].get("cycle", self._cycle))
+            self._writer.events(self._pending)  # rewrites the same keys after an error
+            self._pending = []
 
     def _publish_live(self) -> None:
         now_mono, now = time.monotonic(), time.time()
