@@ -156,20 +156,22 @@ def status(log_dir: Path | None, endpoint: str | None, watch: float | None, as_j
         _fail("give one of --log-dir DIR or --endpoint HOST:PORT", EXIT_BAD_INPUT, "status")
     if watch is not None and watch <= 0:
         _fail("--watch: SECONDS must be positive", EXIT_BAD_INPUT, "status")
-    while True:
-        try:
-            doc = from_log_dir(log_dir) if log_dir is not None else from_endpoint(str(endpoint))
-        except StatusInputError as exc:
-            _fail(str(exc), EXIT_BAD_INPUT, "status")
-        text = json.dumps(doc, indent=1) + "\n" if as_json else status_table(doc)
-        if watch is None:
-            click.echo(text, nl=False)
-            return
-        click.echo(CLEAR_SCREEN + text, nl=False)
-        try:
+    try:
+        while True:
+            try:
+                doc = from_log_dir(log_dir) if log_dir else from_endpoint(str(endpoint))
+                text = json.dumps(doc, indent=1) + "\n" if as_json else status_table(doc)
+            except StatusInputError as exc:
+                if watch is None:
+                    _fail(str(exc), EXIT_BAD_INPUT, "status")
+                text = f"ftrun status: {exc} (trying again every {watch:g} s)\n"  # page moving
+            if watch is None:
+                click.echo(text, nl=False)
+                return
+            click.echo(CLEAR_SCREEN + text, nl=False)
             time.sleep(watch)
-        except KeyboardInterrupt:
-            return
+    except KeyboardInterrupt:
+        return
 
 
 def _fail(message: str, code: int, command: str = "report") -> NoReturn:
