@@ -116,3 +116,16 @@ def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     spec.loader.exec_module(module)
     monkeypatch.setitem(sys.modules, "pynvml", module)
     return monkeypatch
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path: Path) -> Iterator:
+    """A 3-member etcd cluster on 127.0.0.1 (tests/etcd_cluster.py), stopped at the end."""
+    from etcd_cluster import EtcdCluster
+
+    cluster = EtcdCluster(tmp_path)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()

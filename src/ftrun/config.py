@@ -36,4 +36,5 @@ class LaunchConfig:
     def this_node(self, environ: Mapping[str, str]) -> tuple[str, str]:
         """(advertised host, node name) of this launcher (`identity.this_node`)."""
         rdzv = self.rendezvous
-        return this_node(rdzv.endpoint, rdzv.local_addr, self.agent.node_name, environ)
+        first = rdzv.endpoint.split(",")[0]  # etcd: the first member stands for the store
+        return this_node(first, rdzv.local_addr, self.agent.node_name, environ)

@@ -63,6 +63,13 @@ class RendezvousFailedError(FtrunError):
     """The nodes could not meet (timeout, store gone, bad infra rank)."""
 
 
+class RendezvousAuthError(RendezvousFailedError):
+    """The store refused this launcher (etcd authentication or permissions): no relaunch fixes
+    that, the configuration does."""
+
+    exit_code = ExitCode.USAGE
+
+
 class NodeExcludedError(FtrunError):
     """This standby node was excluded from the job while it waited (a re-run found it faulty)."""
 

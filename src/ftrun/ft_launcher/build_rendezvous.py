@@ -19,6 +19,8 @@ MASTER_PORT = 29500
 """torchrun's --master-port default (static rendezvous)."""
 C10D_PORT = 29400
 """torchrun's c10d rendezvous port when --rdzv-endpoint names none."""
+ETCD_PORT = 2379
+"""etcd's client port, when an --rdzv-endpoint member names none."""
 LOCAL_STORE = "127.0.0.1:0"
 """--standalone: a store on this host, on a port the OS picks."""
 _CONF_TIMEOUTS = ("join_timeout", "last_call_timeout", "close_timeout")
@@ -139,6 +141,11 @@ def _meeting_point(opts: Resolved, max_nodes: int, notes: list[str]) -> _Meeting
         return _Meeting(backend, address, opts["rdzv_id"], opts["node_rank"], local=False)
     why = "only used with --rdzv-backend=static"
     _ignored(opts, ("node_rank", "master_addr", "master_port"), why, notes)
+    if backend == "etcd":
+        members = [m for m in (endpoint or "localhost").split(",") if m.strip()]
+        label = opts.labels["rdzv_endpoint"]
+        address = ",".join(_endpoint(member, ETCD_PORT, label) for member in members)
+        return _Meeting(backend, address, opts["rdzv_id"], None, local=False)
     address = _endpoint(endpoint or "localhost", C10D_PORT, opts.labels["rdzv_endpoint"])
     return _Meeting(backend, address, opts["rdzv_id"], None, local=False)
 

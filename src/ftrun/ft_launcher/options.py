@@ -52,9 +52,12 @@ NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
 TORCHRUN_OPTIONS: tuple[Option, ...] = (
     _torchrun("nnodes", "1:1", v.nnodes, "Number of nodes, or MIN:MAX.", metavar="N|MIN:MAX"),
     _torchrun("nproc_per_node", "1", v.nproc, "Workers per node: N, auto, cpu, gpu or xpu."),
-    _torchrun("rdzv_backend", "static", v.choice("static", "c10d"), "Rendezvous backend: static "
-              "(--master-addr/--master-port/--node-rank) or c10d (--rdzv-endpoint)."),
-    _torchrun("rdzv_endpoint", "", v.text, "Rendezvous store HOST[:PORT].", metavar="HOST:PORT"),
+    _torchrun("rdzv_backend", "static", v.choice("static", "c10d", "etcd"), "Rendezvous "
+              "backend: static (--master-addr/--master-port/--node-rank), c10d (a TCPStore on "
+              "--rdzv-endpoint, served by the agent on that host) or etcd (an etcd cluster: "
+              "--rdzv-endpoint=HOST:PORT,...; no training node holds the store)."),
+    _torchrun("rdzv_endpoint", "", v.text, "Rendezvous store HOST[:PORT] (etcd: HOST[:PORT],... "
+              "its members, port 2379 by default).", metavar="HOST:PORT"),
     _torchrun("rdzv_id", "none", v.text, "User-defined job id, the same on every node.",
               metavar="ID"),
     _torchrun("rdzv_conf", "", v.rdzv_conf, "Rendezvous K=V,...: join_timeout, "

@@ -55,8 +55,8 @@ class ObserveService(NodeService):
         context.read_events(self.metrics.apply)
         self._feed: FeedThread | None = None
         if config.status_port is not None:
-            self._feed = FeedThread(FeedWriter(self._store, self._prefix, self._node), self._progress,
-                               config.publish_interval)  # fmt: skip
+            writer = FeedWriter(self._store, self._prefix, self._node)
+            self._feed = FeedThread(writer, self._progress, config.publish_interval)
             context.read_events(self._feed.queue.put)
             self._feed.start()
         if config.metrics_port is not None:

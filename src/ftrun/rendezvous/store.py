@@ -6,10 +6,10 @@ import datetime
 import logging
 import threading
 
-from torch.distributed import TCPStore
+from torch.distributed import Store, TCPStore
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from ftrun.errors import RendezvousFailedError
+from ftrun.errors import RendezvousAuthError, RendezvousFailedError
 from ftrun.identity import is_local_host
 from ftrun.rendezvous.config import RendezvousConfig
 
@@ -21,15 +21,18 @@ STORE_ERRORS = (RuntimeError, TimeoutError, ValueError)
 _HANDSHAKE_SLACK_S = 1.0
 
 
-def connect_store(config: RendezvousConfig, may_host: bool = True) -> tuple[TCPStore, bool]:
+def connect_store(config: RendezvousConfig, may_host: bool = True) -> tuple[Store, bool]:
     """Serve the store if this machine is the endpoint host and the port is free, else connect.
 
     Several agents on one machine (tests, or one node running several launchers) race for the
-    port: the first one serves, the others fall back to being clients, as torchrun does.
+    port: the first one serves, the others fall back to being clients, as torchrun does. With
+    `--rdzv-backend=etcd` no agent serves anything: the store is the etcd cluster.
     """
+    timeout = datetime.timedelta(seconds=float(config.conf.get("read_timeout", 60)))
+    if config.backend == "etcd":
+        return connect_etcd(config.endpoint, config.run_id, timeout), False
     host, port = parse_rendezvous_endpoint(config.endpoint, default_port=DEFAULT_PORT)
     try_host = may_host and (config.is_host if config.is_host is not None else is_local_host(host))
-    timeout = datetime.timedelta(seconds=float(config.conf.get("read_timeout", 60)))
     attempts = [True, False] if try_host else [False]
     if config.is_host and may_host:
         attempts = [True]
@@ -46,6 +49,22 @@ def connect_store(config: RendezvousConfig, may_host: bool = True) -> tuple[TCPS
     raise RendezvousFailedError(
         f"cannot reach the rendezvous store at {host}:{port}: {_one_line(last_error)}"
     )
+
+
+def connect_etcd(endpoint: str, run_id: str, timeout: datetime.timedelta) -> Store:
+    """The job's store on the etcd members `endpoint` names (`host:port,...`), answering now."""
+    from ftrun.rendezvous.etcd_store import EtcdAuthError, EtcdStore  # etcd3gw: only for etcd
+
+    members = [parse_rendezvous_endpoint(m, default_port=2379) for m in endpoint.split(",")]
+    store = EtcdStore(members, run_id, timeout)
+    try:
+        store.check(["etcd"])
+    except EtcdAuthError as exc:
+        raise RendezvousAuthError(str(exc)) from None
+    except STORE_ERRORS as exc:
+        raise RendezvousFailedError(f"cannot reach etcd at {endpoint}: {_one_line(exc)}") from None
+    log.info("the rendezvous store is etcd at %s", endpoint)
+    return store
 
 
 def _open_store(host: str, port: int, serve: bool, timeout: datetime.timedelta) -> TCPStore:

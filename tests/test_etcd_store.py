@@ -1,0 +1,115 @@
+"""The etcd store keeps TCPStore's semantics (what the rendezvous and the agent rely on): the
+same assertions on both, against a real 3-member etcd cluster on 127.0.0.1; and it survives a
+member going away."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from torch.distributed import DistStoreError, TCPStore
+
+from ftrun.rendezvous.etcd_store import EtcdStore
+
+SHORT = datetime.timedelta(seconds=1)
+
+
+def endpoints(cluster: Any) -> list[tuple[str, int]]:
+    return [("127.0.0.1", m.client_port) for m in cluster.members]
+
+
+@pytest.fixture(params=["tcp", "etcd"])
+def stores(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any]]:
+    """Two clients of one store (a TCPStore client serves one request at a time)."""
+    if request.param == "tcp":
+        one = TCPStore("127.0.0.1", 0, is_master=True, timeout=SHORT, use_libuv=True)
+        yield one, TCPStore("127.0.0.1", one.port, is_master=False, timeout=SHORT)
+    else:
+        cluster = request.getfixturevalue("etcd_cluster")
+        yield (
+            EtcdStore(endpoints(cluster), "job", SHORT),
+            EtcdStore(endpoints(cluster), "job", SHORT),
+        )
+
+
+@pytest.fixture
+def store(stores: tuple[Any, Any]) -> Any:
+    return stores[0]
+
+
+def test_set_get_check_and_multi_get(store: Any) -> None:
+    assert not store.check(["a"])
+    store.set("a", "1")
+    store.set("b", b"\x00\xff")
+    assert store.get("a") == b"1" and store.check(["a", "b"]) and not store.check(["a", "c"])
+    assert store.multi_get(["b", "a"]) == [b"\x00\xff", b"1"]
+
+
+def test_get_and_wait_block_until_the_key_exists_then_time_out(stores: tuple[Any, Any]) -> None:
+    store, other = stores
+    threading.Timer(0.2, other.set, ("late", "x")).start()
+    assert store.get("late") == b"x"
+    store.wait(["late"])
+    with pytest.raises(DistStoreError):
+        store.get("never")
+    with pytest.raises(DistStoreError):
+        store.wait(["never"], datetime.timedelta(seconds=0.2))
+
+
+def test_add_is_atomic(stores: tuple[Any, Any]) -> None:
+    store = stores[0]
+    assert store.add("n", 0) == 0
+    threads = [threading.Thread(target=lambda s=s: [s.add("n", 1) for _ in range(20)])
+               for s in stores]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert store.add("n", 0) == 40 and store.get("n") == b"40"
+
+
+def test_compare_set_as_tcpstore_does(store: Any) -> None:
+    assert store.compare_set("k", "", "first") == b"first"  # absent, expected empty: created
+    assert store.compare_set("k", "", "second") == b"first"  # present: the current value
+    assert store.compare_set("k", "first", "third") == b"third"
+    assert store.compare_set("k", "nope", "fourth") == b"third"
+    assert store.compare_set("absent", "x", "y") == b"x"  # absent, expected set: TCPStore's
+
+
+def test_append_concatenates(store: Any) -> None:
+    store.append("log", b"a\n")
+    store.append("log", "b\n")
+    assert store.get("log") == b"a\nb\n"
+
+
+def test_jobs_sharing_one_etcd_do_not_see_each_other(etcd_cluster: Any) -> None:
+    one, two = (EtcdStore(endpoints(etcd_cluster), job, SHORT) for job in ("one", "two"))
+    one.set("cycle", "5")
+    assert not two.check(["cycle"])
+    assert two.compare_set("cycle", "", "0") == b"0" and one.get("cycle") == b"5"
+
+
+def test_a_member_that_goes_away_costs_one_log_line(
+    etcd_cluster: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = EtcdStore(endpoints(etcd_cluster), "job", datetime.timedelta(seconds=10))
+    store.set("k", "1")
+    etcd_cluster.kill(0)  # the member the store was using
+    with caplog.at_level(logging.WARNING, logger="ftrun.rendezvous"):
+        for i in range(5):
+            assert store.add("k", 1) == 2 + i
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "does not answer" in lines[0], lines
+
+
+def test_no_member_answering_is_a_one_line_error(etcd_cluster: Any) -> None:
+    store = EtcdStore(endpoints(etcd_cluster), "job", datetime.timedelta(seconds=0.5))
+    etcd_cluster.stop()
+    with pytest.raises(DistStoreError) as info:
+        store.set("k", "1")
+    assert "no etcd member answered for 0.5s" in str(info.value)
+    assert "\n" not in str(info.value)
