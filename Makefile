@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch resolves to a multi-GB CUDA build.
 	$(VPY) -m pip install -q $(TORCH_PIN)
-	$(VPY) -m pip install -q -e '.[test,lightning]'
+	$(VPY) -m pip install -q -e '.[test,lightning,etcd]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -27,6 +27,7 @@ lint: $(STAMP)
 # a test whose outcome rests on tens of milliseconds between nodes.
 test: $(STAMP) lint
 	bash tests/browser/install-chromium.sh
+	bash tests/etcd/install-etcd.sh
 	$(VPY) -m pytest -q -n 2 --dist worksteal -m "not slurm and not alone"
 	$(VPY) -m pytest -q -m "slurm or alone"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import re
 import signal
@@ -722,3 +723,17 @@ def test_usage_errors_exit_2_with_one_line(
     assert len(err.splitlines()) == 1, err
     assert err.startswith("ft_launcher: error: ")
     assert "Traceback" not in err
+
+
+def test_the_etcd_backend_takes_a_list_of_members() -> None:
+    config = build("--nnodes=2", "--rdzv-backend=etcd", "--rdzv-endpoint=e1,e2:2380", "x")
+    assert (config.rendezvous.backend, config.rendezvous.endpoint) == ("etcd", "e1:2379,e2:2380")
+    assert "--rdzv-endpoint" in config_error("--rdzv-backend=etcd", "--rdzv-endpoint=e1:x", "x")
+
+
+def test_the_etcd_backend_without_its_client_says_how_to_get_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    message = config_error("--rdzv-backend=etcd", "--rdzv-endpoint=e1", "x")
+    assert message == "--rdzv-backend=etcd needs etcd3gw: pip install 'ftrun[etcd]'"

@@ -5,6 +5,7 @@ endpoints, `--standalone`, static), `--rdzv-conf`, and the timeouts; notes for w
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
@@ -142,6 +143,8 @@ def _meeting_point(opts: Resolved, max_nodes: int, notes: list[str]) -> _Meeting
     why = "only used with --rdzv-backend=static"
     _ignored(opts, ("node_rank", "master_addr", "master_port"), why, notes)
     if backend == "etcd":
+        if importlib.util.find_spec("etcd3gw") is None:
+            raise ConfigError("--rdzv-backend=etcd needs etcd3gw: pip install 'ftrun[etcd]'")
         members = [m for m in (endpoint or "localhost").split(",") if m.strip()]
         label = opts.labels["rdzv_endpoint"]
         address = ",".join(_endpoint(member, ETCD_PORT, label) for member in members)

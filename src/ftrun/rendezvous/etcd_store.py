@@ -36,6 +36,8 @@ REQUEST_TIMEOUT_S = 5.0
 _POLL_S = (0.005, 0.2)
 """First and longest pause between two looks at keys that do not exist yet."""
 _UNREACHABLE = (ConnectionFailedError, ConnectionTimeoutError)
+"""No answer (etcd3gw raises them without args), or an answer saying "not now": 503 while the
+members elect a leader, 408/504 (with the HTTP reason as their argument)."""
 T = TypeVar("T")
 
 
@@ -182,7 +184,8 @@ class EtcdStore(Store):
                 try:
                     result = request(self._members[index])
                 except _UNREACHABLE as exc:
-                    self._member_down(index, exc)
+                    if not exc.args:  # no answer at all; else a 503: electing a leader
+                        self._member_down(index, exc)
                     continue
                 except Etcd3Exception as exc:
                     raise _typed(exc, self._names[index]) from None

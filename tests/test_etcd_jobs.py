@@ -1,0 +1,80 @@
+"""Whole jobs on `--rdzv-backend=etcd` (a real 3-member etcd cluster on 127.0.0.1): restarts as
+on TCPStore, etcd members lost while training and while the nodes meet, and the first node
+lost with a standby waiting, which TCPStore cannot survive (its store lives in that agent).
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from launch import Job, node_of, start_job
+from support import wait_for
+from test_spares import SPARE, lose, rounds, standby_nodes, wait_all
+
+pytestmark = pytest.mark.process
+
+FAULT = Path(__file__).resolve().parent / "workers" / "fault_worker.py"
+LIGHT = ["--max-restarts=3", "--workers-stop-timeout=1", "--ft-rank-heartbeat-timeout=2",
+         "--ft-prewarm-modules=ftrun.client_lib"]  # fmt: skip
+
+
+def on_etcd(cluster: Any) -> list[str]:
+    return ["--rdzv-backend=etcd", f"--rdzv-endpoint={cluster.endpoints}"]
+
+
+def lines_with(job: Job, text: str) -> list[str]:
+    return [line for node in job.nodes for line in node.text().splitlines() if text in line]
+
+
+def test_a_job_on_etcd_restarts_after_a_crash_as_on_tcpstore(tmp_path: Path, etcd_cluster: Any):
+    job = start_job(
+        tmp_path, 2, [*LIGHT, *on_etcd(etcd_cluster)],
+        ["--steps", "40", "--step-time", "0.02", "--raise", "0:1:10"], script=FAULT, nproc=2,
+    )  # fmt: skip
+    assert job.wait(90) == [0, 0]
+    formed = job.events("rendezvous_done")
+    assert sorted(e["cycle"] for e in formed) == [0, 0, 1, 1]
+    assert not any(e.get("store_host") for e in formed)  # no training node holds the store
+    assert [f["key"].split(":")[0] for f in job.failures()] == ["exception"]
+
+
+def test_etcd_members_lost_while_training_and_while_meeting(tmp_path: Path, etcd_cluster: Any):
+    # Cycle 0 trains while member 0 dies; rank 1 raises at step 60, and member 1 dies as the
+    # nodes meet again (member 0 is back by then: two of three keep the quorum).
+    job = start_job(
+        tmp_path, 2, [*LIGHT, *on_etcd(etcd_cluster)],
+        ["--steps", "80", "--step-time", "0.02", "--raise", "0:1:60"], script=FAULT, nproc=2,
+    )  # fmt: skip
+    wait_for(lambda: len(job.progress(0)) >= 10, 60, "training")
+    etcd_cluster.kill(0)
+    wait_for(lambda: len(job.progress(0)) >= 30, 60, "training without member 0")
+    etcd_cluster.start(0)
+    job.wait_event("failure")
+    etcd_cluster.kill(1)
+    assert job.wait(90) == [0, 0]
+    assert max(e["cycle"] for e in job.events("rendezvous_done")) == 1
+    # A launcher says so once when the member it was using stops answering (it may have
+    # moved to another member before: then it says nothing at all), never once per request.
+    said = lines_with(job, "does not answer")
+    assert said, "no launcher noticed a member going away"
+    for member in etcd_cluster.members:
+        assert len([line for line in said if member.endpoint in line]) <= 2 * len(job.nodes)
+
+
+def test_the_first_node_lost_a_standby_takes_its_slot(tmp_path: Path, etcd_cluster: Any):
+    job = start_job(
+        tmp_path, 3, [*SPARE, *on_etcd(etcd_cluster)], ["--steps", "60", "--step-time", "0.05"]
+    )
+    wait_for(lambda: len(job.progress(0)) >= 5, 90, "training on 2 nodes")
+    first = rounds(job)[0]
+    victim = node_of(job, first[0])  # group rank 0: with TCPStore, the store's host
+    lose(victim)
+    codes = wait_all(job, 120)
+    assert codes == {n.index: -signal.SIGKILL if n is victim else 0 for n in job.nodes}
+    spare = standby_nodes(job, 0).pop()
+    assert rounds(job)[max(rounds(job))] == [spare, first[1]]
+    assert (job.ckpt_dir / "FINISHED").exists()
