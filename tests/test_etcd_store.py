@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
+import subprocess
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -13,7 +15,14 @@ from typing import Any
 import pytest
 from torch.distributed import DistStoreError, TCPStore
 
+from ftrun.errors import (
+    ExitCode,
+    RendezvousAuthError,
+    RendezvousFailedError,
+    RendezvousPrefixHeldError,
+)
 from ftrun.rendezvous.etcd_store import EtcdStore
+from ftrun.rendezvous.store import connect_etcd
 
 SHORT = datetime.timedelta(seconds=1)
 
@@ -113,3 +122,45 @@ def test_no_member_answering_is_a_one_line_error(etcd_cluster: Any) -> None:
         store.set("k", "1")
     assert "no etcd member answered for 0.5s" in str(info.value)
     assert "\n" not in str(info.value)
+
+
+# ---- connecting: one-line errors, and whose keys these are ---------------------------------
+
+
+def test_an_unreachable_etcd_is_a_one_line_error_that_may_be_relaunched(etcd_cluster: Any):
+    endpoint = etcd_cluster.endpoints
+    etcd_cluster.stop()
+    with pytest.raises(RendezvousFailedError) as info:
+        connect_etcd(endpoint, "job", SHORT, {})
+    assert str(info.value).startswith(f"cannot reach etcd at {endpoint}: no etcd member answered")
+    assert "\n" not in str(info.value) and info.value.exit_code == ExitCode.FAILED
+
+
+def test_a_prefix_held_by_another_slurm_job_is_refused(etcd_cluster: Any):
+    mine = {"SLURM_JOB_ID": "100", "SLURM_RESTART_COUNT": "0"}
+    first = connect_etcd(etcd_cluster.endpoints, "job", SHORT, mine)
+    connect_etcd(etcd_cluster.endpoints, "job", SHORT, mine)  # another node of the same job
+    with pytest.raises(RendezvousPrefixHeldError) as info:
+        connect_etcd(etcd_cluster.endpoints, "job", SHORT, {**mine, "SLURM_JOB_ID": "200"})
+    assert str(info.value) == (
+        "etcd prefix /ftrun/job/0/ is held by Slurm job 100, not this one (200): give this job "
+        "another --rdzv-id"
+    )
+    assert info.value.exit_code == ExitCode.USAGE
+    first.set("cycle", "7")  # a requeued run (same job id, restart 1) starts with no keys
+    requeued = connect_etcd(
+        etcd_cluster.endpoints, "job", SHORT, {**mine, "SLURM_RESTART_COUNT": "1"}
+    )
+    assert not requeued.check(["cycle"])
+
+
+def test_an_etcd_that_wants_a_password_is_a_usage_error(etcd_cluster: Any):
+    member = etcd_cluster.members[0].endpoint
+    etcdctl = ["etcdctl", f"--endpoints={member}"]
+    env = {**os.environ, "ETCDCTL_API": "3"}
+    for args in (["user", "add", "root:secret"], ["auth", "enable"]):
+        subprocess.run([*etcdctl, *args], check=True, capture_output=True, env=env, timeout=30)
+    with pytest.raises(RendezvousAuthError) as info:
+        connect_etcd(member, "job", SHORT, {"SLURM_JOB_ID": "1"})
+    assert str(info.value).startswith(f"etcd at {member} refused: ")
+    assert "\n" not in str(info.value) and info.value.exit_code == ExitCode.USAGE

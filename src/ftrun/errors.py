@@ -70,6 +70,13 @@ class RendezvousAuthError(RendezvousFailedError):
     exit_code = ExitCode.USAGE
 
 
+class RendezvousPrefixHeldError(RendezvousFailedError):
+    """The job's keys in etcd belong to another running job with the same --rdzv-id: relaunching
+    this one as it is would meet the same stranger; another id fixes it."""
+
+    exit_code = ExitCode.USAGE
+
+
 class NodeExcludedError(FtrunError):
     """This standby node was excluded from the job while it waited (a re-run found it faulty)."""
 

@@ -125,7 +125,7 @@ def open_runtime(
         services = NodeServices()
         stack.callback(services.close)
         health = services.add(HealthService(config.health, events.emit))
-        store, is_store_host = _connect(config, health.first)
+        store, is_store_host = _connect(config, health.first, environ)
         peer = services.add(PeerService(store, config.rendezvous.run_id, host, node))
         observers: list[Callable[..., None]] = []
         monitors: list[MonitorService] = []  # the monitor starts after the subsystems
@@ -192,11 +192,13 @@ def _open_events(log_dir: Path, node: str) -> EventLog:
         raise ConfigError(f"--log-dir {log_dir}: {exc.strerror or exc}") from None
 
 
-def _connect(config: LaunchConfig, first_health: object) -> tuple[Store, bool]:
+def _connect(
+    config: LaunchConfig, first_health: object, environ: Mapping[str, str]
+) -> tuple[Store, bool]:
     """Meet the store; a node that starts unhealthy never hosts it (it is about to leave)."""
     unhealthy = first_health if isinstance(first_health, NodeUnhealthyError) else None
     try:
-        return connect_store(config.rendezvous, may_host=unhealthy is None)
+        return connect_store(config.rendezvous, unhealthy is None, environ)
     except RendezvousFailedError as exc:
         if unhealthy is None:
             raise

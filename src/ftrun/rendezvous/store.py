@@ -5,32 +5,38 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+from collections.abc import Mapping
 
 from torch.distributed import Store, TCPStore
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from ftrun.errors import RendezvousAuthError, RendezvousFailedError
+from ftrun.errors import RendezvousAuthError, RendezvousFailedError, RendezvousPrefixHeldError
 from ftrun.identity import is_local_host
 from ftrun.rendezvous.config import RendezvousConfig
 
 log = logging.getLogger("ftrun.rendezvous")
 
 DEFAULT_PORT = 29400
+OWNER_KEY = "owner"
+"""etcd only: the Slurm job id of the launch that claimed the job's key prefix."""
 # Store errors (timeouts, lost connections) surface as these; DistStoreError is a RuntimeError.
 STORE_ERRORS = (RuntimeError, TimeoutError, ValueError)
 _HANDSHAKE_SLACK_S = 1.0
 
 
-def connect_store(config: RendezvousConfig, may_host: bool = True) -> tuple[Store, bool]:
+def connect_store(
+    config: RendezvousConfig, may_host: bool = True, environ: Mapping[str, str] | None = None
+) -> tuple[Store, bool]:
     """Serve the store if this machine is the endpoint host and the port is free, else connect.
 
     Several agents on one machine (tests, or one node running several launchers) race for the
     port: the first one serves, the others fall back to being clients, as torchrun does. With
-    `--rdzv-backend=etcd` no agent serves anything: the store is the etcd cluster.
+    `--rdzv-backend=etcd` no agent serves anything: the store is the etcd cluster (`environ`
+    says which Slurm job and restart this launcher belongs to, see `connect_etcd`).
     """
     timeout = datetime.timedelta(seconds=float(config.conf.get("read_timeout", 60)))
     if config.backend == "etcd":
-        return connect_etcd(config.endpoint, config.run_id, timeout), False
+        return connect_etcd(config.endpoint, config.run_id, timeout, environ or {}), False
     host, port = parse_rendezvous_endpoint(config.endpoint, default_port=DEFAULT_PORT)
     try_host = may_host and (config.is_host if config.is_host is not None else is_local_host(host))
     attempts = [True, False] if try_host else [False]
@@ -51,19 +57,35 @@ def connect_store(config: RendezvousConfig, may_host: bool = True) -> tuple[Stor
     )
 
 
-def connect_etcd(endpoint: str, run_id: str, timeout: datetime.timedelta) -> Store:
-    """The job's store on the etcd members `endpoint` names (`host:port,...`), answering now."""
+def connect_etcd(
+    endpoint: str, run_id: str, timeout: datetime.timedelta, environ: Mapping[str, str]
+) -> Store:
+    """The job's store on the etcd members `endpoint` names (`host:port,...`), answering now.
+
+    etcd outlives jobs: its keys for this launch go under `<run id>/<Slurm restart count>`, so
+    that a requeued job (same job id) does not find its previous run's rounds. Under Slurm the
+    first launcher also claims that prefix for its Slurm job: a launcher of another job with the
+    same `--rdzv-id` stops with `RendezvousPrefixHeldError` rather than join a stranger's job.
+    """
     from ftrun.rendezvous.etcd_store import EtcdAuthError, EtcdStore  # etcd3gw: only for etcd
 
     members = [parse_rendezvous_endpoint(m, default_port=2379) for m in endpoint.split(",")]
-    store = EtcdStore(members, run_id, timeout)
+    launch = f"{run_id}/{environ.get('SLURM_RESTART_COUNT') or 0}"
+    store = EtcdStore(members, launch, timeout)
+    owner = environ.get("SLURM_JOB_ID")
     try:
-        store.check(["etcd"])
+        # Claims the prefix under Slurm; elsewhere only checks that etcd answers now.
+        held = store.compare_set(OWNER_KEY, "", owner) if owner else store.check([OWNER_KEY])
     except EtcdAuthError as exc:
         raise RendezvousAuthError(str(exc)) from None
     except STORE_ERRORS as exc:
         raise RendezvousFailedError(f"cannot reach etcd at {endpoint}: {_one_line(exc)}") from None
-    log.info("the rendezvous store is etcd at %s", endpoint)
+    if owner and isinstance(held, bytes) and held != owner.encode():
+        raise RendezvousPrefixHeldError(
+            f"etcd prefix /ftrun/{launch}/ is held by Slurm job {held.decode(errors='replace')}, "
+            f"not this one ({owner}): give this job another --rdzv-id"
+        )
+    log.info("the rendezvous store is etcd at %s (keys under /ftrun/%s/)", endpoint, launch)
     return store
 
 
