@@ -204,7 +204,7 @@ def test_c10d_rendezvous_and_rdzv_conf() -> None:
     assert "join_timeout" in config_error("--rdzv-conf=join_timeout=-1", "x")
     assert "--rdzv-conf" in config_error("--rdzv-conf=novalue", "x")
     assert "65535" in config_error("--rdzv-backend=c10d", "--rdzv-endpoint=h:70000", "x")
-    assert "--rdzv-backend" in config_error("--rdzv-backend=etcd", "x")
+    assert "--rdzv-backend" in config_error("--rdzv-backend=etcd-v2", "x")
 
 
 def test_standalone_ignores_rendezvous_flags() -> None:
