@@ -58,6 +58,13 @@ def test_set_get_check_and_multi_get(store: Any) -> None:
     assert store.multi_get(["b", "a"]) == [b"\x00\xff", b"1"]
 
 
+def test_many_keys_at_once(store: Any) -> None:
+    keys = [f"node/{i}" for i in range(300)]  # more than etcd's 128 operations a transaction
+    for key in keys:
+        store.set(key, key)
+    assert store.check(keys) and store.multi_get(keys) == [k.encode() for k in keys]
+
+
 def test_get_and_wait_block_until_the_key_exists_then_time_out(stores: tuple[Any, Any]) -> None:
     store, other = stores
     threading.Timer(0.2, other.set, ("late", "x")).start()

@@ -33,6 +33,8 @@ log = logging.getLogger("ftrun.rendezvous")
 
 REQUEST_TIMEOUT_S = 5.0
 """One HTTP request to one member; a member slower than this is skipped for the next."""
+MAX_TXN_OPS = 128
+"""etcd's default `--max-txn-ops`: a transaction with more operations is refused."""
 _POLL_S = (0.005, 0.2)
 """First and longest pause between two looks at keys that do not exist yet."""
 _UNREACHABLE = (ConnectionFailedError, ConnectionTimeoutError)
@@ -131,9 +133,13 @@ class EtcdStore(Store):
         return self._prefix + key
 
     def _values(self, keys: list[str]) -> list[bytes | None]:
-        """The keys' values in one transaction (None: absent)."""
-        reply = self._txn([], [_range(self._key(k)) for k in keys], [])
-        return [_value_of(response) for response in reply.get("responses", [])]
+        """The keys' values (None: absent), in transactions of at most `MAX_TXN_OPS` reads."""
+        found: list[bytes | None] = []
+        for start in range(0, len(keys), MAX_TXN_OPS):
+            reads = [_range(self._key(k)) for k in keys[start : start + MAX_TXN_OPS]]
+            reply = self._txn([], reads, [])
+            found += [_value_of(response) for response in reply.get("responses", [])]
+        return found
 
     def _until(
         self,
