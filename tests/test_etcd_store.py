@@ -7,8 +7,10 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -120,6 +122,27 @@ def test_a_member_that_goes_away_costs_one_log_line(
             assert store.add("k", 1) == 2 + i
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "does not answer" in lines[0], lines
+
+
+def test_members_that_accept_but_never_answer_cost_the_timeout_not_more(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(3)]  # mute "members"
+    try:
+        mute = [("127.0.0.1", s.getsockname()[1]) for s in listeners]
+        store = EtcdStore(mute, "job", datetime.timedelta(seconds=1))
+        started = time.monotonic()
+        with (
+            caplog.at_level(logging.WARNING, logger="ftrun.rendezvous"),
+            pytest.raises(DistStoreError, match="no etcd member answered for 1s"),
+        ):
+            store.set("k", "1")
+        assert time.monotonic() - started < 2.5
+        said = {r.getMessage().split()[2] for r in caplog.records}
+        assert said <= {f"127.0.0.1:{p}" for _, p in mute}  # each member at most once, in turn
+    finally:
+        for listener in listeners:
+            listener.close()
 
 
 def test_no_member_answering_is_a_one_line_error(etcd_cluster: Any) -> None:

@@ -5,11 +5,20 @@ the documented outcome, and records the case's time and the pids it saw. At tear
 recorded pids must be gone (the suite-wide fixture in tests/conftest.py then checks that no
 process at all is left).
 
+FTRUN_FAULTS_BACKEND (c10d, the default, or etcd) picks the rendezvous store of every launcher
+the matrix starts. On c10d the first agent serves a TCPStore (tests/launch.py's `start_job`); on
+etcd one 3-member etcd cluster on 127.0.0.1 (tests/etcd_cluster.py) serves every case of the
+pytest session, each job under its own --rdzv-id, and is stopped at the session's end. The
+launchers get `Fault.rdzv_args` after the shared ones and before the case's own (later flags
+win). A case whose documented outcome depends on where the store lives reads `fault.backend`,
+or is marked `@pytest.mark.backends("c10d", reason=...)` and skipped on the other one.
+
 With FTRUN_FAULTS_REPORT=<file>, one JSON line per case is appended to that file: `case` (the
-test id), `outcome` (passed, failed, error, xfailed, skipped), `expect` (the documented outcome,
-e.g. "recovered" or "exit 1"), `seconds` (see `Fault.time`), `what` (what `seconds`
-measures), `stepping` (recovered cases: detection -> every rank stepping again) and `wall` (the
-whole case). `run_matrix.py` aggregates these over repeated runs.
+test id), `backend`, `outcome` (passed, failed, error, xfailed, skipped), `expect` (the
+documented outcome, e.g. "recovered" or "exit 1"; for a skipped case, why), `seconds` (see
+`Fault.time`), `what` (what `seconds` measures), `stepping` (recovered cases: detection ->
+every rank stepping again) and `wall` (the whole case). `run_matrix.py` aggregates these over
+repeated runs.
 """
 
 from __future__ import annotations
@@ -41,6 +50,10 @@ LIGHT_ARGS = (
 # the cycle after a restart is short.
 LIGHT_STEPS = ("--steps", "15", "--first-cycle-steps", "250")
 REPORT_ENV = "FTRUN_FAULTS_REPORT"
+BACKEND_ENV = "FTRUN_FAULTS_BACKEND"
+BACKENDS = ("c10d", "etcd")
+BACKEND = os.environ.get(BACKEND_ENV) or "c10d"
+"""The rendezvous backend of this session's launchers (checked in `pytest_configure`)."""
 
 
 @dataclasses.dataclass
@@ -48,6 +61,9 @@ class Fault:
     """One case of the matrix: its jobs, its documented outcome and its measured time."""
 
     tmp: Path
+    backend: str = "c10d"
+    rdzv_args: tuple[str, ...] = ()
+    """Launcher flags that put the job's store on `backend` (none on c10d: `start_job`'s)."""
     expect: str = ""
     seconds: float | None = None
     what: str = ""
@@ -70,7 +86,8 @@ class Fault:
         return self.start(nodes, args, [*steps, *script_args], script=FAULT_WORKER)
 
     def start(self, nodes: int, launcher_args: Sequence[str], script_args: Sequence[str], **kw):
-        job = start_job(self.tmp, nodes, launcher_args, script_args, **kw)
+        args = [*self.rdzv_args, *launcher_args]  # after start_job's c10d flags, before the case's
+        job = start_job(self.tmp, nodes, args, script_args, **kw)
         self.jobs.append(job)
         return job
 
@@ -119,11 +136,17 @@ class Fault:
         failures = [e for e in failure_events(job) if e["cycle"] == 0]
         assert failures, "no failure was recorded in cycle 0"
         detected = min(e["ts"] for e in failures)
-        running = max(e["ts"] for e in job.events("workers_started") if e["cycle"] == 1)
-        self.time(running - detected, "detection to all workers running again")
-        stepped = [first_step(job, rank, 1) for rank in range(rounds[-1]["world_size"])]
-        self.stepping = round(max(stepped) - detected, 3)
+        self.back_to_work(job, detected, "detection to all workers running again")
         return failures
+
+    def back_to_work(self, job: Job, since: float, what: str) -> None:
+        """Records `since` -> every worker of the last cycle started, and `since` -> every rank
+        made its first step in that cycle (`stepping`)."""
+        last = max(job.events("rendezvous_done"), key=lambda e: e["cycle"])
+        running = max(e["ts"] for e in job.events("workers_started") if e["cycle"] == last["cycle"])
+        self.time(running - since, what)
+        stepped = [first_step(job, rank, last["cycle"]) for rank in range(last["world_size"])]
+        self.stepping = round(max(stepped) - since, 3)
 
     def exited(
         self,
@@ -199,10 +222,53 @@ _CASES: dict[str, Fault] = {}
 _PHASES: dict[str, list[pytest.TestReport]] = {}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    if BACKEND not in BACKENDS:
+        raise pytest.UsageError(f"{BACKEND_ENV}={BACKEND!r}: expected one of {', '.join(BACKENDS)}")
+    config.addinivalue_line(
+        "markers",
+        "backends(*names, reason): a fault-matrix case that applies only on these rendezvous "
+        "backends (FTRUN_FAULTS_BACKEND); skipped elsewhere with the reason",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before any fixture: a case skipped here starts nothing
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    marker = item.get_closest_marker("backends")
+    if marker is not None and BACKEND not in marker.args:
+        pytest.skip(f"not on {BACKEND}: {marker.kwargs['reason']}")
+
+
+@pytest.fixture(scope="session")
+def rdzv_args(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ...]]:
+    """The launcher flags of this session's backend; on etcd, one cluster for every case,
+    stopped (every member SIGKILLed and reaped, none left alive) when the session ends."""
+    if BACKEND == "c10d":
+        yield ()
+        return
+    from etcd_cluster import EtcdCluster, etcd_binary
+
+    try:
+        etcd_binary()
+    except pytest.skip.Exception as exc:  # asked for etcd: not having it is an error here
+        pytest.fail(f"{BACKEND_ENV}=etcd: {exc}")
+    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd"))
+    try:
+        cluster.start()
+        pids = [m.proc.pid for m in cluster.members if m.proc is not None]
+        yield ("--rdzv-backend=etcd", f"--rdzv-endpoint={cluster.endpoints}")
+    finally:
+        cluster.stop()
+    stray = [p for p in pids if alive(p)]
+    assert not stray, f"etcd members still alive after the session: {stray}"
+
+
 @pytest.fixture
-def fault(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch) -> Iterator[Fault]:
+def fault(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch, rdzv_args: tuple[str, ...]
+) -> Iterator[Fault]:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 2 cores: keep gloo workers from oversubscribing
-    case = Fault(tmp_path)
+    case = Fault(tmp_path, BACKEND, rdzv_args)
     _CASES[request.node.nodeid] = case
     yield case
     for job in case.jobs:
@@ -229,10 +295,15 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         return
     phases = _PHASES.pop(report.nodeid)
     case = _CASES.pop(report.nodeid, None)
+    outcome = _outcome(phases)
+    expect = case.expect if case else ""
+    if outcome == "skipped" and not expect:
+        expect = _skip_reason(phases)
     record = {
         "case": report.nodeid.split("::", 1)[-1],
-        "outcome": _outcome(phases),
-        "expect": case.expect if case else "",
+        "backend": BACKEND,
+        "outcome": outcome,
+        "expect": expect,
         "seconds": case.seconds if case else None,
         "what": case.what if case else "",
         "stepping": case.stepping if case else None,
@@ -250,3 +321,10 @@ def _outcome(phases: list[pytest.TestReport]) -> str:
         if report.skipped:
             return "xfailed" if hasattr(report, "wasxfail") else "skipped"
     return "passed"
+
+
+def _skip_reason(phases: list[pytest.TestReport]) -> str:
+    for report in phases:
+        if report.skipped and isinstance(report.longrepr, tuple):
+            return str(report.longrepr[2]).removeprefix("Skipped: ")
+    return ""

@@ -1,13 +1,17 @@
 """Run the fault matrix N times and print one markdown table (what `make faults` runs).
 
-    python tests/faults/run_matrix.py [--repeats N] [--out FILE] [--logs DIR] [-- PYTEST_ARGS]
+    python tests/faults/run_matrix.py [--repeats N] [--backend c10d|etcd] [--out FILE]
+                                      [--logs DIR] [-- PYTEST_ARGS]
 
 Each pass runs `pytest tests/faults` with FTRUN_FAULTS_REPORT set, so every case appends one
-JSON line (see tests/faults/conftest.py). The table has one row per case: the documented
-outcome, the median of its measured time over the runs that passed, and the flakes (runs in
-which it failed). Each pass's pytest output and JSON lines are kept under --logs. The exit
-status is 1 when any case failed in any run, or when a pass's pytest failed without recording
-a failed case (a collection error, say).
+JSON line (see tests/faults/conftest.py), and FTRUN_FAULTS_BACKEND set to --backend (default:
+$FTRUN_FAULTS_BACKEND, else c10d): on etcd every pass starts one 3-member etcd cluster on
+127.0.0.1 for all its cases. The table's first line names the backend, then one row per case:
+the documented outcome (or why it does not apply on this backend), the median of its measured
+time over the runs that passed, and the flakes (runs in which it failed). Each pass's pytest
+output and JSON lines are kept under --logs. The exit status is 1 when any case failed in any
+run, when a pass's pytest failed without recording a failed case (a collection error, say), or
+when a case recorded another backend than the one asked for.
 """
 
 from __future__ import annotations
@@ -23,12 +27,24 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+ON_BACKEND = {
+    "c10d": "the first agent serves a TCPStore",
+    "etcd": "a 3-member etcd cluster on 127.0.0.1, one per pass; no node hosts the store",
+}
 BAD = {"failed", "error"}
+BACKENDS = ("c10d", "etcd")
+BACKEND_ENV = "FTRUN_FAULTS_BACKEND"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=int(os.environ.get("FAULT_REPEATS", "3")))
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=os.environ.get(BACKEND_ENV) or "c10d",
+        help="the launchers' --rdzv-backend (etcd: a 3-member etcd cluster per pass)",
+    )
     parser.add_argument("--out", type=Path, help="also write the table to this file")
     parser.add_argument(
         "--logs", type=Path, help="keep each pass's pytest output here (default: a new tmp dir)"
@@ -45,7 +61,7 @@ def main() -> int:
         report = logs / f"pass{run}.jsonl"
         report.unlink(missing_ok=True)
         started = time.monotonic()
-        code = run_pytest(report, logs / f"pass{run}.log", args.pytest_args)
+        code = run_pytest(report, logs / f"pass{run}.log", args.backend, args.pytest_args)
         elapsed = time.monotonic() - started
         found = read(report, run)
         records += found
@@ -56,18 +72,21 @@ def main() -> int:
             f"{elapsed:.1f}s" + (f", FAILED: {', '.join(failed)}" if failed else ""),
             flush=True,
         )
-    table = render(records, passes, args.repeats)
+    table = render(records, passes, args.repeats, args.backend)
     print(table)
     print(f"pytest output and JSON lines of every pass: {logs}")
     if args.out:
         args.out.write_text(table)
     any_failed = any(r["outcome"] in BAD for r in records)
     unexplained = any(code != 0 for _, code in passes) and not any_failed
-    return 1 if any_failed or unexplained or not records else 0
+    elsewhere = sorted({r.get("backend") for r in records} - {args.backend}, key=str)
+    if elsewhere:
+        print(f"cases recorded on another backend than {args.backend}: {elsewhere}")
+    return 1 if any_failed or unexplained or elsewhere or not records else 0
 
 
-def run_pytest(report: Path, log: Path, extra: list[str]) -> int:
-    env = {**os.environ, "FTRUN_FAULTS_REPORT": str(report)}
+def run_pytest(report: Path, log: Path, backend: str, extra: list[str]) -> int:
+    env = {**os.environ, "FTRUN_FAULTS_REPORT": str(report), BACKEND_ENV: backend}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/faults", *extra]
     with log.open("w") as out:
         return subprocess.run(
@@ -81,11 +100,16 @@ def read(report: Path, run: int) -> list[dict]:
     return [{**json.loads(line), "run": run} for line in report.read_text().splitlines()]
 
 
-def render(records: list[dict], passes: list[tuple[float, int]], repeats: int) -> str:
+def render(
+    records: list[dict], passes: list[tuple[float, int]], repeats: int, backend: str = "c10d"
+) -> str:
     cases: dict[str, list[dict]] = {}
     for record in records:
         cases.setdefault(record["case"], []).append(record)
+    where = ON_BACKEND.get(backend, backend)
     lines = [
+        f"Rendezvous backend: {backend} (`--rdzv-backend={backend}`, {where}).",
+        "",
         "| case | outcome | median time (s) | median to stepping again (s) | flakes |",
         "|---|---|---|---|---|",
     ]
@@ -94,6 +118,8 @@ def render(records: list[dict], passes: list[tuple[float, int]], repeats: int) -
         outcome = next((r["expect"] for r in runs if r["expect"]), "?")
         if any(r["outcome"] == "xfailed" for r in runs):
             outcome += " (xfail: src bug)"
+        if all(r["outcome"] == "skipped" for r in runs):
+            outcome = f"skipped: {outcome}"
         flakes = len(runs) - len(ok)
         lines.append(
             f"| {case} | {outcome} | {_median(ok, 'seconds')} | {_median(ok, 'stepping')} "

@@ -2,7 +2,9 @@
 foreign listener, an unusable log directory.
 
 Documented outcome for each: one clear line, a non-zero documented exit code (2 for usage
-errors, 1 when the store cannot be reached), no traceback, and nothing left running.
+errors, 1 when the store cannot be reached), no traceback, and nothing left running. The same on
+both backends: on etcd the launchers name the session's etcd cluster, and the foreign listener
+stands where the one etcd member should be.
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ READ_TIMEOUT, JOIN_TIMEOUT = 2, 3
 """For the foreign listener: a store must answer within 2 s, a round close within 3 s."""
 
 
-def argv(tmp: Path, *extra: str) -> list[str]:
+def argv(fault: Fault, *extra: str) -> list[str]:
     """One node whose one rank makes one step: had the launcher accepted the bad value, it would
-    run this job to its end at once and leave logs/ and ckpt/ in `tmp` (see the control case)."""
+    run this job to its end at once and leave logs/ and ckpt/ in the case's directory (see the
+    control case). On the session's backend (`fault.rdzv_args`); `extra` comes last and wins."""
+    tmp = fault.tmp
     return [
         "--nnodes=1",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        *fault.rdzv_args,
         f"--rdzv-id=faults-{tmp.name}",
         f"--log-dir={tmp / 'logs'}",
         *extra,
@@ -71,7 +76,7 @@ BAD_FLAGS = {
 
 @pytest.mark.parametrize(("flag", "fragment"), BAD_FLAGS.values(), ids=BAD_FLAGS.keys())
 def test_bad_cli_value(fault: Fault, flag: str, fragment: str):
-    done = fault.run_launcher(argv(fault.tmp, flag))
+    done = fault.run_launcher(argv(fault, flag))
     fault.expect = "exit 2"
     assert created(fault.tmp) == [], f"a job ran despite {flag}: {done.stderr[-2000:]}"
     assert_usage_error(done, fragment)
@@ -91,7 +96,7 @@ def test_bad_yaml(fault: Fault, text: str | bytes | None, fragment: str):
     path = fault.tmp / "ft.yaml"
     if text is not None:
         path.write_bytes(text if isinstance(text, bytes) else text.encode())
-    done = fault.run_launcher(argv(fault.tmp, f"--ft-cfg-path={path}"))
+    done = fault.run_launcher(argv(fault, f"--ft-cfg-path={path}"))
     fault.expect = "exit 2"
     assert created(fault.tmp, "ft.yaml") == [], f"a job ran despite it: {done.stderr[-2000:]}"
     assert_usage_error(done, fragment)
@@ -101,7 +106,7 @@ def test_control_the_same_command_line_without_a_fault_runs_a_job(fault: Fault):
     """The control of the cases above: without the bad value the same command line runs its job
     and leaves the agent's events and the rank's files behind, so an empty case directory there
     means nothing was started."""
-    done = fault.run_launcher(argv(fault.tmp))
+    done = fault.run_launcher(argv(fault))
     fault.expect = "exit 0"
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     made = created(fault.tmp)
@@ -115,7 +120,7 @@ def test_log_dir_not_writable(fault: Fault, where: str):
     blocker = fault.tmp / "blocker"
     blocker.write_text("a regular file\n")
     log_dir = blocker / "logs" if where == "under_a_file" else blocker
-    args = argv(fault.tmp, f"--log-dir={log_dir}")  # the later --log-dir wins
+    args = argv(fault, f"--log-dir={log_dir}")  # the later --log-dir wins
     done = fault.run_launcher(args)
     fault.expect = "exit 2"
     output = done.stdout + done.stderr
@@ -128,14 +133,15 @@ def test_log_dir_not_writable(fault: Fault, where: str):
 
 def test_rendezvous_port_held_by_a_foreign_listener(fault: Fault):
     """A plain socket listens on the rendezvous port (and never answers): the launcher cannot
-    serve the store there and must not wait forever for one that will never talk."""
+    serve the store there and must not wait forever for one that will never talk. On etcd the
+    endpoint names that socket as the only etcd member: it accepts and never answers."""
     fault.expect = "exit 1"
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(16)
         port = listener.getsockname()[1]
         conf = f"--rdzv-conf=read_timeout={READ_TIMEOUT},join_timeout={JOIN_TIMEOUT}"
-        args = argv(fault.tmp, f"--rdzv-endpoint=127.0.0.1:{port}", conf)
+        args = argv(fault, f"--rdzv-endpoint=127.0.0.1:{port}", conf)
         output = fault.tmp / "launcher.log"
         with output.open("wb") as out:
             proc = subprocess.Popen(

@@ -181,14 +181,20 @@ class EtcdStore(Store):
 
     def _call(self, request: Callable[[Etcd3Client], T]) -> T:
         """`request` on the current member, else on the next ones, until one answers or none
-        has for the store's timeout."""
+        has for the store's timeout (each request is cut to the time left)."""
         deadline = self._clock() + self.timeout.total_seconds()
         pause = _POLL_S[0]
         while True:
+            first = self._current
             for step in range(len(self._members)):
-                index = (self._current + step) % len(self._members)
+                left = deadline - self._clock()
+                if left <= 0:
+                    break
+                index = (first + step) % len(self._members)
+                member = self._members[index]
+                member.timeout = min(REQUEST_TIMEOUT_S, left)
                 try:
-                    result = request(self._members[index])
+                    result = request(member)
                 except _UNREACHABLE as exc:
                     if not exc.args:  # no answer at all; else a 503: electing a leader
                         self._member_down(index, exc)
@@ -202,7 +208,7 @@ class EtcdStore(Store):
                     f"no etcd member answered for {self.timeout.total_seconds():g}s "
                     f"({', '.join(self._names)})"
                 )
-            time.sleep(pause)
+            time.sleep(min(pause, max(deadline - self._clock(), 0.0)))
             pause = min(pause * 2, 1.0)
 
     def _member_down(self, index: int, exc: Exception) -> None:
