@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import datetime
 import logging
+import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -96,6 +97,11 @@ class EtcdStore(Store):
         self._until(lambda: self._values(keys), keys, timeout)
 
     def add(self, key: str, amount: int) -> int:
+        if amount == 0:  # the barrier reads its counters so: a read, not a contended write
+            current = self._values([key])[0]
+            if current is not None:
+                return int(current)
+
         def update(current: bytes | None) -> bytes:
             return str(int(current or b"0") + amount).encode()
 
@@ -165,15 +171,19 @@ class EtcdStore(Store):
         """Replace the key's value by `update(value)` atomically: a transaction that compares
         the key's revision, retried while other writers change it first."""
         full = self._key(key)
+        reply = self._txn([], [_range(full)], [])
+        pause = _POLL_S[0]
         while True:
-            reply = self._txn([], [_range(full)], [])
-            current = _first_value(reply)
-            revision = _first_revision(reply)
+            current, revision = _first_value(reply), _first_revision(reply)
             new = update(current)
             compare = {"key": _b64(full), "target": "MOD", "result": "EQUAL",
                        "mod_revision": revision}  # fmt: skip
-            if self._txn([compare], [_put(full, new)], []).get("succeeded"):
+            # On a lost race the failure branch returns the key as it is now: no second read.
+            reply = self._txn([compare], [_put(full, new)], [_range(full)])
+            if reply.get("succeeded"):
                 return new
+            time.sleep(random.uniform(0, pause))  # many nodes arriving at once: spread them
+            pause = min(pause * 2, _POLL_S[1])
 
     def _txn(self, compare: list[Any], success: list[Any], failure: list[Any]) -> dict[str, Any]:
         payload = {"compare": compare, "success": success, "failure": failure}
