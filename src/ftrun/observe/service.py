@@ -67,14 +67,14 @@ class ObserveService(NodeService):
 
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self.metrics)
-        try:
-            self._metrics_server, _ = start_http_server(port, self._config.bind, registry)
-        except OSError as exc:
-            log.error("metrics: cannot listen on %s:%d: %s", self._config.bind, port, exc)
-            return
-        url = _url(self._config.bind, self._metrics_server.server_address[1], "/metrics")
-        log.info("metrics: %s", url)
-        self._describe("metrics", url)
+        bind = self._config.bind
+        self._metrics_server = self._listen(
+            "metrics",
+            "metrics",
+            "/metrics",
+            port,
+            lambda: start_http_server(port, bind, registry)[0],
+        )
 
     def on_round(self, rnd: Round) -> None:
         if self._feed is not None:
@@ -98,16 +98,24 @@ class ObserveService(NodeService):
             events, live = reader.read()
             return job_status(self._job, events, live, time.time())
 
-        self._status = CachedStatus(build)
-        port = self._config.status_port or 0
+        status = self._status = CachedStatus(build)
+        port, bind = self._config.status_port or 0, self._config.bind
+        self._page = self._listen(
+            "status page", "status", "/", port, lambda: serve(status, bind, port)
+        )
+
+    def _listen(self, what: str, field: str, path: str, port: int, start: Callable[[], Any]) -> Any:
+        """Start one of the two servers; its URL goes to the log and to the cycle info's `field`.
+        A port that cannot be had is an ERROR line, not the job's end."""
         try:
-            self._page = serve(self._status, self._config.bind, port)
+            server = start()
         except OSError as exc:
-            log.error("status page: cannot listen on %s:%d: %s", self._config.bind, port, exc)
-            return
-        url = _url(self._config.bind, self._page.server_address[1], "/")
-        log.info("status page: %s", url)
-        self._describe("status", url)
+            log.error("%s: cannot listen on %s:%d: %s", what, self._config.bind, port, exc)
+            return None
+        url = _url(self._config.bind, server.server_address[1], path)
+        log.info("%s: %s", what, url)
+        self._describe(field, url)
+        return server
 
     def _stop_page(self) -> None:
         if self._page is not None:
