@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from torch.distributed import HashStore
+from torch.distributed import HashStore, Store
 
 from ftrun.agent.inbox import SignalRecorder
 from ftrun.agent.node import NodeAgent
@@ -167,9 +167,13 @@ class RunningAgent:
 
 @contextlib.contextmanager
 def running_agent(
-    tmp: Path, args: Sequence[str] = (), services: Sequence[NodeService] = ()
+    tmp: Path,
+    args: Sequence[str] = (),
+    services: Sequence[NodeService] = (),
+    store: Store | None = None,
 ) -> Iterator[RunningAgent]:
-    """An agent of a one-node job with `--nproc-per-node=2` unless `args` say otherwise."""
+    """An agent of a one-node job with `--nproc-per-node=2` unless `args` say otherwise;
+    `store`: the job's store (a fresh HashStore if none)."""
     config = build_config(
         ["--nnodes=1", "--nproc-per-node=2", "--monitor-interval=0.05",
          f"--log-dir={tmp / 'logs'}", "--rdzv-id=fake", *args, "train.py"], {},
@@ -181,10 +185,10 @@ def running_agent(
     for service in services:
         node_services.add(service)
     spawner = FakeSpawner()
-    store = HashStore()
+    store = store if store is not None else HashStore()
     runtime = AgentRuntime(
         config, {}, "127.0.0.1", "n0", tmp / "logs" / "n0", events, queue.SimpleQueue(), store,
-        True, None, node_services, monitor, spawner, 0, tmp / "job",
+        True, None, node_services, monitor, spawner, 0, tmp / "job", lambda: None,
     )  # fmt: skip
     runtime.rendezvous = create_rendezvous(
         config.rendezvous, store, runtime.descriptor, lambda _d: True, runtime.standing_by

@@ -122,10 +122,12 @@ def start_job(
     nproc: int = 1,
     node_env: Sequence[dict[str, str]] | None = None,
     order: Sequence[int] | None = None,
+    endpoint: str | None = None,
 ) -> Job:
-    """Start `nodes` launchers (in `order`) for one job on a fresh rendezvous port."""
+    """Start `nodes` launchers (in `order`) for one job on a fresh rendezvous port (or at
+    `endpoint`: a store the test serves)."""
     log_dir, ckpt_dir = tmp / "logs", tmp / "ckpt"
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint = endpoint or f"127.0.0.1:{free_port()}"
     # No deep warm-up (torch._dynamo in every fork server, about 1.2 s of CPU each) unless the
     # test asks for one: on 2 cores and 2 xdist workers it is CPU taken from the jobs under
     # test. tests/test_prewarm_cycles.py sets it itself; the demo and the fault matrix keep it.

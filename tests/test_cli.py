@@ -67,6 +67,7 @@ NVRX_YAML_KEYS = {
     "metrics_port",
     "status_port",
     "status_bind",
+    "store_reconnect_timeout",
 }
 
 
@@ -512,6 +513,10 @@ EFFECTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "max_same_failure": ((), ("--ft-max-same-failure=0",)),
     "health_interval": ((), ("--ft-health-interval=1",)),
     "health_action": ((), ("--ft-health-action=log",)),
+    "store_reconnect_timeout": (
+        ("--rdzv-backend=c10d", "--rdzv-endpoint=h:1", "--nnodes=2"),
+        ("--ft-store-reconnect-timeout=30",),
+    ),
     # NVRx-only options: each is refused (tests/compat/test_launcher_options.py)
     **{opt.name: ((), (f"{opt.label}=x",)) for opt in NVRX_OPTIONS},
 }
@@ -737,3 +742,17 @@ def test_the_etcd_backend_without_its_client_says_how_to_get_it(
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     message = config_error("--rdzv-backend=etcd", "--rdzv-endpoint=e1", "x")
     assert message == "--rdzv-backend=etcd needs etcd3gw: pip install 'ftrun[etcd]'"
+
+
+def test_a_reconnect_window_is_for_an_external_store_only() -> None:
+    multi = ("--rdzv-backend=c10d", "--rdzv-endpoint=h:1", "--nnodes=2")
+    assert (
+        build(*multi, "--ft-store-reconnect-timeout=30", "x").rendezvous.store_reconnect_timeout
+        == 30
+    )
+    assert "is_host" in config_error(
+        *multi, "--rdzv-conf=is_host=true", "--ft-store-reconnect-timeout=30", "x"
+    )
+    local = build("--ft-store-reconnect-timeout=30", "x")
+    assert local.rendezvous.store_reconnect_timeout == 0
+    assert local.warnings == ("--ft-store-reconnect-timeout ignored: the store is a local store",)

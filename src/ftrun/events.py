@@ -195,6 +195,7 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
     ),
     "signal": (_req("signal", STR),),
     "store_lost": (_opt("error", STR),),
+    "store_restarted": (),
     "stop_done": (
         _req("duration", NUM),
         _opt("killed", INT, "processes that needed SIGKILL"),

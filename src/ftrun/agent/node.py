@@ -40,6 +40,7 @@ from ftrun.rank_monitor import FirstProgress, ProgressSnapshot, Verdict, Workloa
 from ftrun.rendezvous.control import FailureRecord
 from ftrun.rendezvous.errors import JoinInterruptedError
 from ftrun.rendezvous.ranks import Round
+from ftrun.rendezvous.reconnecting import StoreRestartedError
 from ftrun.services import ServiceRequest
 
 log = logging.getLogger("ftrun.agent")
@@ -91,6 +92,8 @@ class NodeAgent:
             while self.state is not AgentState.EXITING:
                 try:
                     action = self._steps[self.state]()
+                except StoreRestartedError as exc:  # `ftrun store` came back empty
+                    action = self._store_restarted(exc)
                 except DistError as exc:  # the store's host node died, or its network did
                     action = self._store_lost(exc)
                 self._apply(action)
@@ -300,7 +303,8 @@ class NodeAgent:
         pids = self._group.pids if self._group else []
         self._note_progress("stop")
         self.evidence.before_stop(self._round, self._group)
-        result = self._stop_workers()
+        # None: stopped already, when the store restarted during this step and it runs again.
+        result = self._stop_workers() if self._group is not None else StopResult(0.0, 0, 0)
         self.evidence.after_stop(self._round)
         self.events.emit(
             "stop_done",
@@ -366,6 +370,12 @@ class NodeAgent:
         log.error("lost the rendezvous store: %s", first_line)
         self.events.emit("store_lost", error=first_line)
         return self._decide(p.StoreLost(first_line))  # decided without the store
+
+    def _store_restarted(self, restarted: StoreRestartedError) -> Action:
+        self.events.emit("store_restarted")
+        cycle = self._round.number if self._round else -1
+        restarted.store.rebuild(lambda: self.rt.restore_job_state(cycle))
+        return self._decide(p.StoreRestarted())
 
     def _stop_workers(self) -> StopResult:
         group = self._group

@@ -106,6 +106,11 @@ class StoreLost:
 
 
 @dataclasses.dataclass(frozen=True)
+class StoreRestarted:
+    """The store came back empty, and this node wrote back what it knew of the job."""
+
+
+@dataclasses.dataclass(frozen=True)
 class WorkersStopped:
     pass
 
@@ -144,6 +149,7 @@ AgentEvent = (
     | CycleEnded
     | NodesWaiting
     | StoreLost
+    | StoreRestarted
     | WorkersStopped
     | PeersFinished
 )

@@ -25,12 +25,13 @@ class PeerService(NodeService):
     name = "peer channel"
 
     def __init__(self, store: Store, run_id: str, host: str, node: str) -> None:
-        secret = job_secret(store, f"ftrun/{run_id}")
+        self._store, self._prefix = store, f"ftrun/{run_id}"
+        self._secret = job_secret(store, self._prefix)
         self._node = node
-        self.server = PeerServer(host, secret, run_id)
+        self.server = PeerServer(host, self._secret, run_id)
         self.server.register("node", self._whoami)
         self.server.start()
-        self.client = PeerClient(secret, run_id)
+        self.client = PeerClient(self._secret, run_id)
 
     @property
     def port(self) -> int:
@@ -46,6 +47,11 @@ class PeerService(NodeService):
         except (PeerError, OSError):
             return False
         return reply.get("node") == descriptor.node
+
+    def restore(self) -> None:
+        """Write the job's secret back into a store that restarted empty (every agent of the
+        job has the same one: the first to write it wins)."""
+        job_secret(self._store, self._prefix, self._secret)
 
     def _whoami(self, _request: Request) -> Mapping[str, Any]:
         return {"node": self._node}

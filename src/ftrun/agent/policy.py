@@ -8,6 +8,8 @@ budget decision of the agent is made here, once, and unit-tested without process
 Rules worth knowing:
 - A failure on this node votes for a restart of its cycle (the job-wide vote in
   `rendezvous.control` counts one failure per cycle however many nodes fail at once).
+- A store that restarted empty (`ftrun store`, `--ft-store-reconnect-timeout`) ends the
+  running cycle on every node: each writes back what it knew, and they meet in a fresh round.
 - A shutdown request (preemption, budget spent, store lost) is job-wide and the first one wins:
   after asking, the node exits with the shutdown *in force*, which the executor reads back.
 - A signal is preemption in every state: forwarded to the workers if any (they may checkpoint),
@@ -56,6 +58,7 @@ from ftrun.agent.observed import (
     Signalled,
     SpawnFailed,
     StoreLost,
+    StoreRestarted,
     WorkerEnded,
     WorkersStarted,
     WorkersStopped,
@@ -127,6 +130,8 @@ class Policy:
             return self._signalled(state, event, facts)
         if isinstance(event, StoreLost):
             return self._store_lost(state, facts)
+        if isinstance(event, StoreRestarted):
+            return _store_restarted(state)
         handler = _HANDLERS.get((state, type(event)))
         if handler is None:
             raise ValueError(f"no decision for {type(event).__name__} in state {state.value}")
@@ -291,6 +296,15 @@ class Policy:
         if state in (AgentState.RUNNING, AgentState.STARTING):
             return Action(AgentState.STOPPING, outcome=lost)
         return Action(AgentState.EXITING, outcome=lost)
+
+
+def _store_restarted(state: AgentState) -> Action:
+    """The store restarted empty (`ftrun store`), and this node wrote back what it knew: the
+    job is in a fresh cycle already, so no vote. Running workers stop, and every node meets
+    again; a step the store's loss interrupted is made again."""
+    if state in (AgentState.RUNNING, AgentState.STARTING):
+        return Action(AgentState.STOPPING)
+    return KEEP_WATCHING  # health check, rendezvous, stopping, succeeded: the same step again
 
 
 RERUN_CODES = (ExitCode.RESUME_TO_DISAMBIGUATE, ExitCode.FAILED_ON_RESULT_VALIDATION)

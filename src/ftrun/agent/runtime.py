@@ -64,6 +64,8 @@ class AgentRuntime:
     peer_port: int
     job_dir: Path
     """The per-job 0700 directory for IPC (the workers' FTRUN_IPC_DIR)."""
+    restore_peer: Callable[[], None]
+    """Writes the job's peer secret back into a store that restarted (`PeerService.restore`)."""
     rendezvous: NodeRendezvous = dataclasses.field(init=False)
     stood_by: tuple[int, int] | None = None
     """(cycle, its round's size) of the last round this node stood by in, as a hot spare."""
@@ -86,6 +88,13 @@ class AgentRuntime:
         self.stood_by = (cycle, len(active))
         self.events.cycle = cycle
         self.events.emit("standby", active=list(active))
+
+    def restore_job_state(self, cycle: int) -> None:
+        """Write what this node knows of the job into a store that restarted empty (`cycle`:
+        the last this node took part in or waited for); see `JobControl.restore`."""
+        self.control.restore(cycle)
+        self.rendezvous.restore()
+        self.restore_peer()
 
     def leave(self, rnd: Round | None, linger: float) -> None:
         """Say goodbye; the store host waits (bounded) until the last round's nodes did (they
@@ -163,7 +172,7 @@ def open_runtime(
             config, environ, host, node, log_dir / node, events, inbox, store, is_store_host,
             infra_rank_from_env(environ, config.rendezvous.node_rank), services, monitor.server,
             spawner,
-            peer.port, job_dir,
+            peer.port, job_dir, peer.restore,
         )  # fmt: skip
         runtime.rendezvous = create_rendezvous(
             config.rendezvous, store, runtime.descriptor, peer.answers, runtime.standing_by

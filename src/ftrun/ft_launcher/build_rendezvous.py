@@ -62,6 +62,16 @@ def rendezvous_config(opts: Resolved, notes: list[str]) -> RendezvousConfig:
         notes.append(f"{label} close_timeout is only used by --ft-rdzv-impl=dynamic; ignored")
     if is_host is not None and meeting.local:
         notes.append(f"{label} is_host is ignored: this node serves its own local store")
+    reconnect = opts["store_reconnect_timeout"]
+    if reconnect > 0 and (meeting.local or meeting.backend == "etcd"):
+        where = "a local store" if meeting.local else "etcd, which no node serves"
+        notes.append(f"{opts.labels['store_reconnect_timeout']} ignored: the store is {where}")
+        reconnect = 0.0
+    elif reconnect > 0 and is_host:
+        raise ConfigError(
+            f"{label} is_host=true and {opts.labels['store_reconnect_timeout']}: with a reconnect "
+            "window the store is `ftrun store`'s, and no agent serves it"
+        )
     return RendezvousConfig(
         endpoint=meeting.endpoint,
         run_id=meeting.run_id,
@@ -70,6 +80,7 @@ def rendezvous_config(opts: Resolved, notes: list[str]) -> RendezvousConfig:
         impl=impl,
         backend=meeting.backend,
         is_host=True if meeting.local else is_host,
+        store_reconnect_timeout=reconnect,
         use_infra_group_rank=opts["use_infra_group_rank"],
         node_rank=meeting.node_rank,
         local_addr=opts["local_addr"],

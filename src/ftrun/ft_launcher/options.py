@@ -154,6 +154,10 @@ FT_OPTIONS: tuple[Option, ...] = (
         "state, slow at scale: see bench/RESULTS.md)."),
     _ft("use_infra_group_rank", _default(RendezvousConfig, "use_infra_group_rank"), v.boolean,
         "Rank nodes by SLURM_PROCID/SLURM_NODEID/GROUP_RANK, not arrival.", **_ON),
+    _ft("store_reconnect_timeout", _default(RendezvousConfig, "store_reconnect_timeout"),
+        v.non_negative_number, "c10d: the store is `ftrun store`'s (no agent serves it); after "
+        "losing it, reconnect for up to SECONDS, and if it restarted empty, write the job's "
+        "state back and restart the cycle. 0: losing the store ends the job.", metavar="SECONDS"),
     _ft("max_no_progress_cycles", _default(_AGENT, "max_no_progress_cycles"), v.integer,
         "Stop the job (exit 4, not relaunched) after N cycles in a row without an iteration "
         "past the best reported through the client; <= 0: off.", metavar="N"),

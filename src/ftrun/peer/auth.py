@@ -40,10 +40,11 @@ NONCE_BYTES = 16
 _SHOWN = 80  # characters of a peer-supplied value quoted in an error
 
 
-def job_secret(store: Store, prefix: str) -> bytes:
-    """The job's peer secret: created by the first agent that asks, the same for all."""
+def job_secret(store: Store, prefix: str, known: bytes | None = None) -> bytes:
+    """The job's peer secret: created by the first agent that asks, the same for all.
+    `known`: the secret this agent already has, written back into a store that restarted."""
     key = f"{prefix}/peer/secret"
-    value = store.compare_set(key, "", secrets.token_hex(SECRET_BYTES))
+    value = store.compare_set(key, "", known.hex() if known else secrets.token_hex(SECRET_BYTES))
     try:
         secret = bytes.fromhex(value.decode())
     except ValueError:

@@ -100,6 +100,8 @@ class BarrierRendezvousHandler(RendezvousHandler):
         self._arrived_at = 0.0
         """When this node last arrived at a round (monotonic): a standby node's wait for earlier
         cycles to end is not its rendezvous time."""
+        self._last_published: tuple[int, bytes, bytes] | None = None
+        """(cycle, closer, round) of the last closed round this node read, for `restore`."""
 
     # ---- torch's RendezvousHandler -------------------------------------------------------
 
@@ -291,8 +293,20 @@ class BarrierRendezvousHandler(RendezvousHandler):
         return previous.progress.after(reports)
 
     def _published(self, cycle: int) -> PublishedRound:
-        closer = self._store.get(self._key(cycle, "closed")).decode()
-        return PublishedRound.decode(self._store.get(self._key(cycle, f"round/{closer}")))
+        closer = self._store.get(self._key(cycle, "closed"))
+        blob = self._store.get(self._key(cycle, f"round/{closer.decode()}"))
+        if self._last_published is None or self._last_published[0] <= cycle:
+            self._last_published = (cycle, closer, blob)
+        return PublishedRound.decode(blob)
+
+    def restore(self) -> None:
+        """Publish again the last round this node saw, in a store that restarted empty: the
+        next round then keeps its nodes in their slots (and spares in the slots of the gone)."""
+        if self._last_published is None:
+            return
+        cycle, closer, blob = self._last_published
+        self._store.set(self._key(cycle, f"round/{closer.decode()}"), blob)
+        self._store.compare_set(self._key(cycle, "closed"), "", closer)
 
     def _published_or_none(self, cycle: int) -> PublishedRound | None:
         if not self._store.check([self._key(cycle, "closed")]):

@@ -41,6 +41,9 @@ class RendezvousConfig:
     close_timeout: float = 30.0
     is_host: bool | None = None
     """Serve the store here (None: when the endpoint host is this machine and its port is free)."""
+    store_reconnect_timeout: float = 0.0
+    """> 0: the c10d store is `ftrun store`'s, no agent serves it, and the agents come through
+    its restart, reconnecting for up to this many seconds (`reconnecting`)."""
     use_infra_group_rank: bool = False
     node_rank: int | None = None
     """--node-rank (static rendezvous): the group rank to take when infra ranks are used."""

@@ -38,6 +38,17 @@ class Shutdown:
     reason: str
 
 
+@dataclasses.dataclass
+class KnownState:
+    """The job's state as this agent last read or wrote it: what it writes back into a store
+    that restarted empty (`JobControl.restore`)."""
+
+    cycle: int = 0
+    failures: int = 0
+    failure_log: bytes = b""
+    shutdown: bytes = b""
+
+
 def job_control(store: Store, run_id: str) -> JobControl:
     """The job's control keys: the one place their prefix is made."""
     return JobControl(store, f"ftrun/{run_id}")
@@ -50,6 +61,7 @@ class JobControl:
         self._store = store
         self._prefix = prefix
         self._store.compare_set(self._key("cycle"), "", "0")
+        self.known = KnownState()
 
     @property
     def prefix(self) -> str:
@@ -60,11 +72,33 @@ class JobControl:
         return f"{self._prefix}/{name}"
 
     def cycle(self) -> int:
-        return int(self._store.get(self._key("cycle")))
+        self.known.cycle = int(self._store.get(self._key("cycle")))
+        return self.known.cycle
 
     def failures(self) -> int:
         """Failure restarts so far (scale-up restarts do not count against the budget)."""
-        return self._store.add(self._key("failures"), 0)
+        self.known.failures = self._store.add(self._key("failures"), 0)
+        return self.known.failures
+
+    def restore(self, cycle: int) -> None:
+        """Write the job's state back into a store that restarted empty, from what this agent
+        knows: the job moves to a fresh cycle (the first agent's `cycle`, after every cycle any
+        of them saw, wins), one failure more than the most any agent counted (the store's loss
+        ends the running cycle, once), and the first agent's copy of the failure history and of
+        a shutdown request."""
+        self._store.compare_set(self._key("cycle"), "", str(max(cycle, self.known.cycle) + 1))
+        self._raise_to("failures", self.known.failures + 1)
+        if self.known.failure_log:
+            self._store.compare_set(self._key("failure_log"), "", self.known.failure_log)
+        if self.known.shutdown:
+            self._store.compare_set(self._key("shutdown"), "", self.known.shutdown)
+
+    def _raise_to(self, name: str, value: int) -> None:
+        """Set a counter to `value` unless another agent set it higher (never lowered)."""
+        key = self._key(name)
+        current = self._store.compare_set(key, "", str(value))
+        while int(current) < value:
+            current = self._store.compare_set(key, current, str(value))
 
     def request_restart(self, cycle: int, cause: str, failure: bool = True) -> bool:
         """Move the job from `cycle` to the next; True if this call made the move."""
@@ -73,9 +107,10 @@ class JobControl:
         won = self._store.add(self._key(f"c{cycle}/votes"), 1) == 1
         if won:
             if failure:
-                self._store.add(self._key("failures"), 1)
+                self.known.failures = self._store.add(self._key("failures"), 1)
             self._store.set(self._key(f"c{cycle}/cause"), cause)
             self._store.set(self._key("cycle"), str(cycle + 1))
+            self.known.cycle = max(self.known.cycle, cycle + 1)
             self._store.set(self._key(f"c{cycle}/next"), "1")
         return won
 
@@ -103,7 +138,8 @@ class JobControl:
     def shutdown_requested(self) -> Shutdown | None:
         if not self._store.check([self._key("shutdown")]):
             return None
-        raw = json.loads(self._store.get(self._key("shutdown")))
+        self.known.shutdown = self._store.get(self._key("shutdown"))
+        raw = json.loads(self.known.shutdown)
         return Shutdown(ExitCode(raw["code"]), raw["reason"])
 
     def report_unhealthy(self, cycle: int, node: str, reason: str) -> None:
@@ -165,13 +201,15 @@ class JobControl:
         """Add a failure to the job's history (one atomic append: nodes never overwrite)."""
         line = json.dumps([record.cycle, record.node, record.key]) + "\n"
         self._store.append(self._key("failure_log"), line)
+        self.known.failure_log += line.encode()
 
     def failure_history(self) -> tuple[FailureRecord, ...]:
         """The job's failures so far, oldest first (kept in the store for the job's life)."""
         key = self._key("failure_log")
         if not self._store.check([key]):
             return ()
-        lines = self._store.get(key).decode().splitlines()
+        self.known.failure_log = self._store.get(key)
+        lines = self.known.failure_log.decode().splitlines()
         return tuple(FailureRecord(int(c), str(n), str(k)) for c, n, k in map(json.loads, lines))
 
     def request_collectives(self, cycle: int) -> None:

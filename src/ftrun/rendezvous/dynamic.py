@@ -73,6 +73,9 @@ class DynamicRendezvous:
         nodes = order_nodes(arrivals, self._config.use_infra_group_rank)
         return Round(cycle, nodes, nodes.index(arrivals[info.rank]))
 
+    def restore(self) -> None:
+        """Nothing: torch's rendezvous state starts again from the restored cycle's round."""
+
     def num_nodes_waiting(self, cycle: int | None = None) -> int:
         return self.handler.num_nodes_waiting()  # torch's: the current round only
 

@@ -23,6 +23,9 @@ class NodeRendezvous(Protocol):
 
     def num_nodes_waiting(self, cycle: int | None = None) -> int: ...
 
+    def restore(self) -> None:
+        """Write back what this node knows of the rounds into a store that restarted empty."""
+
 
 def create_rendezvous(
     config: RendezvousConfig,

@@ -13,6 +13,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from ftrun.errors import RendezvousAuthError, RendezvousFailedError, RendezvousPrefixHeldError
 from ftrun.identity import is_local_host
 from ftrun.rendezvous.config import RendezvousConfig
+from ftrun.rendezvous.reconnecting import ReconnectingStore
 
 log = logging.getLogger("ftrun.rendezvous")
 
@@ -32,12 +33,15 @@ def connect_store(
     Several agents on one machine (tests, or one node running several launchers) race for the
     port: the first one serves, the others fall back to being clients, as torchrun does. With
     `--rdzv-backend=etcd` no agent serves anything: the store is the etcd cluster (`environ`
-    says which Slurm job and restart this launcher belongs to, see `connect_etcd`).
+    says which Slurm job and restart this launcher belongs to, see `connect_etcd`). With a
+    reconnect window (`--ft-store-reconnect-timeout`) no agent serves either: `ftrun store` does.
     """
     timeout = datetime.timedelta(seconds=float(config.conf.get("read_timeout", 60)))
     if config.backend == "etcd":
         return connect_etcd(config.endpoint, config.run_id, timeout, environ or {}), False
     host, port = parse_rendezvous_endpoint(config.endpoint, default_port=DEFAULT_PORT)
+    if config.store_reconnect_timeout > 0:
+        return _connect_external(host, port, timeout, config.store_reconnect_timeout), False
     try_host = may_host and (config.is_host if config.is_host is not None else is_local_host(host))
     attempts = [True, False] if try_host else [False]
     if config.is_host and may_host:
@@ -55,6 +59,34 @@ def connect_store(
     raise RendezvousFailedError(
         f"cannot reach the rendezvous store at {host}:{port}: {_one_line(last_error)}"
     )
+
+
+def _connect_external(
+    host: str, port: int, timeout: datetime.timedelta, window: float
+) -> ReconnectingStore:
+    """A client of the store `ftrun store` serves (no agent serves it), that comes through a
+    restart of that process: see `reconnecting`."""
+
+    def connect(seconds: float) -> Store:
+        return _open_store(host, port, False, datetime.timedelta(seconds=seconds))
+
+    try:
+        client = connect(timeout.total_seconds())
+    except STORE_ERRORS as exc:
+        raise RendezvousFailedError(
+            f"cannot reach the rendezvous store at {host}:{port} (is `ftrun store --port {port}`"
+            f" running there?): {_one_line(exc)}"
+        ) from None
+    log.info("the rendezvous store is at %s:%d, served by ftrun store", host, port)
+    return ReconnectingStore(client, connect, window, f"{host}:{port}")
+
+
+def serve_store(port: int, timeout: datetime.timedelta) -> TCPStore:
+    """The job's store as its own process (`ftrun store`): the agents' TCPStore server."""
+    return TCPStore(
+        "0.0.0.0", port, is_master=True, multi_tenant=True, timeout=timeout,
+        wait_for_workers=False, use_libuv=True,
+    )  # fmt: skip
 
 
 def connect_etcd(

@@ -1,6 +1,6 @@
 """`ftrun`: tools around the launcher. `ftrun report LOG_DIR` explains what a job went through;
 `ftrun status` shows where a job stands now; `ftrun straggler LOG_DIR ...` retunes a running
-job's straggler detection.
+job's straggler detection; `ftrun store --port P` serves a job's rendezvous store off the agents.
 
 Errors a person can fix (a wrong directory, files that are not events) end with one line on
 stderr and exit status 2, never a traceback: this runs after a bad night, on a bad log. The
@@ -11,6 +11,8 @@ with a line saying how to get the picture, and the command succeeds.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -172,6 +174,33 @@ def status(log_dir: Path | None, endpoint: str | None, watch: float | None, as_j
             time.sleep(watch)
     except KeyboardInterrupt:
         return
+
+
+@main.command()
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    required=True,
+    help="The port of ft_launcher's --rdzv-endpoint HOST:PORT.",
+)
+def store(port: int) -> None:
+    """Serve a job's rendezvous store (a c10d TCPStore) as its own process, until SIGTERM or
+    SIGINT. The job's launchers run with --ft-store-reconnect-timeout: none of them serves it,
+    and they come through a restart of this process. Exit 1: the port cannot be served."""
+    import datetime  # torch: only for this command
+
+    from ftrun.rendezvous.store import serve_store
+
+    caught = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    signal.pthread_sigmask(signal.SIG_BLOCK, caught)  # taken by sigwait below, never mid-call
+    try:
+        server = serve_store(port, datetime.timedelta(seconds=60))
+    except RuntimeError as exc:
+        _fail(f"cannot serve port {port}: {str(exc).strip().splitlines()[0]}", 1, "store")
+    click.echo(f"ftrun store: serving the rendezvous store on port {port} (pid {os.getpid()})")
+    received = signal.sigwait(caught)
+    click.echo(f"ftrun store: stopped by {signal.Signals(received).name}")
+    del server
 
 
 def _fail(message: str, code: int, command: str = "report") -> NoReturn:

@@ -21,8 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from ftrun.tools.events import Event
 
 CRASH, HANG, SIGNAL, STORE_LOST, RESTART = "crash", "hang", "signal", "store lost", "restart"
-NODE_LOST, HEALTH = "node lost", "health"
-_FAILURE_EVENTS = ("worker_exited", "hang", "signal", "store_lost")
+NODE_LOST, HEALTH, STORE_RESTARTED = "node lost", "health", "store restarted"
+_FAILURE_EVENTS = ("worker_exited", "hang", "signal", "store_lost", "store_restarted")
 _HANG_TEXT = {
     "no first heartbeat": "no first heartbeat",
     "heartbeat": "no heartbeat",
@@ -287,7 +287,8 @@ def _restart_without_failure(
 
 
 def _kind(event: Event) -> str:
-    kinds = {"worker_exited": CRASH, "hang": HANG, "signal": SIGNAL, "failure": HEALTH}
+    kinds = {"worker_exited": CRASH, "hang": HANG, "signal": SIGNAL, "failure": HEALTH,
+             "store_restarted": STORE_RESTARTED}  # fmt: skip
     return kinds.get(event.event, STORE_LOST)
 
 
@@ -345,6 +346,9 @@ def describe(group: Sequence[Event], hang: HangInfo | None) -> str:
         return f"health fault on {first.node}: {first.get('detail')} ({first.get('message', '')})"
     if first.event == "store_lost":
         return f"{first.node} lost the rendezvous store: {first.get('error', '?')}"
+    if first.event == "store_restarted":
+        nodes = ", ".join(dict.fromkeys(e.node for e in group))
+        return f"the rendezvous store restarted empty; {nodes} wrote the job's state back"
     hang = hang or _hang_info(group)
     where = _ranks_on_nodes(group)
     what = _HANG_TEXT.get(hang.kind, hang.kind)

@@ -1,0 +1,88 @@
+"""The store off the training nodes (`ftrun store`, `--ft-store-reconnect-timeout`): the agents
+come through a restart of that process, and losing any training node leaves the store standing.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import free_port, node_of, start_job
+from support import wait_for
+from test_spares import SPARE, lose, rounds, standby_nodes, wait_all
+
+pytestmark = pytest.mark.process
+
+RECONNECT = "--ft-store-reconnect-timeout=30"
+
+
+class StoreProcess:
+    """`ftrun store --port PORT`, as the test starts, kills and restarts it."""
+
+    def __init__(self, port: int, log: Path) -> None:
+        self.port, self.log = port, log
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        with self.log.open("ab") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ftrun.tools.cli", "store", "--port", str(self.port)],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        wait_for(lambda: self.log.read_text().count("serving") > self.starts, 30, "ftrun store")
+        return proc
+
+    @property
+    def starts(self) -> int:
+        return getattr(self, "_starts", 0)
+
+    def restart(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+        self._starts = self.starts + 1
+        self.proc = self._start()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def store_process(tmp_path: Path):
+    store = StoreProcess(free_port(), tmp_path / "store.log")
+    yield store
+    store.stop()
+    assert store.proc.poll() is not None
+
+
+def test_a_lost_node_and_a_restarted_store_leave_the_job_running(tmp_path, store_process):
+    job = start_job(
+        tmp_path, 3, [*SPARE, RECONNECT], ["--steps", "100", "--step-time", "0.05"],
+        endpoint=f"127.0.0.1:{store_process.port}",
+    )  # fmt: skip
+    wait_for(lambda: len(job.progress(0)) >= 5, 90, "training on 2 nodes")
+    first = rounds(job)[0]
+    assert not any(e.get("store_host") for e in job.events("rendezvous_done"))
+    victim = node_of(job, first[0])  # group rank 0: with an agent's store, the store's host
+    lose(victim)
+    wait_for(lambda: 1 in rounds(job) and any(c == 1 for c, _ in job.progress(0)), 90,
+             "training again with the standby")  # fmt: skip
+    store_process.restart()
+    wait_for(lambda: len(job.events("store_restarted")) >= 2, 60, "both nodes see the restart")
+    codes = wait_all(job, 150)
+
+    assert codes == {n.index: -signal.SIGKILL if n is victim else 0 for n in job.nodes}
+    spare = standby_nodes(job, 0).pop()
+    last = rounds(job)[max(rounds(job))]
+    assert last == [spare, first[1]] == rounds(job)[1]  # slots kept through the store's restart
+    restarted = job.events("store_restarted")
+    assert sorted(e["node"] for e in restarted) == sorted(last)  # once on each node
+    assert len({e["cycle"] for e in restarted}) == 1 and max(rounds(job)) > restarted[0]["cycle"]
+    assert (job.ckpt_dir / "FINISHED").exists()
+    report = job.report()
+    assert "the rendezvous store restarted empty" in report, report
