@@ -28,6 +28,7 @@ EXAMPLE = REPO / "examples" / "train_ddp.py"
 # examples/train_ddp.py with its --crash only in the first run of a chain (see there).
 TRAIN_FIRST_RUN_FAULTS = Path(__file__).with_name("train_first_run_faults.py")
 LAUNCHER = Path(sys.executable).with_name("ft_launcher")
+STORE_COMMAND = f"{Path(sys.executable).with_name('ftrun')} store"
 POLL_S = 0.1
 # A job in any other state (PENDING, RUNNING, COMPLETING, REQUEUED, ...) may still run.
 ENDED_STATES = frozenset(
@@ -48,6 +49,7 @@ def job_env(cluster: Any, **extra: str) -> dict[str, str]:
     env = dict(cluster.env)
     env.update(
         FTRUN_LAUNCHER=str(LAUNCHER),
+        FTRUN_STORE_COMMAND=STORE_COMMAND,
         FTRUN_PYTHON=sys.executable,
         FTRUN_RDZV_PORT=str(free_port()),
         # Two cores: one thread per worker.
@@ -159,6 +161,22 @@ class Chain:
             return None
 
         return wait_for(find, 30, f"the launcher of job {self.first_job} on {node}", POLL_S)
+
+    def store_process(self) -> psutil.Process:
+        """The `ftrun store` of this chain's first job (its own step on the batch host)."""
+        mark = f"SLURM_JOB_ID={self.first_job}".encode()
+
+        def find() -> psutil.Process | None:
+            for proc in psutil.process_iter(["cmdline"]):
+                argv = proc.info["cmdline"] or []
+                if argv[2:4] != ["store", "--port"] or not argv[1].endswith("ftrun"):
+                    continue
+                with contextlib.suppress(OSError):
+                    if mark in Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0"):
+                        return proc
+            return None
+
+        return wait_for(find, 30, f"ftrun store of job {self.first_job}", POLL_S)
 
     def leftover_processes(self) -> list[str]:
         """Live processes of any job of the chain, on any node (they all live on this host).

@@ -22,6 +22,8 @@ from ftrun_jobs import (
     train_args,
 )
 
+from support import wait_for
+
 # One Slurm cluster per host: every Slurm test on the same xdist worker (`--dist loadgroup`).
 pytestmark = pytest.mark.xdist_group("slurm")
 
@@ -266,29 +268,31 @@ def test_cancelled_job_is_not_relaunched(slurm_cluster, tmp_path: Path):
 
 
 @pytest.mark.slurm
-def test_a_spare_node_replaces_a_lost_launcher_within_one_allocation(slurm_cluster, tmp_path):
-    """3 nodes, --nnodes=2: n1 and n2 train (infra ranks 0 and 1), n3 stands by. One active
-    node's launcher and its workers die: n3 takes its slot in the next cycle, and the job ends
-    COMPLETED."""
+def test_the_first_launcher_and_the_store_lost_within_one_allocation(slurm_cluster, tmp_path):
+    """3 nodes, --nnodes=2: n1 and n2 train (infra ranks 0 and 1), n3 stands by; the store is
+    `ftrun store` in a step of its own (the template's default). n1's launcher and its workers
+    die: n3 takes its slot. Then the store process dies: srun starts it again, the launchers
+    write the job's state back into it and go on. The job ends COMPLETED, never relaunched."""
     job_dir = tmp_path / "job"
-    train = train_args(job_dir, "--steps", "60", "--step-time", "0.1", "--save-every", "5")
+    train = train_args(job_dir, "--steps", "90", "--step-time", "0.1", "--save-every", "5")
     chain = submit_chain(
         slurm_cluster,
         tmp_path,
-        ["--nnodes=2", "--max-restarts=2", str(EXAMPLE), *train],
+        ["--nnodes=2", "--max-restarts=3", str(EXAMPLE), *train],
         sbatch_args=("--nodes=3",),
         template_args=("--ft-max-job-relaunches=2",),
     )
     chain.wait_progress(0, 5, ONE_RUN_S)
-    # All "nodes" share this host: whichever launcher bound the port first serves the store,
-    # and losing the store host ends the job (by design). Lose an active node that does not.
-    rounds = chain.events("rendezvous_done")
-    hosts = {e["node"] for e in rounds if e.get("store_host")}
-    victim = next(n for n in ("n2", "n1") if n not in hosts)
-    launcher = chain.launcher_of(victim)
+    assert not any(e.get("store_host") for e in chain.events("rendezvous_done"))
+    launcher = chain.launcher_of("n1")  # the first node: where the store used to live
     for proc in [launcher, *launcher.children(recursive=True)]:  # the node dies
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
+    wait_for(lambda: any(e["cycle"] == 1 for e in chain.events("rendezvous_done")), ONE_RUN_S,
+             "the standby in n1's slot")  # fmt: skip
+    chain.wait_progress(0, 30, ONE_RUN_S)
+    chain.store_process().kill()
+    wait_for(lambda: len(chain.events("store_restarted")) >= 2, ONE_RUN_S, "the store back")
 
     history = chain.wait_stopped(ONE_RUN_S)
 
@@ -296,6 +300,9 @@ def test_a_spare_node_replaces_a_lost_launcher_within_one_allocation(slurm_clust
     assert chain.job_ids() == [chain.first_job]  # no relaunch: one allocation
     assert chain.state(chain.first_job) == ("COMPLETED", "0:0"), chain.describe()
     codes = dict(zip(("n1", "n2", "n3"), history[0]["codes"], strict=True))
-    assert codes.pop(victim) != 0 and set(codes.values()) == {0}, chain.describe()
+    assert codes.pop("n1") != 0 and set(codes.values()) == {0}, chain.describe()
     assert (job_dir / "ckpt" / "FINISHED").exists()
+    store_log = next(job_dir.glob("runs/*/store.log")).read_text()
+    assert store_log.count("serving the rendezvous store") == 2, store_log
+    assert "rendezvous store: ftrun store on" in chain.output(chain.first_job)
     chain.assert_no_processes_left()
