@@ -18,6 +18,7 @@ from test_spares import SPARE, lose, rounds, standby_nodes, wait_all
 pytestmark = pytest.mark.process
 
 RECONNECT = "--ft-store-reconnect-timeout=30"
+LIVE = ["--ft-metrics-port=0", "--ft-status-port=0"]
 
 
 class StoreProcess:
@@ -62,7 +63,7 @@ def store_process(tmp_path: Path):
 
 def test_a_lost_node_and_a_restarted_store_leave_the_job_running(tmp_path, store_process):
     job = start_job(
-        tmp_path, 3, [*SPARE, RECONNECT], ["--steps", "100", "--step-time", "0.05"],
+        tmp_path, 3, [*SPARE, RECONNECT, *LIVE], ["--steps", "100", "--step-time", "0.05"],
         endpoint=f"127.0.0.1:{store_process.port}",
     )  # fmt: skip
     wait_for(lambda: len(job.progress(0)) >= 5, 90, "training on 2 nodes")
