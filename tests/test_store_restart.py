@@ -5,57 +5,23 @@ come through a restart of that process, and losing any training node leaves the 
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from launch import free_port, node_of, start_job
+from launch import node_of, start_job
+from store_process import RECONNECT_ARG, StoreProcess
 from support import wait_for
 from test_spares import SPARE, lose, rounds, standby_nodes, wait_all
 
 pytestmark = pytest.mark.process
 
-RECONNECT = "--ft-store-reconnect-timeout=30"
 LIVE = ["--ft-metrics-port=0", "--ft-status-port=0"]
-
-
-class StoreProcess:
-    """`ftrun store --port PORT`, as the test starts, kills and restarts it."""
-
-    def __init__(self, port: int, log: Path) -> None:
-        self.port, self.log = port, log
-        self.proc = self._start()
-
-    def _start(self) -> subprocess.Popen[bytes]:
-        with self.log.open("ab") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "ftrun.tools.cli", "store", "--port", str(self.port)],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
-        wait_for(lambda: self.log.read_text().count("serving") > self.starts, 30, "ftrun store")
-        return proc
-
-    @property
-    def starts(self) -> int:
-        return getattr(self, "_starts", 0)
-
-    def restart(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
-        self._starts = self.starts + 1
-        self.proc = self._start()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(10)
 
 
 @pytest.fixture
 def store_process(tmp_path: Path):
-    store = StoreProcess(free_port(), tmp_path / "store.log")
+    store = StoreProcess(tmp_path / "store.log")
     yield store
     store.stop()
     assert store.proc.poll() is not None
@@ -63,7 +29,7 @@ def store_process(tmp_path: Path):
 
 def test_a_lost_node_and_a_restarted_store_leave_the_job_running(tmp_path, store_process):
     job = start_job(
-        tmp_path, 3, [*SPARE, RECONNECT, *LIVE], ["--steps", "100", "--step-time", "0.05"],
+        tmp_path, 3, [*SPARE, RECONNECT_ARG, *LIVE], ["--steps", "100", "--step-time", "0.05"],
         endpoint=f"127.0.0.1:{store_process.port}",
     )  # fmt: skip
     wait_for(lambda: len(job.progress(0)) >= 5, 90, "training on 2 nodes")

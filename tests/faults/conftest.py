@@ -5,10 +5,12 @@ the documented outcome, and records the case's time and the pids it saw. At tear
 recorded pids must be gone (the suite-wide fixture in tests/conftest.py then checks that no
 process at all is left).
 
-FTRUN_FAULTS_BACKEND (c10d, the default, or etcd) picks the rendezvous store of every launcher
-the matrix starts. On c10d the first agent serves a TCPStore (tests/launch.py's `start_job`); on
-etcd one 3-member etcd cluster on 127.0.0.1 (tests/etcd_cluster.py) serves every case of the
-pytest session, each job under its own --rdzv-id, and is stopped at the session's end. The
+FTRUN_FAULTS_BACKEND (c10d, the default, etcd or store) picks the rendezvous store of every
+launcher the matrix starts. On c10d the first agent serves a TCPStore (tests/launch.py's
+`start_job`); on etcd one 3-member etcd cluster on 127.0.0.1 (tests/etcd_cluster.py) serves
+every case of the pytest session, each job under its own --rdzv-id, and is stopped at the
+session's end; on store one `ftrun store` does (tests/store_process.py: c10d with no agent
+serving it, `--ft-store-reconnect-timeout`). The
 launchers get `Fault.rdzv_args` after the shared ones and before the case's own (later flags
 win). A case whose documented outcome depends on where the store lives reads `fault.backend`,
 or is marked `@pytest.mark.backends("c10d", reason=...)` and skipped on the other one.
@@ -36,6 +38,7 @@ import psutil
 import pytest
 
 from launch import ROOT, Job, start_job
+from store_process import StoreProcess
 from support import wait_for
 
 FAULT_WORKER = ROOT / "tests" / "workers" / "fault_worker.py"
@@ -51,7 +54,7 @@ LIGHT_ARGS = (
 LIGHT_STEPS = ("--steps", "15", "--first-cycle-steps", "250")
 REPORT_ENV = "FTRUN_FAULTS_REPORT"
 BACKEND_ENV = "FTRUN_FAULTS_BACKEND"
-BACKENDS = ("c10d", "etcd")
+BACKENDS = ("c10d", "etcd", "store")
 BACKEND = os.environ.get(BACKEND_ENV) or "c10d"
 """The rendezvous backend of this session's launchers (checked in `pytest_configure`)."""
 
@@ -240,11 +243,31 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 @pytest.fixture(scope="session")
-def rdzv_args(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ...]]:
+def store_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreProcess | None]:
+    """On the store backend, the `ftrun store` of every case, stopped at the session's end."""
+    if BACKEND != "store":
+        yield None
+        return
+    store = StoreProcess(tmp_path_factory.mktemp("store") / "store.log")
+    try:
+        yield store
+    finally:
+        store.stop()
+    stray = [p for p in store.pids if alive(p)]
+    assert not stray, f"ftrun store still alive after the session: {stray}"
+
+
+@pytest.fixture(scope="session")
+def rdzv_args(
+    tmp_path_factory: pytest.TempPathFactory, store_process: StoreProcess | None
+) -> Iterator[tuple[str, ...]]:
     """The launcher flags of this session's backend; on etcd, one cluster for every case,
     stopped (every member SIGKILLed and reaped, none left alive) when the session ends."""
     if BACKEND == "c10d":
         yield ()
+        return
+    if store_process is not None:
+        yield store_process.launcher_args
         return
     from etcd_cluster import EtcdCluster, etcd_binary
 
@@ -265,7 +288,10 @@ def rdzv_args(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, .
 
 @pytest.fixture
 def fault(
-    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch, rdzv_args: tuple[str, ...]
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    monkeypatch,
+    rdzv_args: tuple[str, ...],
 ) -> Iterator[Fault]:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 2 cores: keep gloo workers from oversubscribing
     case = Fault(tmp_path, BACKEND, rdzv_args)

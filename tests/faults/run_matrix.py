@@ -1,6 +1,6 @@
 """Run the fault matrix N times and print one markdown table (what `make faults` runs).
 
-    python tests/faults/run_matrix.py [--repeats N] [--backend c10d|etcd] [--out FILE]
+    python tests/faults/run_matrix.py [--repeats N] [--backend c10d|etcd|store] [--out FILE]
                                       [--logs DIR] [-- PYTEST_ARGS]
 
 Each pass runs `pytest tests/faults` with FTRUN_FAULTS_REPORT set, so every case appends one
@@ -30,9 +30,11 @@ ROOT = Path(__file__).resolve().parents[2]
 ON_BACKEND = {
     "c10d": "the first agent serves a TCPStore",
     "etcd": "a 3-member etcd cluster on 127.0.0.1, one per pass; no node hosts the store",
+    "store": "c10d served by `ftrun store`, one per pass; no node hosts the store, and the "
+    "launchers reconnect (--ft-store-reconnect-timeout=30)",
 }
 BAD = {"failed", "error"}
-BACKENDS = ("c10d", "etcd")
+BACKENDS = ("c10d", "etcd", "store")
 BACKEND_ENV = "FTRUN_FAULTS_BACKEND"
 
 
@@ -43,7 +45,7 @@ def main() -> int:
         "--backend",
         choices=BACKENDS,
         default=os.environ.get(BACKEND_ENV) or "c10d",
-        help="the launchers' --rdzv-backend (etcd: a 3-member etcd cluster per pass)",
+        help="the launchers' store (etcd: a 3-member etcd cluster per pass; store: ftrun store)",
     )
     parser.add_argument("--out", type=Path, help="also write the table to this file")
     parser.add_argument(

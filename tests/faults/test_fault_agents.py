@@ -11,7 +11,9 @@ the job's TCPStore: losing it ends the job (every other launcher exits 1, "lost 
 store"), even with a standby waiting. On etcd no training node holds the store (`store_host` is
 false everywhere): losing any node, the first included, is a node lost like any other, and a
 standby takes its slot. `test_agent_sigkill_on_the_first_node_with_a_standby` asserts both;
-`test_agent_sigkill_on_the_store_host` runs on c10d only (on etcd there is no store host).
+`test_agent_sigkill_on_the_store_host` runs on c10d only (on etcd there is no store host). The
+store backend (`ftrun store`) is etcd's case for the first node, and adds its own: the store
+process restarted (`test_the_store_process_restarted`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from launch import Job, Node, node_of
+from store_process import StoreProcess
 from support import wait_for
 
 if TYPE_CHECKING:
@@ -193,6 +196,34 @@ def test_agent_sigkill_on_the_first_node_with_a_standby(fault: Fault):
     assert (named["nodes"], named["lost_cycle"]) == ([name], 0), named
     assert (job.ckpt_dir / "FINISHED").exists(), "training did not finish"
     fault.back_to_work(job, killed_at, "agent killed to all workers running again")
+
+
+@pytest.mark.backends("store", reason="only `ftrun store` is a store process to restart")
+def test_the_store_process_restarted(fault: Fault):
+    """`ftrun store` SIGKILLed and started again while 2 nodes train: each launcher says so in
+    one log line, writes the job's state back, and the job restarts its cycle and finishes.
+    The case has its own store (the session's must outlive every case)."""
+    store = StoreProcess(fault.tmp / "store.log")
+    try:
+        # Cycle 0: 250 steps of 20 ms, long enough to lose the store in it.
+        job = fault.light([], launcher_args=store.launcher_args)
+        training(job)
+        killed_at = store.restart()
+        fault.expect = "recovered (state written back)"
+        codes = job.wait(90)
+    finally:
+        store.stop()
+        fault.pids.update(store.pids)
+    fault.track(job)
+    assert codes == [0, 0], "\n".join(n.text()[-2500:] for n in job.nodes)
+    assert sorted(e["cycle"] for e in job.events("store_restarted")) == [0, 0]
+    for node in job.nodes:
+        own = agent_lines(node)
+        assert len([line for line in own if "lost the rendezvous store" in line]) == 1, own
+        assert not [line for line in own if "Traceback" in line], node.text()
+    assert max(e["cycle"] for e in job.events("rendezvous_done")) == 1
+    assert not job.events("store_lost")
+    fault.back_to_work(job, killed_at, "store killed to all workers running again")
 
 
 def test_sigterm_to_every_launcher_preempts(fault: Fault):
