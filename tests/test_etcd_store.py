@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import requests
 from torch.distributed import DistStoreError, TCPStore
 
 from ftrun.errors import (
@@ -31,6 +32,16 @@ SHORT = datetime.timedelta(seconds=1)
 
 def endpoints(cluster: Any) -> list[tuple[str, int]]:
     return [("127.0.0.1", m.client_port) for m in cluster.members]
+
+
+def follower(cluster: Any) -> int:
+    """The index of a member that is not the leader."""
+    for index, member in enumerate(cluster.members):
+        url = f"http://{member.endpoint}/v3/maintenance/status"
+        status = requests.post(url, json={}, timeout=10).json()
+        if status["leader"] != status["header"]["member_id"]:
+            return index
+    raise AssertionError("every member leads")
 
 
 @pytest.fixture(params=["tcp", "etcd"])
@@ -65,6 +76,11 @@ def test_many_keys_at_once(store: Any) -> None:
     for key in keys:
         store.set(key, key)
     assert store.check(keys) and store.multi_get(keys) == [k.encode() for k in keys]
+    assert not store.check([*keys, "node/2x"])
+    for i in range(700):  # more keys between theirs than theirs: no longer one range read
+        store.set(f"node/1/{i}", "")
+    assert store.check(keys) and store.multi_get(keys) == [k.encode() for k in keys]
+    assert not store.check([*keys, "node/2x"])
 
 
 def test_get_and_wait_block_until_the_key_exists_then_time_out(stores: tuple[Any, Any]) -> None:
@@ -78,6 +94,101 @@ def test_get_and_wait_block_until_the_key_exists_then_time_out(stores: tuple[Any
         store.wait(["never"], datetime.timedelta(seconds=0.2))
 
 
+class Requests:
+    """Counts the HTTP requests made from one thread (an EtcdStore makes one per etcd call, a
+    watch included) and says when a watch has been opened."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.thread: threading.Thread | None = None
+        self.urls: list[str] = []
+        self.watching = threading.Event()
+        request = requests.Session.request
+
+        def counted(session: requests.Session, method: str, url: str, **kwargs: Any) -> Any:
+            mine = threading.current_thread() is self.thread
+            if mine:
+                self.urls.append(url)
+            answer = request(session, method, url, **kwargs)
+            if mine and url.endswith("/watch"):
+                self.watching.set()  # the stream is open: etcd has taken the watch
+            return answer
+
+        monkeypatch.setattr(requests.Session, "request", counted)
+
+    def calls(self) -> list[str]:
+        """What each counted request asked for: `txn`, `watch`, `put`, ..."""
+        return [url.rsplit("/", 1)[1] for url in self.urls]
+
+    def run(self, call: Any) -> tuple[threading.Thread, dict[str, Any]]:
+        """`call()` in a thread of its own, counted; its result and when it returned, once
+        joined."""
+        out: dict[str, Any] = {}
+
+        def target() -> None:
+            out["value"] = call()
+            out["at"] = time.monotonic()
+
+        self.thread = threading.Thread(target=target)
+        self.thread.start()
+        return self.thread, out
+
+
+def two_stores(cluster: Any) -> list[EtcdStore]:
+    return [EtcdStore(endpoints(cluster), "job", datetime.timedelta(seconds=30)) for _ in "ab"]
+
+
+def test_a_blocked_get_wakes_on_the_set_with_a_watch_not_polls(
+    etcd_cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, other = two_stores(etcd_cluster)
+    counted = Requests(monkeypatch)
+    thread, out = counted.run(lambda: store.get("late"))
+    assert counted.watching.wait(10)
+    thread.join(0.5)  # blocked a while on purpose: a poll would show as requests meanwhile
+    assert thread.is_alive()
+    other.set("late", "x")
+    set_at = time.monotonic()
+    thread.join(10)
+    assert out["value"] == b"x" and out["at"] - set_at < 0.1, out["at"] - set_at
+    assert counted.calls() == ["txn", "watch", "txn"]
+
+
+def test_waiting_again_after_a_timeout_replays_what_was_put_meanwhile(
+    etcd_cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, other = two_stores(etcd_cluster)
+    counted = Requests(monkeypatch)
+    counted.thread = threading.current_thread()
+    with pytest.raises(DistStoreError, match=r"wait timeout after 0\.2s"):
+        store.wait(["k"], datetime.timedelta(seconds=0.2))
+    setter = threading.Thread(target=other.set, args=("k", "x"))  # not counted: its own thread
+    setter.start()
+    setter.join()
+    store.wait(["k"], datetime.timedelta(seconds=0.2))  # the watch from the first read's revision
+    assert store.get("k") == b"x"
+    assert counted.calls() == ["txn", "watch", "watch", "txn", "txn"]
+
+
+def test_a_member_lost_mid_watch_hands_the_watch_to_the_next(
+    etcd_cluster: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A follower: losing the leader would also cost the setter a write lost in the election.
+    lost = follower(etcd_cluster)
+    addresses = endpoints(etcd_cluster)
+    others = [a for i, a in enumerate(addresses) if i != lost]
+    store = EtcdStore([addresses[lost], *others], "job", datetime.timedelta(seconds=30))
+    counted = Requests(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="ftrun.rendezvous"):
+        thread, out = counted.run(lambda: store.get("late"))
+        assert counted.watching.wait(10)
+        etcd_cluster.kill(lost)  # the member holding the watch
+        EtcdStore(others, "job", datetime.timedelta(seconds=30)).set("late", "x")
+        thread.join(30)
+    assert out["value"] == b"x"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "does not answer" in lines[0], lines
+
+
 def test_add_is_atomic(stores: tuple[Any, Any]) -> None:
     store = stores[0]
     assert store.add("n", 0) == 0
@@ -88,6 +199,39 @@ def test_add_is_atomic(stores: tuple[Any, Any]) -> None:
     for thread in threads:
         thread.join()
     assert store.add("n", 0) == 40 and store.get("n") == b"40"
+
+
+def test_counters_mix_with_every_other_operation(store: Any) -> None:
+    """etcd keeps a counter as a marker whose count is the key's version: no reader may see
+    it, and a counter that `set`, `compare_set` or `append` rewrote counts on from there."""
+    assert store.add("c", 1) == 1 and store.add("c", 1) == 2 and store.add("c", 0) == 2
+    assert store.get("c") == b"2" and store.multi_get(["c", "c"]) == [b"2", b"2"]
+    assert store.compare_set("c", "", "x") == b"2"  # present: the count, not the marker
+    assert store.compare_set("c", "1", "x") == b"2"
+    assert store.compare_set("c", "2", "7") == b"7"  # expected: the count
+    assert store.add("c", 1) == 8 and store.add("c", 5) == 13 and store.add("c", 1) == 14
+    store.set("c", "10")
+    assert store.add("c", 1) == 11 and store.add("c", -20) == -9 and store.add("c", 1) == -8
+    store.append("c", "0")
+    assert store.get("c") == b"-80" and store.add("c", 1) == -79
+    assert store.add("z", 0) == 0 and store.get("z") == b"0" and store.add("z", 1) == 1
+    assert store.add("five", 5) == 5 and store.add("five", 1) == 6
+    assert store.delete_key("five") and not store.check(["five"]) and store.add("five", 1) == 1
+    assert store.compare_set("five", "1", "one") == b"one" and store.get("five") == b"one"
+
+
+def test_set_and_compare_set_racing_increments_lose_none(stores: tuple[Any, Any]) -> None:
+    store, other = stores
+    store.add("n", 1)
+    adds = threading.Thread(target=lambda: [store.add("n", 1) for _ in range(30)])
+    adds.start()
+    moved = 0  # compare_sets that took the count from `seen` to `seen + 100` (any number)
+    while adds.is_alive():
+        seen = other.get("n")
+        if other.compare_set("n", seen, str(int(seen) + 100)) == str(int(seen) + 100).encode():
+            moved += 1
+    adds.join()
+    assert store.add("n", 0) == 31 + 100 * moved
 
 
 def test_compare_set_as_tcpstore_does(store: Any) -> None:
@@ -114,9 +258,14 @@ def test_jobs_sharing_one_etcd_do_not_see_each_other(etcd_cluster: Any) -> None:
 def test_a_member_that_goes_away_costs_one_log_line(
     etcd_cluster: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    store = EtcdStore(endpoints(etcd_cluster), "job", datetime.timedelta(seconds=10))
+    # A follower: etcd loses a write proposed while its followers still take a killed leader
+    # for alive, and the writer waits out its request timeout on a member that is up.
+    lost = follower(etcd_cluster)
+    addresses = endpoints(etcd_cluster)
+    addresses.insert(0, addresses.pop(lost))
+    store = EtcdStore(addresses, "job", datetime.timedelta(seconds=10))
     store.set("k", "1")
-    etcd_cluster.kill(0)  # the member the store was using
+    etcd_cluster.kill(lost)  # the member the store was using
     with caplog.at_level(logging.WARNING, logger="ftrun.rendezvous"):
         for i in range(5):
             assert store.add("k", 1) == 2 + i

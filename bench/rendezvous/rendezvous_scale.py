@@ -597,6 +597,12 @@ def barrier_phases(agents: Sequence[AgentResult], t0: float) -> dict[str, float]
     get (size), get (the published round; the last store operation), then decoding and ordering
     in Python.
     """
+    if os.environ.get("FTRUN_BENCH_TRACE_CLOSER"):  # the closer's own calls, one a line
+        for a in agents:
+            if any(e[0] == "compare_set" for e in a.log):
+                for op, start, end, req in a.log:
+                    print(f"closer {op} +{start - t0:.3f}s {end - start:.3f}s {req} req",
+                          file=sys.stderr)  # fmt: skip
     first_op = [a.log[0][1] - t0 for a in agents]
     arrived = [next(e for e in a.log if e[0] == "add")[2] - t0 for a in agents]
     closed = [e[2] - t0 for a in agents for e in a.log if e[0] == "compare_set"]

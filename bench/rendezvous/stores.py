@@ -37,12 +37,19 @@ if str(ROOT / "tests") not in sys.path:
 
 HOST = "127.0.0.1"
 STORE_TIMEOUT = datetime.timedelta(seconds=120)
-KV_METHODS = ("Range", "Txn", "Put", "DeleteRange")
+KV_METHODS = ("Range", "Txn", "Put", "DeleteRange", "Watch")
 _HANDLED = re.compile(
     r'^grpc_server_handled_total\{grpc_code="(?P<code>[^"]*)",grpc_method="(?P<method>[^"]*)",'
     r'grpc_service="etcdserverpb\.KV"[^}]*\} (?P<value>\S+)$',
     re.MULTILINE,
 )
+_WATCHES = re.compile(
+    r'^grpc_server_started_total\{grpc_method="(?P<method>Watch)",'
+    r'grpc_service="etcdserverpb\.Watch"[^}]*\} (?P<value>\S+)$',
+    re.MULTILINE,
+)
+"""Watch streams opened (an EtcdStore's blocking read: one HTTP request each); a stream is
+"handled" only when it ends, so the count is of the ones started."""
 METRICS_TIMEOUT_S = 10.0
 LEADER_WAIT_S = 10.0
 
@@ -81,10 +88,11 @@ def member_addresses(cluster: Any) -> list[tuple[str, int]]:
 
 
 def kv_requests(cluster: Any) -> collections.Counter[str]:
-    """KV requests the members have handled so far, by method, summed over the members."""
+    """KV requests the members have handled so far and watch streams opened, by method, summed
+    over the members."""
     total: collections.Counter[str] = collections.Counter()
     for text in _metrics_texts(cluster):
-        for match in _HANDLED.finditer(text):
+        for match in (*_HANDLED.finditer(text), *_WATCHES.finditer(text)):
             total[match["method"]] += int(float(match["value"]))
     return total
 

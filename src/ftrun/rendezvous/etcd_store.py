@@ -6,10 +6,17 @@ store standing. This class speaks etcd's v3 JSON gateway through `etcd3gw` (no g
 keeps TCPStore's semantics, which the rendezvous, job control and the subsystems rely on, so
 that nothing above `rendezvous/store.py` knows which backend it has:
 
-- `get`, `multi_get` and `wait` block until their keys exist, up to the store's timeout;
+- `get`, `multi_get` and `wait` block until their keys exist, up to the store's timeout: one
+  read, then one etcd watch on the missing keys (no polling), then one read to return;
 - `add`, `append` and `compare_set` are atomic: one transaction comparing the key's revision
   (or its value), retried when another writer got there first;
 - `compare_set` of an absent key with `expected == b""` creates it (TCPStore's rule).
+
+A key that `add` counts holds a counter marker (`_COUNTER` and an offset) and its count is the
+key's etcd `version` plus that offset: every put bumps the version, so `add(key, 1)` is one
+put of the same marker under a compare on the value, which no other increment changes. N nodes
+arriving at once then cost N requests, not the O(N^2) of a compare-and-swap on the revision.
+Readers never see the marker: every read translates it back into the count.
 
 Every key goes under `/ftrun/<run id>/`, so several jobs share one etcd. Endpoints are tried in
 turn: a member that stops answering is left for the next one, with one log line, and a request
@@ -20,12 +27,14 @@ from __future__ import annotations
 
 import base64
 import datetime
+import json
 import logging
 import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import requests
 from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
 from torch.distributed import DistStoreError, Store
@@ -37,7 +46,11 @@ REQUEST_TIMEOUT_S = 5.0
 MAX_TXN_OPS = 128
 """etcd's default `--max-txn-ops`: a transaction with more operations is refused."""
 _POLL_S = (0.005, 0.2)
-"""First and longest pause between two looks at keys that do not exist yet."""
+"""First and longest pause between two tries of a compare-and-swap that lost a race."""
+_COUNTER = b"\x00ftrun-count-is-version+"
+"""A counter key's value is this and an offset: its count is the key's version + the offset."""
+_BUSY = (408, 503, 504)
+"""HTTP answers of a member saying "not now" (etcd3gw maps them to `_UNREACHABLE`)."""
 _UNREACHABLE = (ConnectionFailedError, ConnectionTimeoutError)
 """No answer (etcd3gw raises them without args), or an answer saying "not now": 503 while the
 members elect a leader, 408/504 (with the HTTP reason as their argument)."""
@@ -75,6 +88,8 @@ class EtcdStore(Store):
         self._current = 0
         self._down: set[int] = set()
         self._prefix = f"/ftrun/{run_id}/"
+        self._markers: dict[str, bytes] = {}  # counter key -> its marker, last seen
+        self._absent: tuple[tuple[str, ...], list[str], int] | None = None  # see `_until`
         self.set_timeout(timeout)  # the base class keeps it: `self.timeout`, as on TCPStore
         self._clock = clock
 
@@ -87,25 +102,28 @@ class EtcdStore(Store):
         return self.multi_get([key])[0]
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        found = self._until(lambda: self._values(keys), keys)
-        return [value for value in found if value is not None]
+        return [value for value in self._until(keys) if value is not None]
 
     def check(self, keys: list[str]) -> bool:
-        return all(value is not None for value in self._values(keys))
+        return all(value is not None for value in self._values(keys, values=False))
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        self._until(lambda: self._values(keys), keys, timeout)
+        self._until(keys, timeout)
 
     def add(self, key: str, amount: int) -> int:
-        if amount == 0:  # the barrier reads its counters so: a read, not a contended write
-            current = self._values([key])[0]
-            if current is not None:
-                return int(current)
-
-        def update(current: bytes | None) -> bytes:
-            return str(int(current or b"0") + amount).encode()
-
-        return int(self._swap(key, update))
+        full = self._key(key)
+        if amount == 1:  # the arrival counter: one put that no other increment can undo
+            marker = self._markers.get(full, _marker(0))
+            reply = self._txn([_value_is(full, marker)], [_put(full, marker, prev_kv=True)],
+                              [_range(full)])  # fmt: skip
+            if reply.get("succeeded"):
+                return _count(_prev_kv(reply))
+        else:
+            reply = self._txn([], [_range(full)], [])
+            kv = _first_kv(reply)
+            if amount == 0 and kv is not None:  # the barrier reads its counters so: a read
+                return int(_decoded(kv))
+        return self._count_swap(full, amount, reply)
 
     def append(self, key: str, value: str | bytes) -> None:
         self._swap(key, lambda current: (current or b"") + _bytes(value))
@@ -120,10 +138,17 @@ class EtcdStore(Store):
             compare = {"key": _b64(full), "target": "CREATE", "result": "EQUAL",
                        "create_revision": 0}  # fmt: skip
         reply = self._txn([compare], [_put(full, desired)], [_range(full)])
-        if reply.get("succeeded"):
-            return desired
-        current = _first_value(reply)
-        return expected if current is None else current  # absent, expected set: TCPStore's
+        while not reply.get("succeeded"):
+            kv = _first_kv(reply)
+            if kv is None:
+                return expected  # absent, expected set: TCPStore's
+            current = _decoded(kv)
+            if not expected or current != expected or not _is_counter(kv):
+                return current
+            # A counter whose count is `expected`: its value is the marker, so compare the
+            # revision the count was read at instead.
+            reply = self._txn([_mod_is(full, kv)], [_put(full, desired)], [_range(full)])
+        return desired
 
     def delete_key(self, key: str) -> bool:
         reply = self._call(lambda c: c.delete(self._key(key)))
@@ -138,33 +163,96 @@ class EtcdStore(Store):
     def _key(self, key: str) -> str:
         return self._prefix + key
 
-    def _values(self, keys: list[str]) -> list[bytes | None]:
-        """The keys' values (None: absent), in transactions of at most `MAX_TXN_OPS` reads."""
+    def _values(self, keys: list[str], values: bool = True) -> list[bytes | None]:
+        return self._read(keys, values)[0]
+
+    def _read(self, keys: list[str], values: bool = True) -> tuple[list[bytes | None], int]:
+        """The keys' values (None: absent; b"" for present ones without `values`) and a store
+        revision at which every absent one was absent (the lowest of the replies')."""
+        if len(keys) > MAX_TXN_OPS:  # a closer reading every descriptor: one request, not N/128
+            spanned = self._read_span(keys, values)
+            if spanned is not None:
+                return spanned
         found: list[bytes | None] = []
+        revision = 0
         for start in range(0, len(keys), MAX_TXN_OPS):
             reads = [_range(self._key(k)) for k in keys[start : start + MAX_TXN_OPS]]
             reply = self._txn([], reads, [])
             found += [_value_of(response) for response in reply.get("responses", [])]
-        return found
+            revision = min(revision or _revision(reply), _revision(reply))
+        return found, revision
+
+    def _read_span(self, keys: list[str], values: bool) -> tuple[list[bytes | None], int] | None:
+        """Many keys in one range read, from the lowest to just past the highest; None when the
+        range holds more than as many other keys (then: transactions of `MAX_TXN_OPS` reads)."""
+        full = [self._key(k).encode() for k in keys]
+        read = {"key": _b64(min(full)), "range_end": _b64(max(full) + b"\0"),
+                "limit": 2 * len(keys), "keys_only": not values}  # fmt: skip
+        reply = self._txn([], [{"request_range": read}], [])
+        answer = (reply.get("responses") or [{}])[0].get("response_range", {})
+        if answer.get("more"):
+            return None
+        kvs = {base64.b64decode(kv["key"]): kv for kv in answer.get("kvs", [])}
+        return [_decoded(kvs[k]) if k in kvs else None for k in full], _revision(reply)
 
     def _until(
-        self,
-        look: Callable[[], list[bytes | None]],
-        keys: list[str],
-        timeout: datetime.timedelta | None = None,
+        self, keys: list[str], timeout: datetime.timedelta | None = None
     ) -> list[bytes | None]:
-        """`look()` until no value is None; DistStoreError after the timeout, as TCPStore."""
+        """The keys' values once none is absent: a read, then a watch on the absent ones from
+        the revision after that read (so no put is missed) until each has been put, then a read
+        again. DistStoreError after the timeout, as TCPStore."""
         limit = (timeout or self.timeout).total_seconds()
         deadline = self._clock() + limit
+        absent, self._absent = self._absent, None
+        while True:
+            if absent is not None and absent[0] == tuple(keys) and self._clock() < deadline:
+                missing, revision = absent[1], absent[2]  # the last wait's: no read needed
+            else:
+                found, revision = self._read(keys)
+                missing = [k for k, v in zip(keys, found, strict=True) if v is None]
+                if not missing:
+                    return found
+            absent = None
+            if self._clock() >= deadline or not self._watch(missing, revision + 1, deadline):
+                # A waiter that times out waits again soon (the barrier, in 1 s chunks): the
+                # keys were absent at `revision`, and a watch from there replays any put since.
+                self._absent = (tuple(keys), missing, revision)
+                raise DistStoreError(f"wait timeout after {limit:g}s for key(s) {missing}")
+
+    def _watch(self, keys: list[str], start: int, deadline: float) -> bool:
+        """Block until each key has been put at `start` or later (True) or `deadline` (False):
+        one watch on the range from the lowest key to just past the highest, through `_call`'s
+        failover (a member lost mid-watch: the next one, from `start` again)."""
+        pending = {self._key(k).encode() for k in keys}
+        create = {"key": _b64(min(pending)), "range_end": _b64(max(pending) + b"\0"),
+                  "start_revision": start}  # fmt: skip
+        return self._call(lambda member: _watch_on(member, create, pending, self._clock, deadline))
+
+    def _count_swap(self, full: str, amount: int, reply: dict[str, Any]) -> int:
+        """`add` where one put of the marker does not do: the key is absent, holds a plain
+        value (`set`), another marker than the one tried, or `amount` is not 1. The key becomes
+        a counter, so the next `add(key, 1)`s take the one-put way."""
         pause = _POLL_S[0]
         while True:
-            found = look()
-            if all(value is not None for value in found):
-                return found
-            if self._clock() >= deadline:
-                missing = [k for k, v in zip(keys, found, strict=True) if v is None]
-                raise DistStoreError(f"wait timeout after {limit:g}s for key(s) {missing}")
-            time.sleep(pause)
+            kv = _first_kv(reply)
+            if kv is not None and amount == 0:  # another node created it first: a read now
+                return int(_decoded(kv))
+            if kv is not None and amount == 1 and _is_counter(kv):
+                marker = self._markers[full] = _raw(kv)  # the marker to put from now on
+                reply = self._txn([_value_is(full, marker)],
+                                  [_put(full, marker, prev_kv=True)], [_range(full)])  # fmt: skip
+                if reply.get("succeeded"):
+                    return _count(_prev_kv(reply))
+                continue
+            count = (0 if kv is None else int(_decoded(kv))) + amount
+            version = 1 if kv is None else int(kv.get("version", 0)) + 1  # after this put
+            marker = _marker(count - version)
+            compare = _mod_is(full, kv) if kv is not None else _absent(full)
+            reply = self._txn([compare], [_put(full, marker)], [_range(full)])
+            if reply.get("succeeded"):
+                self._markers[full] = marker
+                return count
+            time.sleep(random.uniform(0, pause))  # many nodes arriving at once: spread them
             pause = min(pause * 2, _POLL_S[1])
 
     def _swap(self, key: str, update: Callable[[bytes | None], bytes]) -> bytes:
@@ -174,10 +262,9 @@ class EtcdStore(Store):
         reply = self._txn([], [_range(full)], [])
         pause = _POLL_S[0]
         while True:
-            current, revision = _first_value(reply), _first_revision(reply)
-            new = update(current)
-            compare = {"key": _b64(full), "target": "MOD", "result": "EQUAL",
-                       "mod_revision": revision}  # fmt: skip
+            kv = _first_kv(reply)
+            new = update(None if kv is None else _decoded(kv))
+            compare = _mod_is(full, kv) if kv is not None else _absent(full)
             # On a lost race the failure branch returns the key as it is now: no second read.
             reply = self._txn([compare], [_put(full, new)], [_range(full)])
             if reply.get("succeeded"):
@@ -235,29 +322,147 @@ class EtcdStore(Store):
             log.info("etcd member %s answers again", self._names[index])
 
 
-def _put(key: str, value: bytes) -> dict[str, Any]:
-    return {"request_put": {"key": _b64(key), "value": _b64(value)}}
+def _put(key: str, value: bytes, prev_kv: bool = False) -> dict[str, Any]:
+    put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+    if prev_kv:  # the key as it was: a counter's count is its version after this put
+        put["prev_kv"] = True
+    return {"request_put": put}
 
 
 def _range(key: str) -> dict[str, Any]:
     return {"request_range": {"key": _b64(key)}}
 
 
+def _value_is(key: str, value: bytes) -> dict[str, Any]:
+    return {"key": _b64(key), "target": "VALUE", "result": "EQUAL", "value": _b64(value)}
+
+
+def _mod_is(key: str, kv: dict[str, Any]) -> dict[str, Any]:
+    """The key is as `kv` found it: its mod revision has not moved."""
+    return {"key": _b64(key), "target": "MOD", "result": "EQUAL",
+            "mod_revision": int(kv.get("mod_revision", 0))}  # fmt: skip
+
+
+def _absent(key: str) -> dict[str, Any]:
+    return {"key": _b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}
+
+
+def _marker(offset: int) -> bytes:
+    return _COUNTER + str(offset).encode()
+
+
+def _raw(kv: dict[str, Any]) -> bytes:
+    """The value as stored (the JSON gateway leaves out an empty one)."""
+    return base64.b64decode(kv.get("value", ""))
+
+
+def _is_counter(kv: dict[str, Any]) -> bool:
+    return _raw(kv).startswith(_COUNTER)
+
+
+def _count(kv: dict[str, Any]) -> int:
+    """A counter's count: its version (an int64: a JSON string) plus the marker's offset."""
+    return int(kv.get("version", 0)) + int(_raw(kv)[len(_COUNTER) :])
+
+
+def _decoded(kv: dict[str, Any]) -> bytes:
+    """The value a reader sees: a counter's count, as TCPStore keeps it, else the value."""
+    return str(_count(kv)).encode() if _is_counter(kv) else _raw(kv)
+
+
 def _value_of(response: dict[str, Any]) -> bytes | None:
     kvs = response.get("response_range", {}).get("kvs")
-    return base64.b64decode(kvs[0].get("value", "")) if kvs else None
+    return _decoded(kvs[0]) if kvs else None
 
 
-def _first_value(reply: dict[str, Any]) -> bytes | None:
-    responses = reply.get("responses") or [{}]
-    return _value_of(responses[0])
+def _revision(reply: dict[str, Any]) -> int:
+    """The store's revision when it answered (an int64: a JSON string)."""
+    return int(reply.get("header", {}).get("revision", 0))
 
 
-def _first_revision(reply: dict[str, Any]) -> int:
-    """The key's mod revision in the reply's first range response (0: absent)."""
+def _first_kv(reply: dict[str, Any]) -> dict[str, Any] | None:
+    """The key in the reply's first range response (None: absent)."""
     responses = reply.get("responses") or [{}]
     kvs = responses[0].get("response_range", {}).get("kvs")
-    return int(kvs[0].get("mod_revision", 0)) if kvs else 0
+    return kvs[0] if kvs else None
+
+
+def _prev_kv(reply: dict[str, Any]) -> dict[str, Any]:
+    """A counter's key after the reply's put of its marker: the previous kv, one version on."""
+    kv = dict(reply["responses"][0]["response_put"]["prev_kv"])
+    kv["version"] = int(kv.get("version", 0)) + 1
+    return kv
+
+
+def _watch_on(
+    member: Etcd3Client,
+    create: dict[str, Any],
+    pending: set[bytes],
+    clock: Callable[[], float],
+    deadline: float,
+) -> bool:
+    """One watch on one member (etcd's `/v3/watch`, a stream of JSON lines), read in this
+    thread and closed before returning: True once every key of `pending` has been put, False
+    at `deadline`. A member that fails raises as etcd3gw would, for `_call` to go on."""
+    left = min(member.timeout, deadline - clock())  # `_call` cut it to the time it has left
+    if left <= 0:
+        return False
+    try:
+        # "hasleader": a member cut off from the leader ends the watch instead of staying mute.
+        answer = member.session.post(
+            member.get_url("/watch"), json={"create_request": create}, stream=True,
+            timeout=(left, left), headers={"Grpc-Metadata-hasleader": "true"},
+        )  # fmt: skip
+    except requests.Timeout:
+        raise ConnectionTimeoutError() from None
+    except requests.ConnectionError:
+        raise ConnectionFailedError() from None
+    with answer:
+        if answer.status_code != 200:
+            exc = ConnectionTimeoutError if answer.status_code in _BUSY else Etcd3Exception
+            raise exc(answer.text, answer.reason)
+        return _watch_events(answer, pending, clock, deadline)
+
+
+def _watch_events(
+    answer: requests.Response, pending: set[bytes], clock: Callable[[], float], deadline: float
+) -> bool:
+    buffer = b""
+    chunks = answer.iter_content(chunk_size=None)
+    while pending:
+        left = deadline - clock()
+        if left <= 0:
+            return False
+        sock = getattr(answer.raw.connection, "sock", None)
+        if sock is not None:  # each read waits for the time left, not the time at the start
+            sock.settimeout(left)
+        try:
+            buffer += next(chunks)
+        except (requests.RequestException, StopIteration):
+            if clock() >= deadline:
+                return False
+            raise ConnectionFailedError() from None  # the member went away mid-watch
+        *lines, buffer = buffer.split(b"\n")
+        for line in filter(None, (raw.strip() for raw in lines)):
+            message = json.loads(line)
+            result = message.get("result")
+            if result is None:  # {"error": ...}: the member lost its leader, or is stopping
+                _raise_stream_error(message.get("error") or {})
+            if result.get("canceled"):  # `start` compacted away: read again, watch from now
+                return True
+            for event in result.get("events", []):
+                if event.get("type", "PUT") == "PUT":  # the gateway leaves out PUT (0)
+                    pending.discard(base64.b64decode(event["kv"]["key"]))
+    return True
+
+
+def _raise_stream_error(error: dict[str, Any]) -> None:
+    """As `_call` takes it: "not now" (no leader: 503) tries the next member without a log line,
+    anything else is a member that does not answer."""
+    if int(error.get("http_code", 0)) in _BUSY:
+        text = str(error.get("message", "busy"))
+        raise ConnectionTimeoutError(text, text)
+    raise ConnectionFailedError()
 
 
 def _typed(exc: Etcd3Exception, member: str) -> DistStoreError:
