@@ -23,8 +23,9 @@ from ftrun.errors import ConfigError, ExitCode, FtrunError
 from ftrun.ft_launcher import build as build_module
 from ftrun.ft_launcher import cli
 from ftrun.ft_launcher.build import build_config
+from ftrun.ft_launcher.command_line import help_text, parse_argv
 from ftrun.ft_launcher.nvrx_options import NVRX_OPTIONS
-from ftrun.ft_launcher.options import BY_NAME, OPTIONS, YAML_KEYS, help_text, parse_argv
+from ftrun.ft_launcher.options import BY_NAME, OPTIONS, YAML_KEYS
 from ftrun.rank_monitor.config import RankMonitorConfig
 from ftrun.rendezvous.config import HealthCheckConfig, RendezvousConfig, RendezvousImpl
 

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from ftrun.ft_launcher import docs
+from ftrun.ft_launcher.command_line import help_text
 from ftrun.ft_launcher.nvrx_options import NVRX_OPTIONS
-from ftrun.ft_launcher.options import FT_OPTIONS, OPTIONS, TORCHRUN_OPTIONS, help_text
+from ftrun.ft_launcher.options import FT_OPTIONS, OPTIONS, TORCHRUN_OPTIONS
 
 
 def test_readme_tables_match_the_option_declarations() -> None:

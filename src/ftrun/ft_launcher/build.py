@@ -19,13 +19,8 @@ from ftrun.agent.numa import NumaError, NumaPlan, plan_launch
 from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError
 from ftrun.ft_launcher.build_rendezvous import rendezvous_config
-from ftrun.ft_launcher.options import (
-    OPTIONS,
-    CommandLine,
-    Resolved,
-    parse_argv,
-    resolve,
-)
+from ftrun.ft_launcher.command_line import CommandLine, Resolved, parse_argv, resolve
+from ftrun.ft_launcher.options import OPTIONS
 from ftrun.ft_launcher.yaml_file import load_ft_yaml
 from ftrun.observe.config import ObserveConfig
 from ftrun.rank_monitor.config import RankMonitorConfig

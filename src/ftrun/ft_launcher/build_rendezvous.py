@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from ftrun.errors import ConfigError
 from ftrun.ft_launcher import values as v
-from ftrun.ft_launcher.options import Resolved
+from ftrun.ft_launcher.command_line import Resolved
 from ftrun.rendezvous.config import RendezvousConfig, RendezvousImpl
 
 MASTER_PORT = 29500

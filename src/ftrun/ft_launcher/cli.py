@@ -19,7 +19,8 @@ from ftrun.agent.prewarm.service import start_early
 from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError, ExitCode, FtrunError
 from ftrun.ft_launcher.build import config_from
-from ftrun.ft_launcher.options import PROG, help_text, parse_argv
+from ftrun.ft_launcher.command_line import help_text, parse_argv
+from ftrun.ft_launcher.options import PROG
 
 log = logging.getLogger(__name__)
 

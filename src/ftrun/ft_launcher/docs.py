@@ -13,8 +13,9 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from ftrun.ft_launcher.command_line import shown_default
 from ftrun.ft_launcher.nvrx_options import NVRX_OPTIONS
-from ftrun.ft_launcher.options import FT_OPTIONS, TORCHRUN_OPTIONS, Option, shown_default
+from ftrun.ft_launcher.options import FT_OPTIONS, TORCHRUN_OPTIONS, Option
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 COMMAND = "python -m ftrun.ft_launcher.docs"

@@ -2,8 +2,9 @@
 
 Each takes a raw value as it arrives from the command line or the environment (a `str`) or from
 the YAML file (a `str`, number, bool, `None`, list or mapping) and returns the typed value, or
-raises `ValueError` with a short message that quotes the bad value. The caller (`options.resolve`)
-prefixes the message with where the value came from (flag, env var or YAML key).
+raises `ValueError` with a short message that quotes the bad value. The caller
+(`command_line.resolve`) prefixes the message with where the value came from (flag, env var or
+YAML key).
 """
 
 from __future__ import annotations

@@ -81,14 +81,6 @@ def _connect_external(
     return ReconnectingStore(client, connect, window, f"{host}:{port}")
 
 
-def serve_store(port: int, timeout: datetime.timedelta) -> TCPStore:
-    """The job's store as its own process (`ftrun store`): the agents' TCPStore server."""
-    return TCPStore(
-        "0.0.0.0", port, is_master=True, multi_tenant=True, timeout=timeout,
-        wait_for_workers=False, use_libuv=True,
-    )  # fmt: skip
-
-
 def connect_etcd(
     endpoint: str, run_id: str, timeout: datetime.timedelta, environ: Mapping[str, str]
 ) -> Store:

@@ -11,8 +11,6 @@ with a line saying how to get the picture, and the command succeeds.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -187,20 +185,13 @@ def store(port: int) -> None:
     """Serve a job's rendezvous store (a c10d TCPStore) as its own process, until SIGTERM or
     SIGINT. The job's launchers run with --ft-store-reconnect-timeout: none of them serves it,
     and they come through a restart of this process. Exit 1: the port cannot be served."""
-    import datetime  # torch: only for this command
+    from ftrun.tools.store_server import StoreServeError, serve_until_signalled  # torch
 
-    from ftrun.rendezvous.store import serve_store
-
-    caught = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-    signal.pthread_sigmask(signal.SIG_BLOCK, caught)  # taken by sigwait below, never mid-call
     try:
-        server = serve_store(port, datetime.timedelta(seconds=60))
-    except RuntimeError as exc:
-        _fail(f"cannot serve port {port}: {str(exc).strip().splitlines()[0]}", 1, "store")
-    click.echo(f"ftrun store: serving the rendezvous store on port {port} (pid {os.getpid()})")
-    received = signal.sigwait(caught)
-    click.echo(f"ftrun store: stopped by {signal.Signals(received).name}")
-    del server
+        received = serve_until_signalled(port)
+    except StoreServeError as exc:
+        _fail(f"cannot serve port {port}: {exc}", 1, "store")
+    click.echo(f"ftrun store: stopped by {received.name}")
 
 
 def _fail(message: str, code: int, command: str = "report") -> NoReturn:
