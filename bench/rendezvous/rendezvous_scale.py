@@ -24,9 +24,12 @@ Store operations are counted per agent by a `torch.distributed.Store` subclass t
 the client (pybind's trampoline makes it a real Store, so torch's C++ PrefixStore and the
 dynamic handler go through it too). Each operation's start and end are kept; from them the
 barrier round is split into phases. On etcd the requests behind those operations are counted by
-etcd itself (its members' `grpc_server_handled_total`). The store server's CPU time (the
-TCPStore's own threads; etcd: its three members' processes) is the cost all nodes share; "CPU ms
-per node" is one agent thread's CPU time in `join`, what one real node would spend.
+etcd itself (its members' `grpc_server_handled_total`, and `grpc_server_started_total` of its
+Watch service for the watch streams). `FTRUN_BENCH_TRACE_CLOSER=1` prints each call of the
+agent(s) that closed the round: operation, start, duration, requests. The store server's CPU
+time (the TCPStore's own threads; etcd: its three members' processes) is the cost all nodes
+share; "CPU ms per node" is one agent thread's CPU time in `join`, what one real node would
+spend.
 
 All waits are bounded: a round that runs past `--cap` seconds is stopped through the
 `interrupted` callback and reported as "> cap"; larger N of that implementation and backend are

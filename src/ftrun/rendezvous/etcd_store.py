@@ -12,11 +12,10 @@ that nothing above `rendezvous/store.py` knows which backend it has:
   (or its value), retried when another writer got there first;
 - `compare_set` of an absent key with `expected == b""` creates it (TCPStore's rule).
 
-A key that `add` counts holds a counter marker (`_COUNTER` and an offset) and its count is the
-key's etcd `version` plus that offset: every put bumps the version, so `add(key, 1)` is one
-put of the same marker under a compare on the value, which no other increment changes. N nodes
-arriving at once then cost N requests, not the O(N^2) of a compare-and-swap on the revision.
-Readers never see the marker: every read translates it back into the count.
+A key that `add` counts holds a marker (`_COUNTER` and an offset), its count being the key's
+etcd `version` plus the offset: every put bumps the version, so `add(key, 1)` is one put of the
+same marker under a compare on the value, which no other increment changes (N nodes arriving
+at once: N requests, not a compare-and-swap's O(N^2)). Every read turns the marker into the count.
 
 Every key goes under `/ftrun/<run id>/`, so several jobs share one etcd. Endpoints are tried in
 turn: a member that stops answering is left for the next one, with one log line, and a request
@@ -105,7 +104,7 @@ class EtcdStore(Store):
         return [value for value in self._until(keys) if value is not None]
 
     def check(self, keys: list[str]) -> bool:
-        return all(value is not None for value in self._values(keys, values=False))
+        return all(value is not None for value in self._read(keys, values=False)[0])
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         self._until(keys, timeout)
@@ -114,29 +113,40 @@ class EtcdStore(Store):
         full = self._key(key)
         if amount == 1:  # the arrival counter: one put that no other increment can undo
             marker = self._markers.get(full, _marker(0))
-            reply = self._txn([_value_is(full, marker)], [_put(full, marker, prev_kv=True)],
-                              [_range(full)])  # fmt: skip
-            if reply.get("succeeded"):
-                return _count(_prev_kv(reply))
+            while True:
+                reply = self._txn([_value_is(full, marker)], [_put(full, marker, prev_kv=True)],
+                                  [_range(full)])  # fmt: skip
+                if reply.get("succeeded"):
+                    self._markers[full] = marker
+                    # One put later than the kv it replaced: the same marker, one version on.
+                    return _count(reply["responses"][0]["response_put"]["prev_kv"]) + 1
+                kv = _first_kv(reply)
+                if kv is None or not _is_counter(kv):
+                    break
+                marker = _raw(kv)  # a counter with another offset: put that one
         else:
-            reply = self._txn([], [_range(full)], [])
-            kv = _first_kv(reply)
+            kv = _first_kv(self._txn([], [_range(full)], []))
+
+        def recount(kv: dict[str, Any] | None) -> bytes | None:
             if amount == 0 and kv is not None:  # the barrier reads its counters so: a read
-                return int(_decoded(kv))
-        return self._count_swap(full, amount, reply)
+                return None
+            return _marker(_number(kv) + amount - _version(kv) - 1)  # a counter from now on
+
+        kv = self._swap(full, recount, kv)
+        count = _number(kv) + amount
+        if amount:
+            self._markers[full] = _marker(count - _version(kv) - 1)
+        return count
 
     def append(self, key: str, value: str | bytes) -> None:
-        self._swap(key, lambda current: (current or b"") + _bytes(value))
+        full = self._key(key)
+        kv = _first_kv(self._txn([], [_range(full)], []))
+        self._swap(full, lambda kv: (b"" if kv is None else _decoded(kv)) + _bytes(value), kv)
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         expected, desired = _bytes(expected), _bytes(desired)
         full = self._key(key)
-        if expected:
-            compare = {"key": _b64(full), "target": "VALUE", "result": "EQUAL",
-                       "value": _b64(expected)}  # fmt: skip
-        else:
-            compare = {"key": _b64(full), "target": "CREATE", "result": "EQUAL",
-                       "create_revision": 0}  # fmt: skip
+        compare = _value_is(full, expected) if expected else _absent(full)
         reply = self._txn([compare], [_put(full, desired)], [_range(full)])
         while not reply.get("succeeded"):
             kv = _first_kv(reply)
@@ -162,9 +172,6 @@ class EtcdStore(Store):
 
     def _key(self, key: str) -> str:
         return self._prefix + key
-
-    def _values(self, keys: list[str], values: bool = True) -> list[bytes | None]:
-        return self._read(keys, values)[0]
 
     def _read(self, keys: list[str], values: bool = True) -> tuple[list[bytes | None], int]:
         """The keys' values (None: absent; b"" for present ones without `values`) and a store
@@ -228,49 +235,26 @@ class EtcdStore(Store):
                   "start_revision": start}  # fmt: skip
         return self._call(lambda member: _watch_on(member, create, pending, self._clock, deadline))
 
-    def _count_swap(self, full: str, amount: int, reply: dict[str, Any]) -> int:
-        """`add` where one put of the marker does not do: the key is absent, holds a plain
-        value (`set`), another marker than the one tried, or `amount` is not 1. The key becomes
-        a counter, so the next `add(key, 1)`s take the one-put way."""
+    def _swap(
+        self,
+        full: str,
+        update: Callable[[dict[str, Any] | None], bytes | None],
+        kv: dict[str, Any] | None,
+    ) -> dict[str, Any] | None:
+        """Replace the key, read as `kv` (None: absent), by `update(kv)` atomically (None: leave
+        it): a transaction that compares the key's revision, retried while other writers change
+        it first. Returns the key as it was when replaced."""
         pause = _POLL_S[0]
-        while True:
-            kv = _first_kv(reply)
-            if kv is not None and amount == 0:  # another node created it first: a read now
-                return int(_decoded(kv))
-            if kv is not None and amount == 1 and _is_counter(kv):
-                marker = self._markers[full] = _raw(kv)  # the marker to put from now on
-                reply = self._txn([_value_is(full, marker)],
-                                  [_put(full, marker, prev_kv=True)], [_range(full)])  # fmt: skip
-                if reply.get("succeeded"):
-                    return _count(_prev_kv(reply))
-                continue
-            count = (0 if kv is None else int(_decoded(kv))) + amount
-            version = 1 if kv is None else int(kv.get("version", 0)) + 1  # after this put
-            marker = _marker(count - version)
-            compare = _mod_is(full, kv) if kv is not None else _absent(full)
-            reply = self._txn([compare], [_put(full, marker)], [_range(full)])
-            if reply.get("succeeded"):
-                self._markers[full] = marker
-                return count
-            time.sleep(random.uniform(0, pause))  # many nodes arriving at once: spread them
-            pause = min(pause * 2, _POLL_S[1])
-
-    def _swap(self, key: str, update: Callable[[bytes | None], bytes]) -> bytes:
-        """Replace the key's value by `update(value)` atomically: a transaction that compares
-        the key's revision, retried while other writers change it first."""
-        full = self._key(key)
-        reply = self._txn([], [_range(full)], [])
-        pause = _POLL_S[0]
-        while True:
-            kv = _first_kv(reply)
-            new = update(None if kv is None else _decoded(kv))
+        while (new := update(kv)) is not None:
             compare = _mod_is(full, kv) if kv is not None else _absent(full)
             # On a lost race the failure branch returns the key as it is now: no second read.
             reply = self._txn([compare], [_put(full, new)], [_range(full)])
             if reply.get("succeeded"):
-                return new
+                break
+            kv = _first_kv(reply)
             time.sleep(random.uniform(0, pause))  # many nodes arriving at once: spread them
             pause = min(pause * 2, _POLL_S[1])
+        return kv
 
     def _txn(self, compare: list[Any], success: list[Any], failure: list[Any]) -> dict[str, Any]:
         payload = {"compare": compare, "success": success, "failure": failure}
@@ -360,9 +344,19 @@ def _is_counter(kv: dict[str, Any]) -> bool:
     return _raw(kv).startswith(_COUNTER)
 
 
+def _number(kv: dict[str, Any] | None) -> int:
+    """What `add` adds to: 0 for an absent key."""
+    return 0 if kv is None else int(_decoded(kv))
+
+
+def _version(kv: dict[str, Any] | None) -> int:
+    """Puts since the key was created (an int64: a JSON string); 0 for an absent key."""
+    return 0 if kv is None else int(kv.get("version", 0))
+
+
 def _count(kv: dict[str, Any]) -> int:
-    """A counter's count: its version (an int64: a JSON string) plus the marker's offset."""
-    return int(kv.get("version", 0)) + int(_raw(kv)[len(_COUNTER) :])
+    """A counter's count: its version plus the marker's offset."""
+    return _version(kv) + int(_raw(kv)[len(_COUNTER) :])
 
 
 def _decoded(kv: dict[str, Any]) -> bytes:
@@ -385,13 +379,6 @@ def _first_kv(reply: dict[str, Any]) -> dict[str, Any] | None:
     responses = reply.get("responses") or [{}]
     kvs = responses[0].get("response_range", {}).get("kvs")
     return kvs[0] if kvs else None
-
-
-def _prev_kv(reply: dict[str, Any]) -> dict[str, Any]:
-    """A counter's key after the reply's put of its marker: the previous kv, one version on."""
-    kv = dict(reply["responses"][0]["response_put"]["prev_kv"])
-    kv["version"] = int(kv.get("version", 0)) + 1
-    return kv
 
 
 def _watch_on(
@@ -446,23 +433,17 @@ def _watch_events(
         for line in filter(None, (raw.strip() for raw in lines)):
             message = json.loads(line)
             result = message.get("result")
-            if result is None:  # {"error": ...}: the member lost its leader, or is stopping
-                _raise_stream_error(message.get("error") or {})
+            if result is None:  # {"error": ...}: no leader (503: "not now", as `_call` takes
+                error = message.get("error") or {}  # it), or a member that is stopping
+                if int(error.get("http_code", 0)) in _BUSY:
+                    raise ConnectionTimeoutError(str(error), str(error.get("message")))
+                raise ConnectionFailedError()
             if result.get("canceled"):  # `start` compacted away: read again, watch from now
                 return True
             for event in result.get("events", []):
                 if event.get("type", "PUT") == "PUT":  # the gateway leaves out PUT (0)
                     pending.discard(base64.b64decode(event["kv"]["key"]))
     return True
-
-
-def _raise_stream_error(error: dict[str, Any]) -> None:
-    """As `_call` takes it: "not now" (no leader: 503) tries the next member without a log line,
-    anything else is a member that does not answer."""
-    if int(error.get("http_code", 0)) in _BUSY:
-        text = str(error.get("message", "busy"))
-        raise ConnectionTimeoutError(text, text)
-    raise ConnectionFailedError()
 
 
 def _typed(exc: Etcd3Exception, member: str) -> DistStoreError:
