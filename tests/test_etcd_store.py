@@ -201,6 +201,35 @@ def test_add_is_atomic(stores: tuple[Any, Any]) -> None:
     assert store.add("n", 0) == 40 and store.get("n") == b"40"
 
 
+class CountingEtcdStore(EtcdStore):
+    """Counts its transactions (each is one request while the members answer)."""
+
+    txns = 0
+
+    def _txn(self, *args: Any) -> dict[str, Any]:
+        self.txns += 1
+        return super()._txn(*args)
+
+
+def test_arrivals_at_once_cost_each_a_few_requests_not_one_per_rival(etcd_cluster: Any) -> None:
+    stores = [CountingEtcdStore(endpoints(etcd_cluster), "job", SHORT) for _ in range(12)]
+    start = threading.Barrier(len(stores))
+    counts: list[int] = []
+
+    def arrive(store: EtcdStore) -> None:
+        start.wait(10)
+        counts.append(store.add("arrivals", 1))
+
+    threads = [threading.Thread(target=arrive, args=(s,)) for s in stores]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert sorted(counts) == list(range(1, len(stores) + 1))
+    # The first put of the marker (absent), its creation (lost, but for one), the put again.
+    assert max(s.txns for s in stores) <= 3, [s.txns for s in stores]
+
+
 def test_counters_mix_with_every_other_operation(store: Any) -> None:
     """etcd keeps a counter as a marker whose count is the key's version: no reader may see
     it, and a counter that `set`, `compare_set` or `append` rewrote counts on from there."""

@@ -111,9 +111,16 @@ class EtcdStore(Store):
 
     def add(self, key: str, amount: int) -> int:
         full = self._key(key)
-        if amount == 1:  # the arrival counter: one put that no other increment can undo
-            marker = self._markers.get(full, _marker(0))
-            while True:
+        kv = None if amount == 1 else _first_kv(self._txn([], [_range(full)], []))
+        marker = self._markers.get(full, _marker(0))
+
+        def recount(kv: dict[str, Any] | None) -> bytes | None:
+            if kv is not None and (amount == 0 or (amount == 1 and _is_counter(kv))):
+                return None  # a read (the barrier reads its counters so), or one put of `kv`'s
+            return _marker(_number(kv) + amount - _version(kv) - 1)  # a counter from now on
+
+        while True:
+            if amount == 1:  # the arrival counter: one put that no other increment can undo
                 reply = self._txn([_value_is(full, marker)], [_put(full, marker, prev_kv=True)],
                                   [_range(full)])  # fmt: skip
                 if reply.get("succeeded"):
@@ -121,22 +128,14 @@ class EtcdStore(Store):
                     # One put later than the kv it replaced: the same marker, one version on.
                     return _count(reply["responses"][0]["response_put"]["prev_kv"]) + 1
                 kv = _first_kv(reply)
-                if kv is None or not _is_counter(kv):
-                    break
-                marker = _raw(kv)  # a counter with another offset: put that one
-        else:
-            kv = _first_kv(self._txn([], [_range(full)], []))
-
-        def recount(kv: dict[str, Any] | None) -> bytes | None:
-            if amount == 0 and kv is not None:  # the barrier reads its counters so: a read
-                return None
-            return _marker(_number(kv) + amount - _version(kv) - 1)  # a counter from now on
-
-        kv = self._swap(full, recount, kv)
-        count = _number(kv) + amount
-        if amount:
-            self._markers[full] = _marker(count - _version(kv) - 1)
-        return count
+            kv = self._swap(full, recount, kv)
+            if amount == 1 and kv is not None and _is_counter(kv):
+                marker = _raw(kv)  # another node made it a counter, or another offset: put it
+                continue
+            count = _number(kv) + amount
+            if amount:
+                self._markers[full] = _marker(count - _version(kv) - 1)
+            return count
 
     def append(self, key: str, value: str | bytes) -> None:
         full = self._key(key)
