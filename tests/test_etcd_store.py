@@ -189,6 +189,25 @@ def test_a_member_lost_mid_watch_hands_the_watch_to_the_next(
     assert len(lines) == 1 and "does not answer" in lines[0], lines
 
 
+def test_a_wait_longer_than_the_store_timeout_survives_a_member_lost_late(
+    etcd_cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's timeout (1 s) is how long no member may answer, not how long a watch may
+    last: a member lost 1.5 s into a 10 s wait hands the watch on."""
+    lost = follower(etcd_cluster)
+    addresses = endpoints(etcd_cluster)
+    others = [a for i, a in enumerate(addresses) if i != lost]
+    store = EtcdStore([addresses[lost], *others], "job", SHORT)
+    counted = Requests(monkeypatch)
+    thread, out = counted.run(lambda: store.wait(["late"], datetime.timedelta(seconds=10)))
+    assert counted.watching.wait(10)
+    thread.join(1.5)  # past the store's timeout, on purpose
+    etcd_cluster.kill(lost)
+    EtcdStore(others, "job", SHORT).set("late", "x")
+    thread.join(10)
+    assert "at" in out, "the wait raised"
+
+
 def test_add_is_atomic(stores: tuple[Any, Any]) -> None:
     store = stores[0]
     assert store.add("n", 0) == 0

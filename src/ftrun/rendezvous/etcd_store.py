@@ -232,7 +232,12 @@ class EtcdStore(Store):
         pending = {self._key(k).encode() for k in keys}
         create = {"key": _b64(min(pending)), "range_end": _b64(max(pending) + b"\0"),
                   "start_revision": start}  # fmt: skip
-        return self._call(lambda member: _watch_on(member, create, pending, self._clock, deadline))
+        answered = [self._clock()]  # a watch answers as it goes: `_call`'s timeout runs from then
+
+        def request(member: Etcd3Client) -> bool:
+            return _watch_on(member, create, pending, (self._clock, answered), deadline)
+
+        return self._call(request, lambda: answered[0])
 
     def _swap(
         self,
@@ -259,14 +264,19 @@ class EtcdStore(Store):
         payload = {"compare": compare, "success": success, "failure": failure}
         return dict(self._call(lambda c: c.transaction(payload)))
 
-    def _call(self, request: Callable[[Etcd3Client], T]) -> T:
+    def _call(
+        self, request: Callable[[Etcd3Client], T], answered: Callable[[], float] | None = None
+    ) -> T:
         """`request` on the current member, else on the next ones, until one answers or none
-        has for the store's timeout (each request is cut to the time left)."""
+        has for the store's timeout (each request is cut to the time left); `answered`: when
+        a long request (a watch) last heard from its member, the timeout running from there."""
         deadline = self._clock() + self.timeout.total_seconds()
         pause = _POLL_S[0]
         while True:
             first = self._current
             for step in range(len(self._members)):
+                if answered is not None:
+                    deadline = max(deadline, answered() + self.timeout.total_seconds())
                 left = deadline - self._clock()
                 if left <= 0:
                     break
@@ -384,12 +394,14 @@ def _watch_on(
     member: Etcd3Client,
     create: dict[str, Any],
     pending: set[bytes],
-    clock: Callable[[], float],
+    clocks: tuple[Callable[[], float], list[float]],
     deadline: float,
 ) -> bool:
     """One watch on one member (etcd's `/v3/watch`, a stream of JSON lines), read in this
     thread and closed before returning: True once every key of `pending` has been put, False
-    at `deadline`. A member that fails raises as etcd3gw would, for `_call` to go on."""
+    at `deadline`. A member that fails raises as etcd3gw would, for `_call` to go on; each
+    message from it is written down in `clocks[1]` (`clocks[0]`: the store's clock)."""
+    clock = clocks[0]
     left = min(member.timeout, deadline - clock())  # `_call` cut it to the time it has left
     if left <= 0:
         return False
@@ -407,12 +419,16 @@ def _watch_on(
         if answer.status_code != 200:
             exc = ConnectionTimeoutError if answer.status_code in _BUSY else Etcd3Exception
             raise exc(answer.text, answer.reason)
-        return _watch_events(answer, pending, clock, deadline)
+        return _watch_events(answer, pending, clocks, deadline)
 
 
 def _watch_events(
-    answer: requests.Response, pending: set[bytes], clock: Callable[[], float], deadline: float
+    answer: requests.Response,
+    pending: set[bytes],
+    clocks: tuple[Callable[[], float], list[float]],
+    deadline: float,
 ) -> bool:
+    clock, answered = clocks
     buffer = b""
     chunks = answer.iter_content(chunk_size=None)
     while pending:
@@ -427,7 +443,9 @@ def _watch_events(
         except (requests.RequestException, StopIteration):
             if clock() >= deadline:
                 return False
+            answered[0] = clock()  # it held the watch until now: the next member's time from here
             raise ConnectionFailedError() from None  # the member went away mid-watch
+        answered[0] = clock()
         *lines, buffer = buffer.split(b"\n")
         for line in filter(None, (raw.strip() for raw in lines)):
             message = json.loads(line)
