@@ -12,7 +12,7 @@ that nothing above `rendezvous/store.py` knows which backend it has:
   (or its value), retried when another writer got there first;
 - `compare_set` of an absent key with `expected == b""` creates it (TCPStore's rule).
 
-A key that `add` counts holds a marker (`_COUNTER` and an offset), its count being the key's
+A key that `add` counts holds a marker (`wire.COUNTER` and an offset), its count being the key's
 etcd `version` plus the offset: every put bumps the version, so `add(key, 1)` is one put of the
 same marker under a compare on the value, which no other increment changes (N nodes arriving
 at once: N requests, not a compare-and-swap's O(N^2)). Every read turns the marker into the count.
@@ -26,17 +26,17 @@ from __future__ import annotations
 
 import base64
 import datetime
-import json
 import logging
 import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import requests
 from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
 from torch.distributed import DistStoreError, Store
+
+from ftrun.rendezvous import etcd_wire as wire
 
 log = logging.getLogger("ftrun.rendezvous")
 
@@ -46,10 +46,6 @@ MAX_TXN_OPS = 128
 """etcd's default `--max-txn-ops`: a transaction with more operations is refused."""
 _POLL_S = (0.005, 0.2)
 """First and longest pause between two tries of a compare-and-swap that lost a race."""
-_COUNTER = b"\x00ftrun-count-is-version+"
-"""A counter key's value is this and an offset: its count is the key's version + the offset."""
-_BUSY = (408, 503, 504)
-"""HTTP answers of a member saying "not now" (etcd3gw maps them to `_UNREACHABLE`)."""
 _UNREACHABLE = (ConnectionFailedError, ConnectionTimeoutError)
 """No answer (etcd3gw raises them without args), or an answer saying "not now": 503 while the
 members elect a leader, 408/504 (with the HTTP reason as their argument)."""
@@ -58,16 +54,6 @@ T = TypeVar("T")
 
 class EtcdAuthError(DistStoreError):
     """etcd refused the request (authentication or permission)."""
-
-
-def _b64(data: str | bytes) -> str:
-    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
-
-
-def _bytes(value: str | bytes | int) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    return str(value).encode()
 
 
 class EtcdStore(Store):
@@ -95,7 +81,7 @@ class EtcdStore(Store):
     # ---- the Store interface ------------------------------------------------------------------
 
     def set(self, key: str, value: str | bytes) -> None:
-        self._call(lambda c: c.put(self._key(key), _bytes(value)))
+        self._call(lambda c: c.put(self._key(key), wire.as_bytes(value)))
 
     def get(self, key: str) -> bytes:
         return self.multi_get([key])[0]
@@ -111,52 +97,56 @@ class EtcdStore(Store):
 
     def add(self, key: str, amount: int) -> int:
         full = self._key(key)
-        kv = None if amount == 1 else _first_kv(self._txn([], [_range(full)], []))
-        marker = self._markers.get(full, _marker(0))
+        kv = None if amount == 1 else wire.first_kv(self._txn([], [wire.range_op(full)], []))
+        marker = self._markers.get(full, wire.marker(0))
 
         def recount(kv: dict[str, Any] | None) -> bytes | None:
-            if kv is not None and (amount == 0 or (amount == 1 and _is_counter(kv))):
+            if kv is not None and (amount == 0 or (amount == 1 and wire.is_counter(kv))):
                 return None  # a read (the barrier reads its counters so), or one put of `kv`'s
-            return _marker(_number(kv) + amount - _version(kv) - 1)  # a counter from now on
+            return wire.marker(wire.number(kv) + amount - wire.version(kv) - 1)  # a counter now
 
         while True:
             if amount == 1:  # the arrival counter: one put that no other increment can undo
-                reply = self._txn([_value_is(full, marker)], [_put(full, marker, prev_kv=True)],
-                                  [_range(full)])  # fmt: skip
+                once = wire.put_op(full, marker, prev_kv=True)
+                reply = self._txn([wire.value_is(full, marker)], [once], [wire.range_op(full)])
                 if reply.get("succeeded"):
                     self._markers[full] = marker
                     # One put later than the kv it replaced: the same marker, one version on.
-                    return _count(reply["responses"][0]["response_put"]["prev_kv"]) + 1
-                kv = _first_kv(reply)
+                    return wire.count(reply["responses"][0]["response_put"]["prev_kv"]) + 1
+                kv = wire.first_kv(reply)
             kv = self._swap(full, recount, kv)
-            if amount == 1 and kv is not None and _is_counter(kv):
-                marker = _raw(kv)  # another node made it a counter, or another offset: put it
+            if amount == 1 and kv is not None and wire.is_counter(kv):
+                marker = wire.raw(kv)  # another node made it a counter, or another offset: put it
                 continue
-            count = _number(kv) + amount
+            count = wire.number(kv) + amount
             if amount:
-                self._markers[full] = _marker(count - _version(kv) - 1)
+                self._markers[full] = wire.marker(count - wire.version(kv) - 1)
             return count
 
     def append(self, key: str, value: str | bytes) -> None:
         full = self._key(key)
-        kv = _first_kv(self._txn([], [_range(full)], []))
-        self._swap(full, lambda kv: (b"" if kv is None else _decoded(kv)) + _bytes(value), kv)
+        kv = wire.first_kv(self._txn([], [wire.range_op(full)], []))
+        self._swap(
+            full, lambda kv: (b"" if kv is None else wire.decoded(kv)) + wire.as_bytes(value), kv
+        )
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        expected, desired = _bytes(expected), _bytes(desired)
+        expected, desired = wire.as_bytes(expected), wire.as_bytes(desired)
         full = self._key(key)
-        compare = _value_is(full, expected) if expected else _absent(full)
-        reply = self._txn([compare], [_put(full, desired)], [_range(full)])
+        compare = wire.value_is(full, expected) if expected else wire.absent(full)
+        reply = self._txn([compare], [wire.put_op(full, desired)], [wire.range_op(full)])
         while not reply.get("succeeded"):
-            kv = _first_kv(reply)
+            kv = wire.first_kv(reply)
             if kv is None:
                 return expected  # absent, expected set: TCPStore's
-            current = _decoded(kv)
-            if not expected or current != expected or not _is_counter(kv):
+            current = wire.decoded(kv)
+            if not expected or current != expected or not wire.is_counter(kv):
                 return current
             # A counter whose count is `expected`: its value is the marker, so compare the
             # revision the count was read at instead.
-            reply = self._txn([_mod_is(full, kv)], [_put(full, desired)], [_range(full)])
+            reply = self._txn(
+                [wire.mod_is(full, kv)], [wire.put_op(full, desired)], [wire.range_op(full)]
+            )
         return desired
 
     def delete_key(self, key: str) -> bool:
@@ -182,24 +172,24 @@ class EtcdStore(Store):
         found: list[bytes | None] = []
         revision = 0
         for start in range(0, len(keys), MAX_TXN_OPS):
-            reads = [_range(self._key(k)) for k in keys[start : start + MAX_TXN_OPS]]
+            reads = [wire.range_op(self._key(k)) for k in keys[start : start + MAX_TXN_OPS]]
             reply = self._txn([], reads, [])
-            found += [_value_of(response) for response in reply.get("responses", [])]
-            revision = min(revision or _revision(reply), _revision(reply))
+            found += [wire.value_of(response) for response in reply.get("responses", [])]
+            revision = min(revision or wire.revision(reply), wire.revision(reply))
         return found, revision
 
     def _read_span(self, keys: list[str], values: bool) -> tuple[list[bytes | None], int] | None:
         """Many keys in one range read, from the lowest to just past the highest; None when the
         range holds more than as many other keys (then: transactions of `MAX_TXN_OPS` reads)."""
         full = [self._key(k).encode() for k in keys]
-        read = {"key": _b64(min(full)), "range_end": _b64(max(full) + b"\0"),
+        read = {"key": wire.b64(min(full)), "range_end": wire.b64(max(full) + b"\0"),
                 "limit": 2 * len(keys), "keys_only": not values}  # fmt: skip
         reply = self._txn([], [{"request_range": read}], [])
         answer = (reply.get("responses") or [{}])[0].get("response_range", {})
         if answer.get("more"):
             return None
         kvs = {base64.b64decode(kv["key"]): kv for kv in answer.get("kvs", [])}
-        return [_decoded(kvs[k]) if k in kvs else None for k in full], _revision(reply)
+        return [wire.decoded(kvs[k]) if k in kvs else None for k in full], wire.revision(reply)
 
     def _until(
         self, keys: list[str], timeout: datetime.timedelta | None = None
@@ -230,12 +220,12 @@ class EtcdStore(Store):
         one watch on the range from the lowest key to just past the highest, through `_call`'s
         failover (a member lost mid-watch: the next one, from `start` again)."""
         pending = {self._key(k).encode() for k in keys}
-        create = {"key": _b64(min(pending)), "range_end": _b64(max(pending) + b"\0"),
+        create = {"key": wire.b64(min(pending)), "range_end": wire.b64(max(pending) + b"\0"),
                   "start_revision": start}  # fmt: skip
         answered = [self._clock()]  # a watch answers as it goes: `_call`'s timeout runs from then
 
         def request(member: Etcd3Client) -> bool:
-            return _watch_on(member, create, pending, (self._clock, answered), deadline)
+            return wire.watch_on(member, create, pending, (self._clock, answered), deadline)
 
         return self._call(request, lambda: answered[0])
 
@@ -250,12 +240,12 @@ class EtcdStore(Store):
         it first. Returns the key as it was when replaced."""
         pause = _POLL_S[0]
         while (new := update(kv)) is not None:
-            compare = _mod_is(full, kv) if kv is not None else _absent(full)
+            compare = wire.mod_is(full, kv) if kv is not None else wire.absent(full)
             # On a lost race the failure branch returns the key as it is now: no second read.
-            reply = self._txn([compare], [_put(full, new)], [_range(full)])
+            reply = self._txn([compare], [wire.put_op(full, new)], [wire.range_op(full)])
             if reply.get("succeeded"):
                 break
-            kv = _first_kv(reply)
+            kv = wire.first_kv(reply)
             time.sleep(random.uniform(0, pause))  # many nodes arriving at once: spread them
             pause = min(pause * 2, _POLL_S[1])
         return kv
@@ -313,154 +303,6 @@ class EtcdStore(Store):
         if index in self._down:
             self._down.discard(index)
             log.info("etcd member %s answers again", self._names[index])
-
-
-def _put(key: str, value: bytes, prev_kv: bool = False) -> dict[str, Any]:
-    put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
-    if prev_kv:  # the key as it was: a counter's count is its version after this put
-        put["prev_kv"] = True
-    return {"request_put": put}
-
-
-def _range(key: str) -> dict[str, Any]:
-    return {"request_range": {"key": _b64(key)}}
-
-
-def _value_is(key: str, value: bytes) -> dict[str, Any]:
-    return {"key": _b64(key), "target": "VALUE", "result": "EQUAL", "value": _b64(value)}
-
-
-def _mod_is(key: str, kv: dict[str, Any]) -> dict[str, Any]:
-    """The key is as `kv` found it: its mod revision has not moved."""
-    return {"key": _b64(key), "target": "MOD", "result": "EQUAL",
-            "mod_revision": int(kv.get("mod_revision", 0))}  # fmt: skip
-
-
-def _absent(key: str) -> dict[str, Any]:
-    return {"key": _b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}
-
-
-def _marker(offset: int) -> bytes:
-    return _COUNTER + str(offset).encode()
-
-
-def _raw(kv: dict[str, Any]) -> bytes:
-    """The value as stored (the JSON gateway leaves out an empty one)."""
-    return base64.b64decode(kv.get("value", ""))
-
-
-def _is_counter(kv: dict[str, Any]) -> bool:
-    return _raw(kv).startswith(_COUNTER)
-
-
-def _number(kv: dict[str, Any] | None) -> int:
-    """What `add` adds to: 0 for an absent key."""
-    return 0 if kv is None else int(_decoded(kv))
-
-
-def _version(kv: dict[str, Any] | None) -> int:
-    """Puts since the key was created (an int64: a JSON string); 0 for an absent key."""
-    return 0 if kv is None else int(kv.get("version", 0))
-
-
-def _count(kv: dict[str, Any]) -> int:
-    """A counter's count: its version plus the marker's offset."""
-    return _version(kv) + int(_raw(kv)[len(_COUNTER) :])
-
-
-def _decoded(kv: dict[str, Any]) -> bytes:
-    """The value a reader sees: a counter's count, as TCPStore keeps it, else the value."""
-    return str(_count(kv)).encode() if _is_counter(kv) else _raw(kv)
-
-
-def _value_of(response: dict[str, Any]) -> bytes | None:
-    kvs = response.get("response_range", {}).get("kvs")
-    return _decoded(kvs[0]) if kvs else None
-
-
-def _revision(reply: dict[str, Any]) -> int:
-    """The store's revision when it answered (an int64: a JSON string)."""
-    return int(reply.get("header", {}).get("revision", 0))
-
-
-def _first_kv(reply: dict[str, Any]) -> dict[str, Any] | None:
-    """The key in the reply's first range response (None: absent)."""
-    responses = reply.get("responses") or [{}]
-    kvs = responses[0].get("response_range", {}).get("kvs")
-    return kvs[0] if kvs else None
-
-
-def _watch_on(
-    member: Etcd3Client,
-    create: dict[str, Any],
-    pending: set[bytes],
-    clocks: tuple[Callable[[], float], list[float]],
-    deadline: float,
-) -> bool:
-    """One watch on one member (etcd's `/v3/watch`, a stream of JSON lines), read in this
-    thread and closed before returning: True once every key of `pending` has been put, False
-    at `deadline`. A member that fails raises as etcd3gw would, for `_call` to go on; each
-    message from it is written down in `clocks[1]` (`clocks[0]`: the store's clock)."""
-    clock = clocks[0]
-    left = min(member.timeout, deadline - clock())  # `_call` cut it to the time it has left
-    if left <= 0:
-        return False
-    try:
-        # "hasleader": a member cut off from the leader ends the watch instead of staying mute.
-        answer = member.session.post(
-            member.get_url("/watch"), json={"create_request": create}, stream=True,
-            timeout=(left, left), headers={"Grpc-Metadata-hasleader": "true"},
-        )  # fmt: skip
-    except requests.Timeout:
-        raise ConnectionTimeoutError() from None
-    except requests.ConnectionError:
-        raise ConnectionFailedError() from None
-    with answer:
-        if answer.status_code != 200:
-            exc = ConnectionTimeoutError if answer.status_code in _BUSY else Etcd3Exception
-            raise exc(answer.text, answer.reason)
-        return _watch_events(answer, pending, clocks, deadline)
-
-
-def _watch_events(
-    answer: requests.Response,
-    pending: set[bytes],
-    clocks: tuple[Callable[[], float], list[float]],
-    deadline: float,
-) -> bool:
-    clock, answered = clocks
-    buffer = b""
-    chunks = answer.iter_content(chunk_size=None)
-    while pending:
-        left = deadline - clock()
-        if left <= 0:
-            return False
-        sock = getattr(answer.raw.connection, "sock", None)
-        if sock is not None:  # each read waits for the time left, not the time at the start
-            sock.settimeout(left)
-        try:
-            buffer += next(chunks)
-        except (requests.RequestException, StopIteration):
-            if clock() >= deadline:
-                return False
-            answered[0] = clock()  # it held the watch until now: the next member's time from here
-            raise ConnectionFailedError() from None  # the member went away mid-watch
-        answered[0] = clock()
-        *lines, buffer = buffer.split(b"\n")
-        for line in filter(None, (raw.strip() for raw in lines)):
-            message = json.loads(line)
-            result = message.get("result")
-            if result is None:  # {"error": ...}: no leader (503: "not now", as `_call` takes
-                error = message.get("error") or {}  # it), or a member that is stopping
-                if int(error.get("http_code", 0)) in _BUSY:
-                    raise ConnectionTimeoutError(str(error), str(error.get("message")))
-                raise ConnectionFailedError()
-            if result.get("canceled"):  # `start` compacted away: read again, watch from now
-                return True
-            for event in result.get("events", []):
-                if event.get("type", "PUT") == "PUT":  # the gateway leaves out PUT (0)
-                    pending.discard(base64.b64decode(event["kv"]["key"]))
-    return True
 
 
 def _typed(exc: Etcd3Exception, member: str) -> DistStoreError:

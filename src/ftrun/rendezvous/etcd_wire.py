@@ -1,0 +1,181 @@
+"""etcd's v3 JSON gateway as `EtcdStore` speaks it: request bodies, reading keys back, the
+counter marker, and the watch stream (a streamed POST to `/v3/watch`, read in the caller's
+thread: etcd3gw's own watcher runs a thread and cannot be bounded by a deadline).
+
+The gateway sends int64 values as JSON strings, leaves out zero and false fields, and base64s
+keys and values.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Callable
+from typing import Any
+
+import requests
+from etcd3gw.client import Etcd3Client
+from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
+
+COUNTER = b"\x00ftrun-count-is-version+"
+"""A counter key's value is this and an offset: its count is the key's version + the offset."""
+BUSY = (408, 503, 504)
+"""HTTP answers of a member saying "not now" (etcd3gw maps them to `_UNREACHABLE`)."""
+
+
+def b64(data: str | bytes) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def as_bytes(value: str | bytes | int) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    return str(value).encode()
+
+
+def put_op(key: str, value: bytes, prev_kv: bool = False) -> dict[str, Any]:
+    put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+    if prev_kv:  # the key as it was: a counter's count is its version after this put
+        put["prev_kv"] = True
+    return {"request_put": put}
+
+
+def range_op(key: str) -> dict[str, Any]:
+    return {"request_range": {"key": b64(key)}}
+
+
+def value_is(key: str, value: bytes) -> dict[str, Any]:
+    return {"key": b64(key), "target": "VALUE", "result": "EQUAL", "value": b64(value)}
+
+
+def mod_is(key: str, kv: dict[str, Any]) -> dict[str, Any]:
+    """The key is as `kv` found it: its mod revision has not moved."""
+    return {"key": b64(key), "target": "MOD", "result": "EQUAL",
+            "mod_revision": int(kv.get("mod_revision", 0))}  # fmt: skip
+
+
+def absent(key: str) -> dict[str, Any]:
+    return {"key": b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": 0}
+
+
+def marker(offset: int) -> bytes:
+    return COUNTER + str(offset).encode()
+
+
+def raw(kv: dict[str, Any]) -> bytes:
+    """The value as stored (the JSON gateway leaves out an empty one)."""
+    return base64.b64decode(kv.get("value", ""))
+
+
+def is_counter(kv: dict[str, Any]) -> bool:
+    return raw(kv).startswith(COUNTER)
+
+
+def number(kv: dict[str, Any] | None) -> int:
+    """What `add` adds to: 0 for an absent key."""
+    return 0 if kv is None else int(decoded(kv))
+
+
+def version(kv: dict[str, Any] | None) -> int:
+    """Puts since the key was created (an int64: a JSON string); 0 for an absent key."""
+    return 0 if kv is None else int(kv.get("version", 0))
+
+
+def count(kv: dict[str, Any]) -> int:
+    """A counter's count: its version plus the marker's offset."""
+    return version(kv) + int(raw(kv)[len(COUNTER) :])
+
+
+def decoded(kv: dict[str, Any]) -> bytes:
+    """The value a reader sees: a counter's count, as TCPStore keeps it, else the value."""
+    return str(count(kv)).encode() if is_counter(kv) else raw(kv)
+
+
+def value_of(response: dict[str, Any]) -> bytes | None:
+    kvs = response.get("response_range", {}).get("kvs")
+    return decoded(kvs[0]) if kvs else None
+
+
+def revision(reply: dict[str, Any]) -> int:
+    """The store's revision when it answered (an int64: a JSON string)."""
+    return int(reply.get("header", {}).get("revision", 0))
+
+
+def first_kv(reply: dict[str, Any]) -> dict[str, Any] | None:
+    """The key in the reply's first range response (None: absent)."""
+    responses = reply.get("responses") or [{}]
+    kvs = responses[0].get("response_range", {}).get("kvs")
+    return kvs[0] if kvs else None
+
+
+def watch_on(
+    member: Etcd3Client,
+    create: dict[str, Any],
+    pending: set[bytes],
+    clocks: tuple[Callable[[], float], list[float]],
+    deadline: float,
+) -> bool:
+    """One watch on one member (etcd's `/v3/watch`, a stream of JSON lines), read in this
+    thread and closed before returning: True once every key of `pending` has been put, False
+    at `deadline`. A member that fails raises as etcd3gw would, for `_call` to go on; each
+    message from it is written down in `clocks[1]` (`clocks[0]`: the store's clock)."""
+    clock = clocks[0]
+    left = min(member.timeout, deadline - clock())  # `_call` cut it to the time it has left
+    if left <= 0:
+        return False
+    try:
+        # "hasleader": a member cut off from the leader ends the watch instead of staying mute.
+        answer = member.session.post(
+            member.get_url("/watch"), json={"create_request": create}, stream=True,
+            timeout=(left, left), headers={"Grpc-Metadata-hasleader": "true"},
+        )  # fmt: skip
+    except requests.Timeout:
+        raise ConnectionTimeoutError() from None
+    except requests.ConnectionError:
+        raise ConnectionFailedError() from None
+    with answer:
+        if answer.status_code != 200:
+            exc = ConnectionTimeoutError if answer.status_code in BUSY else Etcd3Exception
+            raise exc(answer.text, answer.reason)
+        return watch_events(answer, pending, clocks, deadline)
+
+
+def watch_events(
+    answer: requests.Response,
+    pending: set[bytes],
+    clocks: tuple[Callable[[], float], list[float]],
+    deadline: float,
+) -> bool:
+    clock, answered = clocks
+    buffer = b""
+    chunks = answer.iter_content(chunk_size=None)
+    while pending:
+        left = deadline - clock()
+        if left <= 0:
+            return False
+        sock = getattr(answer.raw.connection, "sock", None)
+        if sock is not None:  # each read waits for the time left, not the time at the start
+            sock.settimeout(left)
+        try:
+            buffer += next(chunks)
+        except (requests.RequestException, StopIteration):
+            if clock() >= deadline:
+                return False
+            answered[0] = clock()  # it held the watch until now: the next member's time from here
+            raise ConnectionFailedError() from None  # the member went away mid-watch
+        answered[0] = clock()
+        *lines, buffer = buffer.split(b"\n")
+        for line in filter(None, (raw.strip() for raw in lines)):
+            message = json.loads(line)
+            result = message.get("result")
+            if result is None:  # {"error": ...}: no leader (503: "not now", as `_call` takes
+                error = message.get("error") or {}  # it), or a member that is stopping
+                if int(error.get("http_code", 0)) in BUSY:
+                    raise ConnectionTimeoutError(str(error), str(error.get("message")))
+                raise ConnectionFailedError()
+            if result.get("canceled"):  # `start` compacted away: read again, watch from now
+                return True
+            for event in result.get("events", []):
+                if event.get("type", "PUT") == "PUT":  # the gateway leaves out PUT (0)
+                    pending.discard(base64.b64decode(event["kv"]["key"]))
+    return True
