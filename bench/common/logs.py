@@ -56,22 +56,23 @@ def user_fault(out: Path) -> StepLine | None:
     return min(faults, key=lambda r: r.ts, default=None)
 
 
-def user_pids(out: Path, until: float | None = None) -> set[int]:
+def user_pids(out: Path, until: float | None = None, world: int = WORLD) -> set[int]:
     """Processes that logged a line (at or before `until`)."""
     return {
         r.pid
-        for rank in range(WORLD)
+        for rank in range(world)
         for r in read_steps(out, rank)
         if until is None or r.ts <= until
     }
 
 
 def user_all_stepping(
-    out: Path, since: float = 0.0, old_pids: frozenset[int] = frozenset()
+    out: Path, since: float = 0.0, old_pids: frozenset[int] = frozenset(), world: int = WORLD
 ) -> float | None:
-    """When the last rank finished its first step after `since` in a process not in `old_pids`."""
+    """When the last of `world` ranks finished its first step after `since` in a process not in
+    `old_pids`."""
     times = []
-    for rank in range(WORLD):
+    for rank in range(world):
         first = next(
             (
                 r.ts
