@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 import threading
+import time
 from collections.abc import Mapping
 
 from torch.distributed import Store, TCPStore
@@ -23,6 +25,7 @@ OWNER_KEY = "owner"
 # Store errors (timeouts, lost connections) surface as these; DistStoreError is a RuntimeError.
 STORE_ERRORS = (RuntimeError, TimeoutError, ValueError)
 _HANDSHAKE_SLACK_S = 1.0
+_LISTEN_POLL_S = 0.05
 
 
 def connect_store(
@@ -68,7 +71,10 @@ def _connect_external(
     restart of that process: see `reconnecting`."""
 
     def connect(seconds: float) -> Store:
-        return _open_store(host, port, False, datetime.timedelta(seconds=seconds))
+        deadline = time.monotonic() + seconds
+        _await_listening(host, port, deadline)
+        left = max(deadline - time.monotonic(), _HANDSHAKE_SLACK_S)
+        return _open_store(host, port, False, datetime.timedelta(seconds=left))
 
     try:
         client = connect(timeout.total_seconds())
@@ -79,6 +85,17 @@ def _connect_external(
         ) from None
     log.info("the rendezvous store is at %s:%d, served by ftrun store", host, port)
     return ReconnectingStore(client, connect, window, f"{host}:{port}")
+
+
+def _await_listening(host: str, port: int, deadline: float) -> None:
+    """Until something accepts connections at host:port, or `deadline`: TCPStore's own connect
+    retry backs off to seconds between tries, this looks every `_LISTEN_POLL_S`."""
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=_LISTEN_POLL_S * 10):
+                return
+        except OSError:
+            time.sleep(_LISTEN_POLL_S)
 
 
 def connect_etcd(
