@@ -33,6 +33,8 @@ ON_BACKEND = {
     "store": "c10d served by `ftrun store`, one per pass; no node hosts the store, and the "
     "launchers reconnect (--ft-store-reconnect-timeout=30)",
 }
+FLAG = {"store": "c10d"}
+"""The launchers' --rdzv-backend where it is not the backend's name."""
 BAD = {"failed", "error"}
 BACKENDS = ("c10d", "etcd", "store")
 BACKEND_ENV = "FTRUN_FAULTS_BACKEND"
@@ -110,7 +112,7 @@ def render(
         cases.setdefault(record["case"], []).append(record)
     where = ON_BACKEND.get(backend, backend)
     lines = [
-        f"Rendezvous backend: {backend} (`--rdzv-backend={backend}`, {where}).",
+        f"Rendezvous backend: {backend} (`--rdzv-backend={FLAG.get(backend, backend)}`, {where}).",
         "",
         "| case | outcome | median time (s) | median to stepping again (s) | flakes |",
         "|---|---|---|---|---|",
