@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from ftrun.agent.state import AgentState
 from ftrun.errors import ExitCode
 from ftrun.rendezvous.control import FailureRecord, Shutdown, job_control
 from ftrun.rendezvous.reconnecting import ReconnectingStore, StoreRestartedError
+from ftrun.rendezvous.store import _await_listening
+from launch import free_port
 from support import wait_for
 
 
@@ -130,6 +133,21 @@ def test_no_store_within_the_window_is_the_lost_connection() -> None:
     with pytest.raises(DistNetworkError) as raised:
         store.get("k")
     assert not isinstance(raised.value, StoreRestartedError)
+    server.down = False  # too late: the agent is leaving, its goodbyes must not wait again
+    connects = len(server.clients)
+    with pytest.raises(DistNetworkError):
+        store.set("gone", "n0")
+    assert len(server.clients) == connects
+
+
+def test_a_signal_ends_the_wait_for_the_store_at_once() -> None:
+    port = free_port()  # nothing listens there
+    signalled = threading.Event()
+    threading.Timer(0.2, signalled.set).start()
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="signal"):
+        _await_listening("127.0.0.1", port, started + 30, signalled.is_set)
+    assert time.monotonic() - started < 5
 
 
 def test_agents_write_back_one_fresh_cycle_their_failures_history_and_shutdown() -> None:

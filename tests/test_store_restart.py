@@ -5,6 +5,7 @@ come through a restart of that process, and losing any training node leaves the 
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ from test_spares import SPARE, lose, rounds, standby_nodes, wait_all
 pytestmark = pytest.mark.process
 
 LIVE = ["--ft-metrics-port=0", "--ft-status-port=0"]
+FAULT = Path(__file__).resolve().parent / "workers" / "fault_worker.py"
+LIGHT = ["--max-restarts=3", "--workers-stop-timeout=1", "--ft-prewarm-modules=ftrun.client_lib"]
 
 
 @pytest.fixture
@@ -53,3 +56,23 @@ def test_a_lost_node_and_a_restarted_store_leave_the_job_running(tmp_path, store
     assert (job.ckpt_dir / "FINISHED").exists()
     report = job.report()
     assert "the rendezvous store restarted empty" in report, report
+
+
+def test_a_store_that_does_not_come_back_ends_the_job_after_the_window(tmp_path, store_process):
+    job = start_job(
+        tmp_path, 2, [*LIGHT, "--ft-store-reconnect-timeout=3"], ["--steps", "100000"],
+        script=FAULT, endpoint=f"127.0.0.1:{store_process.port}",
+    )  # fmt: skip
+    wait_for(lambda: len(job.progress(0)) >= 3 and len(job.progress(1)) >= 3, 60, "training")
+    store_process.proc.kill()
+    store_process.proc.wait(10)
+    killed_at = time.time()
+
+    assert job.wait(60) == [1, 1]
+    exits = job.events("exit")
+    assert max(e["ts"] for e in exits) - killed_at < 3 + 15  # the window, then stop and leave
+    for node in job.nodes:
+        text = node.text()
+        assert text.count("lost the rendezvous store at") == 1, text[-3000:]
+        assert text.count("did not come back") == 1 and "Traceback" not in text, text[-3000:]
+    assert {e["node"] for e in job.events("store_lost")} == {e["node"] for e in exits}

@@ -42,7 +42,9 @@ def run_node(
     from ftrun.agent.runtime import open_runtime
 
     try:
-        with open_runtime(config, environ, signals.inbox, fork_server, subsystems) as runtime:
+        with open_runtime(
+            config, environ, signals.inbox, fork_server, subsystems, signals.received
+        ) as runtime:
             return NodeAgent(runtime, signals).run()
     except FtrunError as exc:
         log.error("%s", exc)

@@ -30,6 +30,10 @@ class SignalRecorder:
         self.last = signum
         self.inbox.put(SignalReceived(signum))
 
+    def received(self) -> bool:
+        """Whether any signal arrived (a wait for a restarting store gives up then)."""
+        return self.last is not None
+
     def install(self, signals: Iterable[signal.Signals]) -> SignalRecorder:
         for sig in signals:
             signal.signal(sig, self)

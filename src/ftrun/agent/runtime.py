@@ -117,10 +117,12 @@ def open_runtime(
     inbox: queue.SimpleQueue[object],
     fork_server: ForkServer | None = None,
     subsystems: Sequence[ServiceFactory] = (),
+    interrupted: Callable[[], bool] = lambda: False,
 ) -> Iterator[AgentRuntime]:
     """`fork_server`: the node's, if the CLI started it early (`prewarm.service.start_early`);
     the runtime owns it from here on and closes it. `subsystems`: the builder's service
-    factories, started in order after the node's own services they may use."""
+    factories, started in order after the node's own services they may use. `interrupted`:
+    whether the launcher got a signal (a wait for a restarting store gives up then)."""
     agent = config.agent
     host, node = config.this_node(environ)
     log_dir = agent.log_dir or Path(tempfile.mkdtemp(prefix="ftrun-logs-"))
@@ -134,7 +136,7 @@ def open_runtime(
         services = NodeServices()
         stack.callback(services.close)
         health = services.add(HealthService(config.health, events.emit))
-        store, is_store_host = _connect(config, health.first, environ)
+        store, is_store_host = _connect(config, health.first, environ, interrupted)
         peer = services.add(PeerService(store, config.rendezvous.run_id, host, node))
         observers: list[Callable[..., None]] = []
         monitors: list[MonitorService] = []  # the monitor starts after the subsystems
@@ -202,12 +204,15 @@ def _open_events(log_dir: Path, node: str) -> EventLog:
 
 
 def _connect(
-    config: LaunchConfig, first_health: object, environ: Mapping[str, str]
+    config: LaunchConfig,
+    first_health: object,
+    environ: Mapping[str, str],
+    interrupted: Callable[[], bool],
 ) -> tuple[Store, bool]:
     """Meet the store; a node that starts unhealthy never hosts it (it is about to leave)."""
     unhealthy = first_health if isinstance(first_health, NodeUnhealthyError) else None
     try:
-        return connect_store(config.rendezvous, unhealthy is None, environ)
+        return connect_store(config.rendezvous, unhealthy is None, environ, interrupted)
     except RendezvousFailedError as exc:
         if unhealthy is None:
             raise

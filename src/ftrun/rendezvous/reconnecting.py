@@ -9,8 +9,9 @@ it gone waits while one of them reconnects, for up to S seconds in all:
 - a store without it, or with another one, was restarted and has lost the job's keys: every
   call raises `StoreRestartedError` until the agent has written back what it knows
   (`rebuild`), and the agent then restarts the cycle in a fresh round;
-- no store within S seconds: the call raises the connection error, as a plain TCPStore does
-  (the agent ends with "store lost").
+- no store within S seconds (or the launcher got a signal meanwhile: preemption does not wait
+  for the store): the call raises the connection error, as a plain TCPStore does (the agent
+  ends with "store lost"), and so does every later call, at once.
 
 One lock orders the reconnects of the agent's threads: a thread that failed on a connection
 another thread has replaced since makes its call again on the new one.
@@ -66,6 +67,9 @@ class ReconnectingStore(Store):
         self._lock = threading.Lock()
         self._generation = 0
         self._restarted = False
+        self._gone: str | None = None
+        """Why the store did not come back: every later call fails at once (the agent is
+        leaving; its goodbyes must not each wait out the window again)."""
         self._rebuilder: int | None = None
         """The thread running `rebuild`: the only one whose calls go through meanwhile."""
         self._epoch = self._mark(client)
@@ -127,6 +131,8 @@ class ReconnectingStore(Store):
     def _do(self, call: Callable[[Store], T]) -> T:
         while True:
             with self._lock:
+                if self._gone is not None:
+                    raise DistNetworkError(self._gone)
                 if self._restarted and self._rebuilder != threading.get_ident():
                     raise StoreRestartedError(self)
                 client, generation = self._client, self._generation
@@ -147,7 +153,8 @@ class ReconnectingStore(Store):
                 client = self._connect(self._window)
                 epoch = client.get(EPOCH_KEY) if client.check([EPOCH_KEY]) else None
             except (RuntimeError, TimeoutError, ValueError) as exc:
-                log.error("no store at %s within %gs: %s", self._where, self._window, exc)
+                log.error("the rendezvous store at %s did not come back: %s", self._where, exc)
+                self._gone = f"{first} (and no store again: {exc})"
                 raise lost from None
             self._client, self._generation = client, generation + 1
             if epoch == self._epoch:

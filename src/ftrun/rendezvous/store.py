@@ -7,7 +7,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from torch.distributed import Store, TCPStore
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
@@ -29,7 +29,10 @@ _LISTEN_POLL_S = 0.05
 
 
 def connect_store(
-    config: RendezvousConfig, may_host: bool = True, environ: Mapping[str, str] | None = None
+    config: RendezvousConfig,
+    may_host: bool = True,
+    environ: Mapping[str, str] | None = None,
+    interrupted: Callable[[], bool] = lambda: False,
 ) -> tuple[Store, bool]:
     """Serve the store if this machine is the endpoint host and the port is free, else connect.
 
@@ -37,14 +40,17 @@ def connect_store(
     port: the first one serves, the others fall back to being clients, as torchrun does. With
     `--rdzv-backend=etcd` no agent serves anything: the store is the etcd cluster (`environ`
     says which Slurm job and restart this launcher belongs to, see `connect_etcd`). With a
-    reconnect window (`--ft-store-reconnect-timeout`) no agent serves either: `ftrun store` does.
+    reconnect window (`--ft-store-reconnect-timeout`) no agent serves either: `ftrun store` does,
+    and a wait for it to come back gives up once `interrupted()` (a signal: preemption must not
+    wait for the window).
     """
     timeout = datetime.timedelta(seconds=float(config.conf.get("read_timeout", 60)))
     if config.backend == "etcd":
         return connect_etcd(config.endpoint, config.run_id, timeout, environ or {}), False
     host, port = parse_rendezvous_endpoint(config.endpoint, default_port=DEFAULT_PORT)
     if config.store_reconnect_timeout > 0:
-        return _connect_external(host, port, timeout, config.store_reconnect_timeout), False
+        window = config.store_reconnect_timeout
+        return _connect_external(host, port, timeout, window, interrupted), False
     try_host = may_host and (config.is_host if config.is_host is not None else is_local_host(host))
     attempts = [True, False] if try_host else [False]
     if config.is_host and may_host:
@@ -65,14 +71,18 @@ def connect_store(
 
 
 def _connect_external(
-    host: str, port: int, timeout: datetime.timedelta, window: float
+    host: str,
+    port: int,
+    timeout: datetime.timedelta,
+    window: float,
+    interrupted: Callable[[], bool],
 ) -> ReconnectingStore:
     """A client of the store `ftrun store` serves (no agent serves it), that comes through a
     restart of that process: see `reconnecting`."""
 
     def connect(seconds: float) -> Store:
         deadline = time.monotonic() + seconds
-        _await_listening(host, port, deadline)
+        _await_listening(host, port, deadline, interrupted)
         left = max(deadline - time.monotonic(), _HANDSHAKE_SLACK_S)
         return _open_store(host, port, False, datetime.timedelta(seconds=left))
 
@@ -87,10 +97,15 @@ def _connect_external(
     return ReconnectingStore(client, connect, window, f"{host}:{port}")
 
 
-def _await_listening(host: str, port: int, deadline: float) -> None:
+def _await_listening(
+    host: str, port: int, deadline: float, interrupted: Callable[[], bool]
+) -> None:
     """Until something accepts connections at host:port, or `deadline`: TCPStore's own connect
-    retry backs off to seconds between tries, this looks every `_LISTEN_POLL_S`."""
+    retry backs off to seconds between tries, this looks every `_LISTEN_POLL_S`. Raises
+    TimeoutError at once when `interrupted()`."""
     while time.monotonic() < deadline:
+        if interrupted():
+            raise TimeoutError("gave up waiting for the store: the launcher got a signal")
         try:
             with socket.create_connection((host, port), timeout=_LISTEN_POLL_S * 10):
                 return
