@@ -395,6 +395,20 @@ def test_earlier_runs_in_the_same_file_are_ignored(tmp_path: Path) -> None:
     assert (report.outcome, report.wall_s, len(report.cycles)) == ("SUCCESS", 11.0, 1)
 
 
+def test_an_event_after_the_exit_is_the_same_run(tmp_path: Path) -> None:
+    """A node service may report as it closes, after the agent's `exit`: not a new run."""
+    job = Job(tmp_path / "logs", ["a"])
+    job.cycle(0, 0)
+    job.emit("a", 5, "worker_exited", 0, rank=0, local_rank=0, pid=0, code=0)
+    job.emit("a", 5, "worker_exited", 0, rank=1, local_rank=1, pid=0, code=0)
+    job.emit("a", 6, "exit", 0, code=0, reason="SUCCESS")
+    job.emit("a", 6.1, "ckpt_held", 0, session="s", iteration=3, world_size=2)
+    events = load_events(job.write())
+    assert events.warnings == ()
+    report = build_report(events)
+    assert (report.outcome, len(report.cycles)) == ("SUCCESS", 1)
+
+
 def test_timeline_of_a_many_node_night(tmp_path: Path) -> None:
     nodes = [f"node-{i:02d}" for i in range(16)]
     job = Job(tmp_path / "logs", nodes)

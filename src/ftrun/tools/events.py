@@ -151,5 +151,12 @@ def _last_run(events: Iterable[Event]) -> tuple[tuple[Event, ...], int]:
         runs[-1].append(event)
         if event.event == "exit":
             runs.append([])
-    runs = [run for run in runs if run]
-    return tuple(runs[-1]), len(runs) - 1
+    kept: list[list[Event]] = []
+    for run in filter(None, runs):
+        # Every launcher run starts with its health check. Events after an `exit` without one
+        # are the same run's last words (a node service reporting as it closes), not a new run.
+        if kept and not any(e.event == "health_check" for e in run):
+            kept[-1] += run
+        else:
+            kept.append(run)
+    return tuple(kept[-1]), len(kept) - 1
