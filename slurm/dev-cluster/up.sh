@@ -67,32 +67,13 @@ wait_until() { # secs what cmd...
 
 # --- 1. packages: Debian's slurm-wlm 22.05 (built with multiple-slurmd support) and munge.
 need=(slurmctld slurmd sbatch srun squeue scontrol sinfo scancel munged munge unmunge)
-missing=0
-for c in "${need[@]}"; do command -v "$c" >/dev/null || missing=1; done
-if ((missing)); then
-  command -v apt-get >/dev/null || skip "slurm/munge missing and no apt-get to install them"
-  log "installing slurm-wlm and munge with apt-get"
-  # The packages' postinst would start the system slurmd/slurmctld/munge services; a
-  # policy-rc.d that answers 101 forbids that (Docker images usually ship one already).
-  policy=/usr/sbin/policy-rc.d
-  added_policy=0
-  if [[ ! -e $policy ]]; then
-    printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy" && added_policy=1
-  fi
-  rc=0
-  {
-    apt-get update -qq &&
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        slurm-wlm munge
-  } >"/tmp/ftrun-slurm-apt.$$.log" 2>&1 || rc=$?
-  ((added_policy)) && rm -f "$policy"
-  if ((rc)); then
-    tail -n 20 "/tmp/ftrun-slurm-apt.$$.log" >&2
-    skip "apt-get could not install slurm-wlm/munge (exit $rc)"
-  fi
-  rm -f "/tmp/ftrun-slurm-apt.$$.log"
+missing=""
+for c in "${need[@]}"; do command -v "$c" >/dev/null || { missing=$c && break; }; done
+if [[ -n $missing ]]; then
+  # tests/apt-install.sh: quiet apt-get, no service started by a postinst; it exits 0 when it
+  # cannot install, and the check below turns what is still missing into a skip.
+  bash "$here/../../tests/apt-install.sh" "slurm-wlm and munge" "$missing" slurm-wlm munge
   for c in "${need[@]}"; do command -v "$c" >/dev/null || skip "$c still missing after install"; done
-  log "installed in $((SECONDS - start_s))s"
 fi
 
 # --- 2. state dir and generated config.
