@@ -23,7 +23,6 @@ import datetime
 import logging
 import secrets
 import threading
-import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -55,7 +54,6 @@ class ReconnectingStore(Store):
         connect: Connect,
         window: float,
         where: str,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__()
         self.set_timeout(client.timeout)
@@ -63,7 +61,6 @@ class ReconnectingStore(Store):
         self._connect = connect
         self._window = window
         self._where = where
-        self._clock = clock
         self._lock = threading.Lock()
         self._generation = 0
         self._restarted = False
