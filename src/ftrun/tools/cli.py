@@ -182,9 +182,10 @@ def status(log_dir: Path | None, endpoint: str | None, watch: float | None, as_j
     help="The port of ft_launcher's --rdzv-endpoint HOST:PORT.",
 )
 def store(port: int) -> None:
-    """Serve a job's rendezvous store (a c10d TCPStore) as its own process, until SIGTERM or
-    SIGINT. The job's launchers run with --ft-store-reconnect-timeout: none of them serves it,
-    and they come through a restart of this process. Exit 1: the port cannot be served."""
+    """Serve a job's rendezvous store (a c10d TCPStore) as its own process, until SIGTERM,
+    SIGINT or SIGHUP. The job's launchers run with --ft-store-reconnect-timeout: none of them
+    serves it, and they come through a restart of this process. Exit 1: the port cannot be
+    served."""
     from ftrun.tools.store_server import StoreServeError, serve_until_signalled  # torch
 
     try:
