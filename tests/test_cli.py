@@ -140,7 +140,8 @@ def test_defaults() -> None:
 @pytest.mark.parametrize("opt", OPTIONS, ids=lambda opt: opt.name)
 def test_every_spelling_sets_its_option(opt: Any) -> None:
     for flag in (*opt.flags, *opt.off_flags):
-        argv = [flag] if opt.is_flag else [flag, "1"]
+        # An option with a flag_value (NVRx's bare flags) takes its value only after `=`.
+        argv = [flag] if opt.is_flag or opt.flag_value else [flag, "1"]
         line = parse_argv([*argv, "train.py"])
         assert opt.name in line.given, flag
         assert line.script == "train.py"
@@ -520,6 +521,8 @@ EFFECTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
     # NVRx-only options: each is refused (tests/compat/test_launcher_options.py)
     **{opt.name: ((), (f"{opt.label}=x",)) for opt in NVRX_OPTIONS},
+    # a number (accepted where it equals --workers-stop-timeout): tests/test_nvrx_config.py
+    "term_timeout": ((), ("--term-timeout=5",)),
 }
 
 

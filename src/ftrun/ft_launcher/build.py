@@ -9,6 +9,7 @@ affinity from NVML): it starts nothing and logs nothing; what deserves a warning
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -121,6 +122,8 @@ def _unsupported(opts: Resolved) -> list[str]:
             continue
         if opt.rejected and str(opts.values[opt.name]).strip().lower() in opt.harmless:
             continue  # NVRx's default: asks for nothing ftrun lacks
+        if opt.same_as and opts.values[opt.name] == opts.values[opt.same_as]:
+            continue  # asks for what ftrun's own option already gives
         if opt.rejected:
             raise ConfigError(f"{opts.labels[opt.name]}: not supported: {opt.rejected}")
         if opt.ignored:
@@ -187,7 +190,7 @@ def _agent(
         tee=_per_rank(opts["tee"], nproc),
         local_ranks_filter=opts["local_ranks_filter"],
         workers_stop_timeout=_stop_timeout(opts),
-        termination_signal=opts["rank_termination_signal"],
+        termination_signal=_termination_signal(opts, notes),
         signals_to_handle=opts["signals_to_handle"],
         gpu_memory_reclaim_timeout=opts["gpu_memory_reclaim_timeout"],
         gpu_memory_tolerance_mb=opts["gpu_memory_tolerance_mb"],
@@ -199,6 +202,20 @@ def _agent(
         virtual_local_rank=opts["virtual_local_rank"],
         numa_binding=_numa_plan(opts, nproc, environ),
     )
+
+
+def _termination_signal(opts: Resolved, notes: list[str]) -> signal.Signals:
+    """--ft-rank-termination-signal; SIGKILL (NVRx's default, in every YAML NVRx writes) is
+    honoured with a warning: NVRx sends it only to the rank it judged failed."""
+    value = opts["rank_termination_signal"]
+    if value is signal.SIGKILL and opts.is_set("rank_termination_signal"):
+        notes.append(
+            f"{opts.labels['rank_termination_signal']}=SIGKILL: ftrun stops workers with it "
+            "(a forwarded preemption signal aside), leaving them no time to save; NVRx sends it "
+            "only to the rank it judged failed (ftrun kills a hung rank with SIGKILL anyway) and "
+            "SIGTERM to the others, as ftrun's default SIGTERM does"
+        )
+    return value
 
 
 def _numa_plan(opts: Resolved, nproc: int, environ: Mapping[str, str]) -> NumaPlan | None:

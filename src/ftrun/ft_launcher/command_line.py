@@ -103,14 +103,28 @@ def command() -> click.Command:
     )
 
 
-def _with_boolean_values(argv: Sequence[str]) -> list[str]:
-    """NVRx's launcher takes a value for its on/off options (`--ft-enable-nic-healthcheck=true`)
-    where ftrun has a flag pair: before the script, that form becomes the flag it means."""
+_NVRX_BOOLEANS = frozenset({"1", "true", "yes", "0", "false", "no"})
+"""The words NVRx's `str_to_bool` takes (any case): the value of an on/off option."""
+
+
+def _with_nvrx_forms(argv: Sequence[str]) -> list[str]:
+    """NVRx's launcher takes a value for its on/off options (`--ft-enable-nic-healthcheck=true`,
+    or `... true`) where ftrun has a flag pair, and has bare flags where ftrun's option takes a
+    value (`Option.flag_value`): before the script, each becomes the form ftrun's option takes."""
     booleans = {f: o for o in FT_OPTIONS if o.parse is v.boolean for f in o.flags}
-    takes_value = {f for o in OPTIONS if not (o.is_flag or o.off_flags) for f in o.flags}
+    bare = {f: o.flag_value for o in OPTIONS if o.flag_value is not None for f in o.flags}
+    takes_value = {
+        f for o in OPTIONS if not (o.is_flag or o.off_flags or o.flag_value) for f in o.flags
+    }
     args, i = list(argv), 0
     while i < len(args) and args[i].startswith("-") and args[i] != "--":
         flag, eq, value = args[i].partition("=")
+        if not eq and flag in bare:
+            args[i] = f"{flag}={bare[flag]}"
+        nxt = args[i + 1] if i + 1 < len(args) else ""
+        if not eq and flag in booleans and nxt.strip().lower() in _NVRX_BOOLEANS:
+            args[i : i + 2] = [f"{flag}={nxt}"]  # NVRx's value as its own word
+            continue
         if eq and flag in booleans:
             opt = booleans[flag]
             try:
@@ -128,7 +142,7 @@ def _with_boolean_values(argv: Sequence[str]) -> list[str]:
 def parse_argv(argv: Sequence[str]) -> CommandLine:
     """Split the command line into given option values, the script and its arguments."""
     try:
-        ctx = command().make_context(PROG, _with_boolean_values(argv))
+        ctx = command().make_context(PROG, _with_nvrx_forms(argv))
     except click.ClickException as err:
         raise ConfigError(" ".join(err.format_message().split())) from None
     given = {

@@ -33,6 +33,13 @@ class Option:
     default, e.g. `enable_dist_storage_healthcheck: false`); given, they are accepted."""
     yaml_aliases: tuple[str, ...] = ()
     """Other YAML keys with the same meaning (NVRx's spelling of the field)."""
+    same_as: str | None = None
+    """For a rejected option: the name of ftrun's option that does what it asks where the two
+    agree (NVRx's `--term-timeout` and `--workers-stop-timeout`); set to that option's value,
+    it is accepted."""
+    flag_value: str | None = None
+    """For an option that takes a value: the value it has when given alone, as a flag (NVRx's
+    `--ft-ignore-missing-cfg` is one); a value is then given with `=`."""
 
     @property
     def label(self) -> str:
@@ -43,7 +50,8 @@ class Option:
     def description(self) -> str:
         """The help with what happens when an ignored or rejected option is set."""
         if self.rejected:
-            return f"{self.help} Not supported: {self.rejected}; setting it is an error."
+            other = " to another value" if self.same_as else ""
+            return f"{self.help} Not supported: {self.rejected}; setting it{other} is an error."
         if self.ignored:
             return f"{self.help} Accepted for torchrun compatibility and ignored: {self.ignored}."
         return self.help

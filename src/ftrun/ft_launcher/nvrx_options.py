@@ -1,9 +1,11 @@
 """NVRx 0.7's launcher options that ftrun has no option of its own for, each decided once.
 
-An NVRx or NeMo command line or YAML must not fail with "no such option": each of NVRx's
-`--ft-*` flags and `fault_tolerance:` keys is either one of ftrun's options (`options.py`, often
+An NVRx or NeMo command line or YAML must not fail with "no such option": each flag of NVRx's
+launcher and each `fault_tolerance:` key is either one of ftrun's options (`options.py`, often
 under the same name) or declared here, refused in one line that names what to use in ftrun
-instead. The README's migration table is generated from these declarations (`docs.py`).
+instead (tests/data/nvrx_0_7_* hold NVRx 0.7's flags and the YAML it writes, and
+tests/test_nvrx_config.py checks them). The README's migration table is generated from these
+declarations (`docs.py`).
 """
 
 from __future__ import annotations
@@ -17,18 +19,38 @@ _SPELLINGS = {False: ("false", "0", "no", "off"), True: ("true", "1", "yes", "on
               None: ("none", "null", "")}  # fmt: skip
 
 
+def _spelled(value: Any) -> tuple[str, ...]:
+    """How a value reaches the check (lower case): YAML's and NVRx's command line's spellings."""
+    if isinstance(value, (bool, type(None))):
+        return _SPELLINGS[value]
+    if isinstance(value, float):
+        return (repr(value), f"{value:g}")
+    return (str(value).lower(),)
+
+
 def _refused(name: str, help: str, instead: str, nvrx_default: Any = "unset", **kw: Any) -> Option:
     """An NVRx option ftrun refuses: any value parses; setting it is a one-line error, unless
-    to `nvrx_default` (NVRx's own default asks for nothing, and NVRx configs often spell it)."""
+    to `nvrx_default` (NVRx's own default asks for nothing, and NVRx configs often spell it; a
+    tuple: several values that mean the default, as None and False for an off switch)."""
     if nvrx_default == "unset":
-        harmless: tuple[str, ...] = ()
-    elif isinstance(nvrx_default, (bool, type(None))):
-        harmless = _SPELLINGS[nvrx_default]
-    elif isinstance(nvrx_default, float):
-        harmless = (repr(nvrx_default), f"{nvrx_default:g}")
+        defaults: tuple[Any, ...] = ()
     else:
-        harmless = (str(nvrx_default).lower(),)
+        defaults = nvrx_default if isinstance(nvrx_default, tuple) else (nvrx_default,)
+    harmless = tuple(word for value in defaults for word in _spelled(value))
     return ft_option(name, None, v.optional_text, help, rejected=instead, harmless=harmless, **kw)
+
+
+def _term_timeout() -> Option:
+    """NVRx's grace after a forwarded signal: ftrun's one grace (`--workers-stop-timeout`)
+    serves every stop, so it is what NVRx asks only where the two are set alike."""
+    return ft_option(
+        "term_timeout", None, v.optional(v.non_negative_number),
+        "NVRx's grace from a signal forwarded to the workers (preemption) to SIGKILL.",
+        prefix="", in_yaml=False, metavar="SECONDS", same_as="workers_stop_timeout",
+        rejected="ftrun has one grace from the stop signal to SIGKILL, for a preemption as for "
+        "a restart: give it with --workers-stop-timeout (--term-timeout is accepted where it "
+        "equals that)",
+    )  # fmt: skip
 
 
 _LOGS = "ftrun writes per-cycle, per-rank logs under --log-dir and prefixes console lines"
@@ -89,27 +111,35 @@ NVRX_OPTIONS: tuple[Option, ...] = (
              "ftrun always stops whole process groups and verifies none is left",
              nvrx_default=False),
     _refused("ignore_missing_cfg", "NVRx's switch to run without a config.", "ftrun runs "
-             "with its defaults when no --ft-cfg-path is given", in_yaml=False, nvrx_default=False),
+             "with its defaults when no --ft-cfg-path is given", in_yaml=False, nvrx_default=False,
+             flag_value="true", metavar="[=VALUE]"),  # NVRx: store_true; must not eat SCRIPT
     _refused("no_restart_exit_code", "NVRx's worker exit code that ends the job.",
              "ask from the worker with send_workload_control_request(WorkloadControlRequest("
-             "WorkloadAction.ShutdownWorkload))", in_yaml=False),
+             "WorkloadAction.ShutdownWorkload))", in_yaml=False, nvrx_default=None),
     _refused("per_cycle_applog_prefix", "NVRx's per-cycle application log path prefix.", _LOGS,
-             in_yaml=False),
+             in_yaml=False, nvrx_default=None),
     _refused("nvrx_logfile", "NVRx's launcher log file.",
-             "use --log-dir (the launcher's log is in it) or redirect stderr", in_yaml=False),
-    *(_refused(name, f"NVRx's log aggregation server ({name}).", _LOGS, in_yaml=False)
-      for name in ("enable_log_server", "log_server_port", "log_aggregator_count",
-                   "log_leaf_max_queue_chunks", "log_server_log_prefix",
-                   "log_server_graceful_shutdown_timeout")),
-    *(_refused(name, f"NVRx's attribution service ({name}).", _ATTRIBUTION)
-      for name in ("attribution_endpoint", "attribution_startup_timeout",
-                   "attribution_llm_api_key_file", "attribution_llm_base_url",
-                   "attribution_llm_model", "attribution_analysis_backend",
-                   "attribution_stop_action", "attribution_log_level", "attribution_export_url")),
+             "use --log-dir (the launcher's log is in it) or redirect stderr", in_yaml=False,
+             nvrx_default=None),
+    *(_refused(name, f"NVRx's log aggregation server ({name}).", _LOGS, in_yaml=False,
+               nvrx_default=default)
+      for name, default in (("enable_log_server", (None, False)), ("log_server_port", 50051),
+                            ("log_aggregator_count", 0), ("log_leaf_max_queue_chunks", -1),
+                            ("log_server_log_prefix", None),
+                            ("log_server_graceful_shutdown_timeout", 60.0))),
+    # NVRx's to_yaml_file writes attribution_endpoint, _stop_action and _export_url (null).
+    *(_refused(name, f"NVRx's attribution service ({name}).", _ATTRIBUTION, nvrx_default=default)
+      for name, default in (("attribution_endpoint", None), ("attribution_startup_timeout", 20.0),
+                            ("attribution_llm_api_key_file", None),
+                            ("attribution_llm_base_url", None), ("attribution_llm_model", None),
+                            ("attribution_analysis_backend", None),
+                            ("attribution_stop_action", None), ("attribution_log_level", None),
+                            ("attribution_export_url", None))),
     _refused("cycle_info_dir", "NVRx's per-cycle info files.",
              "every worker gets the cycle's info file in FTRUN_CYCLE_INFO (in the job's "
              "private directory)", nvrx_default=None),
     _refused("cycle_info_job_id", "NVRx's job id in the cycle info files.",
-             "the cycle info file's job_id is the rendezvous id (--rdzv-id)"),
+             "the cycle info file's job_id is the rendezvous id (--rdzv-id)", nvrx_default=None),
+    _term_timeout(),
 )
 # fmt: on

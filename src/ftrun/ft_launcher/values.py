@@ -21,6 +21,7 @@ _FALSE = frozenset({"0", "false", "f", "no", "n", "off"})
 _HOST_RE = re.compile(r"^[\w.:-]+$")
 _UNHANDLEABLE = frozenset({signal.SIGKILL, signal.SIGSTOP})
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_LEVEL_NUMBERS = (10, 20, 30, 40, 50)  # logging's numbers of LOG_LEVELS, in the same order
 
 
 def text(raw: Any) -> str:
@@ -96,8 +97,9 @@ def non_negative_number(raw: Any) -> float:
 
 
 def timeout(raw: Any) -> float | None:
-    """Seconds > 0, or none/null (YAML null too) to switch that check off."""
-    if raw is None or (isinstance(raw, str) and raw.strip().lower() in NONE_WORDS):
+    """Seconds > 0, or none/null/an empty value (YAML null too) to switch that check off (NVRx
+    reads `--ft-rank-heartbeat-timeout=` and `step:` in section timeouts as None)."""
+    if raw is None or (isinstance(raw, str) and raw.strip().lower() in (*NONE_WORDS, "")):
         return None
     try:
         return positive_number(raw)
@@ -243,12 +245,19 @@ def signal_list(raw: Any) -> tuple[signal.Signals, ...]:
 
 
 def log_level(raw: Any) -> str:
-    """A logging level name (any case); WARN means WARNING."""
+    """A logging level name (any case; WARN, and NVRx's DBG, too), or a number 10..50 as NVRx's
+    `to_yaml_file` writes it (`log_level: 20`): the name of the lowest level at or above it,
+    which lets through exactly what the number does (every message has a named level)."""
     word = str(raw).strip().upper()
-    word = "WARNING" if word == "WARN" else word
-    if word not in LOG_LEVELS:
-        raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}, got {raw!r}")
-    return word
+    word = {"WARN": "WARNING", "DBG": "DEBUG"}.get(word, word)
+    if word in LOG_LEVELS:
+        return word
+    numeric = raw if isinstance(raw, int) and not isinstance(raw, bool) else None
+    if numeric is None and word.isdigit():
+        numeric = int(word)
+    if numeric is not None and _LEVEL_NUMBERS[0] <= numeric <= _LEVEL_NUMBERS[-1]:
+        return LOG_LEVELS[next(i for i, n in enumerate(_LEVEL_NUMBERS) if n >= numeric)]
+    raise ValueError(f"expected one of {', '.join(LOG_LEVELS)} or a number 10..50, got {raw!r}")
 
 
 def choice(*choices: str, aliases: Mapping[str, str] | None = None) -> Callable[[Any], str]:
