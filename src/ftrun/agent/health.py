@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import IO, Any
 
 from ftrun.agent.nic_health import check_ib_ports
 from ftrun.agent.nvml import load_nvml
@@ -23,6 +24,10 @@ from ftrun.services import NodeService
 
 log = logging.getLogger("ftrun.agent")
 _gpu_skip_logged = False
+_REAP_S = 2.0
+"""After SIGKILL to the health command's group: how long to wait for its shell to be reaped."""
+_OUTPUT_TAIL = 4096
+"""Bytes of the health command's output read for the error line."""
 
 
 def check_node(config: HealthCheckConfig) -> dict[str, Any]:
@@ -139,25 +144,51 @@ def _within(timeout: float, what: str, check: Callable[[], None]) -> None:
 
 
 def _run_command(command: str, timeout: float) -> None:
-    with subprocess.Popen(
-        command,
-        shell=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # so a timeout takes the command's children too
-    ) as proc:
+    """Run the operator's health command; every wait is bounded.
+
+    Its output goes to an unlinked file, not a pipe: a process the command starts in a session
+    of its own (a daemon, `setsid cmd &`) escapes the group kill and would hold a pipe open for
+    as long as it lives, so reading a pipe to its end could block the agent. The agent waits on
+    the command's shell alone, with a deadline, and reads the file's tail once it is gone."""
+    with tempfile.TemporaryFile() as output:
+        proc = subprocess.Popen(
+            command,
+            shell=True,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # so a timeout takes the command's children too
+        )
         try:
-            output, _ = proc.communicate(timeout=timeout)
+            code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             # The command's group only: `terminate` would also take the agent's other children
             # (the fork server) for orphans.
             kill_group_now(proc.pid)
-            proc.communicate()
+            _reap(proc)
             raise NodeUnhealthyError(f"health command timed out after {timeout:g}s") from None
-    if proc.returncode != 0:
-        tail = output.strip().splitlines()[-1:] or [""]
-        raise NodeUnhealthyError(f"health command exited {proc.returncode}: {tail[0]}")
+        if code != 0:
+            raise NodeUnhealthyError(f"health command exited {code}: {_last_line(output)}")
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    """Wait, bounded, for the killed command's shell; one that stays (uninterruptible sleep on
+    a hung mount dies only when its I/O returns) is logged and left to the next reap."""
+    try:
+        proc.wait(timeout=_REAP_S)
+    except subprocess.TimeoutExpired:
+        log.warning(
+            "health command (pid %d) still there %gs after SIGKILL; going on without it",
+            proc.pid,
+            _REAP_S,
+        )
+
+
+def _last_line(output: IO[bytes]) -> str:
+    """The last line of what the command wrote (its tail only: it may have written a lot)."""
+    size = output.seek(0, os.SEEK_END)
+    output.seek(max(size - _OUTPUT_TAIL, 0))
+    lines = output.read().decode(errors="replace").strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 class HealthService(NodeService):
