@@ -23,6 +23,7 @@ from ftrun.observe.feed import FeedReader, FeedWriter
 from ftrun.observe.metrics import NodeMetrics
 from ftrun.observe.page import CachedStatus, serve
 from ftrun.observe.service import FeedThread
+from ftrun.observe.timings import RECOVERY_BOUNDS, NodeTimings
 from ftrun.rank_monitor.protocol import Timeouts
 from ftrun.rank_monitor.records import ProgressSnapshot
 from ftrun.tools.cli import main as ftrun_main
@@ -161,6 +162,54 @@ def test_metrics_stay_bounded_however_long_the_job_runs():
     first = run(range(3))
     assert run(range(3, 300)) == first
     assert first < 100  # 8 ranks: see the module docstring of ftrun.observe.metrics
+
+
+def test_ranks_stepping_and_recoveries_by_tier_and_cause_are_served():
+    metrics = NodeMetrics("job", "n0", list)
+    for record in cycle_records("n0", 0, 100.0, 0, "hang"):
+        metrics.apply(record)
+    for record in cycle_records("n0", 1, 110.0, 0, None):
+        metrics.apply(record)
+    samples = scrape(metrics)
+    assert (value(samples, "ftrun_ranks"), value(samples, "ftrun_ranks_stepping")) == (2, 2)
+    metrics.apply(rec("failure", 121.0, 2, kind="hang", detail="d", key="k", decision="stop job"))
+    samples = scrape(metrics)
+    assert value(samples, "ftrun_ranks_stepping") == 0  # failing: none is stepping now
+    assert value(samples, "ftrun_recoveries_total", tier="restart", cause="hang") == 1
+    assert value(samples, "ftrun_recoveries_total", tier="stop job", cause="hang") == 1
+    assert value(samples, "ftrun_rendezvous_duration_seconds_count") == 2
+    assert value(samples, "ftrun_rendezvous_duration_seconds_bucket", le="0.5") == 2
+    assert value(samples, "ftrun_recovery_duration_seconds_count") == 1  # cycle 1 stepped again
+    assert value(samples, "ftrun_recovery_duration_seconds_sum") == 3.0  # the verdict 109 -> 112
+    assert value(samples, "ftrun_recovery_duration_seconds_bucket", le="+Inf") == 1
+
+
+def test_recovery_runs_from_the_last_progress_to_stepping_again_across_cycles_that_failed():
+    timings = NodeTimings()
+    timings.apply(rec("stepping", 10.0, 0, ranks=[0], progress_ts=10.0, progress_mono=10.0))
+    timings.apply(rec("failure", 50.0, 0, kind="exception", detail="E", key="k"))  # no decision
+    timings.apply(rec("last_progress", 50.1, 0, before="stop", ranks=[0], progress_mono=48.0))
+    timings.apply(rec("restart", 51.0, 0))
+    # cycle 1 never trains: a peer is lost while starting (a consequence, not this node's own)
+    timings.apply(rec("failure", 60.0, 1, kind="peer lost", detail="d", key="k", secondary=True))
+    timings.apply(rec("last_progress", 60.1, 1, before="stop", ranks=[0]))  # no progress
+    timings.apply(rec("restart", 61.0, 1))
+    timings.apply(rec("stepping", 80.0, 2, ranks=[0], progress_ts=80.0, progress_mono=80.0))
+    assert timings.recoveries == {("restart", "exception"): 1}
+    assert (timings.recovery.count, timings.recovery.total) == (1, 32.0)  # 48 -> 80
+    assert timings.recovery.cumulative()[RECOVERY_BOUNDS.index(30.0)] == (30.0, 0)
+    assert timings.recovery.cumulative()[RECOVERY_BOUNDS.index(60.0)] == (60.0, 1)
+    timings.apply(rec("last_progress", 90.0, 2, before="finished", ranks=[0]))
+    timings.apply(rec("exit", 91.0, 2, code=0))
+    timings.apply(rec("stepping", 95.0, 3, ranks=[0], progress_ts=95.0, progress_mono=95.0))
+    assert timings.recovery.count == 1  # finishing is not a failure to recover from
+    timings.apply(rec("restart", 100.0, 3))
+    timings.apply(rec("exit", 101.0, 3, code=1))  # never stepped again: no recovery to count
+    timings.apply(rec("stepping", 120.0, 4, ranks=[0], progress_ts=120.0, progress_mono=120.0))
+    assert timings.recovery.count == 1
+    timings.apply(rec("rendezvous_done", 1.0, duration=400.0, nodes=[], group_rank=0))
+    timings.apply(rec("rendezvous_done", 1.0, duration=True, nodes=[], group_rank=0))  # not one
+    assert timings.rendezvous.cumulative()[-2:] == [(300.0, 0), (float("inf"), 1)]
 
 
 def test_the_job_series_come_from_the_status_document():

@@ -1,16 +1,19 @@
 """Every agent's Prometheus metrics: a `prometheus_client` collector read at scrape time.
 
-The series come from the node's `NodeView` (its events, folded as they are written), the rank
-monitor's progress snapshot (iteration, progress age, timeouts in force), and, on the agent that
-serves the status page, the job's status (ETTR and the time lost, the report's definitions).
+The series come from the node's `NodeView` and `NodeTimings` (its events, folded as they are
+written: counts, states, durations), the rank monitor's progress snapshot (iteration, progress
+age, timeouts in force), and, on the agent that serves the status page, the job's status (ETTR
+and the time lost, the report's definitions).
 Nothing is updated on the training path: a scrape reads what the agent already holds.
 
 Cardinality, at 1,024 nodes x 8 ranks: labels are `job`, `node`, and where they apply `rank`
 (this node's ranks only: 8 per agent), `cause`/`kind` (failure kinds, a closed set), `state`
 (`NodeState`), `finding` (health findings: Xid numbers and NVML readings, a closed set),
 `section` (the sections the workers time, at most the monitor's 256, in practice a handful),
-`tier` (local, replicated). An agent serves about 40 + 3 x its ranks series, 70 at 8 ranks:
-about 72,000 for the whole job; stragglers add the worst 8 ranks' scores on the reporting node.
+`tier` (checkpoints: local, replicated; recoveries: the policy's decisions, a closed set).
+Durations are histograms with fixed buckets (`observe.timings`): 23 series per agent. An agent
+serves about 65 + 3 x its ranks series, 90 at 8 ranks: about 92,000 for the whole job;
+stragglers add the worst 8 ranks' scores on the reporting node.
 """
 
 from __future__ import annotations
@@ -21,9 +24,16 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
+from ftrun.observe.timings import Buckets, NodeTimings
 from ftrun.rank_monitor.records import ProgressSnapshot
 from ftrun.tools.node_view import NodeState, NodeView
 
@@ -46,11 +56,13 @@ class NodeMetrics(Collector):
         self._job, self._node = job, node
         self._progress, self._job_status, self._clock = progress, job_status, clock
         self._view = NodeView(node)
+        self._timings = NodeTimings()
         self._lock = threading.Lock()
 
     def apply(self, record: Mapping[str, Any]) -> None:
         with self._lock:
             self._view.apply(record)
+            self._timings.apply(record)
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
@@ -58,6 +70,7 @@ class NodeMetrics(Collector):
             yield from self._node_series(view)
             yield from self._checkpoint_series(view)
             yield from self._straggler_series(view)
+            yield from self._timing_series(self._timings)
         yield from self._rank_series(self._progress(), self._clock())
         status = self._job_status()
         if status and not status.get("waiting"):
@@ -92,7 +105,16 @@ class NodeMetrics(Collector):
         )  # fmt: skip
         for (finding, fault), n in view.health.items():
             health.add_metric([*base, finding, str(fault).lower()], n)
-        yield from (cycle, state, restarts, failures, health)
+        ranks = self._family(
+            GaugeMetricFamily, "ftrun_ranks", "The node's ranks in the current cycle."
+        )
+        ranks.add_metric(base, len(view.ranks))
+        stepping = self._family(
+            GaugeMetricFamily, "ftrun_ranks_stepping", "The node's ranks stepping now: every "
+            "one has shown progress this cycle (0 outside the stepping state).",
+        )  # fmt: skip
+        stepping.add_metric(base, len(view.stepping) if view.state is NodeState.STEPPING else 0)
+        yield from (cycle, state, restarts, failures, health, ranks, stepping)
 
     def _checkpoint_series(self, view: NodeView) -> Iterator[Metric]:
         base = [self._job, self._node]
@@ -128,6 +150,34 @@ class NodeMetrics(Collector):
         for rank, node, value in (report.get("worst") or [])[:SHOWN_STRAGGLERS]:
             score.add_metric([self._job, str(node), str(rank)], value)
         yield score
+
+    def _timing_series(self, timings: NodeTimings) -> Iterator[Metric]:
+        base = [self._job, self._node]
+        recoveries = self._family(
+            CounterMetricFamily, "ftrun_recoveries", "This node's own failures by the rung of "
+            "the escalation ladder the policy chose (tier) and their kind (cause).",
+            "tier", "cause",
+        )  # fmt: skip
+        for (tier, cause), n in timings.recoveries.items():
+            recoveries.add_metric([*base, tier, cause], n)
+        yield recoveries
+        yield self._histogram(
+            "ftrun_recovery_duration_seconds", "From the node's last progress before a failure "
+            "stopped its workers to its ranks stepping again.", timings.recovery,
+        )  # fmt: skip
+        yield self._histogram(
+            "ftrun_rendezvous_duration_seconds", "Rendezvous rounds, from joining to the round "
+            "formed.", timings.rendezvous,
+        )  # fmt: skip
+
+    def _histogram(self, name: str, doc: str, buckets: Buckets) -> Metric:
+        family = self._family(HistogramMetricFamily, name, doc)
+        family.add_metric(
+            [self._job, self._node],
+            [(floatToGoString(bound), n) for bound, n in buckets.cumulative()],
+            sum_value=buckets.total,
+        )
+        return family
 
     def _rank_series(self, snapshot: Sequence[ProgressSnapshot], now: float) -> Iterator[Metric]:
         base = [self._job, self._node]
