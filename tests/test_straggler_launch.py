@@ -1,5 +1,6 @@
-"""Straggler detection through real launchers: 2 local "nodes", gloo workers timing a "step"
-section with ftrun.straggler.Detector, the agents scoring them every half second."""
+"""Straggler detection through real launchers: local "nodes", gloo workers timing a "step"
+section with ftrun.straggler.Detector, the agents scoring them every half second (the flag), or
+every `report_time_interval` the workers give `Detector.initialize` (no flag: NVRx's pattern)."""
 
 from __future__ import annotations
 
@@ -78,3 +79,36 @@ def test_exclude_continues_without_the_slow_node(tmp_path):
 
 def slow_name(job: Job, node) -> str:
     return next(e["node"] for e in job.events("exit") if e["node"].endswith(f"-{node.proc.pid}"))
+
+
+# ---- no launcher flag: the workers' report_time_interval (1 s) -------------------------------
+
+
+def test_nvrx_s_pattern_without_the_flag_names_a_slow_rank_within_the_run(tmp_path):
+    """NVRx's example: `Detector.initialize(report_time_interval=1)`, no
+    --ft-straggler-report-interval (whose default would be 60 s), 1 node x 4 ranks, rank 3 40 %
+    slower inside its detection section: rank 0 gets a report naming it during a few seconds of
+    training, and the agent reported every second."""
+    job = start_job(tmp_path, 1, [], ["--steps", "150", "--slow", "3:1.4"], WORKER, nproc=4)
+    assert job.wait(90) == [0]
+    started = job.events("workers_started")[0]["mono"]
+    reports = job.events("straggler_report")
+    assert len(reports) >= 2 and reports[0]["mono"] - started < 10
+    found = job.events("straggler")
+    assert found and all(e["ranks"] == [3] for e in found)
+    assert found[0]["findings"][0]["kind"] == "section_relative"
+    seen = worker_reports(job)
+    assert any(r["step"] == [3] for r in seen), seen
+    log = job.nodes[0].text()
+    assert "straggler detector: a report every 1 s (this node's ranks' report_time_interval)" in (
+        log
+    )
+    assert "disagree" not in log
+
+
+def test_nvrx_s_pattern_without_the_flag_names_nobody_in_an_even_run(tmp_path):
+    job = start_job(tmp_path, 1, [], ["--steps", "150"], WORKER, nproc=4)
+    assert job.wait(90) == [0]
+    assert len(job.events("straggler_report")) >= 2
+    assert job.events("straggler") == []
+    assert worker_reports(job) and all(r["step"] == [] for r in worker_reports(job))

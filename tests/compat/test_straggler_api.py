@@ -4,33 +4,41 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 from collections.abc import Callable
 
 import pytest
 
+from ftrun.rank_monitor.timings import DetectorSettings, TimingBatch
 from ftrun.straggler import Detector, Statistic
 
 
-def test_per_worker_report_settings_are_warned_about_under_the_launcher(
+def test_per_worker_report_settings_go_to_the_agent_under_the_launcher(
     make_server: Callable, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The agents report on the launcher's clock and name nodes as the launchers do: NVRx's
-    per-worker `report_time_interval` and `node_name` are said to be unused, not dropped."""
+    """NVRx's per-worker `report_time_interval` and `node_name` reach the node's agent, which
+    reports on that interval when the launcher was given none, and names the node so in its
+    reports (tests/test_straggler_adopt.py); the worker has nothing to warn about."""
+    got: queue.SimpleQueue[TimingBatch] = queue.SimpleQueue()
     server = make_server()
+    server._on_timings = got.put  # the fixture builds servers without this callback
     for key, value in {**server.worker_env(), "RANK": "0"}.items():
         monkeypatch.setenv(key, value)
     server.expect_rank(0, os.getpid())
     with caplog.at_level(logging.WARNING, "ftrun.straggler"):
         Detector.initialize(report_time_interval=5, node_name="gpu-node-7")
     try:
-        assert "report_time_interval=5 is not used under ft_launcher" in caplog.text
-        assert "node_name='gpu-node-7' names this rank's node in generate_report()" in caplog.text
+        batch = got.get(timeout=10)
+        assert (batch.rank, batch.sections) == (0, ())
+        assert batch.settings == DetectorSettings(5.0, "gpu-node-7")
     finally:
         Detector.shutdown()
-    caplog.clear()
     with caplog.at_level(logging.WARNING, "ftrun.straggler"):
-        Detector.initialize()  # NVRx's defaults: nothing to say
-    Detector.shutdown()
+        Detector.initialize()  # NVRx's defaults: 60 s, the host's name
+    try:
+        assert got.get(timeout=10).settings == DetectorSettings(60.0, None)
+    finally:
+        Detector.shutdown()
     assert caplog.text == ""
 
 

@@ -155,9 +155,10 @@ FT_OPTIONS: tuple[Option, ...] = (
         "Stop the job (exit 4, not relaunched) after N cycles in a row without an iteration "
         "past the best reported through the client; <= 0: off.", metavar="N"),
     _ft("max_same_failure", _default(_AGENT, "max_same_failure"), v.integer,
-        "Stop the job (exit 6, not relaunched) once the same failure signature was seen on N "
-        "different nodes (a fault of the software or data); a node whose last two failures "
-        "look the same leaves if the job can go on without it; <= 0: off.", metavar="N"),
+        "Stop the job (exit 6, not relaunched) once the same failure signature ended N cycles "
+        "in a row, on one node or many (restarting does not cure it); a node leaves only when "
+        "it failed the same way holding other ranks, alone both times, and the job can go on "
+        "without it; <= 0: off.", metavar="N"),
     _ft("health_interval", _default(_HEALTH, "watch_interval"), v.non_negative_number,
         "While training, read GPU health from NVML (Xid events, uncorrected ECC, pending page "
         "retirement or row remapping, thermal and power-brake throttling) and, with the NIC "
@@ -214,8 +215,10 @@ FT_OPTIONS: tuple[Option, ...] = (
         "Score the sections that workers time with ftrun.straggler.Detector and report "
         "stragglers (costs nothing when no worker uses it).", off_flags=True, **_ON),
     _ft("straggler_report_interval", _default(_STRAGGLER, "report_interval"),
-        v.positive_number, "Seconds between straggler reports (NVRx's report_time_interval).",
-        metavar="SECONDS"),
+        v.optional(v.positive_number), "Seconds between straggler reports. Not given: the "
+        "report_time_interval the workers give Detector.initialize (the smallest if they "
+        "differ, with a warning), else 60. Given, it wins over the workers' (a warning says so "
+        "if they differ).", metavar="SECONDS"),
     _ft("straggler_gpu_relative_threshold", _default(_STRAGGLER, "gpu_relative_threshold"),
         threshold, _SCORE.format("GPU relative"), metavar="X"),
     _ft("straggler_gpu_individual_threshold", _default(_STRAGGLER, "gpu_individual_threshold"),

@@ -8,7 +8,9 @@ Versions: a frame carries the lowest version that can express it, and `decode` a
 version from `MIN_VERSION` to `VERSION`, each with its own exact field count. Version 2 added
 the iteration a rank reports with HEARTBEAT and SECTION_END: without one, those frames are the
 version-1 frames they always were (byte for byte), so a client and a server of different
-releases still understand each other unless the iteration is used.
+releases still understand each other unless the iteration is used. Version 3 added the
+straggler detector's settings to TIMINGS (`DetectorSettings`, sent once by `Detector.initialize`
+in a frame without durations); TIMINGS frames without them are version-1 frames.
 
 Fire-and-forget (client -> server, no reply): HEARTBEAT, SECTION_START, SECTION_END,
 END_ALL_SECTIONS, GOODBYE, and TIMINGS (a straggler detector's batch of section durations; it
@@ -31,10 +33,15 @@ from typing import Any, TypeAlias
 import msgpack
 
 from ftrun.errors import ProtocolError
-from ftrun.rank_monitor.timings import SectionTimes, parse_sections
+from ftrun.rank_monitor.timings import (
+    DetectorSettings,
+    SectionTimes,
+    parse_sections,
+    parse_settings,
+)
 from ftrun.rank_monitor.workload import MAX_DESCRIPTION_LEN, WorkloadAction
 
-VERSION = 2
+VERSION = 3
 """The newest protocol version, the one this side speaks."""
 MIN_VERSION = 1
 """The oldest version still accepted."""
@@ -142,11 +149,13 @@ class Control:
 
 @dataclasses.dataclass(frozen=True)
 class Timings:
-    """Section durations of rank `rank` (process `pid`), a batch since the previous one."""
+    """Section durations of rank `rank` (process `pid`), a batch since the previous one;
+    `settings`: its detector's settings (version 3), sent once, without durations."""
 
     rank: int
     pid: int
     sections: tuple[SectionTimes, ...]
+    settings: DetectorSettings | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +208,7 @@ def encode(message: Message) -> bytes:
     fields: list[Any] = []
     for field in dataclasses.fields(message):
         value = getattr(message, field.name)
-        if isinstance(value, Timeouts):
+        if isinstance(value, (Timeouts, DetectorSettings)):
             value = value.to_wire()
         elif field.name == "sections" and isinstance(message, Timings):
             value = [[s.name, s.gpu, list(s.durations)] for s in value]
@@ -213,6 +222,11 @@ def encode(message: Message) -> bytes:
             fields.pop()  # the version-1 frame
         else:
             version = 2
+    elif isinstance(message, Timings):
+        if message.settings is None:
+            fields.pop()  # the version-1 frame
+        else:
+            version = 3
     return msgpack.packb([version, tag, *fields], use_bin_type=True)
 
 
@@ -232,7 +246,9 @@ def decode(frame: bytes) -> Message:
     parser = _PARSERS.get(tag) if isinstance(tag, str) else None
     if parser is None:
         raise ProtocolError(f"unknown message type {tag!r}")
-    if version >= 2 and tag in _V2_PARSERS:
+    if version >= 3 and tag in _V3_PARSERS:
+        parser = _V3_PARSERS[tag]
+    elif version >= 2 and tag in _V2_PARSERS:
         parser = _V2_PARSERS[tag]
     return parser(fields)
 
@@ -323,11 +339,13 @@ def _parse_control(fields: list[Any]) -> Control:
 
 
 def _parse_timings(fields: list[Any]) -> Timings:
-    rank, pid, sections = _arity(fields, 3, "tm")
+    """3 fields (version 1), or 4 with the detector's settings (version 3)."""
+    rank, pid, sections, *settings = fields
     return Timings(
         rank=_int(rank, "rank", high=2**31),
         pid=_int(pid, "pid"),
         sections=parse_sections(sections, _name),
+        settings=parse_settings(settings[0]) if settings else None,
     )
 
 
@@ -348,7 +366,7 @@ _PARSERS = {
     "calc": _parse_calc,
     "set": _parse_set,
     "ctl": _parse_control,
-    "tm": _parse_timings,
+    "tm": lambda fields: _parse_timings(_arity(fields, 3, "tm")),
     "bye": _bare(Goodbye(), "bye"),
     "reply": _parse_reply,
 }
@@ -360,6 +378,10 @@ _V2_PARSERS = {
     "hb": lambda fields: Heartbeat(_iteration(_arity(fields, 1, "hb")[0])),
     "se": lambda fields: _parse_section_end(_arity(fields, 2, "se")),
 }
+
+
+# Messages whose fields changed in version 3.
+_V3_PARSERS = {"tm": lambda fields: _parse_timings(_arity(fields, 4, "tm"))}
 
 
 def _parse_section_end(fields: list[Any]) -> SectionEnd:

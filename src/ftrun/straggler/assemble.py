@@ -7,7 +7,8 @@
    the report, from each node's `Columns` (`assemble`: the same from rank records).
 
 `encode_node`/`decode_node` are the per-node record the agents publish in the store: the
-node's `Columns` as JSON, one value per node and interval.
+node's `Columns` as JSON, one value per node and interval, with the node's name in reports and
+the report intervals its ranks asked for (see `adopt`).
 """
 
 from __future__ import annotations
@@ -70,9 +71,18 @@ class Columns:
     gpu: dict[str, list[list[float | None]]]
     cpu_individual: dict[str, list[float | None]]
     gpu_individual: list[float | None]
+    label: str | None = None
+    """The node's name in reports (its ranks' `node_name`), if not `node`."""
+    asks: dict[str, float] = dataclasses.field(default_factory=dict)
+    """rank (a string: JSON) -> the `report_time_interval` it gave `Detector.initialize`."""
 
 
-def columns(node: str, ranks: Mapping[int, RankRecord]) -> Columns:
+def columns(
+    node: str,
+    ranks: Mapping[int, RankRecord],
+    label: str | None = None,
+    asks: Mapping[int, float] | None = None,
+) -> Columns:
     order = sorted(ranks)
     records = [ranks[r] for r in order]
 
@@ -87,7 +97,9 @@ def columns(node: str, ranks: Mapping[int, RankRecord]) -> Columns:
     names = sorted({n for rec in records for n in rec.cpu_individual})
     individual = {n: [rec.cpu_individual.get(n) for rec in records] for n in names}
     gpu_ind = [rec.gpu_individual for rec in records]
-    return Columns(node, order, summaries("cpu"), summaries("gpu"), individual, gpu_ind)
+    asked = {str(rank): value for rank, value in sorted((asks or {}).items())}
+    cpu, gpu = summaries("cpu"), summaries("gpu")
+    return Columns(node, order, cpu, gpu, individual, gpu_ind, label, asked)
 
 
 def assemble(ranks: Mapping[int, RankRecord], seq: int = 0) -> Report:
@@ -127,7 +139,7 @@ def assemble_columns(nodes: Sequence[Columns], seq: int = 0) -> Report:
         section_relative_perf_scores=section_rel,
         gpu_individual_perf_scores=gpu_ind,
         section_individual_perf_scores=section_ind,
-        rank_to_node={rank: node.node for node in nodes for rank in node.ranks},
+        rank_to_node={rank: node.label or node.node for node in nodes for rank in node.ranks},
         local_section_summaries={},
         local_kernel_summaries={},
         generate_report_elapsed_time=(time.perf_counter_ns() - started) * 1e-6,
@@ -160,8 +172,14 @@ def _relative(nodes: Sequence[Columns], kind: str, name: str) -> dict[int, float
 # ---- the node record in the store -------------------------------------------------------------
 
 
-def encode_node(seq: int, node: str, ranks: Mapping[int, RankRecord]) -> bytes:
-    cols = columns(node, ranks)
+def encode_node(
+    seq: int,
+    node: str,
+    ranks: Mapping[int, RankRecord],
+    label: str | None = None,
+    asks: Mapping[int, float] | None = None,
+) -> bytes:
+    cols = columns(node, ranks, label, asks)
     body = {"seq": seq, **dataclasses.asdict(cols)}
     return json.dumps(body, separators=(",", ":")).encode()
 
@@ -176,6 +194,23 @@ def decode_node(raw: bytes) -> tuple[int, Columns]:
         for kind in (cols.cpu, cols.gpu):
             if any(len(col) != count for pair in kind.values() for col in pair):
                 raise ValueError("columns of unequal length")
+        _check_node_settings(cols)
         return seq, cols
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"malformed straggler node record: {exc}") from None
+
+
+def _check_node_settings(cols: Columns) -> None:
+    if cols.label is not None and not isinstance(cols.label, str):
+        raise ValueError("a label must be a string")
+    if not isinstance(cols.asks, dict):
+        raise ValueError("asks must be a map")
+    for rank, value in cols.asks.items():
+        int(rank)  # ValueError if not a rank
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError("an asked interval must be a positive number")
+
+
+def asked_intervals(cols: Columns) -> dict[int, float]:
+    """rank -> the report interval it asked (from a record `decode_node` accepted)."""
+    return {int(rank): float(value) for rank, value in cols.asks.items()}

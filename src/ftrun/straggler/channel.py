@@ -2,7 +2,9 @@
 
 Out: TIMINGS frames on a ZeroMQ DEALER socket of the detector's own, connected to the node's
 monitor (`FTRUN_MONITOR_ADDR`), sent without blocking: if the socket's queue is full the batch
-is dropped and counted, the training step never waits. In: the report the agents last
+is dropped and counted, the training step never waits; first, one TIMINGS frame without
+durations carries the settings `Detector.initialize` was given, which the agents may adopt
+(`adopt`). In: the report the agents last
 published, which the node's agent keeps in `<job dir>/straggler-report.json` (written
 atomically); reading it is one `stat`, and a parse only when it changed.
 """
@@ -18,7 +20,7 @@ import zmq
 
 from ftrun.rank_monitor import protocol as wire
 from ftrun.rank_monitor.config import ENV_JOB_DIR, ENV_MONITOR_ADDR, ENV_RANK
-from ftrun.rank_monitor.timings import SectionTimes
+from ftrun.rank_monitor.timings import DetectorSettings, SectionTimes
 from ftrun.straggler.recorder import Batch
 
 REPORT_FILE = "straggler-report.json"
@@ -48,13 +50,19 @@ class MonitorChannel:
         self._sock.setsockopt(zmq.SNDHWM, 1000)
         self._sock.connect(address)
 
+    def announce(self, settings: DetectorSettings) -> None:
+        """Tell the node's agent what this rank's detector was given (once, at initialize)."""
+        self._send(wire.encode(wire.Timings(self.rank, self.pid, (), settings)))
+
     def take(self, batch: Batch) -> None:
         for chunk in _chunks(batch):
-            frame = wire.encode(wire.Timings(self.rank, self.pid, chunk))
-            try:
-                self._sock.send(frame, zmq.NOBLOCK)
-            except zmq.Again:
-                self.dropped += 1
+            self._send(wire.encode(wire.Timings(self.rank, self.pid, chunk)))
+
+    def _send(self, frame: bytes) -> None:
+        try:
+            self._sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1
 
     def close(self) -> None:
         self._sock.close()

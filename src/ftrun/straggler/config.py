@@ -20,6 +20,8 @@ from typing import Any
 from ftrun.errors import ConfigError
 from ftrun.straggler.report import DEFAULT_THRESHOLD
 
+DEFAULT_REPORT_INTERVAL = 60.0
+"""Seconds between reports when neither the launcher nor a worker says (NVRx's default)."""
 CONTROL_FILE = "straggler.json"
 """In the launcher's --log-dir: runtime overrides of `StragglerConfig` fields (JSON object)."""
 
@@ -41,8 +43,9 @@ class StragglerConfig:
     """Report interval, thresholds (NVRx's names) and action."""
 
     enabled: bool = True
-    report_interval: float = 60.0
-    """Seconds between reports (NVRx's `report_time_interval` default)."""
+    report_interval: float | None = None
+    """Seconds between reports; None (not given): the workers' `report_time_interval`, else
+    `DEFAULT_REPORT_INTERVAL` (see `adopt`)."""
     gpu_relative_threshold: float = DEFAULT_THRESHOLD
     gpu_individual_threshold: float = DEFAULT_THRESHOLD
     section_relative_threshold: float = DEFAULT_THRESHOLD
@@ -54,7 +57,8 @@ class StragglerConfig:
     """Intervals of a rank's past that its individual reference is taken from."""
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.report_interval) and self.report_interval > 0):
+        interval = self.report_interval
+        if interval is not None and not (math.isfinite(interval) and interval > 0):
             raise ConfigError(f"straggler report_interval must be > 0, not {self.report_interval}")
         for name in _THRESHOLDS:
             value = getattr(self, name)

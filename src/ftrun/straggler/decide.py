@@ -12,7 +12,7 @@ round's size (`decide`); the service carries it out.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ftrun.straggler.config import StragglerAction, StragglerConfig
 from ftrun.straggler.report import Report
@@ -49,9 +49,13 @@ class Decision:
     """Why an exclusion was not possible, for the log."""
 
 
-def findings(report: Report, config: StragglerConfig) -> list[Finding]:
-    """Every score of `report` below its threshold, worst first."""
-    nodes = report.rank_to_node
+def findings(
+    report: Report, config: StragglerConfig, agents: Mapping[int, str] | None = None
+) -> list[Finding]:
+    """Every score of `report` below its threshold, worst first; each finding names the node
+    as `agents` does (rank -> the agent's node, which the ranks' `node_name` may not be), else
+    as the report does."""
+    nodes = report.rank_to_node if agents is None else agents
     found: list[Finding] = []
 
     def scan(
@@ -78,8 +82,9 @@ def decide(
     min_nodes: int,
     standby: int,
     excluded_this_cycle: bool,
+    agents: Mapping[int, str] | None = None,
 ) -> Decision:
-    found = tuple(findings(report, config))
+    found = tuple(findings(report, config, agents))
     if not found:
         return Decision((), "none")
     action = config.action

@@ -8,13 +8,14 @@
     Detector.shutdown()
 
 Under ft_launcher (its environment is set) the durations go to the node's agent in batches;
-the agents compute the scores on their own clock (`--ft-straggler-report-interval`; the
-worker's `report_time_interval` and `node_name` are not used, and a warning says so), and
-`generate_report_if_interval_elapsed()` returns each report they publish, read from a file the
-node's agent keeps: it never waits on another rank. `generate_report()` is NVRx's: a report
-of the durations since the last one, computed now in-process (collective: every rank calls it
-at the same step), as without the launcher (see `local`); `latest_launcher_report()` is the
-agents' latest report (None before their first), without a collective.
+the agents compute the scores on one clock: `--ft-straggler-report-interval` when the launcher
+was given it, else the `report_time_interval` the ranks gave `initialize` (which tells the
+agent, with `node_name`: see `adopt`), and `generate_report_if_interval_elapsed()` returns each
+report they publish, read from a file the node's agent keeps: it never waits on another rank.
+`generate_report()` is NVRx's: a report of the durations since the last one, computed now
+in-process (collective: every rank calls it at the same step), as without the launcher (see
+`local`); `latest_launcher_report()` is the agents' latest report (None before their first),
+without a collective.
 
 As with NVRx, with `gather_on_rank0=True` rank 0 gets every rank's scores and the other ranks
 get None; with False each rank gets its own scores only.
@@ -31,7 +32,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ftrun.errors import ProtocolError
+from ftrun.rank_monitor.timings import parse_settings
 from ftrun.straggler.channel import MonitorChannel, ReportFile, launcher_env
+from ftrun.straggler.config import DEFAULT_REPORT_INTERVAL
 from ftrun.straggler.cuda import cuda_timer
 from ftrun.straggler.local import IntervalTracker, LocalSink, local_report
 from ftrun.straggler.recorder import Recorder, Section
@@ -40,7 +44,7 @@ from ftrun.straggler.scores import History
 
 RELATIVE, INDIVIDUAL = "relative_perf_scores", "individual_perf_scores"
 _CHECK_REPORT_EVERY_S = 0.05
-DEFAULT_REPORT_TIME_INTERVAL = 60.0
+DEFAULT_REPORT_TIME_INTERVAL = DEFAULT_REPORT_INTERVAL
 """NVRx's default `report_time_interval`."""
 log = logging.getLogger("ftrun.straggler")
 
@@ -111,9 +115,9 @@ class Detector:
         if not scores or scores - {RELATIVE, INDIVIDUAL}:
             raise ValueError(f"scores_to_compute: 'all' or some of {RELATIVE!r}, {INDIVIDUAL!r}")
         env = launcher_env()
-        if env:
-            _say_what_the_launcher_decides(report_time_interval, node_name)
         channel = MonitorChannel(env[0], env[2]) if env else None
+        if channel is not None:
+            _announce(channel, report_time_interval, node_name)
         local = LocalSink()
         sink: Any = _Both(channel, local) if channel else local
         recorder = Recorder(sink, profiling_interval, cuda_timer())
@@ -244,23 +248,20 @@ class _Both:
         self.local.take(batch)
 
 
-def _say_what_the_launcher_decides(report_time_interval: float, node_name: str | None) -> None:
-    """Under ft_launcher the agents report on their clock and with their node names: NVRx's
-    per-worker settings are not used, and a warning says so rather than dropping them."""
-    if report_time_interval != DEFAULT_REPORT_TIME_INTERVAL:
+def _announce(channel: MonitorChannel, report_time_interval: float, node_name: str | None) -> None:
+    """Tell the node's agent what this rank was given, checked here as the agent checks it:
+    settings it could not adopt are one warning in this rank's log (NVRx takes any value, and
+    so does this detector without the launcher)."""
+    try:
+        settings = parse_settings([float(report_time_interval), node_name or None])
+    except (TypeError, ValueError, ProtocolError) as exc:
         log.warning(
-            "Detector: report_time_interval=%s is not used under ft_launcher: "
-            "generate_report_if_interval_elapsed() returns the launcher's reports, every "
-            "--ft-straggler-report-interval seconds",
-            report_time_interval,
-        )
-    if node_name is not None:
-        log.warning(
-            "Detector: node_name=%r names this rank's node in generate_report() only: the "
-            "launcher's reports name each rank's node as its launcher does (--local-addr or "
-            "the host name)",
-            node_name,
-        )
+            "Detector.initialize: the launcher cannot adopt report_time_interval=%r, "
+            "node_name=%r (%s): it reports on --ft-straggler-report-interval, else every %g s",
+            report_time_interval, node_name, exc, DEFAULT_REPORT_INTERVAL,
+        )  # fmt: skip
+        return
+    channel.announce(settings)
 
 
 def _timed(fn: Callable[..., Any], section: Section) -> Callable[..., Any]:
