@@ -12,6 +12,7 @@ from ftrun.agent.attribution import (
     Kind,
     collective_signature,
     exit_signature,
+    hang_cause,
     hang_signature,
     last_exception,
 )
@@ -102,6 +103,35 @@ def test_a_hang_is_named_by_where_the_rank_was_stuck() -> None:
     assert found.key == "hang: heartbeat at train.py:40 in step"
     assert "waiting inside" in found.message
     assert hang_signature("section", "step", "").message == "no stack dump"
+
+
+WAITING = (
+    "Current thread 0x00007f (most recent call first):\n"
+    '  File "/usr/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", '
+    "line 3252 in all_reduce\n"
+    '  File "/job/train.py", line 40 in step\n'
+)
+OWN_CODE = (
+    'Current thread 0x00007f (most recent call first):\n  File "/job/data.py", line 7 in load\n'
+)
+
+
+def test_a_stopped_rank_is_named_without_stacks_and_is_no_consequence() -> None:
+    found = hang_signature("heartbeat", None, "", rank=3, stopped=True)
+    assert found.key == "hang: heartbeat, process stopped"
+    assert (found.rank, found.secondary, found.where) == (3, False, "")
+    assert "SIGSTOP" in found.message
+
+
+def test_the_cause_of_a_hang_a_stopped_rank_then_own_code_then_a_consequence() -> None:
+    waiting = hang_signature("heartbeat", None, WAITING, rank=0)
+    own = hang_signature("heartbeat", None, OWN_CODE, rank=1)
+    stopped = hang_signature("heartbeat", None, "", rank=2, stopped=True)
+    # Verdicts of one hang come in any order: the waiting ranks miss their heartbeats too.
+    assert hang_cause([waiting, own, stopped]) == stopped
+    assert hang_cause([waiting, own]) == own
+    blamed = hang_cause([waiting, hang_signature("heartbeat", None, WAITING, rank=5)])
+    assert (blamed.rank, blamed.secondary) == (0, True)
 
 
 def test_a_skipped_collective_names_the_missing_ranks() -> None:

@@ -22,6 +22,7 @@ from ftrun.rank_monitor import (
     RankMonitorServer,
     Verdict,
 )
+from ftrun.rank_monitor.process_state import can_answer, cannot_act
 from ftrun.rank_monitor.stacks import StuckAt, where_stuck
 from support import python_cmd, wait_for
 
@@ -377,3 +378,38 @@ def test_a_slow_stack_capture_delays_no_other_rank_s_verdict(tmp_path: Path, in_
     finally:
         release.set()
         server.stop()
+
+
+def test_a_stopped_rank_is_not_asked_for_stacks_and_its_verdict_does_not_wait(
+    tmp_path: Path, in_process_client
+):
+    """A stopped process (SIGSTOP) could never dump: the capture is not asked to wait for it
+    (a fake capture that would block), and the verdict says why it has no stacks."""
+    asked: list[list[tuple[int, Path]]] = []
+
+    def capture(targets, sig, timeout):
+        asked.append(targets)
+        if targets:
+            time.sleep(30)  # what waiting for a stopped process would cost (its timeout)
+        return {}
+
+    config = RankMonitorConfig(initial_rank_heartbeat_timeout=0.3, stack_capture_timeout=30.0)
+    server = RankMonitorServer(config, job_dir=tmp_path / "job", capture=capture,
+                               status=lambda pid: "stopped").start()  # fmt: skip
+    try:
+        in_process_client(server, 0)
+        verdict = server.verdicts.get(timeout=10)
+        assert asked == [[]] and verdict.stopped and verdict.stack_file is None
+        assert verdict.detected_at - verdict.deadline < 1.0
+        assert "the process is stopped" in verdict.describe()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    ("status", "stopped", "answers"),
+    [("stopped", True, False), ("tracing-stop", True, False), ("sleeping", False, True),
+     ("running", False, True), ("zombie", False, False), (None, False, False)],
+)  # fmt: skip
+def test_which_process_states_can_act(status: str | None, stopped: bool, answers: bool) -> None:
+    assert (cannot_act(status), can_answer(status)) == (stopped, answers)

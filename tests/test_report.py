@@ -500,6 +500,84 @@ def test_the_rank_stuck_in_its_own_code_is_named_the_likely_cause(tmp_path: Path
     assert "where: rank 2 on b at train.py:63 in load_batch  <- likely the cause" in result.output
 
 
+# ---- whom a hang's ranks waited for: verdicts race, the flight recorders and stopped ranks ----
+
+WAITING = dict(kind="heartbeat", timeout=2.0, waited=2.0, in_library=True,
+               where="waiting inside torch/distributed/distributed_c10d.py:3252 in all_reduce, "
+                     "called from train.py:58 in main")  # fmt: skip
+STOPPED = dict(kind="heartbeat", timeout=2.0, waited=2.0, stopped=True,
+               where="process stopped (SIGSTOP or a debugger; killed with SIGKILL)")  # fmt: skip
+
+
+def race(tmp_path: Path, b_judged: bool, a_primary: bool = False, **finding: Any) -> Report:
+    """Rank 3 (node b) stopped; node a's waiting ranks are judged first. `b_judged`: b's own
+    verdicts came in too (else the cycle ended before them); `a_primary`: a named its verdict
+    a cause, not a consequence; `finding`: a `collectives` event (the flight recorders')."""
+    job = Job(tmp_path / "logs", ["a", "b"])
+    job.cycle(0, 0)
+    job.stepping(0, {"a": 3, "b": 3})
+    for rank in (0, 1):
+        job.emit("a", 10, "hang", 0, rank=rank, pid=0, **WAITING)  # (the fixture's pids)
+    job.emit("a", 10.05, "failure", 0, kind="hang", detail="heartbeat", secondary=not a_primary,
+             rank=0, key="hang: heartbeat at train.py:58 in main", decision="restart")  # fmt: skip
+    if b_judged:
+        job.emit("b", 10.02, "hang", 0, rank=3, pid=1, **STOPPED)
+        job.emit("b", 10.02, "hang", 0, rank=2, pid=1, **WAITING)
+        job.emit("b", 10.04, "failure", 0, kind="hang", detail="heartbeat, process stopped",
+                 rank=3, key="hang: heartbeat, process stopped", decision="restart")  # fmt: skip
+    if finding:
+        fields = dict(group="default_pg", seq=10, op="all_reduce", sizes="[[64]]",
+                      last_completed=9, summary="the flight recorders' summary")  # fmt: skip
+        job.emit("a", 10.3, "collectives", 0, **(fields | finding))
+    job.stop(0, 10.3)
+    job.cycle(1, 12)
+    job.stepping(1, {"a": 13, "b": 13})
+    job.finish(1, 20)
+    return report_of(job.write())
+
+
+def suspect(report: Report) -> tuple[str, int | None]:
+    (found,) = report.attributions
+    return found.node, found.rank
+
+
+def test_a_stopped_rank_is_the_hang_s_culprit_whichever_verdict_came_first(tmp_path: Path):
+    report = race(tmp_path, b_judged=True)
+    (failure,) = report.failures
+    assert (failure.kind, failure.ranks, failure.nodes) == (HANG, (3,), ("b",))
+    assert failure.cause.startswith("rank 3 on b hung (process stopped); ranks 2 on b, 0-1 on a")
+    assert not failure.notes
+    assert failure.hang is not None and failure.hang.where[0].startswith("rank 3 on b process")
+    assert suspect(report) == ("b", 3)
+
+
+def test_the_flight_recorders_finding_overrides_the_first_verdict_s_rank(tmp_path: Path):
+    # Node a's rank 0 was judged first, and named as the cause; the flight recorders saw
+    # rank 2 never enter the collective the others wait in.
+    report = race(tmp_path, b_judged=False, a_primary=True, entered=[0, 1, 3], missing=[2],
+                  no_dump=[], suspects=["b"])  # fmt: skip
+    (failure,) = report.failures
+    assert (failure.ranks, failure.nodes) == ((2,), ("b",))
+    assert "rank 2 on b hung (never entered all_reduce seq 10, by the flight recorders)" in (
+        failure.cause
+    )
+    assert suspect(report) == ("b", 2)
+    assert report.attributions[0].signature == "hang: heartbeat at train.py:58 in main"
+    text = run_cli(str(tmp_path / "logs"), "--no-timeline").output
+    assert "suspect: b rank 2" in text
+
+
+def test_no_dump_names_the_culprit_only_when_nothing_stronger_does(tmp_path: Path):
+    # Rank 1 sent no dump either: it died when node b killed its hung ranks at once.
+    seen = dict(entered=[0, 2], missing=[], no_dump=[1, 3], suspects=["a", "b"])
+    stopped = race(tmp_path / "stopped", b_judged=True, **seen)
+    assert (stopped.failures[0].ranks, suspect(stopped)) == ((3,), ("b", 3))
+    unjudged = race(tmp_path / "unjudged", b_judged=False, **seen)
+    assert unjudged.failures[0].ranks == (1, 3)
+    assert "ranks 1 on a, 3 on b hung (no flight-recorder dump" in unjudged.failures[0].cause
+    assert suspect(unjudged) == ("a", 1)
+
+
 # ---- a real run: the report against the workers' own step logs -------------------------------
 
 

@@ -12,8 +12,15 @@ import psutil
 import pytest
 
 from ftrun.agent.health import _run_command
-from ftrun.agent.termination import Delivery, kill_group_now, terminate, wait_reaped
+from ftrun.agent.termination import (
+    Delivery,
+    kill_at_once,
+    kill_group_now,
+    terminate,
+    wait_reaped,
+)
 from ftrun.errors import NodeUnhealthyError
+from support import wait_for
 
 pytestmark = pytest.mark.process
 
@@ -62,6 +69,24 @@ def test_sigkill_at_once_does_not_wait_for_a_grace_period() -> None:
     result = terminate([proc.pid], Delivery.at_once(), others(proc))
     assert result.survivors == 0 and result.duration < 5
     assert proc.wait(5) == -signal.SIGKILL
+
+
+def test_a_stopped_group_gets_sigkill_at_once_not_after_the_grace_period() -> None:
+    # NVRx's examples simulate a hung rank with SIGSTOP: it acts on no SIGTERM, ever.
+    proc = start(IGNORES_TERM)
+    child = psutil.Process(proc.pid).children()[0]
+    proc.send_signal(signal.SIGSTOP)
+    wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, 10, "stopped")
+    result = terminate([proc.pid], Delivery.graceful(signal.SIGTERM, 30.0), others(proc))
+    assert result.duration < 5 and (result.stopped, result.killed, result.survivors) == (1, 0, 0)
+    assert proc.wait(5) == -signal.SIGKILL
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE  # its group too
+
+
+def test_who_is_killed_at_once_a_stopped_leader_with_its_group_a_stopped_child_alone() -> None:
+    statuses = {1: "stopped", 2: "sleeping", 3: "tracing-stop", 4: None, 5: "zombie"}
+    assert kill_at_once([1, 2], statuses) == ([1], [3])
+    assert kill_at_once([2], {2: "running", 6: "disk-sleep"}) == ([], [])
 
 
 def test_kill_group_now_and_a_bounded_reap() -> None:

@@ -137,6 +137,7 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
         _opt("stack_file", STR),
         _opt("where", STR),
         _opt("in_library", BOOL),
+        _opt("stopped", BOOL, "the process was stopped (SIGSTOP, a debugger): others wait on it"),
     ),
     "failure": (
         _req("kind", STR, "the signature's kind (agent.attribution.Kind)"),
@@ -200,6 +201,7 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
         _req("duration", NUM),
         _opt("killed", INT, "processes that needed SIGKILL"),
         _opt("survivors", INT),
+        _opt("stopped", INT, "stopped processes sent SIGKILL at once, without the grace"),
     ),
     "gpu_memory_reclaimed": (
         _req("duration", NUM),

@@ -2,14 +2,17 @@
 
 --skip CYCLE:RANK:STEP: that rank skips the step's all_reduce and goes on heartbeating without
 any collective (as a rank that went off to do something else would), so the other ranks hang
-inside the collective (gloo, or NCCL with --backend nccl). <ckpt-dir>/progress-rank<R>.txt
-gets "<cycle> <step> <time>" after each step.
+inside the collective (gloo, or NCCL with --backend nccl). --stop CYCLE:RANK:STEP: at the start of
+the step that rank writes the time to <ckpt-dir>/stopped-rank<R>.txt and SIGSTOPs itself (as
+NVRx's examples simulate a hung rank): it can act on no signal but SIGKILL.
+<ckpt-dir>/progress-rank<R>.txt gets "<cycle> <step> <time>" after each step.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -27,6 +30,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--step-time", type=float, default=0.02)
     parser.add_argument("--skip", default="", metavar="CYCLE:RANK:STEP")
+    parser.add_argument("--stop", default="", metavar="CYCLE:RANK:STEP")
     parser.add_argument("--backend", default="gloo", help="nccl: one GPU per local rank")
     args = parser.parse_args()
     device = torch.device("cpu")
@@ -36,6 +40,7 @@ def main() -> None:
     dist.init_process_group(args.backend)
     rank = dist.get_rank()
     skip = tuple(int(x) for x in args.skip.split(":")) if args.skip else None
+    stop = tuple(int(x) for x in args.stop.split(":")) if args.stop else None
     client = RankMonitorClient()
     client.init_workload_monitoring()
     args.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -47,6 +52,9 @@ def main() -> None:
             while True:
                 client.send_heartbeat()
                 time.sleep(0.1)
+        if stop == (CYCLE, rank, step):
+            (args.ckpt_dir / f"stopped-rank{rank}.txt").write_text(f"{time.time():.6f}\n")
+            os.kill(os.getpid(), signal.SIGSTOP)
         dist.all_reduce(grads)
         float(grads[0])  # the step reads its result (a loss.item()): NCCL's wait happens here
         grads.fill_(1.0)

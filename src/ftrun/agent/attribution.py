@@ -11,7 +11,7 @@ What goes in the key, and why:
 - a CUDA or NCCL error: the error text, normalised (the frame where an asynchronous error
   surfaces varies, the error does not);
 - a signal: its name, and the innermost user frame when faulthandler printed one;
-- a hang: its kind and section, and where the rank was stuck;
+- a hang: its kind and section, and where the rank was stuck (or that its process was stopped);
 - a health finding or a lost node: what was found.
 
 Some failures are the *consequence* of another: a collective whose peer died (gloo "Connection
@@ -26,6 +26,7 @@ import dataclasses
 import os
 import re
 import signal
+from collections.abc import Sequence
 
 from ftrun.rank_monitor.stacks import is_library, where_stuck
 
@@ -54,6 +55,9 @@ _PEER_LOST = (
     "Socket Timeout",
     "Broken pipe",
 )
+STOPPED = "process stopped"
+"""Ends the detail of a hang whose process was stopped (SIGSTOP, a debugger)."""
+_STOPPED_WHY = "no stacks: it was stopped (SIGSTOP or a debugger) and acts on nothing but SIGKILL"
 _COLLECTIVE_TIMEOUT = ("Watchdog caught collective operation timeout", "Timed out waiting")
 
 
@@ -177,16 +181,30 @@ def _fatal_error(text: str) -> Signature | None:
 
 
 def hang_signature(
-    kind: str, section: str | None, stack: str, rank: int | None = None
+    kind: str, section: str | None, stack: str, rank: int | None = None, stopped: bool = False
 ) -> Signature:
-    """A rank judged hung (`HangKind` value), from its stack dump."""
+    """A rank judged hung (`HangKind` value), from its stack dump; a `stopped` one has none."""
     detail = f"{kind} in section {section!r}" if section else kind
+    if stopped:
+        return Signature(Kind.HANG, f"{detail}, {STOPPED}", message=_STOPPED_WHY, rank=rank)
     stuck = where_stuck(stack)
     if stuck is None:
         return Signature(Kind.HANG, detail, message="no stack dump", rank=rank)
     where = stuck.caller if stuck.in_library else stuck.frame
     message = stuck.describe() if stuck.in_library else ""
     return Signature(Kind.HANG, detail, where=where or "", message=message, rank=rank)
+
+
+def hang_cause(signatures: Sequence[Signature]) -> Signature:
+    """The one signature of a hang whose ranks were judged together (`hang_signature`s): the
+    waiting ranks miss their heartbeats too, so the cause is a stopped rank's (it can do
+    nothing; the others wait for it), else a rank stuck in its own code, else the first, marked
+    `secondary`: all wait inside libraries, for someone the flight recorders may name."""
+    stopped = [s for s in signatures if s.detail.endswith(STOPPED)]
+    own_code = [s for s in signatures if s.where and not s.message]
+    if stopped or own_code:
+        return (stopped or own_code)[0]
+    return dataclasses.replace(signatures[0], secondary=True)
 
 
 def collective_signature(op: str, seq: int, missing: list[int]) -> Signature:

@@ -11,7 +11,8 @@ The protocol, for cycle N:
    node of the round, runs the analysis and writes a `collectives` event and a log line.
 
 Each rank answers through the listener `ftrun.client_lib.flight` starts in it; the dumps stay in
-the job's 0700 directory, and each rank's JSON is also kept with the cycle's logs.
+the job's 0700 directory, and each rank's JSON is also kept with the cycle's logs. A stopped rank
+(SIGSTOP, a debugger) is not asked: it never answers, and is left as one that did not dump.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from ftrun.agent.collectives import RankCollectives, Stall, find_stalls, summarize
 from ftrun.client_lib.flight import FR_DIR, fifo_path
+from ftrun.rank_monitor.process_state import answers, is_stopped
 from ftrun.rendezvous.control import JobControl
 from ftrun.rendezvous.ranks import Round
 
@@ -94,16 +96,17 @@ class FlightRecorder:
 
     def _dump(self, cycle: int, workers: Sequence[tuple[int, int]]) -> None:
         out = self._job_dir / FR_DIR
-        targets = {}
+        asked: dict[int, tuple[int, Path]] = {}
         for rank, pid in workers:
+            if is_stopped(pid):  # it would never answer: waiting would cost the whole timeout
+                log.warning("rank %d (pid %d) is stopped: no flight-recorder dump", rank, pid)
+                continue
             target = out / f"cycle{cycle}-rank{rank}.json"
             if _ask(fifo_path(self._job_dir, rank, pid), target):
-                targets[rank] = target
-        deadline = time.monotonic() + DUMP_TIMEOUT_S
-        while time.monotonic() < deadline and not all(t.exists() for t in targets.values()):
-            time.sleep(_POLL_S)
+                asked[rank] = (pid, target)
+        _await_dumps(asked.values(), DUMP_TIMEOUT_S)
         found = []
-        for rank, target in targets.items():
+        for rank, (_, target) in asked.items():
             try:
                 raw = target.read_bytes()
             except OSError:
@@ -114,6 +117,17 @@ class FlightRecorder:
             keep.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(target, keep)
         self._dumped[cycle] = found
+
+
+def _await_dumps(asked: Iterable[tuple[int, Path]], timeout: float) -> None:
+    """Wait (at most `timeout`) until each (pid, target) dumped or can no longer: a rank that
+    died meanwhile (its collective's peer was killed, say) or was stopped never will."""
+    deadline = time.monotonic() + timeout
+    pending = list(asked)
+    while pending and time.monotonic() < deadline:
+        pending = [(pid, t) for pid, t in pending if not t.exists() and answers(pid)]
+        if pending:
+            time.sleep(_POLL_S)
 
 
 def suspect_nodes(rnd: Round, stall: Stall) -> list[str]:

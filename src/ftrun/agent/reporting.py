@@ -21,6 +21,7 @@ from ftrun.rendezvous.ranks import Round
 log = logging.getLogger("ftrun.agent")
 
 FAILURES_FILE = "failures.jsonl"
+STOP_HINT = "SIGSTOP or a debugger; killed with SIGKILL"
 
 
 class CycleReport:
@@ -68,10 +69,15 @@ class CycleReport:
         cycle = rnd.number if rnd else self.events.cycle
         dump = self.rt.node_log_dir / f"cycle{cycle}" / f"stack-rank{verdict.rank}.txt"
         dump.parent.mkdir(parents=True, exist_ok=True)
-        dump.write_text(verdict.stack or "(the rank did not dump its stacks)\n")
+        none = "(the rank did not dump its stacks)\n"
+        if verdict.stopped:
+            none = f"(the rank's process was stopped: it could not dump its stacks; {STOP_HINT})\n"
+        dump.write_text(verdict.stack or none)
         where = f"in section {verdict.section!r}" if verdict.section else f"({verdict.kind.value})"
         stuck = where_stuck(verdict.stack)
         stuck_text = stuck.describe() if stuck else None
+        if verdict.stopped:  # the others wait for it: it is the one to look at
+            stuck_text = f"process stopped ({STOP_HINT})"
         log.error(
             "HANG: rank %d on node %s %s: no progress for %.3fs (timeout %.3gs), %s; stacks: %s",
             verdict.rank, self.rt.node, where, verdict.waited, verdict.timeout,
@@ -89,6 +95,7 @@ class CycleReport:
             stack_file=str(dump),
             where=stuck_text,
             in_library=stuck.in_library if stuck else None,
+            stopped=verdict.stopped,
         )
 
     # ---- training progress (from the rank monitor) -------------------------------------------

@@ -3,6 +3,8 @@
 Every place that stops processes uses it: the agent's stop (`terminate`, whole process groups
 with a `Delivery`), a hung rank killed at once and a timed-out health command
 (`kill_group_now`), the fork server's children at its end (`kill_group_now`, `wait_reaped`).
+A stopped process (SIGSTOP, a debugger) acts on no signal but SIGKILL: `terminate` sends it
+SIGKILL at once instead of waiting out the grace for it (`kill_at_once` decides who).
 
 Whole process groups: each worker leads its own group, so its children and grandchildren get
 the signal too. Descendants that moved to another group (setsid) are found through psutil
@@ -23,9 +25,12 @@ import os
 import select
 import signal
 import time
+from collections.abc import Collection, Mapping
 from typing import Protocol
 
 import psutil
+
+from ftrun.rank_monitor.process_state import cannot_act
 
 log = logging.getLogger("ftrun.agent")
 
@@ -72,6 +77,21 @@ class StopResult:
     """Processes still there when the grace period ended (sent SIGKILL then)."""
     survivors: int
     """Processes still alive after SIGKILL and the bounded wait (should be 0)."""
+    stopped: int = 0
+    """Stopped processes (SIGSTOP, a debugger) sent SIGKILL at once: no grace helps them."""
+
+
+def kill_at_once(
+    leaders: Collection[int], statuses: Mapping[int, str | None]
+) -> tuple[list[int], list[int]]:
+    """Who gets SIGKILL without waiting out the grace: (process groups, single processes).
+
+    A stopped process acts on no signal but SIGKILL, so the grace would only be waited out. A
+    stopped group leader (a rank) takes its group along: what its children could still save
+    on SIGTERM needs the rank itself. A stopped descendant goes alone: its rank may still be
+    saving its checkpoint. `statuses`: pid -> psutil's name for its state (None: gone)."""
+    stopped = [pid for pid, status in statuses.items() if cannot_act(status)]
+    return [p for p in stopped if p in leaders], [p for p in stopped if p not in leaders]
 
 
 def terminate(
@@ -84,6 +104,7 @@ def terminate(
     started = time.monotonic()
     targets, orphans = _targets(leaders, keep)
     _signal_all(leaders, targets, delivery.first)
+    stopped = _kill_stopped(leaders, targets) if delivery.first != signal.SIGKILL else 0
     alive = wait_gone(targets, delivery.grace)
     later, more_orphans = _targets(leaders, keep)
     alive += [p for p in later if p.pid not in {t.pid for t in targets}]
@@ -97,7 +118,7 @@ def terminate(
     _reap(orphans)
     for proc in alive:
         log.error("process %d survived SIGKILL", proc.pid)
-    return StopResult(time.monotonic() - started, killed, len(alive))
+    return StopResult(time.monotonic() - started, killed, len(alive), stopped)
 
 
 class Termination(Protocol):
@@ -238,6 +259,29 @@ def _running_pid(pid: int) -> bool:
     with contextlib.suppress(psutil.Error):
         return _running(psutil.Process(pid))
     return False
+
+
+def _kill_stopped(leaders: list[int], targets: list[psutil.Process]) -> int:
+    """SIGKILL the stopped processes among `targets` now (`kill_at_once`); how many there were."""
+    statuses = {proc.pid: _status(proc) for proc in targets}
+    groups, alone = kill_at_once(leaders, statuses)
+    for pid in groups:
+        kill_group_now(pid)
+    for pid in alone:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    if groups or alone:
+        log.warning("killed %d stopped process(es) at once (SIGSTOP or a debugger: they act on "
+                    "no signal but SIGKILL): %s", len(groups) + len(alone),
+                    ", ".join(str(p) for p in [*groups, *alone]))  # fmt: skip
+    return len(groups) + len(alone)
+
+
+def _status(proc: psutil.Process) -> str | None:
+    try:
+        return proc.status()
+    except psutil.Error:
+        return None
 
 
 def _signal_all(leaders: list[int], procs: list[psutil.Process], sig: signal.Signals) -> None:

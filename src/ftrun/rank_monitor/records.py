@@ -26,12 +26,16 @@ class Verdict:
     detected_at: float
     stack_file: Path | None
     stack: str
+    stopped: bool = False
+    """The process was stopped (SIGSTOP, a debugger): it can act on nothing but SIGKILL, so it
+    was not asked for its stacks, and the ranks that wait for it are not the cause."""
 
     def describe(self) -> str:
         what = f"section {self.section!r}" if self.kind is HangKind.SECTION else self.kind.value
+        stacks = "none: the process is stopped" if self.stopped else "not captured"
         return (
             f"rank {self.rank} (pid {self.pid}) hung: {what} timeout {self.timeout:.3g}s, "
-            f"waited {self.waited:.3f}s; stacks: {self.stack_file or 'not captured'}"
+            f"waited {self.waited:.3f}s; stacks: {self.stack_file or stacks}"
         )
 
 

@@ -3,10 +3,11 @@
 One thread owns the ZeroMQ ROUTER socket and the deadline heap; it sleeps exactly until the next
 deadline or message, so a hang is found within milliseconds of its deadline. The hung rank's
 stacks are then captured off that thread (`capture`), and its verdict posted once they are in:
-a slow capture never delays another rank's deadline. The owner (the agent, or a test) talks to
-it through `expect_rank`/`forget_rank` (kept in a `RankRegistry`, which admits a rank's HELLO
-only from the process spawned for it) and receives `Verdict`s through a callback (default: the
-`verdicts` queue).
+a slow capture never delays another rank's deadline. A stopped rank (`process_state`) is not
+asked: it could never answer, and its verdict, marked `stopped`, must not wait for it. The
+owner (the agent, or a test) talks to it through `expect_rank`/`forget_rank` (kept in a
+`RankRegistry`, which admits a rank's HELLO only from the process spawned for it) and receives
+`Verdict`s through a callback (default: the `verdicts` queue).
 
 It also notes training progress for reports: each registration's first progress (heartbeat or
 section end) goes to the `on_progress` callback as a `FirstProgress`, and `progress_snapshot()`
@@ -40,6 +41,7 @@ from ftrun.rank_monitor.config import (
     RankMonitorConfig,
 )
 from ftrun.rank_monitor.deadlines import Deadlines
+from ftrun.rank_monitor.process_state import cannot_act, status_of
 from ftrun.rank_monitor.records import FirstProgress, ProgressSnapshot, Verdict
 from ftrun.rank_monitor.registry import Peer, RankRegistry, is_self_or_descendant
 from ftrun.rank_monitor.timings import TimingBatch, TimingSenders
@@ -51,6 +53,8 @@ log = logging.getLogger("ftrun.rank_monitor")
 _MAX_DRAIN = 512  # messages handled per batch, so a flood cannot hold the lock for long
 _MAX_SLEEP_MS = 1000
 _CATCH_UP_S = 0.5
+_Hung = list[tuple[Peer, Overdue, float]]
+"""Ranks judged hung at once: each registration, why, and when it was judged."""
 
 
 class RankMonitorServer:
@@ -65,11 +69,12 @@ class RankMonitorServer:
         on_control: Callable[[WorkloadControl], None] | None = None,
         on_timings: Callable[[TimingBatch], None] | None = None,
         capture: Capture = capture_stacks,
+        status: Callable[[int], str | None] = status_of,
     ) -> None:
         """The callbacks run on the monitor thread (`on_verdict`: on a capture thread): they
         must only enqueue. Without `on_control`, workload control requests are refused;
-        without `on_timings`, timings are dropped uncounted. `capture` takes the stacks (a
-        fake in tests)."""
+        without `on_timings`, timings are dropped uncounted. `capture` takes the stacks and
+        `status` reads a process's state (`process_state.status_of`); fakes in tests."""
         self.config = config
         self.job_dir = Path(job_dir or tempfile.mkdtemp(prefix="ftrun-"))
         self.job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -82,6 +87,7 @@ class RankMonitorServer:
         self._on_control = on_control
         self._on_timings = on_timings
         self._capturer = StackCapturer(capture, config.stack_signal, config.stack_capture_timeout)
+        self._status = status
         self._timing_senders = TimingSenders(is_self_or_descendant)
         self._timings: list[TimingBatch] = []  # likewise
         self._lock = threading.Lock()
@@ -298,7 +304,8 @@ class RankMonitorServer:
         if spawned is None:
             self._drop(f"timings from rank {message.rank} pid {message.pid}, not spawned here")
             return
-        self._timings.append(TimingBatch(message.rank, spawned, message.sections, now))
+        batch = TimingBatch(message.rank, spawned, message.sections, now, message.settings)
+        self._timings.append(batch)
 
     def _hello(self, identity: bytes, hello: wire.Hello, now: float) -> None:
         spawned_pid = self._ranks.admitted_pid(hello.rank, hello.pid)
@@ -351,7 +358,7 @@ class RankMonitorServer:
             self._deadlines.arm(identity, progress.rank, overdue.deadline)
 
     def _fire_due(self) -> None:
-        hung: list[tuple[Peer, Overdue, float]] = []
+        hung: _Hung = []
         with self._lock:
             for identity in self._deadlines.pop_due(time.monotonic()):
                 peer = self._ranks.peers.get(identity)
@@ -367,16 +374,19 @@ class RankMonitorServer:
         if hung:
             self._report(hung)
 
-    def _report(self, hung: list[tuple[Peer, Overdue, float]]) -> None:
-        """Capture the hung ranks' stacks off this thread; their verdicts follow (`_post`)."""
+    def _report(self, hung: _Hung) -> None:
+        """Capture the hung ranks' stacks off this thread; their verdicts follow (`_post`).
+        A stopped rank is not asked (a signal would wait, pending, until its SIGCONT): the
+        capture would only wait out its timeout."""
         progresses = [peer.progress for peer, _, _ in hung]
         files = [stacks.stack_file(self.job_dir, p.rank, p.pid) for p in progresses]
-        targets = [(p.pid, f) for p, f in zip(progresses, files, strict=True)]
-        self._capturer.submit(targets, lambda dumps: self._post(hung, files, dumps))
+        stopped = {p.pid for p in progresses if cannot_act(self._status(p.pid))}
+        targets = [(p.pid, f) for p, f in zip(progresses, files, strict=True)
+                   if p.pid not in stopped]  # fmt: skip
+        self._capturer.submit(targets, lambda dumps: self._post(hung, files, dumps, stopped))
 
-    def _post(
-        self, hung: list[tuple[Peer, Overdue, float]], files: list[Path], dumps: dict[Path, str]
-    ) -> None:
+    def _post(self, hung: _Hung, files: list[Path], dumps: dict[Path, str],
+              stopped: set[int]) -> None:  # fmt: skip
         for (peer, overdue, detected_at), path in zip(hung, files, strict=True):
             progress = peer.progress
             with self._lock:
@@ -395,6 +405,7 @@ class RankMonitorServer:
                 detected_at=detected_at,
                 stack_file=path if dumps.get(path) else None,
                 stack=dumps.get(path, ""),
+                stopped=progress.pid in stopped,
             )
             log.info("%s", verdict.describe())
             self._on_verdict(verdict)

@@ -48,23 +48,25 @@ def _cycle(cycle: int, events: Sequence[Event]) -> Attribution | None:
     lost = [n for e in events if e.event == "node_lost" and e.get("lost_cycle") == cycle
             for n in e.get("nodes", [])]  # fmt: skip
     consequences = tuple(f"then on {e.node}: {e.get('key')}" for e in named if e not in primary)
+    hangs = [e for e in events if e.event == "hang" and e.cycle == cycle]
+    culprit = hang_culprit(cycle, hangs, events)
     if primary:
         first = primary[0]
         evidence = (*_evidence(first, events), *consequences)
         decision = str(first.get("decision", "restart"))
         if first.get("reason"):
             decision += f": {first.get('reason')}"
-        return Attribution(cycle, str(first.get("key")), first.node, first.get("rank"),
-                           evidence, decision)  # fmt: skip
-    stalled = [e for e in events if e.event == "collectives" and e.cycle == cycle
-               and e.get("missing")]  # fmt: skip
-    if stalled:
-        first = stalled[0]
-        suspects = first.get("suspects") or ["?"]
+        node, rank = first.node, first.get("rank")
+        if culprit is not None and first.get("kind") == "hang":
+            # Verdicts race (the waiting ranks miss their heartbeats too): the first one may
+            # be a waiting rank's; the flight recorders saw whom they all waited for.
+            node, rank = culprit.first()
+        return Attribution(cycle, str(first.get("key")), node, rank, evidence, decision)
+    if (stalled := stall_finding(cycle, events)) is not None:
+        node, rank = culprit.first() if culprit else (str(stalled.get("suspects", ["?"])[0]), None)
         decision = str(named[0].get("decision", "restart")) if named else "restart"
-        return Attribution(cycle, f"collective: {first.get('op')} not entered", suspects[0],
-                           first.get("missing")[0], (str(first.get("summary")), *consequences),
-                           decision)  # fmt: skip
+        return Attribution(cycle, f"collective: {stalled.get('op')} not entered", node, rank,
+                           (str(stalled.get("summary")), *consequences), decision)  # fmt: skip
     if lost:
         what = f"node lost: {', '.join(lost)} (launcher and workers gone)"
         return Attribution(cycle, what, lost[0], None, consequences, "restart without it")
@@ -74,6 +76,72 @@ def _cycle(cycle: int, events: Sequence[Event]) -> Attribution | None:
                            ("a consequence of a failure that left no record",),
                            str(first.get("decision", "restart")))  # fmt: skip
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Culprit:
+    """The rank(s) a hang's other ranks waited for, and what says so."""
+
+    ranks: tuple[int, ...]
+    placed: tuple[tuple[str, tuple[int, ...]], ...]
+    """(node, its ranks among `ranks`), nodes in order."""
+    why: str
+    """What names them: the flight recorders' finding, or a stopped process."""
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(node for node, _ in self.placed)
+
+    def first(self) -> tuple[str, int]:
+        """The first suspect: its node and rank."""
+        node, ranks = self.placed[0]
+        return node, ranks[0]
+
+
+def stall_finding(cycle: int, events: Sequence[Event]) -> Event | None:
+    """The flight recorders' finding for `cycle` that names ranks (a `collectives` event whose
+    collective some ranks never entered, or never dumped for); None: no such finding."""
+    return next((e for e in events if e.event == "collectives" and e.cycle == cycle
+                 and (_ints(e.get("missing")) or _ints(e.get("no_dump")))), None)  # fmt: skip
+
+
+def hang_culprit(cycle: int, hangs: Sequence[Event], events: Sequence[Event]) -> Culprit | None:
+    """Whom the hung ranks of `cycle` (their `hangs` events) waited for, strongest evidence
+    first: ranks the flight recorders saw never enter the stalled collective; ranks whose
+    process was stopped (they can do nothing; the others miss their heartbeats waiting); ranks
+    that sent the flight recorders no dump (stopped, or dead: killed as hung, or failed because
+    a peer was). None if nothing says."""
+    found = stall_finding(cycle, events)
+    op = f"{found.get('op')} seq {found.get('seq')}" if found is not None else ""
+    stopped = tuple(sorted({e.get("rank") for e in hangs if e.get("stopped") is True}))
+    if found is not None and (missing := _ints(found.get("missing"))):
+        ranks, why = missing, f"never entered {op}, by the flight recorders"
+    elif stopped:
+        ranks, why = stopped, "process stopped"
+    elif found is not None:
+        ranks, why = _ints(found.get("no_dump")), f"no flight-recorder dump; the others in {op}"
+    else:
+        return None
+    placed = _rank_nodes(cycle, events) | {e.get("rank"): e.node for e in hangs}
+    suspects = [str(n) for n in found.get("suspects") or ()] if found is not None else []
+    on = tuple((n, rs) for n in dict.fromkeys(placed.values())
+               if (rs := tuple(r for r in ranks if placed.get(r) == n)))  # fmt: skip
+    unplaced = tuple(r for r in ranks if r not in placed)
+    if unplaced:  # no event placed them: the finding's first suspect node
+        on += (((suspects or ["?"])[0], unplaced),)
+    return Culprit(ranks, on, why)
+
+
+def _rank_nodes(cycle: int, events: Sequence[Event]) -> dict[object, str]:
+    """rank -> node, from the cycle's `workers_started` events."""
+    return {rank: e.node for e in events if e.event == "workers_started" and e.cycle == cycle
+            for rank in e.get("ranks") or ()}  # fmt: skip
+
+
+def _ints(value: object) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        return ()
+    return tuple(v for v in value if isinstance(v, int) and not isinstance(v, bool))
 
 
 def _evidence(failure: Event, events: Sequence[Event]) -> tuple[str, ...]:

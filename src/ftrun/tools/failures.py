@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
+from ftrun.tools.attribution import Culprit, hang_culprit
 from ftrun.tools.events import Event
 
 CRASH, HANG, SIGNAL, STORE_LOST, RESTART = "crash", "hang", "signal", "store lost", "restart"
@@ -191,23 +192,26 @@ def _from_events(
     timing: _Timing,
 ) -> Failure:
     """The first failure event is the cause; hangs of one cycle are one incident (the monitor
-    flags every rank blocked behind the culprit at once); later events are consequences."""
+    flags every rank blocked behind the culprit at once: the flight recorders, or a stopped
+    process, name the culprit among them); later events are consequences."""
     first = in_cycle[0]
     group = [e for e in in_cycle if e.event == "hang"] if first.event == "hang" else [first]
     grouped = {id(e) for e in group}
     rest = [e for e in in_cycle if id(e) not in grouped]
     hang = _hang_info(group) if first.event == "hang" else None
+    culprit = hang_culprit(cycle, group, events) if hang else None
     detection = hang.waited if hang else 0.0
     last_healthy = timing.last_healthy(first.ts, detection)
     redone, redone_s = timing.redone(last_healthy)
+    ranks = tuple(sorted({e.get("rank") for e in group if isinstance(e.get("rank"), int)}))
     return Failure(
         number=number,
         cycle=cycle,
         kind=_kind(first),
         ts=first.ts,
-        nodes=tuple(dict.fromkeys(e.node for e in group)),
-        ranks=tuple(sorted({e.get("rank") for e in group if isinstance(e.get("rank"), int)})),
-        cause=describe(group, hang),
+        nodes=culprit.nodes if culprit else tuple(dict.fromkeys(e.node for e in group)),
+        ranks=culprit.ranks if culprit else ranks,
+        cause=describe(group, hang, culprit),
         exit_code=first.get("code") if first.event == "worker_exited" else None,
         signal=first.get("signal"),
         hang=hang,
@@ -333,8 +337,8 @@ def _ranks_on_nodes(events: Sequence[Event]) -> str:
     )
 
 
-def describe(group: Sequence[Event], hang: HangInfo | None) -> str:
-    """One line saying what failed, where, and how."""
+def describe(group: Sequence[Event], hang: HangInfo | None, culprit: Culprit | None = None) -> str:
+    """One line saying what failed, where, and how; a hang names its `culprit` if known."""
     first = group[0]
     if first.event == "worker_exited":
         sig = first.get("signal")
@@ -350,13 +354,20 @@ def describe(group: Sequence[Event], hang: HangInfo | None) -> str:
         nodes = ", ".join(dict.fromkeys(e.node for e in group))
         return f"the rendezvous store restarted empty; {nodes} wrote the job's state back"
     hang = hang or _hang_info(group)
-    where = _ranks_on_nodes(group)
     what = _HANG_TEXT.get(hang.kind, hang.kind)
     if hang.kind == "section":
         what = f"stuck in section {hang.section!r}"
-    plural = "s" if len(group) > 1 else ""
     limit = f" (timeout {hang.timeout:g}s)" if hang.timeout is not None else ""
-    return f"rank{plural} {where} hung: {what} for {hang.waited:.2f}s{limit}"
+    if culprit is None:
+        plural = "s" if len(group) > 1 else ""
+        return f"rank{plural} {_ranks_on_nodes(group)} hung: {what} for {hang.waited:.2f}s{limit}"
+    where = ", ".join(f"{ranks_text(ranks)} on {node}" for node, ranks in culprit.placed)
+    plural = "s" if len(culprit.ranks) > 1 else ""
+    text = f"rank{plural} {where or ranks_text(culprit.ranks)} hung ({culprit.why})"
+    waiting = [e for e in group if e.get("rank") not in culprit.ranks]
+    if waiting:
+        text += f"; rank{'s' if len(waiting) > 1 else ''} {_ranks_on_nodes(waiting)} waited"
+    return f"{text}: {what} for {hang.waited:.2f}s{limit}"
 
 
 def ranks_text(ranks: Iterable[int]) -> str:
