@@ -145,7 +145,8 @@ def test_two_spares_replace_two_successive_losses(tmp_path: Path):
 
 
 def test_cycles_without_progress_stop_the_job_with_their_own_code(tmp_path: Path):
-    args = ["--max-restarts=9", "--ft-max-no-progress-cycles=2"]
+    # Every cycle fails the same way too: the repeated-failure stop (3 in a row) is off here.
+    args = ["--max-restarts=9", "--ft-max-no-progress-cycles=2", "--ft-max-same-failure=0"]
     job = start_job(tmp_path, 2, args, ["--stall-at", "4", "--step-time", "0.02"], script=CONTROL)
     codes = wait_all(job, 120)
     assert codes == {0: ExitCode.NO_PROGRESS, 1: ExitCode.NO_PROGRESS}

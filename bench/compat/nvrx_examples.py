@@ -182,6 +182,7 @@ def cpu_cases(root: Path, work: Path, env: dict[str, str], skip_basic: bool) -> 
             rows.append(
                 run(f"train_ddp_{api}_api {run_name}", launchers(1, 2, argv), work / api, env, 600)
             )
+    rows += simulated_fault_cases(ft, work, env)
     script = root / "checkpointing" / "local_ckpt_cpu.py"
     for flags_name, flags in LOCAL_CKPT_FLAGS.items():
         argv = [str(script), "--ckpt_dir", str(work / "lc" / flags_name / "ckpt"), *flags]
@@ -194,6 +195,37 @@ def cpu_cases(root: Path, work: Path, env: dict[str, str], skip_basic: bool) -> 
                 env,
                 300,
             )
+        )
+    return rows
+
+
+def simulated_fault_cases(ft: Path, work: Path, env: dict[str, str]) -> list[dict | None]:
+    """NVRx's own fault test: `--simulated_fault=rank_killed|rank_hung,DELAY` (SIGKILL or
+    SIGSTOP of a random rank once the heartbeat timeouts are calculated), 2 ranks, resumed from
+    the example's checkpoint after each restart. Each new cycle arms the fault again, so the
+    run ends once an epoch outruns it (or the restart budget is spent: then rc 1)."""
+    rows = []
+    cfg = ft / "fault_tol_cfg_heartbeats.yaml"
+    for fault in ("rank_killed", "rank_hung"):
+        out = work / fault / "results"
+        argv = [
+            f"--ft-cfg-path={cfg}",
+            "--max-restarts=6",
+            f"--log-dir={work / fault / 'logs'}",
+            str(ft / "train_ddp_heartbeats_api.py"),
+            "--device=cpu",
+            *SMALL,
+            "--epochs",
+            "4",
+            "--save_interval",
+            "50",
+            "--output_dir",
+            str(out),
+            "--simulated_fault",
+            f"{fault},1",
+        ]
+        rows.append(
+            run(f"train_ddp_heartbeats_api {fault}", launchers(1, 2, argv), work / fault, env, 600)
         )
     return rows
 

@@ -27,8 +27,8 @@ class ExitCode(enum.IntEnum):
     """This node left the job at a worker's ExcludeThisNode request; the job goes on without it
     (its outcome is the other launchers' codes)."""
     REPEATED_FAILURE = 6
-    """The same failure on `--ft-max-same-failure` different nodes: a fault of the software or
-    the data, not of a node; do not relaunch (the report names the failure)."""
+    """The same failure in `--ft-max-same-failure` cycles in a row, on one node or many:
+    restarting does not cure it; do not relaunch (the report names the failure)."""
     RESUME_TO_DISAMBIGUATE = 16
     """A rejected result must be re-run on other GPUs and no standby node was there to do it
     in this job: relaunch from the checkpoint just saved (Megatron-Core's 16)."""

@@ -37,7 +37,7 @@ class AgentConfig:
     through the client are not judged."""
     max_same_failure: int = 3
     """Stop the job (exit `ExitCode.REPEATED_FAILURE`) once the same failure signature has
-    been seen on this many different nodes; <= 0: never (`agent.repeats`)."""
+    ended this many cycles in a row, on any nodes; <= 0: never (`agent.repeats`)."""
     health_action: str = "exclude"
     """What a fault the health watch finds while training does: 'log', 'restart' or
     'exclude' (the node leaves if a standby node or the minimum size allows; else logged)."""

@@ -2,8 +2,9 @@
 executor (`node.NodeAgent`) reads and writes about failures, kept apart from its loop.
 
 Before the decision: the failed rank's stderr tail named as a signature; a hang's verdicts
-reduced to one signature (the rank stuck in its own code, else a consequence of whoever the
-others wait for), with the flight recorders dumped before the hung ranks are killed.
+reduced to one signature (a stopped rank, else the rank stuck in its own code, else a
+consequence of whoever the others wait for), with the flight recorders dumped before the hung
+ranks are killed.
 Around the stop: every node's flight-recorder summaries, and the collective a rank never
 entered, blamed on that rank's node in the job's history. At the next round: the nodes of the
 previous one that vanished with their workers (`node_lost`).
@@ -12,7 +13,6 @@ previous one that vanished with their workers (`node_lost`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -23,9 +23,11 @@ from ftrun.agent.attribution import (
     Signature,
     collective_signature,
     exit_signature,
+    hang_cause,
     hang_signature,
 )
 from ftrun.agent.flight_recorder import FlightRecorder, suspect_nodes
+from ftrun.agent.repeats import held_ranks
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.workers import WorkerExited, WorkerGroup
 from ftrun.errors import ExitCode
@@ -57,17 +59,13 @@ class Evidence:
     def of_hang(
         self, verdicts: Sequence[Verdict], rnd: Round | None, group: WorkerGroup | None
     ) -> Signature:
-        """One signature for a hang's verdicts; the flight recorders are dumped (and every node
-        asked to dump) before the hung ranks are killed."""
-        signatures = [hang_signature(v.kind.value, v.section, v.stack, v.rank) for v in verdicts]
-        # The rank stuck in its own code, if any, is the likely cause; the others wait for it.
-        own_code = [s for s in signatures if s.where and not s.message]
+        """One signature for a hang's verdicts (`hang_cause`: a stopped rank's, else one stuck
+        in its own code); the flight recorders are dumped (and every node asked to dump) before
+        the hung ranks are killed."""
         if rnd is not None and group is not None:
             self._flight.on_hang(self.rt.control, rnd.number, _workers(group))
-        if own_code:
-            return own_code[0]
-        # All waiting inside libraries: they wait for someone (the flight recorders say whom).
-        return dataclasses.replace(signatures[0], secondary=True)
+        return hang_cause([hang_signature(v.kind.value, v.section, v.stack, v.rank, v.stopped)
+                           for v in verdicts])  # fmt: skip
 
     def before_stop(self, rnd: Round | None, group: WorkerGroup | None) -> None:
         if rnd is not None and group is not None:
@@ -83,7 +81,8 @@ class Evidence:
             for stall in self._flight.after_stop(self.rt.control, rnd):
                 key = collective_signature(stall.op, stall.seq, list(stall.missing)).key
                 for node in suspect_nodes(rnd, stall) if stall.missing else ():
-                    self.rt.control.record_failure(FailureRecord(rnd.number, node, key))
+                    record = FailureRecord(rnd.number, node, key, held_ranks(rnd, node))
+                    self.rt.control.record_failure(record)
 
     def lost_nodes(self, before: Round | None, rnd: Round) -> None:
         """Nodes of the previous cycle that are gone without a word (their launcher died with

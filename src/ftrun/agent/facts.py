@@ -8,6 +8,7 @@ import dataclasses
 
 from ftrun.agent import policy as p
 from ftrun.agent.observed import Outcome
+from ftrun.agent.repeats import held_ranks
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.rendezvous.config import RendezvousImpl
 from ftrun.rendezvous.ranks import Round
@@ -28,6 +29,7 @@ def read_facts(
         max_nodes=rt.config.rendezvous.max_nodes,
         after_stop=after_stop,
         stalled_cycles=rnd.stalled_cycles if rnd else 0,
+        progress_known=rnd.progress_known if rnd else False,
     )
     if isinstance(event, _READS_JOB_STATE):
         control = rt.control
@@ -46,7 +48,7 @@ def read_facts(
     if isinstance(event, _READS_HISTORY) and named:
         min_nodes = rt.config.rendezvous.min_nodes
         facts = dataclasses.replace(
-            facts, history=rt.control.failure_history(),
+            facts, history=rt.control.failure_history(), ranks=held_ranks(rnd, rt.node),
             can_lose_node=len(rnd.nodes) - 1 >= min_nodes
             or bool(rnd.standby) or rt.rendezvous.num_nodes_waiting(rnd.number) > 0,
         )  # fmt: skip

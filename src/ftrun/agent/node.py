@@ -29,6 +29,7 @@ from ftrun.agent.facts import read_facts
 from ftrun.agent.health_watch import HealthFinding
 from ftrun.agent.inbox import SignalReceived, SignalRecorder, take_queued
 from ftrun.agent.policy import Action, AgentEvent, Outcome, Policy
+from ftrun.agent.repeats import held_ranks
 from ftrun.agent.reporting import CycleReport
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.state import AgentState, check_transition
@@ -117,7 +118,8 @@ class NodeAgent:
         if action.record is not None and self._round is not None:
             self.report.failure(action.record, *action.decision())
             if not action.record.secondary:
-                record = FailureRecord(self._round.number, self.rt.node, action.record.key)
+                record = FailureRecord(self._round.number, self.rt.node, action.record.key,
+                                       held_ranks(self._round, self.rt.node))  # fmt: skip
                 control.record_failure(record)
         if action.note is not None:
             log.warning("%s", action.note)
@@ -311,6 +313,7 @@ class NodeAgent:
             duration=round(result.duration, 6),
             killed=result.killed,
             survivors=result.survivors,
+            stopped=result.stopped,
         )
         self._stop_signal = self.cfg.termination_signal
         if self._after_stop is None:

@@ -170,9 +170,13 @@ class Facts:
     """While stopping: how this node ends after the stop (None: it restarts)."""
     stalled_cycles: int = 0
     """Cycles in a row before the joined round that made no progress."""
+    progress_known: bool = False
+    """The job reports iterations, so `stalled_cycles` says whether earlier cycles progressed."""
     history: tuple[FailureRecord, ...] = ()
     """The job's failures before this one (read for a failure of a running cycle)."""
     can_lose_node: bool = False
     """A standby node waits, or the round is above the job's minimum size."""
+    ranks: range = range(0)
+    """The global ranks this node holds in its cycle (read with the history)."""
     standby_waiting: bool = False
     """A standby node waits to take a slot (read for a re-run request, a worker's exit 16)."""

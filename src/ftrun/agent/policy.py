@@ -20,9 +20,10 @@ Rules worth knowing:
   (`ExitCode.EXCLUDED`, the others restart without it), ShutdownWorkload ends the job with
   `ExitCode.DO_NOT_RELAUNCH`; Continue changes nothing.
 - A failure is named (`attribution.Signature`) and judged against the job's history of
-  failures (`repeats.judge`): the same failure on `--ft-max-same-failure` nodes stops the job
-  with `ExitCode.REPEATED_FAILURE`; a node that fails the same way twice leaves (if the job can
-  go on without it); anything else restarts.
+  failures (`repeats.judge`): the same failure in `--ft-max-same-failure` cycles in a row stops
+  the job with `ExitCode.REPEATED_FAILURE`, on one node or many; a node that failed the same
+  way while holding other ranks, alone both times, leaves (if the job can go on without it);
+  anything else restarts.
 - A health finding while training (`HealthFound`) does what `--ft-health-action` says: `log`,
   `restart` (a failure like any other), or `exclude` (the node leaves when the job can go on
   without it, else it is logged). Findings that are not faults (throttling) are only logged.
@@ -121,7 +122,7 @@ class Policy:
     max_no_progress_cycles: int = 0
     """<= 0: never stop for lack of progress."""
     max_same_failure: int = 3
-    """<= 0: never stop for a failure that repeats across nodes."""
+    """<= 0: never stop for a failure that repeats in cycles in a row."""
     health_action: str = "exclude"
     """What a health fault found while training does: 'log', 'restart' or 'exclude'."""
 
@@ -212,8 +213,9 @@ class Policy:
         if signature is None:
             return _restart(cause)
         cause = f"{cause}: {signature.key}"
+        stalled = facts.stalled_cycles if facts.progress_known else None
         found = judge(signature, facts.node, facts.cycle, facts.history, self.max_same_failure,
-                      facts.can_lose_node)  # fmt: skip
+                      facts.can_lose_node, facts.ranks, stalled)  # fmt: skip
         if found.decision is Decision.STOP:
             done = Outcome(ExitCode.REPEATED_FAILURE, found.reason)
             return Action(AgentState.STOPPING, record=signature, shutdown=done)

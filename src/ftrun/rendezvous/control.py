@@ -23,11 +23,28 @@ from ftrun.errors import ExitCode, RendezvousFailedError
 @dataclasses.dataclass(frozen=True)
 class FailureRecord:
     """One failure of the job's history: which node failed in which cycle, and how (the
-    `Signature.key` of `agent.attribution`)."""
+    `Signature.key` of `agent.attribution`), and where: the global ranks the node held in that
+    cycle, which tell a fault that follows the node from one that follows the ranks (empty
+    when the writer did not know)."""
 
     cycle: int
     node: str
     key: str
+    ranks: range = range(0)
+
+    def to_line(self) -> str:
+        """One line of the store's log: `[cycle, node, key]`, then `first, end` of the ranks
+        when known (appended, so that a line without them still reads)."""
+        fields: list[object] = [self.cycle, self.node, self.key]
+        if self.ranks:
+            fields += [self.ranks.start, self.ranks.stop]
+        return json.dumps(fields) + "\n"
+
+    @classmethod
+    def from_line(cls, line: str) -> FailureRecord:
+        cycle, node, key, *where = json.loads(line)
+        ranks = range(int(where[0]), int(where[1])) if len(where) >= 2 else range(0)
+        return cls(int(cycle), str(node), str(key), ranks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +216,7 @@ class JobControl:
 
     def record_failure(self, record: FailureRecord) -> None:
         """Add a failure to the job's history (one atomic append: nodes never overwrite)."""
-        line = json.dumps([record.cycle, record.node, record.key]) + "\n"
+        line = record.to_line()
         self._store.append(self._key("failure_log"), line)
         self.known.failure_log += line.encode()
 
@@ -210,7 +227,7 @@ class JobControl:
             return ()
         self.known.failure_log = self._store.get(key)
         lines = self.known.failure_log.decode().splitlines()
-        return tuple(FailureRecord(int(c), str(n), str(k)) for c, n, k in map(json.loads, lines))
+        return tuple(map(FailureRecord.from_line, lines))
 
     def request_collectives(self, cycle: int) -> None:
         """A hang in `cycle`: every node dumps its ranks' flight recorders before its stop."""

@@ -92,4 +92,5 @@ class PublishedRound:
             self.indices.index(index),
             standby=self.standby,
             stalled_cycles=self.progress.stalled_cycles,
+            progress_known=self.progress.best_iteration is not None,
         )

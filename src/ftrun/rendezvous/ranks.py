@@ -109,6 +109,9 @@ class Round:
     """Nodes that arrived but wait as hot spares for a later cycle."""
     stalled_cycles: int = 0
     """Cycles in a row, just before this one, whose ranks made no progress (see `published`)."""
+    progress_known: bool = False
+    """A rank reported an iteration in an earlier cycle, so `stalled_cycles` judges progress (a
+    job that reports none is never judged: it may not use the client)."""
     arrived_at: float | None = dataclasses.field(default=None, compare=False)
     """This node's own: when (its monotonic clock) it arrived for this round, if the rendezvous
     knows (a standby node arrives again when the cycle it waited through ends); not shared."""
