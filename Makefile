@@ -20,16 +20,13 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench examples slurm
 
-# Two xdist workers (work stealing: a long job test at the end no longer leaves the other worker
-# idle): most of the time is whole jobs waiting on their own clocks, not CPU. The
-# Slurm tests and those marked `alone` then run by themselves: one Slurm cluster per host (its
-# scheduler, under the other worker's load, left a resubmitted job pending past its bound), and
-# a test whose outcome rests on tens of milliseconds between nodes.
+# tests/run-suite.sh: the Slurm tests in the background (one cluster per host; its jobs are
+# mostly the scheduler's waiting), everything else meanwhile on two xdist workers, then the
+# tests marked `alone` (an outcome that rests on tens of milliseconds between nodes).
 test: $(STAMP) lint
 	bash tests/browser/install-chromium.sh
 	bash tests/etcd/install-etcd.sh
-	$(VPY) -m pytest -q -n 2 --dist worksteal -m "not slurm and not alone"
-	$(VPY) -m pytest -q -m "slurm or alone"
+	bash tests/run-suite.sh $(VPY)
 
 # The suite without whole-job process tests, the Slurm cluster and the fault matrix: < 90 s.
 check: $(STAMP) lint

@@ -41,14 +41,19 @@ def start(tmp_path: Path, mode: str, *extra: str) -> Job:
     return job
 
 
-def flip_on(job: Job) -> tuple[str, int]:
-    """Flip the second rank of an active node that does not host the store; its name, rank."""
+def flip_on(job: Job, fail_node: bool = False) -> tuple[str, int]:
+    """Flip the second rank of an active node that does not host the store (`fail_node`: and
+    mark that node's hardware bad); its name, rank. The workers wait at the flip step until
+    this is decided (`flip-armed`), however slowly the test gets here."""
     first = rounds(job)[0]
     victim = killable(job, 0)
     name = next(n for n in first if n.endswith(f"-{victim.proc.pid}"))
     rank = 2 * first.index(name) + 1
     job.ckpt_dir.mkdir(parents=True, exist_ok=True)
     (job.ckpt_dir / "flip-rank").write_text(str(rank))
+    if fail_node:
+        (job.ckpt_dir / f"fail-{name}").write_text("")
+    (job.ckpt_dir / "flip-armed").write_text("")
     return name, rank
 
 
@@ -69,8 +74,7 @@ def test_a_one_off_flip_is_transient_and_nothing_restarts(tmp_path: Path):
 
 def test_a_flip_on_one_node_excludes_it_and_the_standby_carries_on(tmp_path: Path):
     job = start(tmp_path, "marked")
-    name, rank = flip_on(job)
-    (job.ckpt_dir / f"fail-{name}").write_text("")
+    name, rank = flip_on(job, fail_node=True)
     codes = wait_all(job, 120)
     victim = next(n for n in job.nodes if name.endswith(f"-{n.proc.pid}"))
     assert codes == {n.index: ExitCode.EXCLUDED if n is victim else 0 for n in job.nodes}

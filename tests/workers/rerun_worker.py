@@ -6,7 +6,8 @@ and a test can compute every loss. Each step appends "<cycle> <step> <loss> <w> 
 <ckpt-dir>/progress-rank<R>.txt (the loss the step went on with).
 
 --flip MODE:STEP multiplies by 1000 the loss of the rank named in <ckpt-dir>/flip-rank (the test
-writes it once it knows the nodes) at that step; `validate_result` rejects a loss above 100.
+writes it once it knows the nodes, then <ckpt-dir>/flip-armed, which every rank waits for at that
+step) at that step; `validate_result` rejects a loss above 100.
 MODE: `once` (the first run of the step only: a transient fault), `marked` (on a
 node the test marked, <ckpt-dir>/fail-<FTRUN_NODE>: a bad node), `always` (wherever it runs: a
 correct but unexpected result). A checkpoint for a re-run elsewhere goes through ftrun's local
@@ -28,6 +29,7 @@ from ftrun.checkpointing import CliqueReplicationStrategy, LocalCheckpointManage
 from ftrun.rerun import RerunDataIterator, RerunMode, RerunState, initialize_rerun_state_machine
 
 CYCLE = int(os.environ.get("FTRUN_CYCLE", "0"))
+ARM_TIMEOUT_S = 60.0
 NODE = os.environ.get("FTRUN_NODE", "")
 
 
@@ -39,8 +41,13 @@ def batches(rank: int, start: int):
 
 
 def flip_rank(ckpt_dir: Path) -> int:
-    path = ckpt_dir / "flip-rank"
-    return int(path.read_text()) if path.exists() else -1
+    """The rank to flip, once the test has decided it (`flip-armed`; bounded wait)."""
+    deadline = time.monotonic() + ARM_TIMEOUT_S
+    while not (ckpt_dir / "flip-armed").exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"rerun_worker: no flip-armed in {ckpt_dir} within {ARM_TIMEOUT_S}s")
+        time.sleep(0.01)
+    return int((ckpt_dir / "flip-rank").read_text())
 
 
 def main() -> int:
