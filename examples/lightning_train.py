@@ -1,6 +1,6 @@
 """A small PyTorch Lightning training (CPU, DDP over gloo) with ftrun's Lightning callbacks.
 
-Run it under ft_launcher (README, "Lightning"):
+Run it under ft_launcher (docs/lightning.md):
 
     ft_launcher --nnodes=1 --nproc-per-node=2 --max-restarts=3 \\
         --ft-prewarm-modules=torch,torch.distributed,pytorch_lightning \\

@@ -47,7 +47,7 @@ class Resolved:
 
 
 def shown_default(opt: Option) -> str:
-    """The default as `--help` and the README show it ("" when there is nothing to show)."""
+    """The default as `--help` and docs/options.md show it ("" when there is nothing to show)."""
     default = opt.default
     if opt.is_flag or opt.off_flags:
         return "on" if default else "off"

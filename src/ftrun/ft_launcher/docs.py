@@ -1,9 +1,11 @@
-"""The README's option tables, generated from the declarations in `options.py`.
+"""The option tables of the docs, generated from the declarations in `options.py`.
 
-`python -m ftrun.ft_launcher.docs` rewrites every generated block of README.md (the lines between
-`<!-- BEGIN GENERATED: NAME ... -->` and `<!-- END GENERATED: NAME -->`); with `--check` it only
-says whether README.md is up to date (exit 1 if not). `tests/test_option_docs.py` fails when the
-README and the declarations disagree.
+`python -m ftrun.ft_launcher.docs` rewrites every generated block (the lines between
+`<!-- BEGIN GENERATED: NAME ... -->` and `<!-- END GENERATED: NAME -->`) wherever it lives:
+README.md or a page under docs/. Each block of `BLOCKS` must appear exactly once across those
+files (one declaration, one table). With `--check` it only says whether they are up to date
+(exit 1 if not); a missing, repeated or unknown block is one line and exit 2.
+`tests/test_option_docs.py` fails when the docs and the declarations disagree.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from ftrun.ft_launcher.command_line import shown_default
 from ftrun.ft_launcher.nvrx_options import NVRX_OPTIONS
 from ftrun.ft_launcher.options import FT_OPTIONS, TORCHRUN_OPTIONS, Option
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+ROOT = Path(__file__).resolve().parents[3]
+"""The repository: README.md and docs/ are under it."""
 COMMAND = "python -m ftrun.ft_launcher.docs"
 _BLOCK = re.compile(
     r"(?P<begin><!-- BEGIN GENERATED: (?P<name>[\w-]+)[^\n]*-->\n)"
@@ -76,9 +79,9 @@ BLOCKS: Mapping[str, Callable[[], str]] = {
 }
 
 
-def render(text: str) -> str:
-    """`text` with every generated block replaced by its current content; every block in
-    `BLOCKS` must be there (a `ValueError` names the missing ones)."""
+def render(text: str) -> tuple[str, set[str]]:
+    """`text` with every generated block replaced by its current content, and the names of the
+    blocks it holds (a `ValueError` names an unknown one)."""
     found: set[str] = set()
 
     def fill(match: re.Match[str]) -> str:
@@ -88,11 +91,33 @@ def render(text: str) -> str:
         found.add(name)
         return f"{match['begin']}{BLOCKS[name]()}{match['end']}"
 
-    result = _BLOCK.sub(fill, text)
-    missing = sorted(set(BLOCKS) - found)
+    return _BLOCK.sub(fill, text), found
+
+
+def documents(root: Path) -> list[Path]:
+    """The files that may hold generated blocks: README.md and the pages under docs/."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def render_all(texts: Mapping[Path, str]) -> dict[Path, str]:
+    """Each file's text with its blocks filled; every block of `BLOCKS` must be in exactly one
+    of them (a `ValueError` names a missing or repeated one, and where)."""
+    wanted: dict[Path, str] = {}
+    homes: dict[str, list[str]] = {name: [] for name in BLOCKS}
+    for path, text in texts.items():
+        try:
+            wanted[path], found = render(text)
+        except ValueError as exc:
+            raise ValueError(f"{path.name}: {exc}") from None
+        for name in found:
+            homes[name].append(path.name)
+    missing = sorted(name for name, where in homes.items() if not where)
     if missing:
-        raise ValueError(f"README has no generated block {', '.join(missing)}")
-    return result
+        raise ValueError(f"no file has the generated block {', '.join(missing)}")
+    for name, where in homes.items():
+        if len(where) > 1:
+            raise ValueError(f"generated block {name} is in {', '.join(where)}: keep one")
+    return wanted
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -101,14 +126,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args and not check:
         sys.stderr.write(f"usage: {COMMAND} [--check]\n")
         return 2
-    current = README.read_text(encoding="utf-8")
-    wanted = render(current)
-    if wanted == current:
-        return 0
-    if check:
-        sys.stderr.write(f"{README} is out of date; run: {COMMAND}\n")
+    current = {path: path.read_text(encoding="utf-8") for path in documents(ROOT)}
+    try:
+        wanted = render_all(current)
+    except ValueError as exc:
+        sys.stderr.write(f"{COMMAND}: {exc}\n")
+        return 2
+    stale = [path for path in current if wanted[path] != current[path]]
+    if check and stale:
+        names = ", ".join(str(path) for path in stale)
+        sys.stderr.write(f"{names} out of date; run: {COMMAND}\n")
         return 1
-    README.write_text(wanted, encoding="utf-8")
+    for path in stale:
+        path.write_text(wanted[path], encoding="utf-8")
     return 0
 
 

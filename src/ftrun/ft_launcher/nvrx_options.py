@@ -4,8 +4,8 @@ An NVRx or NeMo command line or YAML must not fail with "no such option": each f
 launcher and each `fault_tolerance:` key is either one of ftrun's options (`options.py`, often
 under the same name) or declared here, refused in one line that names what to use in ftrun
 instead (tests/data/nvrx_0_7_* hold NVRx 0.7's flags and the YAML it writes, and
-tests/test_nvrx_config.py checks them). The README's migration table is generated from these
-declarations (`docs.py`).
+tests/test_nvrx_config.py checks them). The migration table of docs/migrating-from-nvrx.md is
+generated from these declarations (`docs.py`).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ Workers time sections (`Detector.detection_section`, `Detector.wrap_callables`);
 ft_launcher the durations ride the rank monitor's channel to the node's agent, the agents
 compute relative and individual scores every `--ft-straggler-report-interval` seconds and
 publish the report, which `Detector.generate_report_if_interval_elapsed()` returns;
-`Detector.generate_report()` computes one now, in-process, as NVRx's. See README "Straggler
-detection". Importing this package imports nothing else: its names load when first used, so
-that `ftrun.config` (which reads `straggler.config`) does not load the worker's detector.
+`Detector.generate_report()` computes one now, in-process, as NVRx's. See docs/straggler.md.
+Importing this package imports nothing else: its names load when first used, so that
+`ftrun.config` (which reads `straggler.config`) does not load the worker's detector.
 """
 
 from __future__ import annotations
