@@ -30,7 +30,7 @@ from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.termination import Delivery, StopResult
 from ftrun.agent.workers import SpawnPath
 from ftrun.errors import ExitCode
-from ftrun.events import EventLog
+from ftrun.eventlog.writer import EventLog
 from ftrun.ft_launcher.build import build_config
 from ftrun.rank_monitor import RankMonitorServer
 from ftrun.rendezvous.factory import create_rendezvous

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ftrun.agent.attribution import (
+from ftrun.agent.diagnosis.attribution import (
     Kind,
     collective_signature,
     exit_signature,

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from ftrun.agent.config import AgentConfig
-from ftrun.agent.numa import NumaPlan
+from ftrun.agent.config import AgentConfig, HealthCheckConfig
+from ftrun.agent.placement.numa import NumaPlan
 from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError, ExitCode, FtrunError
 from ftrun.ft_launcher import build as build_module
@@ -27,7 +27,7 @@ from ftrun.ft_launcher.command_line import help_text, parse_argv
 from ftrun.ft_launcher.nvrx_options import NVRX_OPTIONS
 from ftrun.ft_launcher.options import BY_NAME, OPTIONS, YAML_KEYS
 from ftrun.rank_monitor.config import RankMonitorConfig
-from ftrun.rendezvous.config import HealthCheckConfig, RendezvousConfig, RendezvousImpl
+from ftrun.rendezvous.config import RendezvousConfig, RendezvousImpl
 
 PY = sys.executable
 NVRX_YAML_KEYS = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ftrun.agent.cycle_info import ENV_CYCLE_INFO, CycleInfoService
+from ftrun.agent.node_services.cycle_info import ENV_CYCLE_INFO, CycleInfoService
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
 
 NODES = (NodeDescriptor("n0", "127.0.0.1", 2, 1), NodeDescriptor("n1", "127.0.0.1", 2, 2))

@@ -24,8 +24,8 @@ from ftrun.errors import (
     RendezvousFailedError,
     RendezvousPrefixHeldError,
 )
-from ftrun.rendezvous.etcd_store import EtcdStore
-from ftrun.rendezvous.store import connect_etcd
+from ftrun.store.connect import connect_etcd
+from ftrun.store.etcd_store import EtcdStore
 
 SHORT = datetime.timedelta(seconds=1)
 

@@ -1,6 +1,6 @@
-"""The health command (`agent.health._run_command`) on real processes: a process it starts in a
-session of its own (out of reach of the group kill) holds the command's output open, and the
-agent's check still returns on time."""
+"""The health command (`agent.node_services.health._run_command`) on real processes: a process
+it starts in a session of its own (out of reach of the group kill) holds the command's output
+open, and the agent's check still returns on time."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ftrun.agent.health import _run_command
+from ftrun.agent.node_services.health import _run_command
 from ftrun.errors import NodeUnhealthyError
 from support import reap_zombies, wait_for
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ftrun.agent.health_watch import HealthWatch
-from ftrun.rendezvous.config import HealthCheckConfig
+from ftrun.agent.config import HealthCheckConfig
+from ftrun.agent.node_services.health_watch import HealthWatch
 
 FAKES = Path(__file__).parent / "fakes"
 

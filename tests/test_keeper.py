@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from ftrun.agent.peering import PeerService
+from ftrun.agent.node_services.peering import PeerService
 from ftrun.checkpointing.errors import CheckpointUsageError
 from ftrun.checkpointing.keeper import KeeperService, KeeperSettings
 from ftrun.checkpointing.keeper import holdings as plan
@@ -53,7 +53,7 @@ from ftrun.checkpointing.tier_files import (
     read_json,
     write_json_atomically,
 )
-from ftrun.events import problems
+from ftrun.eventlog.schema import problems
 from ftrun.peer import PeerRemoteError
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
 from support import wait_for

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from ftrun.agent.health import check_node
+from ftrun.agent.config import HealthCheckConfig
+from ftrun.agent.node_services.health import check_node
 from ftrun.errors import NodeUnhealthyError
-from ftrun.rendezvous.config import HealthCheckConfig
 from launch import ROOT, node_of, start_job
 from support import wait_for
 

@@ -14,8 +14,15 @@ from typing import Any
 
 import pytest
 
-from ftrun.agent import numa
-from ftrun.agent.numa import (
+from ftrun.agent.placement import binding, numa
+from ftrun.agent.placement.binding import (
+    CPU_BIND,
+    MEM_BIND,
+    format_cpulist,
+    parse_cpulist,
+    prepare_binding,
+)
+from ftrun.agent.placement.numa import (
     Binding,
     EmptyBindingError,
     GpuAffinity,
@@ -25,14 +32,6 @@ from ftrun.agent.numa import (
     UnsupportedModeError,
     plan,
     plan_launch,
-)
-from ftrun.agent.prewarm import binding
-from ftrun.agent.prewarm.binding import (
-    CPU_BIND,
-    MEM_BIND,
-    format_cpulist,
-    parse_cpulist,
-    prepare_binding,
 )
 from ftrun.agent.worker_env import worker_envs
 from ftrun.agent.workers import spawn_process
@@ -350,7 +349,7 @@ def test_refused_bindings_are_one_line_each(
 
 CHILD = """
 import os, sys
-from ftrun.agent.prewarm.binding import apply_binding
+from ftrun.agent.placement.binding import apply_binding
 before = sorted(os.sched_getaffinity(0))
 apply_binding({"FTRUN_CPU_BIND": sys.argv[1], "FTRUN_MEM_BIND": "63"})
 print(before, sorted(os.sched_getaffinity(0)))

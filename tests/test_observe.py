@@ -18,6 +18,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from torch.distributed import HashStore
 
+from ftrun.eventlog.job_status import job_status, status_table
+from ftrun.eventlog.node_view import ELSEWHERE, LAST_FAILURES, NodeState, NodeView
+from ftrun.eventlog.reader import parse_line
 from ftrun.observe import feed
 from ftrun.observe.feed import FeedReader, FeedWriter
 from ftrun.observe.metrics import NodeMetrics
@@ -27,9 +30,6 @@ from ftrun.observe.timings import RECOVERY_BOUNDS, NodeTimings
 from ftrun.rank_monitor.protocol import Timeouts
 from ftrun.rank_monitor.records import ProgressSnapshot
 from ftrun.tools.cli import main as ftrun_main
-from ftrun.tools.events import parse_line
-from ftrun.tools.job_status import job_status, status_table
-from ftrun.tools.node_view import ELSEWHERE, LAST_FAILURES, NodeState, NodeView
 from support import wait_for
 
 NODES = ("n0", "n1")

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from torch.distributed import TCPStore
 
-from ftrun.agent.peering import PeerService
+from ftrun.agent.node_services.peering import PeerService
 from ftrun.peer import PeerHandshakeError
 
 

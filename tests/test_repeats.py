@@ -1,5 +1,5 @@
 """The restart policy that learns: every transition of a failure judged against the job's
-history (`agent.repeats`, applied by `agent.policy`), without processes or a store."""
+history (`agent.diagnosis.repeats`, applied by `agent.policy`), without processes or a store."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import json
 from torch.distributed import HashStore
 
 from ftrun.agent import policy as p
-from ftrun.agent.attribution import Kind, Signature, health_signature
+from ftrun.agent.diagnosis.attribution import Kind, Signature, health_signature
+from ftrun.agent.diagnosis.repeats import Decision, held_ranks, judge
 from ftrun.agent.policy import Action, Facts, Outcome, Policy, RestartVote
-from ftrun.agent.repeats import Decision, held_ranks, judge
 from ftrun.agent.state import TRANSITIONS, AgentState
 from ftrun.errors import ExitCode
 from ftrun.rendezvous.control import FailureRecord, job_control

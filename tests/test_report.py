@@ -27,16 +27,17 @@ import pytest
 from click.testing import CliRunner
 
 import ftrun
-from ftrun import events as events_schema
+from ftrun.agent.diagnosis.reporting import CycleReport
 from ftrun.agent.prewarm.marks import marks_path
-from ftrun.agent.reporting import CycleReport
-from ftrun.events import SCHEMA, EventLog
+from ftrun.eventlog import schema as events_schema
+from ftrun.eventlog.failures import CRASH, HANG, RESTART, SIGNAL, ranks_text
+from ftrun.eventlog.reader import Event, ReportInputError, load_events, parse_line
+from ftrun.eventlog.report import Report, build_report
+from ftrun.eventlog.schema import SCHEMA
+from ftrun.eventlog.startup import startup_lines, startup_splits
+from ftrun.eventlog.writer import EventLog
 from ftrun.rank_monitor import FirstProgress, ProgressSnapshot
 from ftrun.tools.cli import main
-from ftrun.tools.events import Event, ReportInputError, load_events, parse_line
-from ftrun.tools.failures import CRASH, HANG, RESTART, SIGNAL, ranks_text
-from ftrun.tools.report import Report, build_report
-from ftrun.tools.startup import startup_lines, startup_splits
 from launch import start_job
 from support import WORKERS
 

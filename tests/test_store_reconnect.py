@@ -1,4 +1,4 @@
-"""Coming through a restart of the store (`rendezvous.reconnecting`, `JobControl.restore`), with
+"""Coming through a restart of the store (`store.reconnecting`, `JobControl.restore`), with
 no process: stores are HashStores behind a client the test breaks, as a killed `ftrun store`
 breaks the agents' connections (tests/test_store_restart.py does it with processes)."""
 
@@ -19,8 +19,8 @@ from ftrun.agent.policy import KEEP_WATCHING, Action, Policy
 from ftrun.agent.state import AgentState
 from ftrun.errors import ExitCode
 from ftrun.rendezvous.control import FailureRecord, Shutdown, job_control
-from ftrun.rendezvous.reconnecting import ReconnectingStore, StoreRestartedError
-from ftrun.rendezvous.store import _await_listening
+from ftrun.store.connect import _await_listening
+from ftrun.store.reconnecting import ReconnectingStore, StoreRestartedError
 from launch import free_port
 from support import wait_for
 

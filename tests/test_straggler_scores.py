@@ -200,7 +200,7 @@ def test_settings_change_at_runtime_through_the_control_file(tmp_path):
 def test_ftrun_report_pictures_scores_and_ftrun_straggler_retunes(tmp_path):
     from click.testing import CliRunner
 
-    from ftrun.events import EventLog
+    from ftrun.eventlog.writer import EventLog
     from ftrun.tools.cli import main
 
     events = EventLog(tmp_path, "n0")

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from ftrun.agent.health import _run_command
+from ftrun.agent.node_services.health import _run_command
 from ftrun.agent.termination import (
     Delivery,
     kill_at_once,

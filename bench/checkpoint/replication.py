@@ -34,7 +34,7 @@ from common.jobs import FT, WORLD, Job, job, take_charge
 from common.logs import read_lines, steady_stalls
 from common.report import Stats, load_average, machine_line, progress, table
 
-from ftrun.tools.events import load_events
+from ftrun.eventlog.reader import load_events
 
 WORKER = WORKERS / "ettr_worker.py"
 SAVES = 8

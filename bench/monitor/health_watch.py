@@ -1,5 +1,6 @@
 """What one health-watch poll costs on a real GPU: every NVML reading the agent's watch takes
-while training (`ftrun.agent.health_watch`), timed as the watch takes it, and each call alone.
+while training (`ftrun.agent.node_services.health_watch`), timed as the watch takes it, and
+each call alone.
 
 Runs on the device (real NVML); here, without a driver, it says so and exits 0. Prints a
 markdown table: per poll and per call, the median and 99th percentile in microseconds, and the
@@ -20,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `com
 
 from common.timing import p99, timed
 
-from ftrun.agent.health_watch import HealthWatch
-from ftrun.agent.nvml import load_nvml
-from ftrun.rendezvous.config import HealthCheckConfig
+from ftrun.agent.config import HealthCheckConfig
+from ftrun.agent.node_services.health_watch import HealthWatch
+from ftrun.agent.node_services.nvml import load_nvml
 
 
 def row(name: str, costs: list[float]) -> str:

@@ -378,7 +378,7 @@ def fill_store(nodes: int) -> Feed:
     names = [node_name(i) for i in range(nodes)]
     start = time.time() - (CYCLES - 1) * CYCLE_S - 700.0
     failing = [17 % nodes, 503 % nodes]
-    # as ftrun's rendezvous makes it (ftrun.rendezvous.store): the libuv server
+    # as ftrun's rendezvous makes it (ftrun.store.connect): the libuv server
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
     writers = [FeedWriter(store, PREFIX, name) for name in names]
     began, written, kept_local = time.perf_counter(), 0, 0
@@ -435,8 +435,8 @@ def first_reads(feed: Feed, repeats: int) -> dict[str, Any]:
     """A fresh reader's first read, `repeats` times, another agent's store reads meanwhile,
     and the floors: the same keys fetched in one request (as the reader asks) and in requests
     of BATCH keys, and those plus parsing every line."""
+    from ftrun.eventlog.reader import parse_line
     from ftrun.observe.feed import FeedReader
-    from ftrun.tools.events import parse_line
 
     store = feed.store
     keys = [f"{PREFIX}/observe/events/{n}/{i}" for n in feed.names
@@ -496,7 +496,7 @@ def incremental_reads(feed: Feed, reader: Any, calls: int) -> tuple[list[float],
 
 def status_builds(reader: Any, repeats: int) -> tuple[list[float], list[float], bytes]:
     """job_status on the reader's events and its JSON: seconds each, and the JSON."""
-    from ftrun.tools.job_status import job_status
+    from ftrun.eventlog.job_status import job_status
 
     events, live = reader.events, reader.read()[1]
     builds, dumps, data = [], [], b""
@@ -589,7 +589,7 @@ def page_part(args: argparse.Namespace) -> None:
 
 
 def profile_status(reader: Any, nodes: int) -> None:
-    from ftrun.tools.job_status import job_status
+    from ftrun.eventlog.job_status import job_status
 
     events, live = reader.events, reader.read()[1]
     print_profile(lambda: job_status("bench-job", events, live, time.time()),

@@ -53,7 +53,7 @@ def expected(gpu: int, scope: str) -> tuple[set[int], set[int]]:
 
 
 def cpulist(items: set[int] | list[int]) -> str:
-    from ftrun.agent.prewarm.binding import format_cpulist
+    from ftrun.agent.placement.binding import format_cpulist
 
     return format_cpulist(items)
 

@@ -281,7 +281,7 @@ def request_counting_etcd() -> type:
     members answer. The bench's attribution of etcd requests to store operations (etcd's own
     counters, read around the round, give the total)."""
     if not _ETCD_STORE:
-        from ftrun.rendezvous.etcd_store import EtcdStore
+        from ftrun.store.etcd_store import EtcdStore
 
         class RequestCountingEtcdStore(EtcdStore):
             requests = 0
@@ -451,7 +451,7 @@ def context(backends: Sequence[str] = ("tcp",)) -> ForkServerContext:
         ctx = multiprocessing.get_context("forkserver")
         preload = ["torch.distributed", "ftrun.rendezvous.barrier", "ftrun.rendezvous.dynamic"]
         if "etcd" in backends:
-            preload.append("ftrun.rendezvous.etcd_store")
+            preload.append("ftrun.store.etcd_store")
         ctx.set_forkserver_preload(preload)
         _CONTEXT.append(ctx)
     return _CONTEXT[0]

@@ -108,7 +108,7 @@ def measure_floors(backends: Sequence[str], cluster: Any, plan: Plan) -> list[Fl
         client = dist.TCPStore(HOST, tcp.port, is_master=False, timeout=STORE_TIMEOUT)
         calls["tcp"] = store_calls(client)
     if "etcd" in backends:
-        from ftrun.rendezvous.etcd_store import EtcdStore
+        from ftrun.store.etcd_store import EtcdStore
 
         servers["etcd"] = EtcdServer(cluster)
         etcd = EtcdStore(member_addresses(cluster), "bench-floor", STORE_TIMEOUT)

@@ -141,7 +141,7 @@ def calibrate(etcd: Any) -> dict[str, dict[str, float]]:
     many requests a TCPStore segment count means, and what an etcd request sends."""
     import torch.distributed as dist
 
-    from ftrun.rendezvous.etcd_store import EtcdStore
+    from ftrun.store.etcd_store import EtcdStore
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     tcp = dist.TCPStore("127.0.0.1", server.port, is_master=False)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from ftrun.agent.config import AgentConfig
+from ftrun.agent.config import AgentConfig, HealthCheckConfig
 from ftrun.identity import this_node
 from ftrun.observe.config import ObserveConfig
 from ftrun.rank_monitor.config import RankMonitorConfig
-from ftrun.rendezvous.config import HealthCheckConfig, RendezvousConfig
+from ftrun.rendezvous.config import RendezvousConfig
 from ftrun.straggler.config import StragglerConfig
 
 

@@ -84,7 +84,7 @@ def test_b_hang_inside_nccl_is_pinned_on_the_sleeping_rank(tmp_path: Path):
 
 
 def test_c_nvml_health_check_passes_and_is_cheap():
-    from ftrun.agent.health import check_gpus
+    from ftrun.agent.node_services.health import check_gpus
 
     assert check_gpus(nvlink=False) >= 2
     costs = []

@@ -10,7 +10,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ftrun.agent.numa import NumaPlan
+    from ftrun.agent.placement.numa import NumaPlan
 
 
 class Std:
@@ -37,7 +37,7 @@ class AgentConfig:
     through the client are not judged."""
     max_same_failure: int = 3
     """Stop the job (exit `ExitCode.REPEATED_FAILURE`) once the same failure signature has
-    ended this many cycles in a row, on any nodes; <= 0: never (`agent.repeats`)."""
+    ended this many cycles in a row, on any nodes; <= 0: never (`agent.diagnosis.repeats`)."""
     health_action: str = "exclude"
     """What a fault the health watch finds while training does: 'log', 'restart' or
     'exclude' (the node leaves if a standby node or the minimum size allows; else logged)."""
@@ -88,4 +88,27 @@ class AgentConfig:
     (`ftrun.agent.rank_env.rank_variables`)."""
     numa_binding: NumaPlan | None = None
     """torchrun's --numa-binding: the mode and each local rank's CPUs and memory nodes, read from
-    NVML once when the config is built (`ftrun.agent.numa`); None: workers are not bound."""
+    NVML once when the config is built (`agent.placement.numa`); None: workers are not bound."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HealthCheckConfig:
+    """Checks a node passes before every rendezvous round."""
+
+    gpu: bool = True
+    """Check GPUs through NVML when present (skipped, with a log line, when there are none)."""
+    nvlink: bool = False
+    """Also require every NVLink the GPUs report to be up."""
+    storage_paths: tuple[str, ...] = ()
+    storage_timeout: float = 10.0
+    command: str | None = None
+    """An external command; exit 0 means healthy."""
+    command_timeout: float = 60.0
+    nic: bool = False
+    """Check every InfiniBand port in sysfs (`node_services.nic_health`): ACTIVE, LinkUp, not
+    flapped."""
+    nic_sysfs_root: str = "/sys/class/infiniband"
+    """Where the NIC check finds the devices (tests point it at a fake tree)."""
+    watch_interval: float = 5.0
+    """While workers run, read GPU health (and, with `nic`, the link_downed counters) every
+    this many seconds (`node_services.health_watch`); 0: only before each rendezvous."""

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 from ftrun.agent import policy as p
+from ftrun.agent.diagnosis.repeats import held_ranks
 from ftrun.agent.observed import Outcome
-from ftrun.agent.repeats import held_ranks
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.rendezvous.config import RendezvousImpl
 from ftrun.rendezvous.ranks import Round

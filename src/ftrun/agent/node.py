@@ -24,13 +24,13 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from ftrun.agent import policy as p
-from ftrun.agent.evidence import Evidence
+from ftrun.agent.diagnosis.evidence import Evidence
+from ftrun.agent.diagnosis.repeats import held_ranks
+from ftrun.agent.diagnosis.reporting import CycleReport
 from ftrun.agent.facts import read_facts
-from ftrun.agent.health_watch import HealthFinding
 from ftrun.agent.inbox import SignalReceived, SignalRecorder, take_queued
+from ftrun.agent.node_services.health_watch import HealthFinding
 from ftrun.agent.policy import Action, AgentEvent, Outcome, Policy
-from ftrun.agent.repeats import held_ranks
-from ftrun.agent.reporting import CycleReport
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.state import AgentState, check_transition
 from ftrun.agent.termination import PROCESSES, Delivery, StopResult, Termination, become_subreaper
@@ -41,8 +41,8 @@ from ftrun.rank_monitor import FirstProgress, ProgressSnapshot, Verdict, Workloa
 from ftrun.rendezvous.control import FailureRecord
 from ftrun.rendezvous.errors import JoinInterruptedError
 from ftrun.rendezvous.ranks import Round
-from ftrun.rendezvous.reconnecting import StoreRestartedError
 from ftrun.services import ServiceRequest
+from ftrun.store.reconnecting import StoreRestartedError
 
 log = logging.getLogger("ftrun.agent")
 

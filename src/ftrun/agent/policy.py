@@ -41,7 +41,8 @@ from __future__ import annotations
 import dataclasses
 import signal
 
-from ftrun.agent.attribution import Signature
+from ftrun.agent.diagnosis.attribution import Signature
+from ftrun.agent.diagnosis.repeats import Decision, judge
 from ftrun.agent.observed import (
     AgentEvent,
     ControlRequested,
@@ -64,7 +65,6 @@ from ftrun.agent.observed import (
     WorkersStarted,
     WorkersStopped,
 )
-from ftrun.agent.repeats import Decision, judge
 from ftrun.agent.state import AgentState
 from ftrun.errors import ExitCode
 from ftrun.rank_monitor.workload import WorkloadAction

@@ -20,12 +20,12 @@ from pathlib import Path
 
 from torch.distributed import Store
 
-from ftrun.agent.cycle_info import CycleInfoService
-from ftrun.agent.gpu_memory import GpuReclaimService
-from ftrun.agent.health import HealthService
-from ftrun.agent.health_watch import HealthWatch
-from ftrun.agent.monitoring import MonitorService
-from ftrun.agent.peering import PeerService
+from ftrun.agent.node_services.cycle_info import CycleInfoService
+from ftrun.agent.node_services.gpu_memory import GpuReclaimService
+from ftrun.agent.node_services.health import HealthService
+from ftrun.agent.node_services.health_watch import HealthWatch
+from ftrun.agent.node_services.monitoring import MonitorService
+from ftrun.agent.node_services.peering import PeerService
 from ftrun.agent.prewarm.client import ForkServer
 from ftrun.agent.prewarm.service import PrewarmService, plain_reason, start_early
 from ftrun.agent.prewarm.target import python_target
@@ -33,14 +33,14 @@ from ftrun.agent.worker_env import shared_env
 from ftrun.agent.workers import PlainSpawner, Spawner
 from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError, NodeUnhealthyError, RendezvousFailedError
-from ftrun.events import EventLog
+from ftrun.eventlog.writer import EventLog
 from ftrun.identity import free_port
 from ftrun.rank_monitor import ProgressSnapshot, RankMonitorServer
 from ftrun.rendezvous.control import JobControl, wait_until
 from ftrun.rendezvous.factory import NodeRendezvous, create_rendezvous
 from ftrun.rendezvous.ranks import NodeDescriptor, Round, infra_rank_from_env
-from ftrun.rendezvous.store import connect_store
 from ftrun.services import NodeServices, ServiceContext, ServiceFactory
+from ftrun.store.connect import connect_store
 
 
 @dataclasses.dataclass
@@ -212,7 +212,7 @@ def _connect(
     """Meet the store; a node that starts unhealthy never hosts it (it is about to leave)."""
     unhealthy = first_health if isinstance(first_health, NodeUnhealthyError) else None
     try:
-        return connect_store(config.rendezvous, unhealthy is None, environ, interrupted)
+        return connect_store(config.rendezvous.store, unhealthy is None, environ, interrupted)
     except RendezvousFailedError as exc:
         if unhealthy is None:
             raise

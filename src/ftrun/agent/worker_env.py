@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from ftrun.agent.prewarm.binding import BIND_VARIABLES
+from ftrun.agent.placement.binding import BIND_VARIABLES
 from ftrun.agent.rank_env import rank_variables
 from ftrun.client_lib.flight import BUFFER_VARS
 from ftrun.config import LaunchConfig

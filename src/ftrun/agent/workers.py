@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from ftrun.agent.config import AgentConfig, Std
-from ftrun.agent.prewarm.binding import prepare_binding
+from ftrun.agent.placement.binding import prepare_binding
 from ftrun.agent.termination import die_with_parent
 
 
@@ -83,7 +83,7 @@ def spawn_process(
 ) -> subprocess.Popen[bytes]:
     """Start a process as a worker: own process group, dies with the agent, output piped, bound
     to its CPUs and memory nodes when its env says so (--numa-binding)."""
-    # Parsed and looked up here: the child only makes system calls (see prewarm.binding).
+    # Parsed and looked up here: the child only makes system calls (see placement.binding).
     bind = prepare_binding(env)
     preexec = die_with_parent if bind is None else functools.partial(_bound_child, bind)
     return subprocess.Popen(

@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 
-from ftrun.agent.config import AgentConfig
-from ftrun.agent.numa import NumaError, NumaPlan, plan_launch
+from ftrun.agent.config import AgentConfig, HealthCheckConfig
+from ftrun.agent.placement.numa import NumaError, NumaPlan, plan_launch
 from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError
 from ftrun.ft_launcher.build_rendezvous import rendezvous_config
@@ -25,7 +25,6 @@ from ftrun.ft_launcher.options import OPTIONS
 from ftrun.ft_launcher.yaml_file import load_ft_yaml
 from ftrun.observe.config import ObserveConfig
 from ftrun.rank_monitor.config import RankMonitorConfig
-from ftrun.rendezvous.config import HealthCheckConfig
 from ftrun.straggler.config import StragglerAction, StragglerConfig
 
 DeviceCounter = Callable[[str], int]

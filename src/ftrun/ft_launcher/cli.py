@@ -13,8 +13,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
-from ftrun.agent.compile_cache import prepare_compile_caches
 from ftrun.agent.inbox import SignalRecorder
+from ftrun.agent.node_services.compile_cache import prepare_compile_caches
 from ftrun.agent.prewarm.service import start_early
 from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError, ExitCode, FtrunError

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ftrun.agent.config import AgentConfig
+from ftrun.agent.config import AgentConfig, HealthCheckConfig
 from ftrun.ft_launcher import values as v
 from ftrun.ft_launcher.declare import Option
 from ftrun.ft_launcher.declare import default_of as _default
@@ -20,7 +20,7 @@ from ftrun.ft_launcher.declare import torchrun_option as _torchrun
 from ftrun.ft_launcher.nvrx_options import NVRX_OPTIONS
 from ftrun.observe.config import ObserveConfig
 from ftrun.rank_monitor.config import RankMonitorConfig
-from ftrun.rendezvous.config import HealthCheckConfig, RendezvousConfig, RendezvousImpl
+from ftrun.rendezvous.config import RendezvousConfig, RendezvousImpl
 from ftrun.straggler.config import StragglerAction, StragglerConfig, threshold
 
 PROG = "ft_launcher"

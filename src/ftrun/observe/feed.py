@@ -21,7 +21,7 @@ from typing import Any
 
 from torch.distributed import Store
 
-from ftrun.tools.events import Event, parse_line
+from ftrun.eventlog.reader import Event, parse_line
 
 KEPT_LOCAL = frozenset({"rank_startup", "health_watch"})
 """Event kinds that stay in the node's file only (per-rank start-up splits, poll costs): the

@@ -33,9 +33,9 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from ftrun.eventlog.node_view import NodeState, NodeView
 from ftrun.observe.timings import Buckets, NodeTimings
 from ftrun.rank_monitor.records import ProgressSnapshot
-from ftrun.tools.node_view import NodeState, NodeView
 
 SHOWN_STRAGGLERS = 8
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from http.server import ThreadingHTTPServer
 from typing import Any
 
+from ftrun.eventlog.job_status import job_status
 from ftrun.observe.config import ObserveConfig
 from ftrun.observe.feed import FeedReader, FeedWriter
 from ftrun.observe.metrics import NodeMetrics
@@ -30,7 +31,6 @@ from ftrun.rank_monitor.records import ProgressSnapshot
 from ftrun.rendezvous.control import job_control
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import NodeService, ServiceContext
-from ftrun.tools.job_status import job_status
 
 log = logging.getLogger("ftrun.agent")
 

@@ -8,6 +8,8 @@ import re
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from ftrun.store.config import StoreConfig
+
 _NOT_IN_FILE_NAMES = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -51,24 +53,14 @@ class RendezvousConfig:
     conf: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     """The remaining --rdzv-conf key=value pairs."""
 
-
-@dataclasses.dataclass(frozen=True)
-class HealthCheckConfig:
-    """Checks a node passes before every rendezvous round."""
-
-    gpu: bool = True
-    """Check GPUs through NVML when present (skipped, with a log line, when there are none)."""
-    nvlink: bool = False
-    """Also require every NVLink the GPUs report to be up."""
-    storage_paths: tuple[str, ...] = ()
-    storage_timeout: float = 10.0
-    command: str | None = None
-    """An external command; exit 0 means healthy."""
-    command_timeout: float = 60.0
-    nic: bool = False
-    """Check every InfiniBand port in sysfs (`agent.nic_health`): ACTIVE, LinkUp, not flapped."""
-    nic_sysfs_root: str = "/sys/class/infiniband"
-    """Where the NIC check finds the devices (tests point it at a fake tree)."""
-    watch_interval: float = 5.0
-    """While workers run, read GPU health (and, with `nic`, the link_downed counters) every
-    this many seconds (`agent.health_watch`); 0: only before each rendezvous."""
+    @property
+    def store(self) -> StoreConfig:
+        """The store clients' part of these options."""
+        return StoreConfig(
+            endpoint=self.endpoint,
+            run_id=self.run_id,
+            backend=self.backend,
+            is_host=self.is_host,
+            reconnect_timeout=self.store_reconnect_timeout,
+            read_timeout=float(self.conf.get("read_timeout", 60)),
+        )

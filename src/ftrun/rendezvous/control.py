@@ -23,9 +23,9 @@ from ftrun.errors import ExitCode, RendezvousFailedError
 @dataclasses.dataclass(frozen=True)
 class FailureRecord:
     """One failure of the job's history: which node failed in which cycle, and how (the
-    `Signature.key` of `agent.attribution`), and where: the global ranks the node held in that
-    cycle, which tell a fault that follows the node from one that follows the ranks (empty
-    when the writer did not know)."""
+    `Signature.key` of `agent.diagnosis.attribution`), and where: the global ranks the node held
+    in that cycle, which tell a fault that follows the node from one that follows the ranks
+    (empty when the writer did not know)."""
 
     cycle: int
     node: str

@@ -27,7 +27,7 @@ def create_barrier_handler(params: RendezvousParameters) -> RendezvousHandler:
     from ftrun.rendezvous.barrier import BarrierRendezvousHandler
     from ftrun.rendezvous.config import RendezvousConfig
     from ftrun.rendezvous.ranks import NodeDescriptor
-    from ftrun.rendezvous.store import connect_store
+    from ftrun.store.connect import connect_store
 
     config = RendezvousConfig(
         endpoint=params.endpoint,
@@ -39,7 +39,7 @@ def create_barrier_handler(params: RendezvousParameters) -> RendezvousHandler:
         is_host=params.get_as_bool("is_host"),
         local_addr=params.local_addr,
     )
-    store, _ = connect_store(config)
+    store, _ = connect_store(config.store)
     host = params.local_addr or socket.getfqdn()
     return BarrierRendezvousHandler(
         config,

@@ -14,8 +14,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ftrun.tools.events import ReportInputError, load_events
-from ftrun.tools.job_status import job_status
+from ftrun.eventlog.job_status import job_status
+from ftrun.eventlog.reader import ReportInputError, load_events
 
 FETCH_TIMEOUT_S = 5.0
 

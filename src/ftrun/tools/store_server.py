@@ -1,5 +1,5 @@
 """`ftrun store --port P`: a job's rendezvous store as its own process (the agents run with
-`--ft-store-reconnect-timeout` and never serve it themselves, see `rendezvous.reconnecting`)."""
+`--ft-store-reconnect-timeout` and never serve it themselves, see `store.reconnecting`)."""
 
 from __future__ import annotations
 

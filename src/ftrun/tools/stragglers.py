@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ftrun.tools.events import Event, EventSet
+from ftrun.eventlog.reader import Event, EventSet
 
 MAX_ROWS = 16
 MAX_COLUMNS = 60

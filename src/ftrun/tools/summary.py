@@ -14,9 +14,9 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from ftrun.tools.failures import Failure, ranks_text
-from ftrun.tools.report import Cycle, NodeInfo, Report
-from ftrun.tools.startup import startup_lines
+from ftrun.eventlog.failures import Failure, ranks_text
+from ftrun.eventlog.report import Cycle, NodeInfo, Report, duration_text
+from ftrun.eventlog.startup import startup_lines
 
 JSON_SCHEMA_VERSION = 4
 """4: `attributions`, per failed cycle its signature, suspect, evidence and decision; `reruns`,
@@ -259,16 +259,6 @@ def _detection(failure: Failure) -> str:
     if hang.detection_latency is not None:
         parts.append(f"verdict {hang.detection_latency * 1000:.1f}ms after the deadline")
     return f"{parts[0]} ({', '.join(parts[1:])})" if len(parts) > 1 else parts[0]
-
-
-def duration_text(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.2f}s"
-    minutes, secs = divmod(round(seconds), 60)
-    if minutes < 60:
-        return f"{minutes}m{secs:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m{secs:02d}s"
 
 
 class _Clock:

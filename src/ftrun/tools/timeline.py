@@ -22,8 +22,8 @@ from matplotlib.patches import Patch
 from matplotlib.path import Path as MarkerPath
 from matplotlib.ticker import FuncFormatter, MultipleLocator
 
-from ftrun.tools.failures import CRASH, HANG, SIGNAL, Failure, ranks_text
-from ftrun.tools.report import (
+from ftrun.eventlog.failures import CRASH, HANG, SIGNAL, Failure, ranks_text
+from ftrun.eventlog.report import (
     FINISHED,
     RENDEZVOUS,
     RUNNING,
@@ -31,8 +31,9 @@ from ftrun.tools.report import (
     STARTING,
     STOPPING,
     Report,
+    duration_text,
 )
-from ftrun.tools.summary import clock_text, duration_text
+from ftrun.tools.summary import clock_text
 
 STATE_STYLE = {  # (colour, legend label); colour-blind-safe hues, "bad" states warm
     RENDEZVOUS: ("#E69F00", "rendezvous / health check"),

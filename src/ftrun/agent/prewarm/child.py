@@ -16,8 +16,8 @@ import sys
 import threading
 from typing import Any, Protocol
 
+from ftrun.agent.placement.binding import apply_binding
 from ftrun.agent.prewarm import marks
-from ftrun.agent.prewarm.binding import apply_binding
 from ftrun.agent.prewarm.pools import restore_thread_pools
 
 _PR_SET_PDEATHSIG = 1

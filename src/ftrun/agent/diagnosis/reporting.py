@@ -10,7 +10,7 @@ import signal
 import time
 from collections.abc import Sequence
 
-from ftrun.agent.attribution import Signature
+from ftrun.agent.diagnosis.attribution import Signature
 from ftrun.agent.prewarm.marks import forget_marks, read_marks
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.workers import WorkerExited

@@ -1,10 +1,10 @@
-"""The node's events file: its schema, and the writer the agent appends to.
+"""The node's events file: its schema, declared once, for the writer and the readers alike.
 
 `<log dir>/events-<node>.jsonl` holds one JSON object per line, the single source for
 `ftrun report` and the benches. Every event has the common fields (`event`, `ts` wall clock for
 people and for ordering across nodes, `mono` monotonic for durations within one node, `node`,
 and `cycle`, the job-wide cycle number, equal on every node), plus the fields its kind lists in
-`SCHEMA`. The writer (`EventLog`) and the reader (`ftrun.tools.events`) both use `SCHEMA`, so an
+`SCHEMA`. The writer (`EventLog`) and the reader (`ftrun.eventlog.reader`) both use `SCHEMA`, so an
 event the agent writes is one the report can read.
 
 Torch-free and cheap to import: `ftrun report` runs where training does not.
@@ -13,12 +13,8 @@ Torch-free and cheap to import: `ftrun report` runs where training does not.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import threading
-import time
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 log = logging.getLogger("ftrun.agent")
@@ -140,7 +136,7 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
         _opt("stopped", BOOL, "the process was stopped (SIGSTOP, a debugger): others wait on it"),
     ),
     "failure": (
-        _req("kind", STR, "the signature's kind (agent.attribution.Kind)"),
+        _req("kind", STR, "the signature's kind (agent.diagnosis.attribution.Kind)"),
         _req("detail", STR, "what failed: an exception type, a CUDA/NCCL error, a signal..."),
         _req("key", STR, "what the restart policy compares across cycles and nodes"),
         _opt("where", STR, "the innermost frame of the user's code, when part of the key"),
@@ -302,53 +298,3 @@ def problems(event: str, fields: Mapping[str, Any]) -> list[str]:
         elif not has_type(value, field.kind):
             found.append(f"{event}: field {field.name!r} is not a {field.kind}: {value!r}")
     return found
-
-
-class EventLog:
-    """Appends events to `<log dir>/events-<node>.jsonl`, one flushed line each.
-
-    An event that does not match `SCHEMA` is a bug: it is logged as an error and written all
-    the same (the reader skips it), since a launcher must not fail a job over its bookkeeping.
-
-    Live readers (the metrics, the status page's feed) `subscribe`: each gets every record
-    right after it is written, in the writer's thread, so a reader only queues or counts.
-    """
-
-    def __init__(self, log_dir: Path, node: str) -> None:
-        self.path = log_dir / f"events-{node}.jsonl"
-        self._node = node
-        self._lock = threading.Lock()
-        self._file = self.path.open("a", encoding="utf-8")
-        self._readers: list[Callable[[Mapping[str, Any]], None]] = []
-        self.cycle = 0
-
-    def subscribe(self, reader: Callable[[Mapping[str, Any]], None]) -> None:
-        """Call `reader(record)` with every event written from now on."""
-        with self._lock:
-            self._readers.append(reader)
-
-    def emit(self, event: str, **fields: Any) -> None:
-        for problem in problems(event, fields):
-            log.error("event does not match its schema (a bug): %s", problem)
-        record = {
-            "event": event,
-            "ts": round(time.time(), 6),
-            "mono": round(time.monotonic(), 6),
-            "node": self._node,
-            "cycle": self.cycle,
-            **fields,
-        }
-        line = json.dumps(record, default=str)
-        with self._lock:
-            self._file.write(line + "\n")
-            self._file.flush()
-            readers = tuple(self._readers)
-        for reader in readers:
-            try:
-                reader(record)
-            except Exception:  # a reader's bug must not cost the job its events
-                log.exception("an event reader failed on %s", event)
-
-    def close(self) -> None:
-        with self._lock:
-            self._file.close()

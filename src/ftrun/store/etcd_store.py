@@ -4,7 +4,7 @@ With TCPStore, the first agent hosts the job's store and the job ends with that 
 Raft-replicated: losing any training node, or any etcd member short of a majority, leaves the
 store standing. This class speaks etcd's v3 JSON gateway through `etcd3gw` (no grpc stubs) and
 keeps TCPStore's semantics, which the rendezvous, job control and the subsystems rely on, so
-that nothing above `rendezvous/store.py` knows which backend it has:
+that nothing above `store/connect.py` knows which backend it has:
 
 - `get`, `multi_get` and `wait` block until their keys exist, up to the store's timeout: one
   read, then one etcd watch on the missing keys (no polling), then one read to return;
@@ -36,7 +36,7 @@ from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
 from torch.distributed import DistStoreError, Store
 
-from ftrun.rendezvous import etcd_wire as wire
+from ftrun.store import etcd_wire as wire
 
 log = logging.getLogger("ftrun.rendezvous")
 

@@ -19,10 +19,10 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 from ftrun.errors import ExitCode
-from ftrun.tools.attribution import Attribution, RerunVerdict, attribute, rerun_verdicts
-from ftrun.tools.events import Event, EventSet
-from ftrun.tools.failures import CycleTimes, Failure, find_failures
-from ftrun.tools.startup import StartupSplit, startup_splits
+from ftrun.eventlog.attribution import Attribution, RerunVerdict, attribute, rerun_verdicts
+from ftrun.eventlog.failures import CycleTimes, Failure, find_failures
+from ftrun.eventlog.reader import Event, EventSet
+from ftrun.eventlog.startup import StartupSplit, startup_splits
 
 RENDEZVOUS, STARTING, RUNNING, STALLED, STOPPING, FINISHED = (
     "rendezvous",
@@ -387,3 +387,14 @@ def _process_training_time(cycles: Sequence[Cycle], failures: Sequence[Failure])
             useful_until = min(useful_until, by_number[cycle.failure].last_healthy)
         effective += max(useful_until - cycle.running_at, 0.0)
     return effective
+
+
+def duration_text(seconds: float) -> str:
+    """Seconds as people read them: 4.20s, 3m05s, 2h01m05s."""
+    if seconds < 60:
+        return f"{seconds:.2f}s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s"

@@ -13,10 +13,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ftrun.tools.events import Event, EventSet
-from ftrun.tools.node_view import NodeState, NodeView
-from ftrun.tools.report import build_report
-from ftrun.tools.summary import duration_text
+from ftrun.eventlog.node_view import NodeState, NodeView
+from ftrun.eventlog.reader import Event, EventSet
+from ftrun.eventlog.report import build_report, duration_text
 
 SCHEMA = 1
 SHOWN_FAILURES = 10

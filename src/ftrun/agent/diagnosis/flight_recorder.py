@@ -1,5 +1,5 @@
 """Collecting flight-recorder dumps when a cycle ends in a hang, on every node, and naming the
-collective a rank never entered (`agent.collectives`).
+collective a rank never entered (`agent.diagnosis.collectives`).
 
 The protocol, for cycle N:
 1. The node whose monitor judged ranks hung asks its own ranks to dump (before it kills them),
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from ftrun.agent.collectives import RankCollectives, Stall, find_stalls, summarize
+from ftrun.agent.diagnosis.collectives import RankCollectives, Stall, find_stalls, summarize
 from ftrun.client_lib.flight import FR_DIR, fifo_path
 from ftrun.rank_monitor.process_state import answers, is_stopped
 from ftrun.rendezvous.control import JobControl

@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
-from ftrun.tools.attribution import Culprit, hang_culprit
-from ftrun.tools.events import Event
+from ftrun.eventlog.attribution import Culprit, hang_culprit
+from ftrun.eventlog.reader import Event
 
 CRASH, HANG, SIGNAL, STORE_LOST, RESTART = "crash", "hang", "signal", "store lost", "restart"
 NODE_LOST, HEALTH, STORE_RESTARTED = "node lost", "health", "store restarted"

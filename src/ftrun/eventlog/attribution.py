@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ftrun.tools.events import Event
+from ftrun.eventlog.reader import Event
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Applying a worker's `--numa-binding` inside the worker: its CPUs, then its memory nodes.
 
-The agent decides each local rank's binding once per launch (`ftrun.agent.numa`) and hands it
-over in two variables of the worker's environment, in Linux's cpulist syntax ("0-7,16-23"):
+The agent decides each local rank's binding once per launch (`placement.numa`) and hands it over
+in two variables of the worker's environment, in Linux's cpulist syntax ("0-7,16-23"):
 `FTRUN_CPU_BIND` (logical CPUs) and `FTRUN_MEM_BIND` (NUMA memory nodes). Either may be absent.
 
 - A plain-spawned worker: `prepare_binding` runs in the agent (parsing, the libc lookup, the

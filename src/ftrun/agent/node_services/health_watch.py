@@ -31,11 +31,11 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ftrun.agent.attribution import Signature, health_signature
-from ftrun.agent.nic_health import check_ib_ports
-from ftrun.agent.nvml import load_nvml
+from ftrun.agent.config import HealthCheckConfig
+from ftrun.agent.diagnosis.attribution import Signature, health_signature
+from ftrun.agent.node_services.nic_health import check_ib_ports
+from ftrun.agent.node_services.nvml import load_nvml
 from ftrun.errors import NodeUnhealthyError
-from ftrun.rendezvous.config import HealthCheckConfig
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import NodeService
 

@@ -21,7 +21,7 @@ CUDA_DEVICE_ORDER=PCI_BUS_ID and on nodes with identical GPUs.
 
 `read_topology` is the one function that reads NVML (and sysfs, for hyperthread siblings);
 `plan` is pure; `plan_launch` joins them, once per launch (`ftrun.ft_launcher.build`). The
-worker applies its binding itself (`ftrun.agent.prewarm.binding`).
+worker applies its binding itself (`ftrun.agent.placement.binding`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from ftrun.agent.nvml import nvml_session
-from ftrun.agent.prewarm.binding import CPU_BIND, MEM_BIND, format_cpulist, parse_cpulist
+from ftrun.agent.node_services.nvml import nvml_session
+from ftrun.agent.placement.binding import CPU_BIND, MEM_BIND, format_cpulist, parse_cpulist
 from ftrun.agent.rank_env import visible_device
 from ftrun.errors import ConfigError
 
@@ -103,7 +103,7 @@ class NumaPlan:
     """Index = local rank."""
 
     def env(self, local_rank: int) -> dict[str, str]:
-        """The worker's FTRUN_CPU_BIND / FTRUN_MEM_BIND (`prewarm.binding` reads them)."""
+        """The worker's FTRUN_CPU_BIND / FTRUN_MEM_BIND (`placement.binding` reads them)."""
         binding = self.bindings[local_rank]
         env = {CPU_BIND: format_cpulist(binding.cpus)}
         if binding.mems:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from torch.distributed import DistError
 
-from ftrun.agent.attribution import (
+from ftrun.agent.diagnosis.attribution import (
     STDERR_TAIL_BYTES,
     Signature,
     collective_signature,
@@ -26,8 +26,8 @@ from ftrun.agent.attribution import (
     hang_cause,
     hang_signature,
 )
-from ftrun.agent.flight_recorder import FlightRecorder, suspect_nodes
-from ftrun.agent.repeats import held_ranks
+from ftrun.agent.diagnosis.flight_recorder import FlightRecorder, suspect_nodes
+from ftrun.agent.diagnosis.repeats import held_ranks
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.workers import WorkerExited, WorkerGroup
 from ftrun.errors import ExitCode

@@ -14,8 +14,8 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from ftrun.errors import RendezvousAuthError, RendezvousFailedError, RendezvousPrefixHeldError
 from ftrun.identity import is_local_host
-from ftrun.rendezvous.config import RendezvousConfig
-from ftrun.rendezvous.reconnecting import ReconnectingStore
+from ftrun.store.config import StoreConfig
+from ftrun.store.reconnecting import ReconnectingStore
 
 log = logging.getLogger("ftrun.rendezvous")
 
@@ -29,7 +29,7 @@ _LISTEN_POLL_S = 0.05
 
 
 def connect_store(
-    config: RendezvousConfig,
+    config: StoreConfig,
     may_host: bool = True,
     environ: Mapping[str, str] | None = None,
     interrupted: Callable[[], bool] = lambda: False,
@@ -44,12 +44,12 @@ def connect_store(
     and a wait for it to come back gives up once `interrupted()` (a signal: preemption must not
     wait for the window).
     """
-    timeout = datetime.timedelta(seconds=float(config.conf.get("read_timeout", 60)))
+    timeout = config.timeout
     if config.backend == "etcd":
         return connect_etcd(config.endpoint, config.run_id, timeout, environ or {}), False
     host, port = parse_rendezvous_endpoint(config.endpoint, default_port=DEFAULT_PORT)
-    if config.store_reconnect_timeout > 0:
-        window = config.store_reconnect_timeout
+    if config.reconnect_timeout > 0:
+        window = config.reconnect_timeout
         return _connect_external(host, port, timeout, window, interrupted), False
     try_host = may_host and (config.is_host if config.is_host is not None else is_local_host(host))
     attempts = [True, False] if try_host else [False]
@@ -123,7 +123,7 @@ def connect_etcd(
     first launcher also claims that prefix for its Slurm job: a launcher of another job with the
     same `--rdzv-id` stops with `RendezvousPrefixHeldError` rather than join a stranger's job.
     """
-    from ftrun.rendezvous.etcd_store import EtcdAuthError, EtcdStore  # etcd3gw: only for etcd
+    from ftrun.store.etcd_store import EtcdAuthError, EtcdStore  # etcd3gw: only for etcd
 
     members = [parse_rendezvous_endpoint(m, default_port=2379) for m in endpoint.split(",")]
     launch = f"{run_id}/{environ.get('SLURM_RESTART_COUNT') or 0}"

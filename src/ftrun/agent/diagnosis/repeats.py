@@ -32,7 +32,7 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 
-from ftrun.agent.attribution import Signature
+from ftrun.agent.diagnosis.attribution import Signature
 from ftrun.rendezvous.control import FailureRecord
 from ftrun.rendezvous.ranks import Round
 

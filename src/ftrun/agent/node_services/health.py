@@ -1,7 +1,7 @@
 """Node health checks run before every rendezvous round: GPUs (NVML), InfiniBand ports
-(`agent.nic_health`), storage, a command.
+(`agent.node_services.nic_health`), storage, a command.
 
-NVML comes from `agent.nvml` (loaded lazily, replaced by a fake in tests).
+NVML comes from `agent.node_services.nvml` (loaded lazily, replaced by a fake in tests).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from ftrun.agent.nic_health import check_ib_ports
-from ftrun.agent.nvml import load_nvml
+from ftrun.agent.config import HealthCheckConfig
+from ftrun.agent.node_services.nic_health import check_ib_ports
+from ftrun.agent.node_services.nvml import load_nvml
 from ftrun.agent.termination import kill_group_now
 from ftrun.errors import NodeUnhealthyError
-from ftrun.rendezvous.config import HealthCheckConfig
 from ftrun.services import NodeService
 
 log = logging.getLogger("ftrun.agent")

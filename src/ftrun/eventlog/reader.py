@@ -1,7 +1,7 @@
 """Reading `<log-dir>/events-<node>.jsonl` files into validated, immutable events.
 
-The files are written by `ftrun.events.EventLog`, one JSON object per line, to the schema in
-`ftrun.events` that this reader checks too. A node that was killed mid-write leaves a truncated
+The files are written by `eventlog.writer.EventLog`, one JSON object per line, to the schema in
+`eventlog.schema` that this reader checks too. A node that was killed mid-write leaves a truncated
 last line, and logs get concatenated or hand-edited, so a bad line is skipped and counted,
 never fatal: a report of a bad night must still come out.
 """
@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, overload
 
-from ftrun.events import COMMON, EVENTS_GLOB, NUM, SCHEMA, has_type
+from ftrun.eventlog.schema import COMMON, EVENTS_GLOB, NUM, SCHEMA, has_type
 
 # Only the required fields: a line without them cannot be placed on the timeline or explained,
 # so it counts as malformed. Optional fields are read with defaults.
