@@ -33,7 +33,6 @@ from ftrun.errors import ExitCode
 from ftrun.eventlog.writer import EventLog
 from ftrun.ft_launcher.build import build_config
 from ftrun.rank_monitor import RankMonitorServer
-from ftrun.rendezvous.factory import create_rendezvous
 from ftrun.services import NodeService, NodeServices
 
 FAKE_PID_BASE = 1 << 30
@@ -187,12 +186,11 @@ def running_agent(
     spawner = FakeSpawner()
     store = store if store is not None else HashStore()
     runtime = AgentRuntime(
-        config, {}, "127.0.0.1", "n0", tmp / "logs" / "n0", events, queue.SimpleQueue(), store,
-        True, None, node_services, monitor, spawner, 0, tmp / "job", lambda: None,
+        config=config, environ={}, host="127.0.0.1", node="n0", node_log_dir=tmp / "logs" / "n0",
+        events=events, inbox=queue.SimpleQueue(), store=store, is_store_host=True,
+        infra_rank=None, services=node_services, monitor=monitor, spawner=spawner, peer_port=0,
+        job_dir=tmp / "job", restore_peer=lambda: None, answers=lambda _d: True,
     )  # fmt: skip
-    runtime.rendezvous = create_rendezvous(
-        config.rendezvous, store, runtime.descriptor, lambda _d: True, runtime.standing_by
-    )
     node = RunningAgent(runtime, spawner)
     try:
         yield node.start()

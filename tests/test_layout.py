@@ -126,3 +126,37 @@ def test_client_import_stays_light() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert out.stdout.strip() == "", f"imported with the client: {out.stdout.strip()}"
+
+
+def test_no_function_in_src_is_over_60_lines() -> None:
+    long = []
+    for path in (SRC / "ftrun").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > 60:
+                    long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({lines})")
+    assert not long, long
+
+
+SUBSYSTEMS = (
+    "ftrun.checkpointing",
+    "ftrun.straggler",
+    "ftrun.lightning",
+    "ftrun.rerun",
+    "ftrun.observe",
+    "ftrun.tools",
+)
+
+
+def test_the_agent_imports_no_subsystem_and_none_imports_the_agent() -> None:
+    """The builder (ft_launcher) hands the agent the subsystems' service factories; the
+    subsystems meet the agent only through `ftrun.services`. A subsystem's config module is
+    a leaf that `ftrun.config` gathers (`LaunchConfig`), the one exception."""
+    graph = _unit_graph()
+    reached = {d for d in graph["ftrun.agent"] if d.startswith(SUBSYSTEMS)}
+    assert not reached, f"ftrun.agent imports {sorted(reached)}"
+    for unit, deps in graph.items():
+        if unit.startswith((*SUBSYSTEMS, "ftrun.services", "ftrun.peer", "ftrun.rendezvous")):
+            assert "ftrun.agent" not in deps, f"{unit} imports ftrun.agent"
+    assert graph["ftrun.services"] <= {"ftrun.rank_monitor", "ftrun.rendezvous"}

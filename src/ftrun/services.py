@@ -86,10 +86,10 @@ class NodeService:
         return None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ServiceContext:
     """What a subsystem's service may use: the node's shared collaborators, nothing of the
-    agent's own."""
+    agent's own. Built by keyword, once, in `agent.runtime.open_runtime`."""
 
     config: LaunchConfig
     store: Store

@@ -36,6 +36,7 @@ from ftrun.errors import ConfigError, NodeUnhealthyError, RendezvousFailedError
 from ftrun.eventlog.writer import EventLog
 from ftrun.identity import free_port
 from ftrun.rank_monitor import ProgressSnapshot, RankMonitorServer
+from ftrun.rank_monitor.timings import TimingBatch
 from ftrun.rendezvous.control import JobControl, wait_until
 from ftrun.rendezvous.factory import NodeRendezvous, create_rendezvous
 from ftrun.rendezvous.ranks import NodeDescriptor, Round, infra_rank_from_env
@@ -43,9 +44,11 @@ from ftrun.services import NodeServices, ServiceContext, ServiceFactory
 from ftrun.store.connect import connect_store
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class AgentRuntime:
-    """The agent's long-lived collaborators."""
+    """The agent's long-lived collaborators. Built by keyword, in one place for the launcher
+    (`open_runtime`) and the tests' agent harness alike: the constructor also builds the
+    rendezvous, which needs the runtime's own `descriptor` and `standing_by`."""
 
     config: LaunchConfig
     environ: Mapping[str, str]
@@ -66,9 +69,16 @@ class AgentRuntime:
     """The per-job 0700 directory for IPC (the workers' FTRUN_IPC_DIR)."""
     restore_peer: Callable[[], None]
     """Writes the job's peer secret back into a store that restarted (`PeerService.restore`)."""
+    answers: dataclasses.InitVar[Callable[[NodeDescriptor], bool]]
+    """Whether another node's agent still serves its peer channel (a hot spare's probe)."""
     rendezvous: NodeRendezvous = dataclasses.field(init=False)
     stood_by: tuple[int, int] | None = None
     """(cycle, its round's size) of the last round this node stood by in, as a hot spare."""
+
+    def __post_init__(self, answers: Callable[[NodeDescriptor], bool]) -> None:
+        self.rendezvous = create_rendezvous(
+            self.config.rendezvous, self.store, self.descriptor, answers, self.standing_by
+        )
 
     @property
     def control(self) -> JobControl:
@@ -123,9 +133,8 @@ def open_runtime(
     the runtime owns it from here on and closes it. `subsystems`: the builder's service
     factories, started in order after the node's own services they may use. `interrupted`:
     whether the launcher got a signal (a wait for a restarting store gives up then)."""
-    agent = config.agent
     host, node = config.this_node(environ)
-    log_dir = agent.log_dir or Path(tempfile.mkdtemp(prefix="ftrun-logs-"))
+    log_dir = config.agent.log_dir or Path(tempfile.mkdtemp(prefix="ftrun-logs-"))
     with contextlib.ExitStack() as stack:
         if fork_server is not None:
             stack.callback(fork_server.close)
@@ -138,47 +147,24 @@ def open_runtime(
         health = services.add(HealthService(config.health, events.emit))
         store, is_store_host = _connect(config, health.first, environ, interrupted)
         peer = services.add(PeerService(store, config.rendezvous.run_id, host, node))
-        observers: list[Callable[..., None]] = []
-        monitors: list[MonitorService] = []  # the monitor starts after the subsystems
-        described: dict[str, object] = {}  # the services' own fields of the cycle info
-
-        def progress() -> list[ProgressSnapshot]:
-            return monitors[0].server.progress_snapshot() if monitors else []
-
+        link, described = _MonitorLink(), {}  # `described`: the services' cycle-info fields
         context = ServiceContext(
-            config, store, node, job_dir, log_dir, events.emit, inbox.put, peer.server,
-            peer.client, observers.append, events.subscribe, progress, described.__setitem__,
+            config=config, store=store, node=node, job_dir=job_dir, log_dir=log_dir,
+            emit=events.emit, post=inbox.put, peer_server=peer.server, peer_client=peer.client,
+            observe_timings=link.observe, read_events=events.subscribe, progress=link.progress,
+            describe=described.__setitem__,
         )  # fmt: skip
         for factory in subsystems:
             services.add(factory(context))
-        on_timings = _fan_out(observers) if observers else None
-        monitor = services.add(MonitorService(config.monitor, job_dir, inbox.put, on_timings))
-        monitors.append(monitor)
-        if config.health.watch_interval > 0 and (config.health.gpu or config.health.nic):
-            services.add(HealthWatch(config.health, events.emit, inbox.put))
-        if agent.gpu_memory_reclaim_timeout > 0:
-            services.add(
-                GpuReclaimService(
-                    agent.gpu_memory_reclaim_timeout, agent.gpu_memory_tolerance_mb, events.emit
-                )
-            )
-        spawner: Spawner = PlainSpawner(agent.entrypoint, plain_reason(config))
-        server = fork_server or start_early(config, environ, node)
-        target = python_target(agent.entrypoint)
-        if server is not None and target is not None:
-            start_env = shared_env(config, environ, {}, None, node)
-            spawner = services.add(
-                PrewarmService(server, target, agent.prewarm_deep_modules, start_env, spawner)
-            )
+        monitor = _add_node_services(config, services, job_dir, events, inbox, link)
+        spawner = _spawner(config, environ, node, fork_server, services)
         runtime = AgentRuntime(
-            config, environ, host, node, log_dir / node, events, inbox, store, is_store_host,
-            infra_rank_from_env(environ, config.rendezvous.node_rank), services, monitor.server,
-            spawner,
-            peer.port, job_dir, peer.restore,
+            config=config, environ=environ, host=host, node=node, node_log_dir=log_dir / node,
+            events=events, inbox=inbox, store=store, is_store_host=is_store_host,
+            infra_rank=infra_rank_from_env(environ, config.rendezvous.node_rank),
+            services=services, monitor=monitor.server, spawner=spawner, job_dir=job_dir,
+            peer_port=peer.port, restore_peer=peer.restore, answers=peer.answers,
         )  # fmt: skip
-        runtime.rendezvous = create_rendezvous(
-            config.rendezvous, store, runtime.descriptor, peer.answers, runtime.standing_by
-        )
         services.add(
             CycleInfoService(
                 job_dir, config.rendezvous.run_id, environ, runtime.control.cause_of, described
@@ -187,12 +173,76 @@ def open_runtime(
         yield runtime
 
 
-def _fan_out(observers: list[Callable[..., None]]) -> Callable[..., None]:
-    def each(batch: object) -> None:
-        for observer in observers:
-            observer(batch)
+class _MonitorLink:
+    """The rank monitor as the subsystems' services reach it: it starts after them (its
+    timings go to the observers they register), so they hold this link, not the monitor."""
 
-    return each
+    def __init__(self) -> None:
+        self._observers: list[Callable[[TimingBatch], None]] = []
+        self.monitor: MonitorService | None = None
+
+    def observe(self, observer: Callable[[TimingBatch], None]) -> None:
+        self._observers.append(observer)
+
+    def progress(self) -> list[ProgressSnapshot]:
+        return self.monitor.server.progress_snapshot() if self.monitor else []
+
+    def on_timings(self) -> Callable[[TimingBatch], None] | None:
+        """One callback for every observer; None when nobody observes (nothing to collect)."""
+        if not self._observers:
+            return None
+        observers = list(self._observers)
+
+        def each(batch: TimingBatch) -> None:
+            for observer in observers:
+                observer(batch)
+
+        return each
+
+
+def _add_node_services(
+    config: LaunchConfig,
+    services: NodeServices,
+    job_dir: Path,
+    events: EventLog,
+    inbox: queue.SimpleQueue[object],
+    link: _MonitorLink,
+) -> MonitorService:
+    """The agent's own services that follow the subsystems': the rank monitor (returned),
+    the health watch and the GPU memory reclaim."""
+    agent = config.agent
+    link.monitor = services.add(
+        MonitorService(config.monitor, job_dir, inbox.put, link.on_timings())
+    )
+    if config.health.watch_interval > 0 and (config.health.gpu or config.health.nic):
+        services.add(HealthWatch(config.health, events.emit, inbox.put))
+    if agent.gpu_memory_reclaim_timeout > 0:
+        services.add(
+            GpuReclaimService(
+                agent.gpu_memory_reclaim_timeout, agent.gpu_memory_tolerance_mb, events.emit
+            )
+        )
+    return link.monitor
+
+
+def _spawner(
+    config: LaunchConfig,
+    environ: Mapping[str, str],
+    node: str,
+    fork_server: ForkServer | None,
+    services: NodeServices,
+) -> Spawner:
+    """Forked from the node's fork server (a service: it lives as long as the node) where it
+    can serve, else spawned plainly."""
+    plain = PlainSpawner(config.agent.entrypoint, plain_reason(config))
+    server = fork_server or start_early(config, environ, node)
+    target = python_target(config.agent.entrypoint)
+    if server is None or target is None:
+        return plain
+    start_env = shared_env(config, environ, {}, None, node)
+    return services.add(
+        PrewarmService(server, target, config.agent.prewarm_deep_modules, start_env, plain)
+    )
 
 
 def _open_events(log_dir: Path, node: str) -> EventLog:
