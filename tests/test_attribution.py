@@ -16,6 +16,7 @@ from ftrun.agent.diagnosis.attribution import (
     hang_signature,
     last_exception,
 )
+from ftrun.rank_monitor.stacks import where_stuck
 
 FIXTURES = Path(__file__).parent / "data" / "failures"
 
@@ -99,10 +100,10 @@ def test_a_hang_is_named_by_where_the_rank_was_stuck() -> None:
         '  File "/job/train.py", line 40 in step\n'
         '  File "/job/train.py", line 90 in <module>\n'
     )
-    found = hang_signature("heartbeat", None, stack)
+    found = hang_signature("heartbeat", None, where_stuck(stack))
     assert found.key == "hang: heartbeat at train.py:40 in step"
     assert "waiting inside" in found.message
-    assert hang_signature("section", "step", "").message == "no stack dump"
+    assert hang_signature("section", "step", None).message == "no stack dump"
 
 
 WAITING = (
@@ -117,20 +118,20 @@ OWN_CODE = (
 
 
 def test_a_stopped_rank_is_named_without_stacks_and_is_no_consequence() -> None:
-    found = hang_signature("heartbeat", None, "", rank=3, stopped=True)
+    found = hang_signature("heartbeat", None, None, rank=3, stopped=True)
     assert found.key == "hang: heartbeat, process stopped"
     assert (found.rank, found.secondary, found.where) == (3, False, "")
     assert "SIGSTOP" in found.message
 
 
 def test_the_cause_of_a_hang_a_stopped_rank_then_own_code_then_a_consequence() -> None:
-    waiting = hang_signature("heartbeat", None, WAITING, rank=0)
-    own = hang_signature("heartbeat", None, OWN_CODE, rank=1)
-    stopped = hang_signature("heartbeat", None, "", rank=2, stopped=True)
+    waiting = hang_signature("heartbeat", None, where_stuck(WAITING), rank=0)
+    own = hang_signature("heartbeat", None, where_stuck(OWN_CODE), rank=1)
+    stopped = hang_signature("heartbeat", None, None, rank=2, stopped=True)
     # Verdicts of one hang come in any order: the waiting ranks miss their heartbeats too.
     assert hang_cause([waiting, own, stopped]) == stopped
     assert hang_cause([waiting, own]) == own
-    blamed = hang_cause([waiting, hang_signature("heartbeat", None, WAITING, rank=5)])
+    blamed = hang_cause([waiting, hang_signature("heartbeat", None, where_stuck(WAITING), rank=5)])
     assert (blamed.rank, blamed.secondary) == (0, True)
 
 

@@ -59,6 +59,7 @@ def check_timing(verdict: Verdict, arrived: float, timeout: float) -> None:
     assert verdict.waited >= timeout
 
 
+@pytest.mark.process  # starts a real rank (`spawn_rank`)
 @pytest.mark.parametrize(
     ("mode", "timeouts", "kind", "section", "timeout"),
     [
@@ -101,7 +102,9 @@ def test_hang_verdict_on_time_with_stack(make_server, mode, timeouts, kind, sect
     assert verdict.stack_file is not None
     assert mode in verdict.stack_file.read_text()
     assert f"rank 3 (pid {proc.pid}) hung" in verdict.describe()
-    stuck = where_stuck(verdict.stack)
+    # The stuck frame is read once, when the stacks come in; its users read the verdict's.
+    assert verdict.stuck == where_stuck(verdict.stack)
+    stuck = verdict.stuck
     assert stuck is not None and not stuck.in_library and f" in {mode}" in stuck.frame, stuck
 
 
@@ -127,6 +130,7 @@ Current thread 0x00007f3e9f486b80 (most recent call first):
     assert where_stuck("(the rank did not dump its stacks)") is None
 
 
+@pytest.mark.process  # starts a real rank (`spawn_rank`)
 def test_calculated_timeouts_survive_a_new_process(make_server, tmp_path: Path):
     server = make_server(calculated_timeout_floor=0.0)  # judge the milliseconds
     state_file = tmp_path / "state.json"
@@ -305,6 +309,7 @@ def test_a_broken_progress_callback_does_not_stop_hang_detection(make_server, in
     assert (verdict.rank, verdict.kind) == (2, HangKind.HEARTBEAT)
 
 
+@pytest.mark.process  # starts a real rank (`spawn_rank`)
 def test_iterations_from_a_real_rank(make_server):
     notes: list[FirstProgress] = []
     server = make_server(on_progress=notes.append)
@@ -377,6 +382,28 @@ def test_a_slow_stack_capture_delays_no_other_rank_s_verdict(tmp_path: Path, in_
         assert second.rank == 0 and second.detected_at < first.detected_at
     finally:
         release.set()
+        server.stop()
+
+
+def test_the_verdict_carries_where_the_rank_is_stuck_read_once(tmp_path: Path, in_process_client):
+    """The stuck frame is read from the dump when the stacks come in (the reporting and the
+    attribution read `Verdict.stuck`, never the dump again)."""
+    dump = (
+        "Current thread 0x00007f (most recent call first):\n"
+        '  File "/usr/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", '
+        "line 3252 in all_reduce\n"
+        '  File "/job/train.py", line 40 in step\n'
+    )
+    config = RankMonitorConfig(initial_rank_heartbeat_timeout=0.3)
+    server = RankMonitorServer(config, job_dir=tmp_path / "job",
+                               capture=lambda targets, sig, timeout: {
+                                   path: dump for _, path in targets}).start()  # fmt: skip
+    try:
+        in_process_client(server, 0)  # never sends a heartbeat
+        verdict = server.verdicts.get(timeout=10)
+        assert verdict.stack == dump and verdict.stuck == where_stuck(dump)
+        assert verdict.stuck is not None and verdict.stuck.caller == "train.py:40 in step"
+    finally:
         server.stop()
 
 

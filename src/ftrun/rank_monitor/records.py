@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from ftrun.rank_monitor.protocol import Timeouts
+from ftrun.rank_monitor.stacks import StuckAt
 from ftrun.rank_monitor.tracker import HangKind
 
 
@@ -29,6 +30,9 @@ class Verdict:
     stopped: bool = False
     """The process was stopped (SIGSTOP, a debugger): it can act on nothing but SIGKILL, so it
     was not asked for its stacks, and the ranks that wait for it are not the cause."""
+    stuck: StuckAt | None = None
+    """Where `stack` shows the rank stuck (`stacks.where_stuck`, read once, when the stacks
+    came in); None without a readable dump."""
 
     def describe(self) -> str:
         what = f"section {self.section!r}" if self.kind is HangKind.SECTION else self.kind.value

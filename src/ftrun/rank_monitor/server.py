@@ -393,6 +393,7 @@ class RankMonitorServer:
                 forgotten = not self._ranks.is_current(peer)
             if forgotten:  # the owner stopped this worker while its stacks were collected
                 continue
+            stack = dumps.get(path, "")
             verdict = Verdict(
                 rank=progress.rank,
                 pid=progress.pid,
@@ -404,8 +405,9 @@ class RankMonitorServer:
                 deadline=overdue.deadline,
                 detected_at=detected_at,
                 stack_file=path if dumps.get(path) else None,
-                stack=dumps.get(path, ""),
+                stack=stack,
                 stopped=progress.pid in stopped,
+                stuck=stacks.where_stuck(stack),
             )
             log.info("%s", verdict.describe())
             self._on_verdict(verdict)

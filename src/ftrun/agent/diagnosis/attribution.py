@@ -28,7 +28,7 @@ import re
 import signal
 from collections.abc import Sequence
 
-from ftrun.rank_monitor.stacks import is_library, where_stuck
+from ftrun.rank_monitor.stacks import StuckAt, is_library, where_stuck
 
 STDERR_TAIL_BYTES = 64 * 1024
 """How much of a failed rank's stderr the agent reads (the end: the traceback is last)."""
@@ -181,13 +181,17 @@ def _fatal_error(text: str) -> Signature | None:
 
 
 def hang_signature(
-    kind: str, section: str | None, stack: str, rank: int | None = None, stopped: bool = False
+    kind: str,
+    section: str | None,
+    stuck: StuckAt | None,
+    rank: int | None = None,
+    stopped: bool = False,
 ) -> Signature:
-    """A rank judged hung (`HangKind` value), from its stack dump; a `stopped` one has none."""
+    """A rank judged hung (`HangKind` value), from where its stack dump shows it stuck
+    (`Verdict.stuck`; None: no readable dump); a `stopped` one has none."""
     detail = f"{kind} in section {section!r}" if section else kind
     if stopped:
         return Signature(Kind.HANG, f"{detail}, {STOPPED}", message=_STOPPED_WHY, rank=rank)
-    stuck = where_stuck(stack)
     if stuck is None:
         return Signature(Kind.HANG, detail, message="no stack dump", rank=rank)
     where = stuck.caller if stuck.in_library else stuck.frame

@@ -64,7 +64,7 @@ class Evidence:
         the hung ranks are killed."""
         if rnd is not None and group is not None:
             self._flight.on_hang(self.rt.control, rnd.number, _workers(group))
-        return hang_cause([hang_signature(v.kind.value, v.section, v.stack, v.rank, v.stopped)
+        return hang_cause([hang_signature(v.kind.value, v.section, v.stuck, v.rank, v.stopped)
                            for v in verdicts])  # fmt: skip
 
     def before_stop(self, rnd: Round | None, group: WorkerGroup | None) -> None:

@@ -15,7 +15,6 @@ from ftrun.agent.prewarm.marks import forget_marks, read_marks
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.workers import WorkerExited
 from ftrun.rank_monitor import FirstProgress, ProgressSnapshot, Verdict
-from ftrun.rank_monitor.stacks import where_stuck
 from ftrun.rendezvous.ranks import Round
 
 log = logging.getLogger("ftrun.agent")
@@ -74,7 +73,7 @@ class CycleReport:
             none = f"(the rank's process was stopped: it could not dump its stacks; {STOP_HINT})\n"
         dump.write_text(verdict.stack or none)
         where = f"in section {verdict.section!r}" if verdict.section else f"({verdict.kind.value})"
-        stuck = where_stuck(verdict.stack)
+        stuck = verdict.stuck
         stuck_text = stuck.describe() if stuck else None
         if verdict.stopped:  # the others wait for it: it is the one to look at
             stuck_text = f"process stopped ({STOP_HINT})"
