@@ -4,11 +4,14 @@ termination. Each test checks one decision the launcher tests used to check with
 
 from __future__ import annotations
 
+import queue
 import signal
+import threading
 import time
 from pathlib import Path
 
 from agent_harness import FakeWorker, running_agent
+from ftrun.agent.inbox import take_until
 from ftrun.errors import ExitCode
 from ftrun.rank_monitor import HangKind, Verdict, WorkloadAction, WorkloadControl
 from ftrun.services import ServiceRequest
@@ -54,6 +57,44 @@ def test_a_hung_rank_is_killed_at_once_and_the_cycle_restarts(tmp_path: Path) ->
         for worker in node.spawner.workers[2:]:
             worker.exit(0)
         assert node.result() == ExitCode.SUCCESS
+
+
+def test_verdicts_of_one_hang_are_taken_together_and_a_signal_between_them_waits(
+    tmp_path: Path,
+) -> None:
+    """The verdict window drains the inbox (no sleep): both ranks are one hang, killed at once;
+    the signal that came between them is handled after, in order (the job is preempted)."""
+    with running_agent(tmp_path, ["--max-restarts=3"]) as node:
+        workers = node.spawner.started(2)
+        monitor = node.runtime.monitor
+        for worker in workers:
+            wait_for(lambda w=worker: monitor._ranks.expected.get(w.rank) == w.pid, 5, "expected")
+        node.post(_verdict(workers[0]))
+        node.signal(signal.SIGTERM)
+        node.post(_verdict(workers[1]))
+        assert node.result() == ExitCode.PREEMPTED
+    assert node.termination.killed == [workers[0].pid, workers[1].pid]
+    assert sorted(e["rank"] for e in node.events("hang")) == [0, 1]
+    assert len(node.spawner.workers) == 2  # no second cycle: the signal came first
+
+
+def test_the_verdict_window_takes_what_arrives_before_its_deadline_and_keeps_the_rest() -> None:
+    inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+    first, late = _verdict(FakeWorker({"RANK": "0"})), _verdict(FakeWorker({"RANK": "1"}))
+    inbox.put(first)
+    inbox.put("a note")
+    arrives = threading.Thread(target=inbox.put, args=(late,))  # while the window waits
+    began = time.monotonic()
+    arrives.start()
+    taken = take_until(inbox, Verdict, began + 0.3)
+    arrives.join(5)
+    assert time.monotonic() - began >= 0.3  # the window is waited out, on the inbox
+    assert taken == [first, late]
+    inbox.put(_verdict(FakeWorker({"RANK": "2"})))
+    inbox.put("after")
+    # Past the deadline: only what is queued, without waiting; the rest stays in order.
+    assert len(take_until(inbox, Verdict, deadline=0.0)) == 1
+    assert [inbox.get_nowait(), inbox.get_nowait()] == ["a note", "after"] and inbox.empty()
 
 
 def test_a_workload_shutdown_request_ends_the_job_without_relaunch(tmp_path: Path) -> None:

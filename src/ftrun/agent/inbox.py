@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import queue
 import signal
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +43,22 @@ class SignalRecorder:
 
 def take_queued(inbox: queue.SimpleQueue[object], kind: type) -> list:
     """Remove and return queued items of `kind`, keeping the rest in order."""
+    return take_until(inbox, kind, deadline=0.0)
+
+
+def take_until(
+    inbox: queue.SimpleQueue[object],
+    kind: type,
+    deadline: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> list:
+    """Remove and return the items of `kind` queued now or arriving before `deadline` (on
+    `clock`), waiting on the inbox, never sleeping; every other item goes back, in order."""
     taken, kept = [], []
     while True:
+        left = deadline - clock()
         try:
-            item = inbox.get_nowait()
+            item = inbox.get(timeout=left) if left > 0 else inbox.get_nowait()
         except queue.Empty:
             break
         (taken if isinstance(item, kind) else kept).append(item)

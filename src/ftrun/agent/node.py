@@ -28,7 +28,7 @@ from ftrun.agent.diagnosis.evidence import Evidence
 from ftrun.agent.diagnosis.repeats import held_ranks
 from ftrun.agent.diagnosis.reporting import CycleReport
 from ftrun.agent.facts import read_facts
-from ftrun.agent.inbox import SignalReceived, SignalRecorder, take_queued
+from ftrun.agent.inbox import SignalReceived, SignalRecorder, take_queued, take_until
 from ftrun.agent.node_services.health_watch import HealthFinding
 from ftrun.agent.policy import Action, AgentEvent, Outcome, Policy
 from ftrun.agent.runtime import AgentRuntime
@@ -51,6 +51,7 @@ _SCALE_CHECK_S = 1.0
 # every second while joining): a few seconds cover them, a dead peer must not hold us long.
 _STORE_LINGER_S = 5.0
 _VERDICT_WINDOW_S = 0.05
+"""How long after a hang verdict the agent takes the verdicts that follow it as one hang."""
 
 
 class NodeAgent:
@@ -281,10 +282,10 @@ class NodeAgent:
 
     def _hangs(self, first: Verdict) -> p.HangsFound:
         """Batch the verdicts of one hang: ranks blocked behind the hung one are judged ms
-        later, and every rank judged hung is killed at once and recorded."""
-        time.sleep(_VERDICT_WINDOW_S)
+        later, and every rank judged hung is killed at once and recorded. The window waits on
+        the inbox for them (what else arrives meanwhile stays queued, in order)."""
+        queued = take_until(self._inbox, Verdict, time.monotonic() + _VERDICT_WINDOW_S)
         current = set(self._group.pids) if self._group else set()
-        queued = take_queued(self._inbox, Verdict)
         verdicts = [first, *(v for v in queued if v.worker_pid in current)]
         for verdict in verdicts:
             self.report.hang(verdict, self._round)
