@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,6 +27,7 @@ pytestmark = pytest.mark.faults
 USAGE, FAILED = 2, 1
 READ_TIMEOUT, JOIN_TIMEOUT = 2, 3
 """For the foreign listener: a store must answer within 2 s, a round close within 3 s."""
+FAULT_WORKER = Path(__file__).parents[1] / "workers" / "fault_worker.py"
 
 
 def argv(fault: Fault, *extra: str) -> list[str]:
@@ -43,7 +43,7 @@ def argv(fault: Fault, *extra: str) -> list[str]:
         f"--rdzv-id=faults-{tmp.name}",
         f"--log-dir={tmp / 'logs'}",
         *extra,
-        str(Path(__file__).parents[1] / "workers" / "fault_worker.py"),
+        str(FAULT_WORKER),
         "--ckpt-dir",
         str(tmp / "ckpt"),
         "--steps",
@@ -141,30 +141,16 @@ def test_rendezvous_port_held_by_a_foreign_listener(fault: Fault):
         listener.listen(16)
         port = listener.getsockname()[1]
         conf = f"--rdzv-conf=read_timeout={READ_TIMEOUT},join_timeout={JOIN_TIMEOUT}"
-        args = argv(fault, f"--rdzv-endpoint=127.0.0.1:{port}", conf)
-        output = fault.tmp / "launcher.log"
-        with output.open("wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "ftrun.ft_launcher.cli", *args],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        try:
-            # The events file is opened just before the agent reaches for the store.
-            wait_for(lambda: list((fault.tmp / "logs").glob("events-*.jsonl")), 60, "agent")
-            started = time.monotonic()
-            bound = READ_TIMEOUT + JOIN_TIMEOUT + 3
-            try:
-                code = proc.wait(timeout=bound)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"launcher still running {bound}s after it reached for the store")
-            fault.time(time.monotonic() - started, "agent started to exit")
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
-    text = output.read_text()
+        # The foreign endpoint last: it wins over the session backend's (`Fault.start`).
+        job = fault.start(1, [conf, f"--rdzv-endpoint=127.0.0.1:{port}"], ["--steps", "1"],
+                          script=FAULT_WORKER)  # fmt: skip
+        # The events file is opened just before the agent reaches for the store.
+        wait_for(lambda: list(job.log_dir.glob("events-*.jsonl")), 60, "agent")
+        started = time.monotonic()
+        # `Job.wait` fails the case (and kills the launcher) if it is still running then.
+        [code] = job.wait(timeout=READ_TIMEOUT + JOIN_TIMEOUT + 3)
+        fault.time(time.monotonic() - started, "agent started to exit")
+    text = job.nodes[0].text()
     assert code == FAILED, text
     assert "Traceback" not in text
     errors = [line for line in text.splitlines() if " ERROR " in line]
