@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import select
 import signal
 import socket
@@ -21,6 +22,7 @@ from typing import IO, Any
 import psutil
 import pytest
 
+from ftrun.agent.exits import ExitWaiter
 from ftrun.agent.prewarm import wire as proto
 from ftrun.agent.prewarm.client import ForkedWorker, ForkServer, ForkServerError
 from ftrun.agent.prewarm.target import PythonTarget
@@ -554,3 +556,39 @@ def test_a_worker_that_ends_while_the_server_imports_is_seen_at_once() -> None:
         assert finish(fs.spawn(probe("report", "0"), env, os.getcwd()))[0] == 0  # after it
         worker.stdout.close()
         worker.stderr.close()
+
+
+def test_one_waiter_tells_the_ends_of_forked_and_plain_workers_at_once() -> None:
+    """The agent's exit waiter, on pidfds: a forked worker killed while the server imports (it
+    reaps nobody: the status is the zombie's) and a plain child that exits 3, each told once."""
+    env = {**BASE_ENV, "PYTHONPATH": str(WORKERS), "SLOW_PREWARM_S": "3"}
+    told: queue.SimpleQueue[tuple[str, int, float]] = queue.SimpleQueue()
+    plain = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read(); sys.exit(3)"], stdin=subprocess.PIPE
+    )
+    waiter = ExitWaiter("test-exits")
+    try:
+        with ForkServer.start(["json"], env) as fs:
+            assert fs.ready(DEADLINE), fs.error
+            forked = fs.spawn(probe("sleep"), env, os.getcwd())
+            assert readline(forked.stdout) == "sleeping\n"
+            waiter.watch(forked, lambda code: told.put(("forked", code, time.monotonic())))
+            waiter.watch(plain, lambda code: told.put(("plain", code, time.monotonic())))
+            waiter.seal()
+            assert fs.deepen(["slow_prewarm_module"])
+            began = time.monotonic()
+            os.killpg(forked.pid, signal.SIGKILL)
+            what, code, at = told.get(timeout=DEADLINE)
+            assert (what, code) == ("forked", -signal.SIGKILL)
+            assert at - began < 1.5, "waited for the server's import"
+            assert plain.stdin is not None
+            plain.stdin.close()
+            assert told.get(timeout=DEADLINE)[:2] == ("plain", 3)
+            assert waiter.close(DEADLINE)  # it had ended by itself
+            forked.stdout.close()
+            forked.stderr.close()
+    finally:
+        waiter.close(DEADLINE)
+        if plain.poll() is None:
+            plain.kill()
+        plain.wait(DEADLINE)

@@ -10,9 +10,9 @@ Whole process groups: each worker leads its own group, so its children and grand
 the signal too. Descendants that moved to another group (setsid) are found through psutil
 (the agent is a child subreaper, so orphans stay its descendants) and signalled one by one.
 
-Waiting: on pidfds (`pidfd_open`, Linux 5.3+), which become readable when a process exits, a
-non-child's too, and never reap it: the workers' own waiters (Popen) keep their exit status.
-Where pidfds are not available the wait polls the processes' state. Every wait has a deadline.
+Waiting: on pidfds (`exits.wait_exited`), which become readable when a process exits, a
+non-child's too, and never reap it: the workers' exit statuses stay for the exit waiter
+(`exits.ExitWaiter`), which reads them from the workers' handles. Every wait has a deadline.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import ctypes
 import dataclasses
 import logging
 import os
-import select
 import signal
 import time
 from collections.abc import Collection, Mapping
@@ -30,6 +29,7 @@ from typing import Protocol
 
 import psutil
 
+from ftrun.agent.exits import running, wait_exited
 from ftrun.rank_monitor.process_state import cannot_act
 
 log = logging.getLogger("ftrun.agent")
@@ -38,7 +38,6 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 KILL_WAIT_S = 5.0
 """How long SIGKILLed processes get to disappear before they count as survivors."""
-_POLL_S = 0.02
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -166,54 +165,17 @@ def wait_reaped(pid: int, timeout: float) -> int | None:
         left = deadline - time.monotonic()
         if left <= 0:
             return None
-        _wait_exit([pid], min(left, 1.0))
+        wait_exited([pid], min(left, 1.0))
 
 
 def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
     """Wait (at most `timeout`) until each process has exited (a zombie counts as exited);
     returns those still running. Never reaps: a child's status stays for its own waiter."""
-    alive = [p for p in procs if _running(p)]
+    alive = [p for p in procs if running(p)]
     if alive and timeout > 0:
-        _wait_exit([p.pid for p in alive], timeout)
-        alive = [p for p in alive if _running(p)]
+        wait_exited([p.pid for p in alive], timeout)
+        alive = [p for p in alive if running(p)]
     return alive
-
-
-def _wait_exit(pids: list[int], timeout: float) -> None:
-    """Block until every pid has exited or `timeout` passed: on pidfds where possible."""
-    deadline = time.monotonic() + timeout
-    fds = _pidfds(pids)
-    if fds is None:
-        while any(_running_pid(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
-        return
-    try:
-        poller = select.poll()
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-        pending = len(fds)
-        while pending and (left := deadline - time.monotonic()) > 0:
-            for fd, _ in poller.poll(left * 1000):
-                poller.unregister(fd)
-                pending -= 1
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def _pidfds(pids: list[int]) -> list[int] | None:
-    """A pidfd per pid still there; None where the kernel has no pidfds (poll instead)."""
-    fds: list[int] = []
-    for pid in pids:
-        try:
-            fds.append(os.pidfd_open(pid))
-        except ProcessLookupError:
-            continue  # gone already (reaped)
-        except (AttributeError, OSError):
-            for fd in fds:
-                os.close(fd)
-            return None
-    return fds
 
 
 def _targets(leaders: list[int], keep: frozenset[int]) -> tuple[list[psutil.Process], set[int]]:
@@ -246,19 +208,6 @@ def _reap(orphans: set[int]) -> None:
     for pid in orphans:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
-
-
-def _running(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _running_pid(pid: int) -> bool:
-    with contextlib.suppress(psutil.Error):
-        return _running(psutil.Process(pid))
-    return False
 
 
 def _kill_stopped(leaders: list[int], targets: list[psutil.Process]) -> int:

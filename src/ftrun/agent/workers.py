@@ -1,9 +1,10 @@
 """Spawning one cycle's local workers, relaying their output, and noticing their exits.
 
 Each worker leads its own process group (so a stop reaches its whole tree) and dies with the
-agent (PR_SET_PDEATHSIG). A thread per worker blocks in `wait()` and posts `WorkerExited` to the
-agent's queue the moment the worker ends: no polling. Output goes to per-cycle log files and,
-as torchrun's --redirects/--tee/--local-ranks-filter say, to the console with a rank prefix.
+agent (PR_SET_PDEATHSIG). One waiter per cycle (`exits.ExitWaiter`, on the workers' pidfds)
+posts `WorkerExited` to the agent's queue the moment a worker ends, spawned or forked alike: no
+polling. Output goes to per-cycle log files and, as torchrun's --redirects/--tee/
+--local-ranks-filter say, to the console with a rank prefix.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from ftrun.agent.config import AgentConfig, Std
+from ftrun.agent.exits import ExitWaiter
 from ftrun.agent.placement.binding import prepare_binding
 from ftrun.agent.termination import die_with_parent
 
@@ -39,6 +41,8 @@ class WorkerProcess(Protocol):
     pid: int
     stdout: IO[bytes] | None
     stderr: IO[bytes] | None
+
+    def poll(self) -> int | None: ...
 
     def wait(self, timeout: float | None = None) -> int: ...
 
@@ -121,6 +125,7 @@ class WorkerGroup:
         self._events = events
         self.workers: list[Worker] = []
         self._threads: list[threading.Thread] = []
+        self._exits = ExitWaiter("worker-exits")
 
     def start(
         self,
@@ -134,31 +139,32 @@ class WorkerGroup:
 
         `expect(rank, pid)` tells the monitor about each worker before it can register.
         """
-        for local_rank, env in enumerate(envs):
-            rank = first_rank + local_rank
-            worker_dir = log_dir / f"rank{rank}"
-            worker_dir.mkdir(parents=True, exist_ok=True)
-            proc = spawner.spawn(env, functools.partial(expect, rank))
-            worker = Worker(local_rank, rank, proc, worker_dir)
-            self.workers.append(worker)
-            self._relay(worker)
-            self._watch(worker)
+        try:
+            for local_rank, env in enumerate(envs):
+                rank = first_rank + local_rank
+                worker_dir = log_dir / f"rank{rank}"
+                worker_dir.mkdir(parents=True, exist_ok=True)
+                proc = spawner.spawn(env, functools.partial(expect, rank))
+                worker = Worker(local_rank, rank, proc, worker_dir)
+                self.workers.append(worker)
+                self._relay(worker)
+                self._exits.watch(proc, functools.partial(self._exited, worker))
+        finally:
+            self._exits.seal()  # no more workers: the waiter ends once their ends are told
 
     @property
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self.workers]
 
     def join_threads(self, timeout: float = 5.0) -> None:
-        """Wait for the relay/watch threads of exited workers (bounded)."""
+        """Wait for the exit waiter and the relay threads of exited workers (bounded)."""
+        self._exits.close(timeout)
         for thread in self._threads:
             thread.join(timeout)
 
-    def _watch(self, worker: Worker) -> None:
-        def wait() -> None:
-            code = worker.proc.wait()
-            self._events.put(WorkerExited(worker.local_rank, worker.rank, worker.proc.pid, code))
-
-        self._start_thread(wait, f"watch-rank{worker.rank}")
+    def _exited(self, worker: Worker, code: int) -> None:
+        """In the exit waiter's thread: tell the agent."""
+        self._events.put(WorkerExited(worker.local_rank, worker.rank, worker.proc.pid, code))
 
     def _relay(self, worker: Worker) -> None:
         from ftrun.agent.output import filtered_log

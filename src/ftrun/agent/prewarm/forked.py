@@ -1,11 +1,12 @@
 """A worker forked by the fork server, as the agent holds it: a `subprocess.Popen` look-alike.
 
-The worker is the server's child, not the agent's: its return code arrives as the server's
-"exit" note (`ForkServer`'s reader thread calls `_resolve`), or, once the server died, from
-`await_death` (the agent, a child subreaper, may reap it itself). The note can come late: while
-the server imports its deep modules it reaps nobody. So `poll` and `wait` also read the exit
-status of an unreaped worker from /proc (a zombie's `exit_code`, Linux 3.5+): a crash is seen
-when it happens, not when the server is done importing.
+The worker is the server's child, not the agent's. Its end is learned from a pidfd, which
+serves a non-child as well (`agent.exits`: the agent's exit waiter, and `wait` here); its
+status from the server: the "exit" note (`ForkServer`'s reader thread calls `_resolve`), or,
+once the server died, `await_death` (the agent, a child subreaper, may reap it itself). The
+note can come late: while the server imports its deep modules it reaps nobody. So `poll` also
+reads the exit status of an unreaped worker from /proc (a zombie's `exit_code`, Linux 3.5+): a
+crash is seen when it happens, not when the server is done importing.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import threading
 import time
 from typing import BinaryIO
 
-ZOMBIE_POLL = 0.05
-"""Seconds between looks at /proc while waiting for a worker (the server's note may be late)."""
+from ftrun.agent.exits import wait_exited
+
+STEP_S = 1.0
+"""`wait()` without a timeout waits in steps this long (each one bounded)."""
 STATE, STARTTIME, EXIT_CODE = 0, 19, 49
 """proc(5) fields 3, 22 and 52 of /proc/PID/stat, counted after the command's closing ')'."""
 
@@ -55,15 +58,17 @@ class ForkedWorker:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        """The exit code (negative: killed by that signal); TimeoutExpired as Popen raises it."""
+        """The exit code (negative: killed by that signal); TimeoutExpired as Popen raises it.
+
+        The end is waited for on a pidfd; once there, the status is the zombie's, or, if the
+        server reaped the worker already, its note's (on its way: it follows the reaping)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
-            left = (
-                ZOMBIE_POLL if deadline is None else min(deadline - time.monotonic(), ZOMBIE_POLL)
-            )
-            if left <= 0:
+            step = STEP_S if deadline is None else deadline - time.monotonic()
+            if step <= 0:
                 raise subprocess.TimeoutExpired(self.args, timeout)  # type: ignore[arg-type]
-            self._done.wait(left)
+            if wait_exited([self.pid], step) and self.poll() is None:
+                self._done.wait(step if deadline is None else deadline - time.monotonic())
         assert self.returncode is not None
         return self.returncode
 
@@ -103,22 +108,12 @@ class ForkedWorker:
 
 
 def await_death(pid: int, deadline: float) -> int:
-    """A dead server's worker: its real status if we can reap it (we are a subreaper), once
-    it is gone; else -SIGKILL, which is how PDEATHSIG ends it."""
-    while True:
-        try:
-            got, status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            if not _alive(pid):
-                return -signal.SIGKILL
-        else:
-            if got == pid:
-                return os.waitstatus_to_exitcode(status)
-        if time.monotonic() >= deadline:
-            return -signal.SIGKILL
-        time.sleep(0.005)
-
-
-def _alive(pid: int) -> bool:
-    fields = _stat(pid)
-    return bool(fields) and fields[STATE] not in {"Z", "X"}
+    """A dead server's worker: once it ended (on a pidfd, until `deadline`), its real status
+    if we can reap it (the agent is a subreaper: it re-parented to us as the server died);
+    else -SIGKILL, which is how PDEATHSIG ends it."""
+    wait_exited([pid], max(0.0, deadline - time.monotonic()))
+    with contextlib.suppress(ChildProcessError):
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got == pid:
+            return os.waitstatus_to_exitcode(status)
+    return -signal.SIGKILL
