@@ -7,13 +7,14 @@ nothing. So one thread, polling the pidfds of every worker of the cycle (and a p
 it for a new worker or to end), learns of each end the moment it happens, for plain workers
 (our children) and forked ones (the fork server's children) alike.
 
-The exit status is another matter, and stays with the worker's handle, which is asked with a
-non-blocking `poll()` once the pidfd fired: a plain worker's `Popen` reaps its child; a forked
-worker's handle (`prewarm.forked.ForkedWorker`) has the fork server's "exit" note, or reads
-the zombie's status from /proc while the server reaps nobody (it imports). The note follows
-the server's reaping by milliseconds, so a handle without a status yet is asked again every
-`ASK_S`. So is a handle without a pidfd: the kernel has none, the process was reaped before
-its pidfd was opened, or the pid names no process (the tests' fake workers).
+The exit status is another matter, and stays with the worker's handle, which is asked once
+the pidfd fired (`wait(ASK_S)`: bounded, it returns as soon as the status is there): a plain
+worker's `Popen` reaps its child; a forked worker's handle (`prewarm.forked.ForkedWorker`) has
+the fork server's "exit" note, which follows the server's reaping by milliseconds, or reads
+the zombie's status from /proc while the server reaps nobody (it imports). A handle with no
+status by then is asked again (`poll()`) every `ASK_S`. So is a handle without a pidfd: the
+kernel has none, the process was reaped before its pidfd was opened, or the pid names no
+process (the tests' fake workers).
 
 Every wait is bounded: the waiter's poll wakes at least every `IDLE_S`, `close` joins it with a
 timeout, and `wait_exited` has a deadline.
@@ -26,6 +27,7 @@ import dataclasses
 import logging
 import os
 import select
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -42,11 +44,14 @@ IDLE_S = 1.0
 
 
 class Ending(Protocol):
-    """What the waiter needs of a worker's handle: `subprocess.Popen`'s `pid` and `poll()`."""
+    """What the waiter needs of a worker's handle: `subprocess.Popen`'s `pid`, `poll()` and
+    `wait(timeout)`."""
 
     pid: int
 
     def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +122,9 @@ class ExitWaiter:
                     poller.unregister(fd)
                     polled.discard(fd)
                     with self._lock:
-                        self._asking.append(self._waiting.pop(fd))
+                        watched = self._waiting.pop(fd)
                     os.close(fd)
+                    self._tell(watched)
                 self._ask()
         except Exception:  # a bug here would hide every exit from the agent: say so loudly
             log.exception("the worker exit waiter failed")
@@ -135,6 +141,16 @@ class ExitWaiter:
                 poller.register(fd, select.POLLIN)
                 polled.add(fd)
             return ASK_S if self._asking else IDLE_S
+
+    def _tell(self, watched: _Watched) -> None:
+        """Its process ended: the status is there, or on its way (a forked worker's note)."""
+        try:
+            code = watched.proc.wait(ASK_S)
+        except subprocess.TimeoutExpired:
+            with self._lock:
+                self._asking.append(watched)
+            return
+        watched.on_exit(code)
 
     def _ask(self) -> None:
         with self._lock:
