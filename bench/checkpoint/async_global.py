@@ -18,7 +18,10 @@ memcpy of the same run (median of the per-run ratios):
 - torch.save + fsync: the whole call stalls training.
 
 Checkpoints go to `--disk-dir` (default: a temp directory on a real disk); everything the bench
-creates is removed at the end. Raw seconds go to bench/out/async_global-<time>.json.
+creates is removed at the end. Raw seconds go to `--json` (default
+bench/out/async_global-<time>.json).
+
+    python -m bench.checkpoint.async_global [--size-mib 1024] [--runs 3] [--smoke]
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ import datetime
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,12 +38,10 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint import async_save
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
-
-from common import OUT
-from common.jobs import free_port
-from common.report import load_average, machine_line, progress, table
-from common.state import (
+from bench.common import OUT, smoke
+from bench.common.jobs import free_port
+from bench.common.report import load_average, machine_line, progress, table
+from bench.common.state import (
     MIB,
     Scratch,
     build_state,
@@ -51,10 +51,9 @@ from common.state import (
     like,
     same,
     tensors_of,
-    timed,
     torch_save_fsync,
 )
-
+from bench.common.timing import Stopwatch, seconds
 from ftrun.checkpointing import GlobalCheckpointManager, restore
 
 ROWS = {
@@ -74,21 +73,21 @@ def init_one_rank() -> None:
 
 
 def measure_ftrun(manager: GlobalCheckpointManager, state: Any, iteration: int) -> dict[str, float]:
-    started = time.perf_counter()
+    started = Stopwatch()
     manager.save(state, iteration)
-    stall = time.perf_counter() - started
+    stall = started.seconds()
     manager.maybe_finalize(blocking=True)
-    return {"ftrun_stall": stall, "ftrun_complete": time.perf_counter() - started}
+    return {"ftrun_stall": stall, "ftrun_complete": started.seconds()}
 
 
 def measure_dcp(scratch: Scratch, state: Any) -> dict[str, float]:
     directory = scratch.mkdtemp(scratch.disk, "ftrun-bench-dcp-")
     try:
-        started = time.perf_counter()
+        started = Stopwatch()
         pending = async_save(state, checkpoint_id=str(directory))
-        stall = time.perf_counter() - started
+        stall = started.seconds()
         getattr(pending, "upload_completion", pending).result()
-        return {"dcp_stall": stall, "dcp_complete": time.perf_counter() - started}
+        return {"dcp_stall": stall, "dcp_complete": started.seconds()}
     finally:
         scratch.remove(directory)
 
@@ -96,7 +95,7 @@ def measure_dcp(scratch: Scratch, state: Any) -> dict[str, float]:
 def measure_torch(scratch: Scratch, state: Any) -> dict[str, float]:
     directory = scratch.mkdtemp(scratch.disk, "ftrun-bench-torch-")
     try:
-        return {"torch_save": timed(lambda: torch_save_fsync(state, directory / "state.pt"))}
+        return {"torch_save": seconds(lambda: torch_save_fsync(state, directory / "state.pt"))}
     finally:
         scratch.remove(directory)
 
@@ -104,7 +103,7 @@ def measure_torch(scratch: Scratch, state: Any) -> dict[str, float]:
 def one_run(
     scratch: Scratch, manager: GlobalCheckpointManager, state: Any, model: Any, iteration: int
 ) -> dict[str, float]:
-    out = {"memcpy": timed(lambda: copy_into(model, state))}
+    out = {"memcpy": seconds(lambda: copy_into(model, state))}
     out.update(measure_ftrun(manager, state, iteration))
     out.update(measure_dcp(scratch, state))
     out.update(measure_torch(scratch, state))
@@ -127,9 +126,9 @@ def warm_up(scratch: Scratch) -> None:
 def report(runs: list[dict[str, float]], first_stall: float, nbytes: int) -> str:
     rows = []
     for key, label in ROWS.items():
-        seconds = statistics.median(run[key] for run in runs)
+        median_s = statistics.median(run[key] for run in runs)
         ratio = statistics.median(run[key] / run["memcpy"] for run in runs)
-        rows.append([label, f"{seconds:.3f}", f"{nbytes / seconds / 1e9:.2f}", f"{ratio:.2f}x"])
+        rows.append([label, f"{median_s:.3f}", f"{nbytes / median_s / 1e9:.2f}", f"{ratio:.2f}x"])
     rows.insert(2, ["ftrun async save, first (new buffers)", f"{first_stall:.3f}", "", ""])
     return table(["per rank, CPU", "seconds (median)", "GB/s", "x memcpy"], rows, False)
 
@@ -139,7 +138,8 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--disk-dir", type=Path, default=None)
-    args = parser.parse_args()
+    parser.add_argument("--json", type=Path, help="raw results (default bench/out/async_global-*)")
+    args = smoke.parse_args(parser, {"size_mib": 4, "runs": 1})
     load_before = load_average()
     fixed_malloc_threshold()
     init_one_rank()
@@ -162,8 +162,8 @@ def main() -> None:
     nbytes = args.size_mib * MIB
     print(report(runs, first_stall, nbytes))
     print(machine_line(load_before))
-    out = OUT / f"async_global-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(exist_ok=True)
+    out = args.json or OUT / f"async_global-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"size_mib": args.size_mib, "first_stall": first_stall,
                                "runs": runs}, indent=1))  # fmt: skip
 

@@ -82,7 +82,7 @@ against the part (CRC-32), untimed. Every directory the bench creates in /dev/sh
 removed at the end, on errors, Ctrl-C and SIGTERM too. Raw per-run seconds go to
 bench/out/checkpoint-<time>.json.
 
-    python bench/checkpoint/checkpoint.py [--sizes-mib 1024 4096] [--runs 5] [--markdown]
+    python -m bench.checkpoint.checkpoint [--sizes-mib 1024 4096] [--runs 5] [--markdown] [--smoke]
 """
 
 from __future__ import annotations
@@ -97,7 +97,6 @@ import os
 import shutil
 import socket
 import statistics
-import sys
 import threading
 import time
 import warnings
@@ -109,11 +108,9 @@ import psutil
 import torch
 from torch.distributed.checkpoint.state_dict_saver import async_save
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
-
-from common import OUT, exit_on_sigterm
-from common.report import load_average, machine_line, progress, table
-from common.state import (
+from bench.common import OUT, exit_on_sigterm, smoke
+from bench.common.report import load_average, machine_line, progress, table
+from bench.common.state import (
     MIB,
     Scratch,
     build_state,
@@ -125,10 +122,9 @@ from common.state import (
     same,
     shaped_as,
     tensors_of,
-    timed,
     torch_save_fsync,
 )
-
+from bench.common.timing import Stopwatch, seconds
 from ftrun.checkpointing import LocalCheckpointManager
 from ftrun.checkpointing.layout import checksum
 from ftrun.checkpointing.tier_files import ENV_CKPT_DIR
@@ -153,7 +149,7 @@ RESTORE_TARGET = 1.5  # ftrun find_latest + load + copy into the model <= 1.5x m
 
 
 def measure_floors(scratch: Scratch, state: Any, model: list[torch.Tensor]) -> dict[str, float]:
-    out = {"memcpy": timed(lambda: copy_into(model, state))}
+    out = {"memcpy": seconds(lambda: copy_into(model, state))}
 
     def fresh() -> list[torch.Tensor]:
         copies = []
@@ -162,16 +158,16 @@ def measure_floors(scratch: Scratch, state: Any, model: list[torch.Tensor]) -> d
             copies[-1].copy_(src)
         return copies
 
-    started = time.perf_counter()
+    started = Stopwatch()
     copies = fresh()
-    out["memcpy_fresh"] = time.perf_counter() - started
+    out["memcpy_fresh"] = started.seconds()
     del copies
     directory = scratch.mkdtemp(SHM, "ftrun-bench-floor-")
     try:
         out.update(shm_file_copies(directory / "floor.bin", state))
     finally:
         scratch.remove(directory)
-    out["crc32"] = timed(lambda: checksum_all(state))
+    out["crc32"] = seconds(lambda: checksum_all(state))
     return out
 
 
@@ -190,18 +186,18 @@ def shm_file_copies(path: Path, state: Any) -> dict[str, float]:
             offset += -(-size // 8) * 8
 
     out = {}
-    started = time.perf_counter()
+    started = Stopwatch()
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         os.posix_fallocate(fd, 0, total)
         mapping = mmap.mmap(fd, total)
         copy(mapping)
-        out["memcpy_shm_file"] = time.perf_counter() - started
+        out["memcpy_shm_file"] = started.seconds()
         mapping.close()
-        started = time.perf_counter()
+        started = Stopwatch()
         mapping = mmap.mmap(fd, total, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         copy(mapping)
-        out["memcpy_shm_reused"] = time.perf_counter() - started
+        out["memcpy_shm_reused"] = started.seconds()
         mapping.close()
     finally:
         os.close(fd)
@@ -231,27 +227,27 @@ def measure_ftrun(
         manager = LocalCheckpointManager(
             persist, session_id=SESSION, keep_complete=1, persist_to_disk=False
         )
-        out = {"ftrun_sync_save": timed(lambda: manager.save(state, 1))}
-        started = time.perf_counter()
+        out = {"ftrun_sync_save": seconds(lambda: manager.save(state, 1))}
+        started = Stopwatch()
         manager.save(state, 2, is_async=True)  # new memory: no part retired yet
-        out["ftrun_async_first_stall"] = time.perf_counter() - started
+        out["ftrun_async_first_stall"] = started.seconds()
         manager.wait()
-        started = time.perf_counter()
+        started = Stopwatch()
         manager.save(state, 3, is_async=True)  # steady state: into part 1's retired memory
-        out["ftrun_async_stall"] = time.perf_counter() - started
+        out["ftrun_async_stall"] = started.seconds()
         info = manager.wait()
-        out["ftrun_async_complete"] = time.perf_counter() - started
+        out["ftrun_async_complete"] = started.seconds()
         assert info is not None
         # A restarted worker: a new manager finds and loads the newest part.
         restarted = LocalCheckpointManager(
             persist, session_id=SESSION, keep_complete=1, persist_to_disk=False
         )
-        started = time.perf_counter()
+        started = Stopwatch()
         iteration = restarted.find_latest()
         loaded, _ = restarted.load()
-        out["ftrun_load"] = time.perf_counter() - started
+        out["ftrun_load"] = started.seconds()
         copy_into(model, loaded)
-        out["ftrun_restore"] = time.perf_counter() - started
+        out["ftrun_restore"] = started.seconds()
         if iteration != 3:
             raise AssertionError(f"find_latest() said {iteration}, not 3")
         if verify:
@@ -265,10 +261,10 @@ def measure_ftrun(
             persist, session_id=SESSION, keep_complete=1, persist_to_disk=False
         )
         target = shaped_as(state, model)
-        started = time.perf_counter()
+        started = Stopwatch()
         restarted.find_latest()
         restarted.load(into=target)
-        out["ftrun_restore_into"] = time.perf_counter() - started
+        out["ftrun_restore_into"] = started.seconds()
         if verify:
             same(model, state, "ftrun restore into the model")
     finally:
@@ -331,7 +327,7 @@ def loopback(source: mmap.mmap, dest: mmap.mmap) -> float:
         receiver, _ = listener.accept()
     with sender, receiver, memoryview(source) as src, memoryview(dest) as dst:
         thread = threading.Thread(target=sender.sendall, args=(src,), daemon=True)
-        started = time.perf_counter()
+        started = Stopwatch()
         thread.start()
         got = 0
         while got < len(dst):
@@ -339,7 +335,7 @@ def loopback(source: mmap.mmap, dest: mmap.mmap) -> float:
             if count == 0:
                 raise ConnectionError("the loopback sender closed early")
             got += count
-        elapsed = time.perf_counter() - started
+        elapsed = started.seconds()
         thread.join()
     return elapsed
 
@@ -354,7 +350,7 @@ def measure_peer(server: PartServer, part: Path, verify: bool) -> dict[str, floa
                 ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(dest)), 0, size)
             server.path = part
             with PeerClient(SECRET, JOB) as client:
-                out["peer_fetch"] = timed(
+                out["peer_fetch"] = seconds(
                     lambda: client.fetch_into(
                         HOST, server.server.port, "part", {}, dest, timeout=FETCH_TIMEOUT_S
                     )
@@ -375,12 +371,12 @@ def measure_torch(
     directory = scratch.mkdtemp(scratch.disk, "ftrun-bench-torch-")
     try:
         path = directory / "state.pt"
-        out = {"torch_save_fsync": timed(lambda: torch_save_fsync(state, path))}
-        started = time.perf_counter()
+        out = {"torch_save_fsync": seconds(lambda: torch_save_fsync(state, path))}
+        started = Stopwatch()
         loaded = torch.load(path, weights_only=True)
-        out["torch_load"] = time.perf_counter() - started
+        out["torch_load"] = started.seconds()
         copy_into(model, loaded)
-        out["torch_load_restore"] = time.perf_counter() - started
+        out["torch_load_restore"] = started.seconds()
         if verify:
             same(model, state, "torch.load restore")
         del loaded
@@ -395,12 +391,12 @@ def measure_dcp(scratch: Scratch, state: Any) -> dict[str, float]:
         with warnings.catch_warnings():
             # "torch.distributed is disabled, unavailable or uninitialized, assuming ..."
             warnings.simplefilter("ignore", UserWarning)
-            started = time.perf_counter()
+            started = Stopwatch()
             pending = async_save(state, checkpoint_id=str(directory), no_dist=True)
-            stall = time.perf_counter() - started
+            stall = started.seconds()
             future = getattr(pending, "upload_completion", pending)
             future.result()
-            complete = time.perf_counter() - started
+            complete = started.seconds()
     finally:
         scratch.remove(directory)
     return {"dcp_async_stall": stall, "dcp_async_complete": complete}
@@ -588,7 +584,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--markdown", action="store_true", help="print markdown tables")
     parser.add_argument("--json", type=Path, help="raw results (default bench/out/checkpoint-*)")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, {"sizes_mib": [WARMUP_MIB], "runs": 1})
     if args.runs < 1:
         parser.error("--runs must be at least 1")
     if any(m < WARMUP_MIB for m in args.sizes_mib):

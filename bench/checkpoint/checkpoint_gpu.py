@@ -29,8 +29,8 @@ Saves:
 - DCP: `torch.distributed.checkpoint.async_save(state, checkpoint_id=<fresh dir on --disk-dir>,
   no_dist=True)` until it returns (its default stager copies every tensor to new pageable
   memory in the caller), then until `.result()` (written and fsynced);
-- NVRx (if `nvidia_resiliency_ext` imports; `--nvrx-path` puts a directory holding it first on
-  sys.path): its `LocalCheckpointManager(<fresh dir in /dev/shm>, session_id="b")` with a
+- NVRx (if `nvidia_resiliency_ext` imports: on the device, `. bench/device_setup.sh` puts it on
+  PYTHONPATH): its `LocalCheckpointManager(<fresh dir in /dev/shm>, session_id="b")` with a
   one-process gloo group, saves 1, 2, 3 of `BasicTensorAwareStateDict(<the state>)`
   with `is_async=True` (each `.to("cpu", non_blocking=True)`, from torch's caching pinned
   allocator, then `torch.cuda.synchronize()`); each request is run at once with
@@ -46,7 +46,7 @@ the end, on errors and SIGTERM too; after each ftrun run it checks that no mappi
 page-locked and /dev/shm is back to its usage before. Raw per-run seconds go to `--json`
 (default bench/out/checkpoint-gpu-*.json).
 
-    python bench/checkpoint/checkpoint_gpu.py [--gib 8] [--runs 3] [--markdown] [--nvrx-path DIR]
+    python -m bench.checkpoint.checkpoint_gpu [--gib 8] [--runs 3] [--markdown] [--smoke]
 """
 
 from __future__ import annotations
@@ -67,11 +67,9 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
-
-from common import OUT, exit_on_sigterm
-from common.report import load_average, machine_line, progress, table
-from common.state import (
+from bench.common import OUT, exit_on_sigterm, smoke
+from bench.common.report import load_average, machine_line, progress, table
+from bench.common.state import (
     MIB,
     Scratch,
     default_disk_dir,
@@ -80,7 +78,7 @@ from common.state import (
     tensors_of,
     vector_names,
 )
-
+from bench.common.timing import Stopwatch, seconds
 from ftrun.checkpointing import LocalCheckpointManager, pinning
 from ftrun.checkpointing.format import read_part
 from ftrun.checkpointing.tier_files import ENV_CKPT_DIR
@@ -174,10 +172,8 @@ def wrap(state: Any) -> Any:
 
 
 def clock(work: Callable[[], object]) -> float:
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    work()
-    return time.perf_counter() - started
+    torch.cuda.synchronize()  # what was queued before is not this call's time
+    return seconds(work)
 
 
 # ---- measurements ------------------------------------------------------------------------------
@@ -229,18 +225,18 @@ def measure_ftrun(scratch: Scratch, state: Any, verify: bool) -> dict[str, float
             tier / "not-used", session_id="b", keep_complete=1, persist_to_disk=False
         )
         torch.cuda.synchronize()
-        started = time.perf_counter()
+        started = Stopwatch()
         manager.save(state, 1, is_async=True)  # into new node memory
-        out["ftrun_first_stall"] = time.perf_counter() - started
+        out["ftrun_first_stall"] = started.seconds()
         manager.wait()
         manager.save(state, 2, is_async=True)
         manager.wait()
         torch.cuda.synchronize()
-        started = time.perf_counter()
+        started = Stopwatch()
         manager.save(state, 3, is_async=True)  # into part 1's file, retired by save 2
-        out["ftrun_stall"] = time.perf_counter() - started
+        out["ftrun_stall"] = started.seconds()
         info = manager.wait()
-        out["ftrun_complete"] = time.perf_counter() - started
+        out["ftrun_complete"] = started.seconds()
         assert info is not None and info.iteration == 3
         if verify:
             loaded, _ = read_part(info.path)
@@ -269,11 +265,11 @@ def measure_dcp(scratch: Scratch, disk: Path, state: Any) -> dict[str, float]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.cuda.synchronize()
-            started = time.perf_counter()
+            started = Stopwatch()
             future = async_save(state, checkpoint_id=str(directory), no_dist=True)
-            stall = time.perf_counter() - started
+            stall = started.seconds()
             getattr(future, "upload_completion", future).result()
-            complete = time.perf_counter() - started
+            complete = started.seconds()
     finally:
         scratch.remove(directory)
     return {"dcp_stall": stall, "dcp_complete": complete}
@@ -300,11 +296,11 @@ def measure_nvrx(scratch: Scratch, state: Any, nvrx: Any) -> dict[str, float]:
             for iteration in (1, 2, 3):
                 payload = wrapper(wrap(state))
                 torch.cuda.synchronize()
-                started = time.perf_counter()
+                started = Stopwatch()
                 request = manager.save(payload, iteration, is_async=True)
-                stall = time.perf_counter() - started
+                stall = started.seconds()
                 request.execute_sync()
-                complete = time.perf_counter() - started
+                complete = started.seconds()
                 del request, payload  # its CPU copies: back to torch's pinned cache
                 if iteration == 1:
                     out["nvrx_first_stall"] = stall
@@ -317,11 +313,9 @@ def measure_nvrx(scratch: Scratch, state: Any, nvrx: Any) -> dict[str, float]:
     return out
 
 
-def load_nvrx(path: Path | None) -> tuple[Any, str]:
+def load_nvrx() -> tuple[Any, str]:
     """NVRx's (LocalCheckpointManager, BasicTensorAwareStateDict) and its version, or
     (None, why not)."""
-    if path is not None:
-        sys.path.insert(0, str(path))
     try:
         from importlib.metadata import PackageNotFoundError, version
 
@@ -372,10 +366,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--gib", type=float, default=8.0, help="state size in GiB (default 8)")
     parser.add_argument("--runs", type=int, default=3, help="runs (default 3)")
     parser.add_argument("--disk-dir", type=Path, default=None, help="where DCP writes")
-    parser.add_argument("--nvrx-path", type=Path, default=None, help="sys.path entry for NVRx")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--json", type=Path, help="raw results (default bench/out/...)")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, {"gib": 1 / 64, "runs": 1})
     if args.runs < 1 or args.gib <= 0:
         parser.error("--runs and --gib must be positive")
     args.disk_dir = args.disk_dir or default_disk_dir()
@@ -418,11 +411,12 @@ def main() -> None:
     args = parse_args()
     exit_on_sigterm()
     if not torch.cuda.is_available():
-        sys.exit("checkpoint_gpu: needs a CUDA GPU")
+        smoke.skip_gpu("checkpoint_gpu", "every row (the state is on a GPU)")
+        return
     load = load_average()
     started = time.strftime("%Y%m%d-%H%M%S")
     nbytes, dcp, notes = sizes(args)
-    nvrx, nvrx_label = load_nvrx(args.nvrx_path)
+    nvrx, nvrx_label = load_nvrx()
     if nvrx is None:
         notes.append(f"NVRx: not run ({nvrx_label})")
     labels = {k: v.replace("NVRx", f"NVRx {nvrx_label}") for k, v in ROWS if nvrx}

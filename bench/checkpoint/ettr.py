@@ -18,7 +18,8 @@ MTBF) minimises stall time plus expected work redone. ETTR = progress x step tim
 where progress is the newest step rank 0 finished by the end and the step time is the median of
 the steps without a save (measured in the same run). Start-up counts as lost, as in a real job.
 
-    .venv/bin/python bench/checkpoint/ettr.py [--duration 120] [--mtbf 30] [--runs 1] [--markdown]
+    .venv/bin/python -m bench.checkpoint.ettr [--duration 120] [--mtbf 30] [--runs 1] [--markdown]
+        [--smoke]
 """
 
 from __future__ import annotations
@@ -38,12 +39,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
-
-from common import WORKERS
-from common.jobs import FT, NVRX, TORCHRUN_NO_SHARE, WORLD, Job, Launcher, job, take_charge
-from common.logs import Line, read_lines, steady_stalls
-from common.report import Stats, load_average, machine_line, progress, table
+from bench.common import WORKERS, smoke
+from bench.common.jobs import FT, NVRX, TORCHRUN_NO_SHARE, WORLD, Job, Launcher, job, take_charge
+from bench.common.logs import Line, read_lines, steady_stalls
+from bench.common.report import Stats, load_average, machine_line, progress, table
 
 WORKER = WORKERS / "ettr_worker.py"
 CALIBRATION_SAVE_EVERY = 10
@@ -203,7 +202,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--only", choices=[s.save for s in SETTINGS], action="append")
     parser.add_argument("--markdown", action="store_true")
-    args = parser.parse_args()
+    sizes = {"duration": 8.0, "mtbf": 4.0, "calibrate": 5.0, "state_mib": 4, "runs": 1}
+    args = smoke.parse_args(parser, sizes)
     if args.duration <= args.mtbf or args.mtbf <= 0 or args.runs < 1 or args.state_mib < 1:
         parser.error("need duration > mtbf > 0, runs >= 1, state-mib >= 1")
     return args

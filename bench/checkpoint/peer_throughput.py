@@ -4,7 +4,7 @@ The server runs in its own process (two agents are two processes); both ends hol
 pre-faulted anonymous shared memory (mmap), as the node-memory checkpoint tier will. Prints the
 best and median of `--repeats` transfers in MB/s (10^6 bytes per second).
 
-    python bench/checkpoint/peer_throughput.py [--gib 1] [--repeats 5]
+    python -m bench.checkpoint.peer_throughput [--gib 1] [--repeats 5] [--smoke]
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import multiprocessing as mp
 import os
 import statistics
 import tempfile
-import time
 import zlib
 from collections.abc import Callable
 
+from bench.common import smoke
+from bench.common.timing import seconds
 from ftrun.peer import FileRegion, PeerClient, PeerServer, Reply, Request
 
 SECRET = bytes(range(32))  # the spawned server imports this module again
@@ -58,11 +59,7 @@ def serve(size: int, ready: mp.Queue, stop: mp.Event) -> None:
 
 
 def measure(what: str, size: int, repeats: int, run: Callable[[], None]) -> float:
-    rates = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        rates.append(size / (time.perf_counter() - started) / 1e6)
+    rates = [size / seconds(run) / 1e6 for _ in range(repeats)]
     best, median = max(rates), statistics.median(rates)
     print(f"{what:<34} best {best:8.0f} MB/s   median {median:8.0f} MB/s")
     return median
@@ -72,7 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, {"gib": 1 / 1024, "repeats": 1})
     size = int(args.gib * (1 << 30))
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Queue(), ctx.Event()

@@ -12,7 +12,8 @@ times one copy of its state into preallocated tensors before training):
 - restore after a crash: a worker is SIGKILLed; every rank of the restarted job times
   find_latest + load + the copy into its state (the `restore` line).
 
-    .venv/bin/python bench/checkpoint/replication.py [--sizes-mib 256 512] [--runs 3] [--markdown]
+    .venv/bin/python -m bench.checkpoint.replication [--sizes-mib 256 512] [--runs 3] [--markdown]
+        [--smoke]
 """
 
 from __future__ import annotations
@@ -27,13 +28,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
-
-from common import WORKERS
-from common.jobs import FT, WORLD, Job, job, take_charge
-from common.logs import read_lines, steady_stalls
-from common.report import Stats, load_average, machine_line, progress, table
-
+from bench.common import WORKERS, smoke
+from bench.common.jobs import FT, WORLD, Job, job, take_charge
+from bench.common.logs import read_lines, steady_stalls
+from bench.common.report import Stats, load_average, machine_line, progress, table
 from ftrun.eventlog.reader import load_events
 
 WORKER = WORKERS / "ettr_worker.py"
@@ -123,7 +121,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--save-every", type=int, default=40, help="steps (0.05 s each)")
     parser.add_argument("--markdown", action="store_true")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, {"sizes_mib": [4], "runs": 1, "save_every": 10})
     take_charge()
     load_before = load_average()
     rows = []

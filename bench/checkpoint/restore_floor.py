@@ -16,7 +16,7 @@ of the same bytes in the same run (`dst.copy_(src)`, torch's intra-op threads):
 
 Ratios are run by run to that run's memcpy; medians of `--runs`. Seconds are wall time.
 
-    python bench/checkpoint/restore_floor.py [--sizes-mib 1024 4096] [--runs 5]
+    python -m bench.checkpoint.restore_floor [--sizes-mib 1024 4096] [--runs 5] [--smoke]
         [--chunk-kib 1024]
 """
 
@@ -27,7 +27,6 @@ import mmap
 import os
 import statistics
 import tempfile
-import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +34,8 @@ from pathlib import Path
 
 import crc32c
 import torch
+
+from bench.common import smoke, timing
 
 THREADS = 2
 
@@ -104,9 +105,7 @@ def measure(nbytes: int, runs: int, chunk: int) -> dict[str, list[float]]:
         seconds: dict[str, list[float]] = {name: [] for name in cases}
         for _ in range(runs + 1):  # the first run warms up and is dropped
             for name, work in cases.items():
-                started = time.perf_counter()
-                work()
-                seconds[name].append(time.perf_counter() - started)
+                seconds[name].append(timing.seconds(work))
         if not torch.equal(src, dst):
             raise AssertionError("the bytes read differ from the bytes written")
     return {name: values[1:] for name, values in seconds.items()}
@@ -117,7 +116,7 @@ def main() -> None:
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--chunk-kib", type=int, default=1024)
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, {"sizes_mib": [4], "runs": 1})
     print(f"{os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} intra-op threads, {args.runs} runs")  # fmt: skip
     print("| measurement | " + " | ".join(f"{m} MiB: s | x memcpy" for m in args.sizes_mib) + " |")

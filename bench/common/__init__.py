@@ -1,10 +1,15 @@
-"""What the benches share; a bench finds it by putting bench/ on `sys.path` (its first lines).
+"""What the benches share (`from bench.common.<module> import ...`; a bench runs as
+`python -m bench.<folder>.<script>` from the repository root).
 
 - `jobs`: the launchers, one job of them (started, waited on, killed and checked gone), built on
-  the tests' process harness (tests/support.py, tests/launch.py);
+  the tests' process harness;
+- `harness`: that harness (tests/support.py, tests/launch.py, tests/etcd_cluster.py), the one
+  place where bench/ reaches into tests/;
 - `logs`: the workers' log lines (bench/workers/user_worker.py, ettr_worker.py);
 - `report`: statistics, ratios, tables, the machine line, progress;
-- `state`: the checkpoint benches' model + optimizer state, their scratch directories and disks.
+- `state`: the checkpoint benches' model + optimizer state, their scratch directories and disks;
+- `timing`: the one timer (a phase, per call, the 99th percentile);
+- `smoke`: what `--smoke` (every bench's seconds-long size, which `make test` runs) shares.
 
 Here: the paths, and SIGTERM turned into an exit that runs the clean-up.
 """

@@ -5,7 +5,7 @@ rendezvous port and a fresh temporary directory. The bench process makes itself 
 so a worker orphaned by a dying launcher re-parents to it and cannot escape the clean-up; every
 process of a job also carries `FTRUN_BENCH_TAG` in its environment, which the final psutil check
 looks for. All waits are bounded. The process bookkeeping is the tests' (tests/support.py,
-tests/launch.py), put on `sys.path` here as pytest does.
+tests/launch.py), through `harness`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,11 +26,8 @@ from typing import TypeVar
 import psutil
 
 from . import BENCH, ROOT, WORKERS, exit_on_sigterm
-
-sys.path.append(str(ROOT / "tests"))
-
-from launch import free_port
-from support import become_subreaper, live_descendants, reap_zombies
+from .harness import become_subreaper, free_port, live_descendants, reap_zombies
+from .timing import seconds
 
 T = TypeVar("T")
 USER_WORKER = WORKERS / "user_worker.py"
@@ -78,9 +74,8 @@ NVRX = Launcher("nvrx", (str(NVRX_BIN / "ft_launcher"),), HB_TIMEOUT_ARGS)
 
 def import_torch_s() -> float:
     """Wall time of a fresh `python -c "import torch"`: what any cold restart pays at least."""
-    start = time.perf_counter()
-    subprocess.run([str(VENV_BIN / "python"), "-c", "import torch"], check=True)
-    return time.perf_counter() - start
+    argv = [str(VENV_BIN / "python"), "-c", "import torch"]
+    return seconds(lambda: subprocess.run(argv, check=True))
 
 
 # ---- processes ---------------------------------------------------------------------------------
@@ -212,18 +207,21 @@ def start_job(
     launcher: Launcher,
     extra: Sequence[str],
     worker_args: Sequence[str],
-    script: Path,
+    script: Path | str,
     launchers: int = NNODES,
 ) -> Job:
     """Start `launchers` launchers of `script` on a fresh port and directory (more than NNODES:
-    the others stand by, with `--nnodes=NNODES` in `extra`)."""
+    the others stand by, with `--nnodes=NNODES` in `extra`). `script`: a file, or (a `str`) a
+    module of this repository, run with `--module` from its root (a bench that is its own
+    worker: its imports are `bench.`'s)."""
     slug = re.sub(r"[^A-Za-z0-9]+", "-", launcher.name)
     tmp = Path(tempfile.mkdtemp(prefix=f"ftrun-bench-{slug}-"))
     out = tmp / "out"
     extra = [f"--log-dir={tmp / 'logs'}", *launcher.args, *extra]
     port = free_port()
     argv = launcher_argv(launcher, port, tmp.name, extra)
-    argv += [str(script), "--out", str(out), *worker_args]
+    module = isinstance(script, str)
+    argv += [*(["--module"] if module else []), str(script), "--out", str(out), *worker_args]
     (tmp / "tmp").mkdir()
     env = {**os.environ, **dict(launcher.env), TAG_ENV: str(tmp), "PYTHONUNBUFFERED": "1"}
     env["TMPDIR"] = str(tmp / "tmp")  # what a killed launcher leaves in /tmp goes with the run
@@ -234,7 +232,12 @@ def start_job(
         with (tmp / f"launcher{node}.log").open("wb") as log:
             procs.append(
                 subprocess.Popen(
-                    argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                    argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=ROOT if module else None,
+                    start_new_session=True,
                 )
             )
     return Job(launcher, tmp, out, procs, launched_at, port)
@@ -245,7 +248,7 @@ def job(
     launcher: Launcher,
     extra: Sequence[str],
     worker_args: Sequence[str],
-    script: Path,
+    script: Path | str,
     launchers: int = NNODES,
 ) -> Iterator[Job]:
     """A started job; on exit everything it started is killed and checked gone.

@@ -56,7 +56,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool)
         lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
         return "\n".join(lines)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join([fmt.format(*headers), *(fmt.format(*row) for row in rows)])
 

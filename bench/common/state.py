@@ -1,6 +1,7 @@
 """The checkpoint benches' state (a mixed-precision model + Adam state of an exact size, as
 bench/checkpoint/checkpoint.py's docstring describes it) and "the model" it restores into; the
-directories they create, removed whatever happens; the disk they write to; timing."""
+directories they create, removed whatever happens; the disk they write to (their timer is
+`timing`'s)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ import ctypes
 import os
 import shutil
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -178,12 +178,6 @@ def fixed_malloc_threshold() -> bool:
     with contextlib.suppress(OSError, AttributeError):
         return bool(ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 128 * 1024))
     return False
-
-
-def timed(work: Callable[[], object]) -> float:
-    started = time.perf_counter()
-    work()
-    return time.perf_counter() - started
 
 
 # ---- the disk -----------------------------------------------------------------------------------

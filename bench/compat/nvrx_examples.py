@@ -1,6 +1,7 @@
 """NVRx 0.7's own examples under ftrun with only their import lines changed (issue 25's acceptance).
 
-    bench/compat/nvrx_examples.py --examples <NVRx checkout>/examples --set cpu [--json out.json]
+    python -m bench.compat.nvrx_examples --examples <NVRx checkout>/examples --set cpu
+        [--json out.json] [--smoke]
 
 The examples are NVRx's, not ours: pass the `examples/` folder of a checkout of
 NVIDIA/nvidia-resiliency-ext (nothing of it is kept in this repository; `.nvrx/` is git-ignored
@@ -37,12 +38,11 @@ import struct
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
-
-from common.jobs import free_port
+from bench.common import ROOT, smoke
+from bench.common.jobs import free_port
+from bench.common.timing import Stopwatch
 
 IMPORTS = (
     (r"^import nvidia_resiliency_ext\.fault_tolerance as", "import ftrun.client_lib as"),
@@ -121,7 +121,7 @@ def run(
     if ONLY and not re.search(ONLY, name):
         return None
     cwd.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
+    started = Stopwatch()
     procs = []
     for index, command in enumerate(commands):
         node_env = dict(env)
@@ -141,11 +141,11 @@ def run(
     codes = []
     for proc in procs:
         try:
-            codes.append(proc.wait(max(1.0, timeout - (time.monotonic() - started))))
+            codes.append(proc.wait(max(1.0, timeout - started.seconds())))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             codes.append(proc.wait())
-    seconds = round(time.monotonic() - started, 1)
+    seconds = round(started.seconds(), 1)
     rc = next((c for c in codes if c != 0), 0)
     print(f"{name:<40} rc={rc:<4} {seconds:>7.1f} s  ({cwd})", flush=True)
     return {"case": name, "rc": rc, "seconds": seconds, "dir": str(cwd)}
@@ -298,7 +298,8 @@ def write_fake_mnist(raw: Path, train: int = 6000, test: int = 1000) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--examples", type=Path, required=True, help="NVRx's examples/ folder")
+    parser.add_argument("--examples", type=Path, default=ROOT / ".nvrx" / "examples",
+                        help="NVRx's examples/ folder (default .nvrx/examples)")  # fmt: skip
     parser.add_argument("--set", choices=["cpu", "cuda"], required=True)
     parser.add_argument("--work", type=Path, help="where the runs happen (default: a temp dir)")
     parser.add_argument("--skip-basic", action="store_true", help="leave out basic_ft_example")
@@ -312,9 +313,14 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--only", default="", help="run only the cases this regex matches")
     parser.add_argument("--logs", type=Path, help="copy every run's log here, flat")
-    args = parser.parse_args()
+    # the smoke: one case, the first run of the heartbeats API example
+    sizes = {"skip_basic": True, "only": "^train_ddp_heartbeats_api fresh$", "gpus": 1}
+    args = smoke.parse_args(parser, sizes)
     global ONLY
     ONLY = args.only
+    if args.smoke and not args.examples.is_dir():
+        print(f"nvrx_examples: no NVRx examples at {args.examples}: skipped every case")
+        return 0
     if not all((args.examples / folder).is_dir() for folder in FOLDERS):
         parser.error(f"{args.examples} lacks one of {', '.join(FOLDERS)}: not NVRx's examples/")
     work = args.work or Path(tempfile.mkdtemp(prefix="nvrx-examples-"))

@@ -16,10 +16,14 @@ import subprocess
 import sys
 import textwrap
 
+from bench.common import ROOT, smoke
+from bench.common.harness import free_port
+
 RANK = textwrap.dedent(
     """
-    import json, os, statistics, sys, time
+    import json, os, statistics, sys
     import torch, torch.distributed as dist
+    from bench.common.timing import per_call_us
     backend, calls = sys.argv[1], int(sys.argv[2])
     device = "cuda" if backend == "nccl" else "cpu"
     address = "tcp://127.0.0.1:" + sys.argv[3]
@@ -27,15 +31,11 @@ RANK = textwrap.dedent(
     grads = torch.ones(1024, device=device)
     for _ in range(200):
         dist.all_reduce(grads)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    sync()
-    costs = []
-    for _ in range(20):
-        start = time.perf_counter()
-        for _ in range(calls // 20):
-            dist.all_reduce(grads)
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    if sync is not None:
         sync()
-        costs.append((time.perf_counter() - start) / (calls // 20) * 1e6)
+    # the batch ends when the device has run it: the synchronize is timed with it
+    costs = per_call_us(lambda: dist.all_reduce(grads), 20, max(1, calls // 20), settle=sync)
     print(json.dumps(statistics.median(costs)))
     dist.destroy_process_group()
     """
@@ -44,8 +44,9 @@ RANK = textwrap.dedent(
 
 def one(backend: str, entries: int, calls: int, port: int) -> float:
     env = {**os.environ, "TORCH_FR_BUFFER_SIZE": str(entries)}
-    out = subprocess.run([sys.executable, "-c", RANK, backend, str(calls), str(port)], env=env,
-                         capture_output=True, text=True, check=True, timeout=300)  # fmt: skip
+    argv = [sys.executable, "-c", RANK, backend, str(calls), str(port)]
+    out = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, check=True,
+                         timeout=300)  # fmt: skip
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
@@ -53,20 +54,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--calls", type=int, default=4000)
-    args = parser.parse_args()
-    import torch
-
-    backends = ["nccl", "gloo"] if torch.cuda.is_available() else ["gloo"]
+    args = smoke.parse_args(parser, {"pairs": 1, "calls": 20})
+    backends = ["nccl", "gloo"] if smoke.cuda_available() else ["gloo"]
+    if backends == ["gloo"]:
+        smoke.skip_gpu("flight_recorder", "NCCL (gloo only)")
     print("| backend | all_reduce of 1024 floats, recorder off (us) | on, 2000 entries (us) "
           "| on/off, pair by pair |")  # fmt: skip
     print("|---|---|---|---|")
-    port = 29650
     for backend in backends:
         off, on = [], []
         for _ in range(args.pairs):
-            port += 2
-            off.append(one(backend, 0, args.calls, port))
-            on.append(one(backend, 2000, args.calls, port + 1))
+            off.append(one(backend, 0, args.calls, free_port()))
+            on.append(one(backend, 2000, args.calls, free_port()))
         ratios = sorted(b / a for a, b in zip(off, on, strict=True))
         print(f"| {backend} | {statistics.median(off):.2f} ({min(off):.2f}-{max(off):.2f}) | "
               f"{statistics.median(on):.2f} ({min(on):.2f}-{max(on):.2f}) | "

@@ -14,13 +14,10 @@ import contextlib
 import statistics
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
-
-from common.timing import p99, timed
-
+from bench.common import smoke
+from bench.common.timing import p99, per_call_us
 from ftrun.agent.config import HealthCheckConfig
 from ftrun.agent.node_services.health_watch import HealthWatch
 from ftrun.agent.node_services.nvml import load_nvml
@@ -50,7 +47,7 @@ def single_calls(nvml: Any, count: int) -> list[str]:
         ),
     }
     calls = {name: (lambda q=query: _quiet(nvml, q)) for name, query in queries.items()}
-    return [row(name, timed(call, count)) for name, call in calls.items()]
+    return [row(name, per_call_us(call, count)) for name, call in calls.items()]
 
 
 def _quiet(nvml: Any, call: Callable[[], Any]) -> None:
@@ -62,16 +59,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--polls", type=int, default=2000)
     parser.add_argument("--interval", type=float, default=5.0, help="the watch's interval")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, {"polls": 5})
     nvml = load_nvml()
     if nvml is None:
-        print("no NVML here (no driver): run this on the GPU device")
+        smoke.skip_gpu("health_watch", "every reading (no NVML, no driver: run it on the device)")
         return 0
     gpus = nvml.nvmlDeviceGetCount()
     watch = HealthWatch(HealthCheckConfig(watch_interval=args.interval), lambda *a, **k: None,
                         lambda item: None)  # fmt: skip
     watch.begin_cycle()
-    polls = timed(watch.poll, args.polls)
+    polls = per_call_us(watch.poll, args.polls)
     print(f"{gpus} GPU(s), driver {nvml.nvmlSystemGetDriverVersion()}, {args.polls} polls")
     print()
     print("| reading | median (us) | p99 (us) |")

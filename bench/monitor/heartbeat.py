@@ -2,10 +2,13 @@
 
 Runs a real RankMonitorServer here and a real rank in a child process (the timing happens in
 the child, as it would in training); prints the median per-call cost over batches.
+
+    python -m bench.monitor.heartbeat [--batches 50] [--batch 2000] [--smoke]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -13,23 +16,21 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+from bench.common import ROOT, smoke
 from ftrun.rank_monitor import RankMonitorConfig, RankMonitorServer
 
 RANK_CODE = textwrap.dedent(
     """
-    import json, statistics, time
+    import json, statistics, sys, time
+    from bench.common.timing import per_call_us
     from ftrun.client_lib import RankMonitorClient
+    batches, batch = int(sys.argv[1]), int(sys.argv[2])
     client = RankMonitorClient()
     client.init_workload_monitoring()
-    def per_call(fn, batch=2000, batches=50):
-        costs = []
-        for _ in range(batches):
-            start = time.perf_counter()
-            for _ in range(batch):
-                fn()
-            costs.append((time.perf_counter() - start) / batch)
-            time.sleep(0.002)  # let the server drain, as between training steps
-        return statistics.median(costs) * 1e6
+    def per_call(fn):
+        # the pause lets the server drain, as between training steps
+        pause = lambda: time.sleep(0.002)
+        return statistics.median(per_call_us(fn, batches, batch, between=pause))
     def section():
         client.start_section("step")
         client.end_section("step")
@@ -42,14 +43,19 @@ TARGETS_US = {"send_heartbeat": 5.0, "section pair": 10.0}
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=50, help="timed batches per call")
+    parser.add_argument("--batch", type=int, default=2000, help="calls per batch")
+    args = smoke.parse_args(parser, {"batches": 2, "batch": 50})
     config = RankMonitorConfig(rank_section_timeouts={"step": 60.0})
     with (
         tempfile.TemporaryDirectory() as tmp,
         RankMonitorServer(config, job_dir=Path(tmp) / "job") as server,
     ):
         proc = subprocess.Popen(
-            [sys.executable, "-c", RANK_CODE],
+            [sys.executable, "-c", RANK_CODE, str(args.batches), str(args.batch)],
             env={**server.worker_env(), "RANK": "0"},
+            cwd=ROOT,  # where `bench` imports from
             stdout=subprocess.PIPE,
             text=True,
         )

@@ -14,8 +14,8 @@ ftrun). Prints per variant the median and mean step time over all runs and the o
 the time rank 0 spent inside the ftrun callbacks' per-step hooks (`on_train_batch_start/end`,
 local saves included), measured in the worker by wrapping them: what they add to the training
 path, whatever else loads the machine (one-off work at the start and end is not counted).
-Usage: .venv/bin/python bench/monitor/lightning_overhead.py [--runs 3] [--steps 400] [--width 512]
-[--nproc 2]
+Usage: .venv/bin/python -m bench.monitor.lightning_overhead [--runs 3] [--steps 400] [--width 512]
+[--nproc 2] [--smoke]
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve()
-ROOT = HERE.parents[2]
+from bench.common import ROOT, smoke
+from bench.common.timing import Stopwatch
+
+MODULE = "bench.monitor.lightning_overhead"  # its own worker, run with `-m` from ROOT
 EXAMPLE = ROOT / "examples" / "lightning_train.py"
 RUN_TIMEOUT_S = 300
 PREWARM = "torch,torch.distributed,pytorch_lightning"
@@ -54,11 +55,12 @@ def run_once(
         sys.executable, "-m", "ftrun.ft_launcher.cli", "--standalone",
         f"--nproc-per-node={args.nproc}",
         f"--log-dir={work / 'logs'}", f"--ft-prewarm-modules={PREWARM}",
-        str(HERE), "--worker", "--ckpt-dir", str(work / "ckpt"), "--max-steps", str(args.steps),
+        "--module", MODULE, "--worker", "--ckpt-dir", str(work / "ckpt"),
+        "--max-steps", str(args.steps),
         "--save-every", str(10**9), "--val-every", str(10**9), "--width", str(args.width),
         "--batch-size", str(args.batch_size), "--timing", str(timing), *extra,
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=ROOT,
                             start_new_session=True)  # fmt: skip
     try:
         code = proc.wait(timeout=RUN_TIMEOUT_S)
@@ -84,11 +86,11 @@ def worker(argv: list[str]) -> int:
         durations = calls.setdefault(key, [])
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            watch = Stopwatch()
             try:
                 return fn(*args, **kwargs)
             finally:
-                durations.append(time.perf_counter() - start)
+                durations.append(watch.seconds())
 
         return wrapper
 
@@ -118,7 +120,8 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--nproc", type=int, default=2, help="ranks (1: a core left idle)")
-    args = parser.parse_args()
+    sizes = {"runs": 1, "steps": SKIP_STEPS + 11, "width": 8, "batch_size": 8, "nproc": 1}
+    args = smoke.parse_args(parser, sizes)
     if args.runs < 1 or args.steps <= SKIP_STEPS + 10:
         parser.error(f"--runs must be >= 1 and --steps > {SKIP_STEPS + 10}")
     samples: dict[str, list[float]] = {name: [] for name in VARIANTS}

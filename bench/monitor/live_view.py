@@ -25,8 +25,9 @@ Three parts, each printed as markdown tables (`--parts` picks some):
    2 ranks, without and with `--ft-metrics-port=0 --ft-status-port=0`, a thread scraping
    /metrics and /status.json every 1 s in the runs with; interleaved pairs (off, on, ...).
 
-Usage: .venv/bin/python bench/monitor/live_view.py [--parts scrape page steps] [--nodes 1024]
-[--pairs 6] [--steps 1000] [--profile]   (`--profile`: cProfile of the page's two big calls)
+Usage: .venv/bin/python -m bench.monitor.live_view [--parts scrape page steps] [--nodes 1024]
+[--pairs 6] [--steps 1000] [--profile] [--smoke]
+(`--profile`: cProfile of the page's two big calls)
 """
 
 from __future__ import annotations
@@ -52,9 +53,8 @@ from typing import Any
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
-
-from common.report import (
+from bench.common import ROOT, smoke
+from bench.common.report import (
     Stats,
     load_average,
     machine_line,
@@ -63,9 +63,9 @@ from common.report import (
     ratio_cell,
     table,
 )
-from common.timing import p99, timed
+from bench.common.timing import Stopwatch, p99, per_call_us
 
-HERE = Path(__file__).resolve()
+MODULE = "bench.monitor.live_view"  # run as `python -m` (its child and its workers too)
 RANKS = 8
 CYCLES = 3
 CYCLE_S = 1200.0
@@ -227,7 +227,7 @@ class MetricsChild:
 
     def __init__(self, kind: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE), "--serve-metrics", kind],
+            [sys.executable, "-m", MODULE, "--serve-metrics", kind], cwd=ROOT,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         assert self.proc.stdout is not None
@@ -271,7 +271,7 @@ def scrape_part(args: argparse.Namespace) -> None:
     for round_ in range(args.rounds):
         names = list(inproc)
         for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-            costs = timed(inproc[name], args.calls)
+            costs = per_call_us(inproc[name], args.calls)
             samples[name] += costs
             rounds[name].append(statistics.median(costs))
     progress(f"scrape: in process done ({args.rounds} rounds x {args.calls} calls)")
@@ -295,7 +295,7 @@ def scrape_part(args: argparse.Namespace) -> None:
             for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
                 child, headers = http[name]
                 before = child.cpu()
-                costs = timed(lambda c=child, h=headers: get(c.url, h), args.http_calls)
+                costs = per_call_us(lambda c=child, h=headers: get(c.url, h), args.http_calls)
                 cpu[name].append((child.cpu() - before) / args.http_calls * 1e6)
                 hsamples[name] += costs
                 hrounds[name].append(statistics.median(costs))
@@ -381,7 +381,7 @@ def fill_store(nodes: int) -> Feed:
     # as ftrun's rendezvous makes it (ftrun.store.connect): the libuv server
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
     writers = [FeedWriter(store, PREFIX, name) for name in names]
-    began, written, kept_local = time.perf_counter(), 0, 0
+    began, written, kept_local = Stopwatch(), 0, 0
     for index, writer in enumerate(writers):
         writer.register()
         records = history(index, names, start, failing)
@@ -389,7 +389,7 @@ def fill_store(nodes: int) -> Feed:
         written += len(records)
         kept_local += sum(1 for r in records if r["event"] in KEPT_LOCAL)
         writer.live(live_record(index, time.time()))
-    fill_s = time.perf_counter() - began
+    fill_s = began.seconds()
     feed = Feed(store, names, writers, written - kept_local, kept_local, fill_s)
     progress(f"page: {nodes} nodes wrote {feed.in_store} events to the store in {fill_s:.1f} s")
     return feed
@@ -397,8 +397,9 @@ def fill_store(nodes: int) -> Feed:
 
 PROBE = textwrap.dedent(
     """
-    import sys, threading, time
+    import sys, threading
     from torch.distributed import TCPStore
+    from bench.common.timing import Stopwatch
     store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, use_libuv=True)
     store.get(sys.argv[2])
     print("ready", flush=True)
@@ -406,9 +407,9 @@ PROBE = textwrap.dedent(
     threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
     worst = 0.0
     while not done.wait(0.01):
-        began = time.perf_counter()
+        began = Stopwatch()
         store.get(sys.argv[2])
-        worst = max(worst, time.perf_counter() - began)
+        worst = max(worst, began.seconds())
     print(worst, flush=True)
     """
 )
@@ -420,7 +421,7 @@ class StoreProbe:
     def __init__(self, port: int, key: str) -> None:
         argv = [sys.executable, "-c", PROBE, str(port), key]
         pipe = subprocess.PIPE
-        self.proc = subprocess.Popen(argv, stdin=pipe, stdout=pipe, text=True)
+        self.proc = subprocess.Popen(argv, stdin=pipe, stdout=pipe, text=True, cwd=ROOT)
         assert self.proc.stdout is not None
         self.proc.stdout.readline()
         time.sleep(0.1)
@@ -447,23 +448,23 @@ def first_reads(feed: Feed, repeats: int) -> dict[str, Any]:
         reader = FeedReader(store, PREFIX)
         probe = StoreProbe(store.port, f"{PREFIX}/observe/live/{feed.names[-1]}")
         rss = psutil.Process().memory_info().rss
-        began = time.perf_counter()
+        began = Stopwatch()
         found["events"], found["live"] = reader.read()
-        found["first"].append(time.perf_counter() - began)
+        found["first"].append(began.seconds())
         if repeat == 0:
             found["rss"] = psutil.Process().memory_info().rss - rss
         found["blocked"].append(probe.worst())
         found["reader"] = reader
         progress(f"page: a first read took {found['first'][-1]:.1f} s")
-        began = time.perf_counter()
+        began = Stopwatch()
         store.multi_get(keys)
-        found["one"].append(time.perf_counter() - began)
-        began = time.perf_counter()
+        found["one"].append(began.seconds())
+        began = Stopwatch()
         raw = [v for i in range(0, len(keys), BATCH) for v in store.multi_get(keys[i : i + BATCH])]
-        found["batched"].append(time.perf_counter() - began)
+        found["batched"].append(began.seconds())
         for line in raw:
             parse_line(line.decode(errors="replace"))
-        found["parsed"].append(time.perf_counter() - began)
+        found["parsed"].append(began.seconds())
         found["bytes"] = sum(len(line) for line in raw)
         del raw
     assert sum(map(len, found["events"].values())) == feed.in_store, "the reader missed events"
@@ -477,9 +478,9 @@ def incremental_reads(feed: Feed, reader: Any, calls: int) -> tuple[list[float],
     """(8 nodes wrote one event and a live record each, nothing new): seconds per read."""
     nodes, changed, idle = len(feed.names), [], []
     for rep in range(calls):
-        began = time.perf_counter()
+        began = Stopwatch()
         reader.read()
-        idle.append(time.perf_counter() - began)
+        idle.append(began.seconds())
         for k in range(8):  # 8 nodes hold a newer checkpoint; their live records move on
             index = (rep * 8 + k) * 37 % nodes
             record = {"event": "ckpt_held", "ts": round(time.time(), 6), "mono": 6000.0 + rep,
@@ -487,9 +488,9 @@ def incremental_reads(feed: Feed, reader: Any, calls: int) -> tuple[list[float],
                       "iteration": 5000 + rep, "world_size": nodes * RANKS}  # fmt: skip
             feed.writers[index].events([record])
             feed.writers[index].live(live_record(index, time.time()))
-        began = time.perf_counter()
+        began = Stopwatch()
         reader.read()
-        changed.append(time.perf_counter() - began)
+        changed.append(began.seconds())
     progress("page: incremental reads done")
     return changed, idle
 
@@ -501,12 +502,12 @@ def status_builds(reader: Any, repeats: int) -> tuple[list[float], list[float], 
     events, live = reader.events, reader.read()[1]
     builds, dumps, data = [], [], b""
     for _ in range(repeats):
-        began = time.perf_counter()
+        began = Stopwatch()
         status = job_status("bench-job", events, live, time.time())
-        builds.append(time.perf_counter() - began)
-        began = time.perf_counter()
+        builds.append(began.seconds())
+        began = Stopwatch()
         data = json.dumps(status, default=str).encode()
-        dumps.append(time.perf_counter() - began)
+        dumps.append(began.seconds())
     progress("page: status builds done")
     return builds, dumps, data
 
@@ -615,7 +616,7 @@ def _interleaved_us(
     names = list(calls)
     for round_ in range(rounds):
         for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-            samples[name] += timed(calls[name], count)
+            samples[name] += per_call_us(calls[name], count)
     return samples
 
 
@@ -679,7 +680,7 @@ def worker(argv: list[str]) -> int:
     target = torch.randn(args.batch, width, device=device)
     times = []
     for step in range(1, args.steps + 1):
-        began = time.perf_counter()
+        began = Stopwatch()
         client.start_section("step")
         loss = nn.functional.mse_loss(model(data), target)
         optimizer.zero_grad()
@@ -688,7 +689,7 @@ def worker(argv: list[str]) -> int:
         loss.item()  # the value a user logs: on a GPU, the step's end
         client.end_section("step", iteration=step)
         client.send_heartbeat(iteration=step)
-        times.append(time.perf_counter() - began)
+        times.append(began.seconds())
     if rank == 0:
         kept = times[WARM_STEPS:]
         print(f"mean step time: {statistics.fmean(kept) * 1e3:.2f} ms", flush=True)
@@ -736,14 +737,14 @@ class Scraper(threading.Thread):
 
 def run_once(on: bool, args: argparse.Namespace) -> tuple[list[float], dict[str, int]]:
     """Rank 0's step times of one run, and what the scraper got (metrics, status, failed)."""
-    from common.jobs import FT, SECTION_ARGS, job
+    from bench.common.jobs import FT, SECTION_ARGS, job
 
     extra = ["--nnodes=1", *SECTION_ARGS, f"--nproc-per-node={args.nproc}"]
     if on:
         extra += ["--ft-metrics-port=0", "--ft-status-port=0"]
     worker_args = ["--worker", "--steps", str(args.steps), "--width", str(args.width),
                    "--device", args.device]  # fmt: skip
-    with job(FT, extra, worker_args, HERE, launchers=1) as started:
+    with job(FT, extra, worker_args, MODULE, launchers=1) as started:
         scraper = Scraper(started.tmp / "launcher0.log") if on else None
         if scraper is not None:
             scraper.start()
@@ -763,7 +764,7 @@ def run_once(on: bool, args: argparse.Namespace) -> tuple[list[float], dict[str,
 
 
 def steps_part(args: argparse.Namespace) -> None:
-    from common.jobs import take_charge
+    from bench.common.jobs import take_charge
 
     take_charge()
     means: dict[str, dict[int, float | None]] = {"off": {}, "on": {}}
@@ -827,7 +828,9 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=512, help="the worker's MLP width")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="(steps)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (steps)")
-    args = parser.parse_args()
+    sizes = {"rounds": 2, "calls": 2, "http_calls": 2, "nodes": 8, "repeats": 1,
+             "page_calls": 1, "pairs": 1, "steps": WARM_STEPS + 5, "width": 8, "nproc": 1}
+    args = smoke.parse_args(parser, sizes)
     if args.steps <= WARM_STEPS:
         parser.error(f"--steps must be > {WARM_STEPS}")
     load = load_average()

@@ -17,34 +17,26 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
+from collections.abc import Callable
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from typing import Any
 
 import torch
-from common import ROOT
 
+from bench.common import ROOT, smoke
+from bench.common.harness import start_job
+from bench.common.timing import per_call_us
 from ftrun.rerun import RerunDataIterator, RerunMode, RerunStateMachine
-
-sys.path.insert(0, str(ROOT / "tests"))
-from launch import start_job
 
 WORKER = ROOT / "tests" / "workers" / "rerun_worker.py"
 JOB = ["--nnodes=2", "--nproc-per-node=2", "--max-restarts=3", "--rdzv-conf=last_call_timeout=5"]
 
 
-def per_call_us(fn, calls: int = 20000, batches: int = 20) -> float:
-    costs = []
-    for _ in range(batches):
-        start = time.perf_counter()
-        for _ in range(calls // batches):
-            fn()
-        costs.append((time.perf_counter() - start) / (calls // batches) * 1e6)
-    return statistics.median(costs)
+def us_per_call(fn: Callable[[], Any], calls: int, batches: int = 20) -> float:
+    return statistics.median(per_call_us(fn, batches, max(1, calls // batches)))
 
 
-def in_process() -> list[str]:
+def in_process(calls: int) -> list[str]:
     rsm = RerunStateMachine(mode=RerunMode.VALIDATE_RESULTS)
     data = RerunDataIterator(iter(lambda: torch.ones(1), None))
     loss = torch.tensor(1.5)
@@ -57,11 +49,11 @@ def in_process() -> list[str]:
         rsm.should_checkpoint_and_exit()
 
     rows = [
-        ("validate_result(loss, torch.isnan, ...)", per_call_us(
-            lambda: rsm.validate_result(loss, torch.isnan, "loss is NaN"))),
-        ("floor: bool(torch.isnan(loss))", per_call_us(lambda: bool(torch.isnan(loss)))),
+        ("validate_result(loss, torch.isnan, ...)", us_per_call(
+            lambda: rsm.validate_result(loss, torch.isnan, "loss is NaN"), calls)),
+        ("floor: bool(torch.isnan(loss))", us_per_call(lambda: bool(torch.isnan(loss)), calls)),
         ("a step's own calls (2 x should_run_forward_backward, should_checkpoint_and_exit)",
-         per_call_us(step, calls=5000)),
+         us_per_call(step, calls // 4)),
     ]  # fmt: skip
     return [f"| {name} | {us:.2f} |" for name, us in rows]
 
@@ -90,10 +82,11 @@ def one_job(mode: str, *extra: str) -> tuple[float, float | None]:
         return verdict - began, ended - began
 
 
-def jobs(runs: int) -> list[str]:
+def jobs(runs: int, cases_run: int) -> list[str]:
     cases = [("transient (re-run in place)", ("once",)),
              ("persistent (exit 16, re-run on the standby)", ("marked",)),
              ("correct, fatal (exit 16, re-run, exit 17)", ("always", "--fatal"))]  # fmt: skip
+    cases = cases[:cases_run]
     times: dict[str, list[tuple[float, float | None]]] = {name: [] for name, _ in cases}
     for _ in range(runs):  # interleaved
         for name, (mode, *extra) in cases:
@@ -110,14 +103,18 @@ def jobs(runs: int) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="runs of each job case")
-    args = parser.parse_args()
+    parser.add_argument("--calls", type=int, default=20000, help="in-process calls per figure")
+    parser.add_argument("--cases", type=int, default=3, help="job cases run (0: none)")
+    args = smoke.parse_args(parser, {"runs": 1, "calls": 200, "cases": 0})
     print("| on the training path (CPU, one process) | us per call (median) |")
     print("|---|---|")
-    print("\n".join(in_process()))
+    print("\n".join(in_process(args.calls)))
+    if not args.cases:
+        return 0
     print()
     print("| case | rejected step -> verdict (s) | -> job over (s) |")
     print("|---|---|---|")
-    print("\n".join(jobs(args.runs)))
+    print("\n".join(jobs(args.runs, args.cases)))
     print(f"\nmedian (min-max) of {args.runs} runs per case, interleaved; the job's 30 steps of "
           "0.05 s, the flip at step 20")  # fmt: skip
     return 0

@@ -10,7 +10,7 @@
    report text, report JSON). NVRx computes its scores on every rank inside the training step
    with collectives: there is no agent-side step to set beside it.
 
-Usage: .venv/bin/python bench/monitor/straggler.py [--markdown]
+Usage: .venv/bin/python -m bench.monitor.straggler [--markdown] [--smoke]
 """
 
 from __future__ import annotations
@@ -21,48 +21,47 @@ import os
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
-
-from common.jobs import NVRX_BIN
-from common.report import table
+from bench.common import ROOT, smoke
+from bench.common.jobs import NVRX_BIN
+from bench.common.report import table
+from bench.common.timing import Stopwatch, per_call_us
 
 REPEATS = 7
-ENTRIES = 200_000
-NODES, RANKS, STEPS = 1024, 8, 200
+ENTRIES, NODES = 200_000, 1024
+RANKS, STEPS = 8, 200
 
 
-def per_entry_ns(enter, entries: int = ENTRIES) -> float:
-    """Median over REPEATS of the ns per `with enter():` block, net of an empty loop."""
-    results = []
-    for _ in range(REPEATS):
-        start = time.perf_counter_ns()
-        for _ in range(entries):
+def per_entry_ns(enter: Callable[[], AbstractContextManager[Any]], entries: int) -> float:
+    """Median over REPEATS of the ns per `with enter():` block, net of the loop."""
+
+    def block() -> None:
+        with enter():
             pass
-        empty = time.perf_counter_ns() - start
-        start = time.perf_counter_ns()
-        for _ in range(entries):
-            with enter():
-                pass
-        results.append((time.perf_counter_ns() - start - empty) / entries)
-    return statistics.median(results)
+
+    costs = per_call_us(block, REPEATS, entries, net_of_loop=True)
+    return statistics.median(costs) * 1e3
 
 
-def ftrun_local() -> float:
+def ftrun_local(entries: int) -> float:
     from ftrun.straggler import Detector
 
     Detector.initialize()
     try:
-        return per_entry_ns(lambda: Detector.detection_section("step", profile_cuda=False))
+        return per_entry_ns(
+            lambda: Detector.detection_section("step", profile_cuda=False), entries
+        )
     finally:
         Detector.shutdown()
 
 
-def ftrun_launcher() -> tuple[float, int]:
+def ftrun_launcher(entries: int) -> tuple[float, int]:
     """Per entry with the batches going to a real monitor server; and the batches it got."""
     import queue
 
@@ -77,7 +76,9 @@ def ftrun_launcher() -> tuple[float, int]:
             os.environ.update({**server.worker_env(), "RANK": "0"})
             Detector.initialize()
             try:
-                cost = per_entry_ns(lambda: Detector.detection_section("step", profile_cuda=False))
+                cost = per_entry_ns(
+                    lambda: Detector.detection_section("step", profile_cuda=False), entries
+                )
             finally:
                 Detector.shutdown()
             time.sleep(0.5)
@@ -85,19 +86,18 @@ def ftrun_launcher() -> tuple[float, int]:
 
 
 NVRX_PROBE = """
-import time
+import statistics
 import nvidia_resiliency_ext.straggler as s
+from bench.common.timing import per_call_us
 try:
     s.Detector.initialize()
 except Exception as exc:
     print("cannot run:", type(exc).__name__, str(exc).splitlines()[0])
 else:
-    n = 100000
-    t = time.perf_counter_ns()
-    for _ in range(n):
+    def block():
         with s.Detector.detection_section("step", profile_cuda=False):
             pass
-    print(f"{(time.perf_counter_ns() - t) / n:.0f}")
+    print(f"{statistics.median(per_call_us(block, 1, 100000, net_of_loop=True)) * 1e3:.0f}")
 """
 
 
@@ -107,19 +107,20 @@ def nvrx_cell() -> str:
         return "not installed"
     out = subprocess.run(
         [str(python), "-W", "ignore", "-c", NVRX_PROBE],
+        cwd=ROOT,  # where `bench` imports from
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     return (out.stdout.strip().splitlines() or [out.stderr.strip()[-120:]])[-1]
 
 
-def simulated_records() -> list[bytes]:
+def simulated_records(nodes: int) -> list[bytes]:
     from ftrun.rank_monitor.timings import SectionTimes, TimingBatch
     from ftrun.straggler.assemble import encode_node
     from ftrun.straggler.collector import NodeCollector
 
     rng = random.Random(0)
     records = []
-    for node in range(NODES):
+    for node in range(nodes):
         collector = NodeCollector(f"node{node:04d}")
         for local in range(RANKS):
             rank = node * RANKS + local
@@ -149,11 +150,11 @@ def node_interval_ms() -> float:
     batches = [TimingBatch(r, r, sections, 0.0) for r in range(RANKS)]
     times = []
     for _ in range(REPEATS):
-        start = time.perf_counter()
+        watch = Stopwatch()
         for b in batches:
             collector.add(b)
         encode_node(collector.seq + 1, "node", collector.close_interval())
-        times.append((time.perf_counter() - start) * 1e3)
+        times.append(watch.seconds() * 1e3)
     return statistics.median(times)
 
 
@@ -164,10 +165,10 @@ def leader_report_ms(records: list[bytes]) -> tuple[float, str]:
     from ftrun.straggler.decide import decide
     from ftrun.straggler.report import report_text
 
-    config, names = StragglerConfig(), [f"node{n:04d}" for n in range(NODES)]
+    config, names = StragglerConfig(), [f"node{n:04d}" for n in range(len(records))]
     times, found = [], ""
     for seq in range(1, REPEATS + 1):
-        start = time.perf_counter()
+        watch = Stopwatch()
         decoded = {}
         for raw in records:
             _, cols = decode_node(raw)
@@ -176,7 +177,7 @@ def leader_report_ms(records: list[bytes]) -> tuple[float, str]:
         decision = decide(report, config, names, 1, 0, False)
         report_text(report, config.scores_to_print)
         json.dumps(report.to_json())
-        times.append((time.perf_counter() - start) * 1e3)
+        times.append(watch.seconds() * 1e3)
         found = ", ".join(
             f"{f.rank}@{f.node} {f.kind} {f.score:.2f}" for f in decision.findings[:2]
         )
@@ -186,22 +187,24 @@ def leader_report_ms(records: list[bytes]) -> tuple[float, str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--markdown", action="store_true")
-    args = parser.parse_args()
-    local = ftrun_local()
-    launcher, batches = ftrun_launcher()
+    parser.add_argument("--entries", type=int, default=ENTRIES, help="sections per timed batch")
+    parser.add_argument("--nodes", type=int, default=NODES, help="simulated nodes (report)")
+    args = smoke.parse_args(parser, {"entries": 500, "nodes": 8})
+    local = ftrun_local(args.entries)
+    launcher, batches = ftrun_launcher(args.entries)
     nvrx = nvrx_cell()
     rows = [
         ["detection_section, CPU, no launcher", f"{local / 1e3:.2f} us", "<= 2 us", nvrx],
         [f"detection_section, CPU, to a monitor ({batches} batches)", f"{launcher / 1e3:.2f} us",
          "<= 2 us", nvrx],
     ]  # fmt: skip
-    records = simulated_records()
+    records = simulated_records(args.nodes)
     node_ms = node_interval_ms()
     leader_ms, found = leader_report_ms(records)
     size = sum(map(len, records)) / len(records)
     rows += [
         [f"node interval close ({RANKS} ranks, {STEPS} steps)", f"{node_ms:.1f} ms", "", "n/a"],
-        [f"report, {NODES} nodes x {RANKS} ranks ({size / 1024:.1f} KiB/node)",
+        [f"report, {len(records)} nodes x {RANKS} ranks ({size / 1024:.1f} KiB/node)",
          f"{leader_ms:.1f} ms", "<= 100 ms", "n/a (in-step collectives)"],
     ]  # fmt: skip
     print(table(["measure", "ftrun", "target", "NVRx 0.4.1"], rows, args.markdown))

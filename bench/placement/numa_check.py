@@ -7,7 +7,9 @@ spawned or forked in the first cycle, forked in the restart. Each worker records
 affinity of the worker's GPU, read here through pynvml, and prints one line per worker and cycle.
 Exit 1 if any worker is bound elsewhere. core-complex must be refused in one line (exit 2).
 
-    python bench/placement/numa_check.py  # on the device, after `. bench/device_setup.sh`
+    python -m bench.placement.numa_check  # on the device, after `. bench/device_setup.sh`
+
+Without CUDA (`--smoke` here) only the refusal is checked, and it says it skipped the rest.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench.common import ROOT, smoke
+
 FT = ROOT / ".venv" / "bin" / "ft_launcher"
+# ft_launcher runs this module as the worker, from the repository root (its imports are bench.'s)
+SELF = ("--module", "bench.placement.numa_check")
 
 
 def worker(out: Path) -> None:
@@ -63,9 +68,9 @@ def check_mode(mode: str, nproc: int) -> bool:
         out = Path(tmp)
         done = subprocess.run(
             [str(FT), "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=1",
-             f"--numa-binding={mode}", f"--log-dir={out / 'logs'}", __file__, "--worker",
+             f"--numa-binding={mode}", f"--log-dir={out / 'logs'}", *SELF, "--worker",
              str(out)],
-            capture_output=True, text=True, timeout=300, check=False,
+            cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
         )  # fmt: skip
         if done.returncode != 0:
             print(f"{mode}: launcher exit {done.returncode}: {done.stderr.strip()[-800:]}")
@@ -83,23 +88,31 @@ def check_mode(mode: str, nproc: int) -> bool:
         return good
 
 
+def refused_in_one_line() -> bool:
+    """core-complex: refused, exit 2, one line (no GPU needed: the check is the launcher's)."""
+    refused = subprocess.run([str(FT), "--numa-binding=core-complex", *SELF], cwd=ROOT,
+                             capture_output=True, text=True, check=False)  # fmt: skip
+    print(f"core-complex: exit {refused.returncode}: {refused.stderr.strip()}")
+    return refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--nproc-per-node", type=int, default=0, help="default: every GPU")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, {"nproc_per_node": 1})
     if args.worker:
         return worker(args.worker)
     import torch
 
+    if not torch.cuda.is_available():
+        smoke.skip_gpu("numa_check", "the bindings (no GPU whose NUMA node to check)")
+        sys.exit(0 if refused_in_one_line() else 1)
     nproc = args.nproc_per_node or torch.cuda.device_count()
     print(f"{torch.cuda.get_device_name(0)} x{nproc}, {os.cpu_count()} CPUs, launcher may use "
           f"{cpulist(os.sched_getaffinity(0))}")  # fmt: skip
     good = all([check_mode(mode, nproc) for mode in ("node", "socket", "exclusive")])
-    refused = subprocess.run([str(FT), "--numa-binding=core-complex", __file__],
-                             capture_output=True, text=True, check=False)  # fmt: skip
-    one_line = refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
-    print(f"core-complex: exit {refused.returncode}: {refused.stderr.strip()}")
+    one_line = refused_in_one_line()
     sys.exit(0 if good and one_line else 1)
 
 

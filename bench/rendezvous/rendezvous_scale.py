@@ -1,8 +1,9 @@
 """Rendezvous at scale: N simulated agents against one real store, barrier vs dynamic, on a
 TCPStore and on etcd.
 
-    .venv/bin/python bench/rendezvous/rendezvous_scale.py --nodes 64,256,1024 --impl barrier,dynamic
-    .venv/bin/python bench/rendezvous/rendezvous_scale.py --impl barrier --backend both
+    .venv/bin/python -m bench.rendezvous.rendezvous_scale --nodes 64,256,1024 --impl barrier,dynamic
+    .venv/bin/python -m bench.rendezvous.rendezvous_scale --impl barrier --backend both
+    .venv/bin/python -m bench.rendezvous.rendezvous_scale --backend both --smoke  # 8 nodes
 
 `--backend tcp` (the default): a real libuv TCPStore served by this process on 127.0.0.1, as the
 agent on the endpoint host serves it. `--backend etcd`: a real 3-member etcd cluster on
@@ -62,17 +63,15 @@ import time
 from collections.abc import Callable, Sequence
 from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
-
-from common import exit_on_sigterm
-from common.report import Stats, pair_ratios, ratio_cell
-from store_floor import Floor, Plan, floor_report, measure_floors
-from stores import (
+from bench.common import exit_on_sigterm, smoke
+from bench.common.report import Stats, pair_ratios, ratio_cell
+from bench.common.timing import Stopwatch
+from bench.rendezvous.store_floor import Floor, Plan, floor_report, measure_floors
+from bench.rendezvous.stores import (
     HOST,
     STORE_TIMEOUT,
     EtcdMissing,
@@ -85,7 +84,6 @@ from stores import (
     place_leader,
     requests_between,
 )
-
 from ftrun.rendezvous.barrier import BarrierRendezvousHandler, JoinInterruptedError
 from ftrun.rendezvous.config import RendezvousConfig, RendezvousImpl
 from ftrun.rendezvous.dynamic import DynamicRendezvous
@@ -286,9 +284,11 @@ def request_counting_etcd() -> type:
         class RequestCountingEtcdStore(EtcdStore):
             requests = 0
 
-            def _call(self, request: Callable[[Any], Any]) -> Any:
+            def _call(self, request: Callable[[Any], Any], *args: Any, **kwargs: Any) -> Any:
+                # Whatever else EtcdStore passes (a watch's `answered`) goes through untouched:
+                # the count must not depend on `_call`'s signature.
                 self.requests += 1
-                return super()._call(request)
+                return super()._call(request, *args, **kwargs)
 
         _ETCD_STORE.append(RequestCountingEtcdStore)
     return _ETCD_STORE[0]
@@ -347,11 +347,11 @@ def proc_main(spec: ProcSpec, number: int, go: Any, stop: Any, out: Any) -> None
 
 
 def _proc_set_up(local: Local, threads: Sequence[threading.Thread]) -> float:
-    started = time.perf_counter()
+    started = Stopwatch()
     for thread in threads:
         thread.start()
     _barrier(local.connected)
-    connect_s = time.perf_counter() - started
+    connect_s = started.seconds()
     _barrier(local.built)
     return connect_s
 
@@ -923,7 +923,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the first-listed etcd member, which every EtcdStore asks first: a follower (as "
         "it is 2 times in 3) or the leader; the bench moves the leadership to make it so",
     )
-    args = parser.parse_args(argv)
+    sizes = {"nodes": "8", "repeats": 1, "threads_per_proc": 8, "floor_calls": 10,
+             "floor_blocks": 1, "cap": 60.0}  # fmt: skip
+    args = smoke.parse_args(parser, sizes, argv)
     try:
         args.nodes = [int(n) for n in args.nodes.split(",")]
         args.impl = [RendezvousImpl(name) for name in args.impl.split(",")]

@@ -1,7 +1,7 @@
 """The floor under a rendezvous round: one store call of each kind on an idle store, a TCPStore
 beside etcd, and etcd's own layers under `EtcdStore` (an HTTP round trip that reaches no KV
-code, a serializable and a linearizable range, a put). Run by rendezvous_scale.py
-(`--floor-calls`, `--floor-blocks`).
+code, a serializable and a linearizable range, a put). Not a bench of its own: rendezvous_scale
+runs it (`--floor-calls`, `--floor-blocks`; its `--smoke` too).
 
 Each call is timed `calls` times per block, the backends alternating block by block; beside the
 wall time, the CPU time it cost the calling thread and the store (the TCPStore's threads, or
@@ -19,9 +19,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
-from common.report import pair_ratios, ratio_cell, table
-from common.timing import p99
-from stores import (
+
+from bench.common.report import pair_ratios, ratio_cell, table
+from bench.common.timing import p99, per_call_us
+from bench.rendezvous.stores import (
     HOST,
     STORE_TIMEOUT,
     EtcdServer,
@@ -132,11 +133,7 @@ def _floor_block(
     for _ in range(count // 10):  # warm: connections, caches
         call()
     requests0, store0, client0 = server.requests(), server.cpu_s(), time.thread_time()
-    times = []
-    for _ in range(count):
-        start = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - start) * 1e6)
+    times = per_call_us(call, count)
     floor.client_cpu_s += time.thread_time() - client0
     floor.store_cpu_s += server.cpu_s() - store0
     requests1 = server.requests()

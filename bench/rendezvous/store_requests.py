@@ -1,6 +1,6 @@
 """How often the agents ask the store while training: TCPStore beside etcd.
 
-    .venv/bin/python bench/rendezvous/store_requests.py [--runs 3] [--window 20]
+    .venv/bin/python -m bench.rendezvous.store_requests [--runs 3] [--window 20] [--smoke]
 
 A real job, as `common.jobs` starts one: 2 `ft_launcher`s x 2 ranks of
 bench/workers/user_worker.py (gloo, a tiny DDP model, 0.05 s of "work" a step), every option at
@@ -39,16 +39,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
-
-from common.jobs import FT, USER_WORKER, Job, Launcher, job, take_charge
-from common.logs import read_steps
-from common.report import (
+from bench.common import smoke
+from bench.common.jobs import FT, USER_WORKER, Job, Launcher, job, take_charge
+from bench.common.logs import read_steps
+from bench.common.report import (
     Stats,
     load_average,
     machine_line,
@@ -57,7 +55,8 @@ from common.report import (
     ratio_cell,
     table,
 )
-from stores import (
+from bench.common.timing import Stopwatch
+from bench.rendezvous.stores import (
     EtcdMissing,
     etcd_cluster,
     kv_requests,
@@ -204,9 +203,9 @@ def measure(backend: str, run: int, args: argparse.Namespace) -> Window:
         idle = None
         if etcd is not None:
             place_leader(etcd, first_leads=False)
-            cpu0, t0 = members_cpu_s(etcd), time.monotonic()
+            cpu0, watch = members_cpu_s(etcd), Stopwatch()
             time.sleep(args.idle)
-            idle = (members_cpu_s(etcd) - cpu0) / (time.monotonic() - t0)
+            idle = (members_cpu_s(etcd) - cpu0) / watch.seconds()
         window = _measure(backend, run, args, etcd)
         window.etcd_idle_cpu = idle
         return window
@@ -229,10 +228,10 @@ def _measure(backend: str, run: int, args: argparse.Namespace, etcd: Any) -> Win
         etcd_cpu0 = members_cpu_s(etcd) if backend == "etcd" else None
         cpu0 = [_cpu_s(p) for p in procs]
         segs0 = segments_sent(agents, ports)
-        t0 = time.monotonic()
+        watch = Stopwatch()
         time.sleep(args.window)
         segs1 = segments_sent(agents, ports)
-        seconds = time.monotonic() - t0
+        seconds = watch.seconds()
         cpu1 = [_cpu_s(p) for p in procs]
         etcd_cpu = members_cpu_s(etcd) - etcd_cpu0 if etcd_cpu0 is not None else None
         requests = None
@@ -340,7 +339,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--backend", choices=["tcp", "etcd", "both"], default="both", help="which stores"
     )
-    args = parser.parse_args(argv)
+    sizes = {"runs": 1, "window": 2.0, "warm": 2, "idle": 0.5, "steps": 400}
+    args = smoke.parse_args(parser, sizes, argv)
     if args.runs < 1 or args.window <= 0 or args.warm < 1:
         parser.error("--runs, --window and --warm must be positive")
     args.backend = list(BACKENDS) if args.backend == "both" else [args.backend]

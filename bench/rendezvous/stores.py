@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 import time
 import urllib.request
@@ -28,12 +27,7 @@ from typing import Any
 import psutil
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
-
-from common import ROOT
-
-if str(ROOT / "tests") not in sys.path:
-    sys.path.append(str(ROOT / "tests"))  # as common.jobs does: the tests' process harness
+from bench.common import harness
 
 HOST = "127.0.0.1"
 STORE_TIMEOUT = datetime.timedelta(seconds=120)
@@ -65,12 +59,12 @@ def etcd_cluster(members: int = 3) -> Iterator[Any]:
     killed (their process groups) and the directory removed."""
     import pytest  # the tests' module says "skip" when etcd is missing; a bench says why
 
-    from etcd_cluster import EtcdCluster
+    etcd_cluster_module = harness.etcd_cluster()
 
     tmp = Path(tempfile.mkdtemp(prefix="ftrun-bench-etcd-"))
     try:
         try:
-            cluster = EtcdCluster(tmp, members)
+            cluster = etcd_cluster_module.EtcdCluster(tmp, members)
         except pytest.skip.Exception as exc:
             raise EtcdMissing(str(exc)) from None
         try:

@@ -36,7 +36,6 @@ import dataclasses
 import json
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,10 +43,8 @@ from typing import Any
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
-
-from common import OUT
-from common.jobs import (
+from bench.common import OUT, smoke
+from bench.common.jobs import (
     FT,
     NVRX,
     NVRX_BIN,
@@ -62,8 +59,9 @@ from common.jobs import (
     job,
     take_charge,
 )
-from common.logs import read_steps, user_all_stepping, user_fault, user_pids
-from common.report import load_average, machine_line, pair_ratios, progress, ratio_cell, table
+from bench.common.logs import read_steps, user_all_stepping, user_fault, user_pids
+from bench.common.report import load_average, machine_line, pair_ratios, progress, ratio_cell, table
+from bench.common.timing import Stopwatch
 
 SCENARIOS = ("startup", "early", "late", "hang")
 STARTUP_WAIT_S = 180.0
@@ -152,7 +150,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--json", type=Path, help="raw results (default bench/out/compare-*.json)")
-    args = parser.parse_args()
+    # the smoke: start-up and an early crash, ftrun and torchrun (NVRx where installed)
+    sizes = {"runs": 1, "scenarios": ["early"], "launchers": ["ft", "torchrun-noshare", "nvrx"],
+             "early_step": 3}  # fmt: skip
+    args = smoke.parse_args(parser, sizes)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
     if "ft" not in args.launchers:
@@ -294,7 +295,7 @@ def sample_footprint(run_: Job, until: float) -> dict[str, float] | None:
     time.sleep(max(0.0, start - time.time()))
     agents = [psutil.Process(p.pid) for p in run_.procs]
     ready_mb, node_mb, first_cpu = [], [], None
-    t0 = time.monotonic()
+    watch = Stopwatch()
     while True:
         workers = user_pids(run_.out)
         splits = [node_split(agent, workers) for agent in agents]
@@ -308,7 +309,7 @@ def sample_footprint(run_: Job, until: float) -> dict[str, float] | None:
         if time.time() + SAMPLE_EVERY_S > until or not run_.running():
             break
         time.sleep(SAMPLE_EVERY_S)
-    elapsed = time.monotonic() - t0
+    elapsed = watch.seconds()
     cpu = 0.0
     for proc, before in first_cpu.values():
         after = _cpu_s(proc)

@@ -9,7 +9,8 @@ interleaved run by run:
   last worker's first line (the server imports once, not once per rank);
 - PSS (psutil memory_full_info().pss) of N live plain workers vs server + N forked workers.
 
-Run: .venv/bin/python bench/restart/forkserver.py [--runs 5] [--workers 2] [--modules torch,...]
+Run: .venv/bin/python -m bench.restart.forkserver [--runs 5] [--workers 2] [--modules torch,...]
+[--smoke]
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import psutil
 
+from bench.common import smoke
+from bench.common.timing import Stopwatch
 from ftrun.agent.prewarm.client import ForkServer
 from ftrun.agent.prewarm.target import PythonTarget
 
@@ -46,7 +48,7 @@ def first_line(stream, timeout: float = 120.0) -> None:
 
 
 def plain(script: str, env: dict[str, str], n: int) -> tuple[float, list[subprocess.Popen]]:
-    started = time.monotonic()
+    started = Stopwatch()
     procs = [
         subprocess.Popen(
             [sys.executable, "-u", script],
@@ -60,15 +62,15 @@ def plain(script: str, env: dict[str, str], n: int) -> tuple[float, list[subproc
     ]
     for proc in procs:
         first_line(proc.stdout)
-    return time.monotonic() - started, procs
+    return started.seconds(), procs
 
 
 def forked(fs: ForkServer, script: str, env: dict[str, str], n: int) -> tuple[float, list]:
-    started = time.monotonic()
+    started = Stopwatch()
     workers = [fs.spawn(PythonTarget(False, script, ()), env, "/") for _ in range(n)]
     for worker in workers:
         first_line(worker.stdout)
-    return time.monotonic() - started, workers
+    return started.seconds(), workers
 
 
 def pss(pids: list[int]) -> tuple[float, float]:
@@ -92,11 +94,11 @@ def fmt(values: list[float], scale: float = 1.0, unit: str = "s") -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--modules", default="torch,torch.distributed,torch._dynamo")
-    opts = parser.parse_args()
+    opts = smoke.parse_args(parser, {"runs": 1, "workers": 1, "modules": "torch"})
     modules = [m for m in opts.modules.split(",") if m]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # torchrun's default with several workers
     n = opts.workers
@@ -112,13 +114,13 @@ def main() -> None:
             results["plainN"].append(took)
             mem["plain"].append(pss([p.pid for p in procs]))
             stop(procs)
-            started = time.monotonic()
+            started = Stopwatch()
             fs = ForkServer.start(modules, env)
             try:
                 assert fs.ready(300), fs.error
-                ready_s.append(time.monotonic() - started)
+                ready_s.append(started.seconds())
                 _, workers = forked(fs, script, env, n)
-                results["forkN"].append(time.monotonic() - started)
+                results["forkN"].append(started.seconds())
                 mem["fork"].append(pss([fs.pid, *(w.pid for w in workers)]))
                 stop(workers)
                 # one restart of one worker: warm server vs plain spawn

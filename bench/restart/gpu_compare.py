@@ -51,12 +51,10 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
-
-from common import OUT, WORKERS
-from common.jobs import SECTION_ARGS, TAG_ENV, Job, Launcher, kill_everything, take_charge
-from common.logs import parse_step_line
-from common.report import Stats, pair_ratios, progress, ratio_cell, table
+from bench.common import OUT, WORKERS, smoke
+from bench.common.jobs import SECTION_ARGS, TAG_ENV, Job, Launcher, kill_everything, take_charge
+from bench.common.logs import parse_step_line
+from bench.common.report import Stats, pair_ratios, progress, ratio_cell, table
 
 WORKER = WORKERS / "gpu_user_worker.py"
 PY = sys.executable
@@ -150,7 +148,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--from-json", type=Path, nargs="+", help="tabulate these; run nothing")
     parser.add_argument("--markdown", action="store_true", help="markdown tables")
     parser.add_argument("--check", action="store_true", help="PASS/FAIL against the targets")
-    args = parser.parse_args(argv)
+    # the smoke: one job of each launcher, plain, on the GPU, or the CPU path where none is
+    sizes = {"runs": 1, "settings": ["omp1"], "variants": ["plain"], "early": 2, "late": 4,
+             "steps": 6, "job_timeout": 120.0}  # fmt: skip
+    args = smoke.parse_args(parser, sizes, argv)
+    if args.smoke and not args.from_json and not cuda_in_child():
+        args.device = "cpu"
+        smoke.skip_gpu("gpu_compare", "the GPU jobs (its CPU path, --device cpu, runs instead)")
     args.steps = args.steps or args.late + 10
     if args.runs < 1 or not 0 < args.early < args.late < args.steps:
         parser.error("need --runs >= 1 and 0 < --early < --late < --steps")
@@ -476,6 +480,13 @@ def nvrx_importable() -> bool:
     except Exception:  # whatever it raises, NVRx cannot run here
         return False
     return True
+
+
+def cuda_in_child() -> bool:
+    """Whether torch sees a GPU, asked of a child: this process holds no CUDA context."""
+    code = "import torch; print(torch.cuda.is_available())"
+    said = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=False)
+    return said.stdout.strip() == "True"
 
 
 def machine_line(device: str) -> str:

@@ -18,15 +18,12 @@ import contextlib
 import os
 import signal
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
-
-from common.jobs import (
+from bench.common import smoke
+from bench.common.jobs import (
     FT,
     NNODES,
     NVRX,
@@ -39,8 +36,8 @@ from common.jobs import (
     job,
     take_charge,
 )
-from common.logs import user_all_stepping, user_pids
-from common.report import load_average, machine_line, progress, table
+from bench.common.logs import user_all_stepping, user_pids
+from bench.common.report import load_average, machine_line, progress, table
 
 LAUNCHERS = {"ft": FT, "torchrun-noshare": TORCHRUN_NO_SHARE, "nvrx": NVRX}
 STARTUP_WAIT_S = 180.0
@@ -53,7 +50,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--train-s", type=float, default=20.0, help="training before the loss")
     parser.add_argument("--launchers", nargs="+", choices=list(LAUNCHERS), default=list(LAUNCHERS))
     parser.add_argument("--markdown", action="store_true")
-    return parser.parse_args()
+    return smoke.parse_args(parser, {"runs": 1, "train_s": 2.0, "launchers": ["ft"]})
 
 
 def active_non_host(run: Job) -> psutil.Process | None:

@@ -34,7 +34,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -42,10 +41,8 @@ from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `common`
-
-from common import OUT, WORKERS
-from common.jobs import (
+from bench.common import OUT, WORKERS, smoke
+from bench.common.jobs import (
     FT,
     NVRX,
     NVRX_BIN,
@@ -59,8 +56,8 @@ from common.jobs import (
     job,
     take_charge,
 )
-from common.logs import user_all_stepping, user_pids
-from common.report import (
+from bench.common.logs import user_all_stepping, user_pids
+from bench.common.report import (
     Stats,
     load_average,
     machine_line,
@@ -69,6 +66,7 @@ from common.report import (
     ratio_cell,
     table,
 )
+from bench.common.timing import Stopwatch
 
 GPU_WORKER = WORKERS / "gpu_user_worker.py"
 FTRUN_STORE = (str(VENV_BIN / "python"), "-m", "ftrun.tools.cli", "store")
@@ -189,7 +187,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="default: bench/out/store-restart-<time>.json")
     parser.add_argument("--from-json", type=Path, help="tabulate this raw file; run nothing")
     parser.add_argument("--markdown", action="store_true")
-    return parser.parse_args()
+    sizes = {"runs": 1, "faults": [2.0], "launchers": ["ftrun"], "startup_wait": 120.0}
+    return smoke.parse_args(parser, sizes)
 
 
 def worker_args(kind: str, scratch: Path) -> tuple[Path, list[str]]:
@@ -324,10 +323,10 @@ def store_connect_ms() -> float:
     from torch.distributed import TCPStore
 
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    started = time.perf_counter()
+    started = Stopwatch()
     client = TCPStore("127.0.0.1", server.port, is_master=False,
                       timeout=datetime.timedelta(seconds=10))  # fmt: skip
-    took = (time.perf_counter() - started) * 1e3
+    took = started.seconds() * 1e3
     del client, server
     return took
 
@@ -376,8 +375,10 @@ def report(args: argparse.Namespace, outcomes: list[Outcome], keys: list[str], f
     headers = ["launcher", "cold start", "store back", "job ended", *faults]
     headers += ["store up -> stepping", "recovered"]
     print(table(headers, rows_of(outcomes, keys, args.faults), args.markdown))
-    print()
-    print(table(["pair by pair", *faults], ratio_rows(outcomes, keys, args.faults), args.markdown))
+    ratios = ratio_rows(outcomes, keys, args.faults)
+    if ratios:  # none with ftrun alone (a peer not installed, or --launchers ftrun)
+        print()
+        print(table(["pair by pair", *faults], ratios, args.markdown))
     print(f"\nfloor: import torch {cell(floor['import_torch_s'])} s; TCPStore client connect "
           f"{cell(floor['connect_ms'], '{:.1f}')} ms; 1-min load at the kills "
           f"{cell([x for o in outcomes for x in o.load], '{:.1f}')}")  # fmt: skip

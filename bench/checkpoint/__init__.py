@@ -1,0 +1,1 @@
+"""Local, replicated and global checkpoints, ETTR."""

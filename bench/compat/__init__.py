@@ -1,0 +1,1 @@
+"""NVRx's own examples under ftrun."""

@@ -1,0 +1,1 @@
+"""Heartbeats, sections, straggler detection, re-runs, attribution, the live view."""

@@ -1,0 +1,1 @@
+"""NUMA binding."""

@@ -1,0 +1,1 @@
+"""The rendezvous and its stores."""

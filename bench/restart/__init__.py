@@ -1,0 +1,1 @@
+"""Start-up and recovery against torchrun and NVRx."""

@@ -1,0 +1,1 @@
+"""The training scripts the launchers run (by path, as users run theirs)."""
