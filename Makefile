@@ -6,7 +6,7 @@ STAMP     := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 FAULT_REPEATS ?= 3
 
-.PHONY: install test check lint demo bench bench-more bench-gpu faults clean
+.PHONY: install test check lint demo bench bench-more bench-smoke bench-gpu faults clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -38,36 +38,41 @@ demo: $(STAMP)
 # bench/README.md says which question each bench answers, where its results are and on what
 # machine. `bench`: the CPU benches of this VM's tables; `bench-more`: the rest that runs here
 # (NVRX_EXAMPLES: NVRx's examples/ folder); `bench-gpu`: on the GPU device (`. bench/device_setup.sh`).
+# Each is a module run from the repository root (`python -m bench.<folder>.<script>`).
+# `bench-smoke`: every bench at its `--smoke` size, the ones `make test` leaves out for time too.
 bench: $(STAMP)
-	$(VPY) bench/monitor/heartbeat.py
-	$(VPY) bench/restart/compare.py --runs $(or $(BENCH_RUNS),5)
-	$(VPY) bench/restart/spares.py --runs $(or $(BENCH_RUNS),5)
-	$(VPY) bench/checkpoint/checkpoint.py --runs $(or $(BENCH_RUNS),5)
-	$(VPY) bench/checkpoint/restore_floor.py --runs $(or $(BENCH_RUNS),5)
-	$(VPY) bench/checkpoint/replication.py --runs $(or $(BENCH_RUNS),3)
-	$(VPY) bench/checkpoint/async_global.py --runs $(or $(BENCH_RUNS),3)
-	$(VPY) bench/checkpoint/ettr.py --runs $(or $(BENCH_RUNS),1)
-	$(VPY) bench/monitor/straggler.py
-	$(VPY) bench/rendezvous/rendezvous_scale.py --repeats $(or $(BENCH_RUNS),3)
+	$(VPY) -m bench.monitor.heartbeat
+	$(VPY) -m bench.restart.compare --runs $(or $(BENCH_RUNS),5)
+	$(VPY) -m bench.restart.spares --runs $(or $(BENCH_RUNS),5)
+	$(VPY) -m bench.checkpoint.checkpoint --runs $(or $(BENCH_RUNS),5)
+	$(VPY) -m bench.checkpoint.restore_floor --runs $(or $(BENCH_RUNS),5)
+	$(VPY) -m bench.checkpoint.replication --runs $(or $(BENCH_RUNS),3)
+	$(VPY) -m bench.checkpoint.async_global --runs $(or $(BENCH_RUNS),3)
+	$(VPY) -m bench.checkpoint.ettr --runs $(or $(BENCH_RUNS),1)
+	$(VPY) -m bench.monitor.straggler
+	$(VPY) -m bench.rendezvous.rendezvous_scale --repeats $(or $(BENCH_RUNS),3)
 
 bench-more: $(STAMP)
-	$(VPY) bench/restart/forkserver.py
-	$(VPY) bench/checkpoint/peer_throughput.py
-	$(VPY) bench/monitor/lightning_overhead.py
-	$(VPY) bench/monitor/rerun.py
-	$(VPY) bench/monitor/live_view.py
-	$(VPY) bench/compat/nvrx_examples.py --set cpu --skip-basic --examples $(or $(NVRX_EXAMPLES),.nvrx/examples)
+	$(VPY) -m bench.restart.forkserver
+	$(VPY) -m bench.checkpoint.peer_throughput
+	$(VPY) -m bench.monitor.lightning_overhead
+	$(VPY) -m bench.monitor.rerun
+	$(VPY) -m bench.monitor.live_view
+	$(VPY) -m bench.compat.nvrx_examples --set cpu --skip-basic --examples $(or $(NVRX_EXAMPLES),.nvrx/examples)
+
+bench-smoke: $(STAMP)
+	FTRUN_BENCH_SMOKE=all $(VPY) -m pytest -q -n 0 tests/test_bench_smoke.py
 
 bench-gpu:
-	python3 bench/restart/gpu_compare.py --runs $(or $(BENCH_RUNS),3)
-	python3 bench/checkpoint/checkpoint_gpu.py
-	python3 bench/monitor/straggler_gpu.py
-	python3 bench/monitor/health_watch.py
-	python3 bench/monitor/flight_recorder.py
-	python3 bench/placement/numa_check.py
-	python3 bench/monitor/live_view.py --parts scrape page
-	python3 bench/monitor/live_view.py --parts steps --device cuda --nproc 1 --width 8192 --steps 1500 --pairs 5
-	python3 bench/compat/nvrx_examples.py --set cuda --examples $(or $(NVRX_EXAMPLES),.nvrx/examples)
+	python3 -m bench.restart.gpu_compare --runs $(or $(BENCH_RUNS),3)
+	python3 -m bench.checkpoint.checkpoint_gpu
+	python3 -m bench.monitor.straggler_gpu
+	python3 -m bench.monitor.health_watch
+	python3 -m bench.monitor.flight_recorder
+	python3 -m bench.placement.numa_check
+	python3 -m bench.monitor.live_view --parts scrape page
+	python3 -m bench.monitor.live_view --parts steps --device cuda --nproc 1 --width 8192 --steps 1500 --pairs 5
+	python3 -m bench.compat.nvrx_examples --set cuda --examples $(or $(NVRX_EXAMPLES),.nvrx/examples)
 
 faults: $(STAMP)
 	$(VPY) tests/faults/run_matrix.py --repeats $(FAULT_REPEATS)
