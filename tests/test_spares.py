@@ -127,7 +127,7 @@ def test_infra_ranks_pick_the_active_nodes_whatever_the_arrival_order(tmp_path: 
 
 
 def test_two_spares_replace_two_successive_losses(tmp_path: Path):
-    job = start_job(tmp_path, 4, [*SPARE], ["--steps", "120", "--step-time", "0.05"])
+    job = start_job(tmp_path, 4, [*SPARE], ["--steps", "80", "--step-time", "0.05"])
     wait_for(lambda: len(job.progress(0)) >= 5, 90, "training on 2 nodes")
     lost = []
     for loss in range(2):
