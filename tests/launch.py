@@ -135,10 +135,11 @@ def start_job(
     if not any(arg.startswith("--ft-prewarm-deep-modules") for arg in launcher_args):
         launcher_args = [*launcher_args, "--ft-prewarm-deep-modules=none"]
     # A worker that never imports torch gets a fork server that does not either (about 1.6 s of
-    # CPU a node), one that uses DDP one that imports torch._dynamo too: the fork-server path
-    # is the same, only the modules it imports change.
-    if not any(arg.startswith("--ft-prewarm-modules") for arg in launcher_args):
-        launcher_args = [*launcher_args, f"--ft-prewarm-modules={_prewarm_modules(script)}"]
+    # CPU a node): the fork-server path is the same, only the module it imports changes.
+    if not any(arg.startswith("--ft-prewarm-modules") for arg in launcher_args) and not (
+        _imports_torch(script)
+    ):
+        launcher_args = [*launcher_args, "--ft-prewarm-modules=ftrun.client_lib"]
     common = [
         f"--nnodes={nodes}",
         f"--nproc-per-node={nproc}",
@@ -157,16 +158,8 @@ def start_job(
     return Job(tmp, sorted(started, key=lambda n: n.index), log_dir, ckpt_dir, argv)
 
 
-def _prewarm_modules(script: Path) -> str:
-    """What the test's fork server imports up front: only what the script needs."""
-    text = script.read_text()
-    if re.search(r"^\s*(import|from) torch\b", text, re.MULTILINE) is None:
-        return "ftrun.client_lib"
-    # DDP's constructor imports torch._dynamo (about 1.1 s of CPU) in every worker of every
-    # cycle; the fork server imports it once, and each cycle's workers fork with it loaded.
-    if "DistributedDataParallel" in text:
-        return "torch,torch.distributed,torch._dynamo"
-    return "torch,torch.distributed"
+def _imports_torch(script: Path) -> bool:
+    return re.search(r"^\s*(import|from) torch\b", script.read_text(), re.MULTILINE) is not None
 
 
 def _start_launcher(tmp: Path, index: int, argv: list[str], extra_env: dict[str, str]) -> Node:
