@@ -20,9 +20,9 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench examples slurm
 
-# tests/run-suite.sh: the Slurm tests in the background (one cluster per host; its jobs are
-# mostly the scheduler's waiting), everything else meanwhile on two xdist workers, then the
-# tests marked `alone` (an outcome that rests on tens of milliseconds between nodes).
+# tests/run-suite.sh: everything else on two xdist workers, then the Slurm tests (one cluster
+# per host), then the tests marked `alone` (an outcome that rests on tens of milliseconds
+# between nodes).
 test: $(STAMP) lint
 	bash tests/browser/install-chromium.sh
 	bash tests/etcd/install-etcd.sh
