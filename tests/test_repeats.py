@@ -10,7 +10,7 @@ from torch.distributed import HashStore
 
 from ftrun.agent import policy as p
 from ftrun.agent.diagnosis.attribution import Kind, Signature, health_signature
-from ftrun.agent.diagnosis.repeats import Decision, held_ranks, judge
+from ftrun.agent.diagnosis.repeats import Decision, judge
 from ftrun.agent.policy import Action, Facts, Outcome, Policy, RestartVote
 from ftrun.agent.state import TRANSITIONS, AgentState
 from ftrun.errors import ExitCode
@@ -248,10 +248,10 @@ def test_records_keep_their_ranks_in_the_store_and_old_lines_still_read() -> Non
     )
 
 
-def test_held_ranks_are_the_nodes_block_of_the_round() -> None:
+def test_a_nodes_ranks_are_its_block_of_the_round() -> None:
     nodes = tuple(NodeDescriptor(n, "h", size, 0) for n, size in (("a", 2), ("b", 4), ("c", 2)))
     rnd = Round(3, nodes, group_rank=1)
-    assert [held_ranks(rnd, n) for n in ("a", "b", "c", "x")] == [
+    assert [rnd.ranks_of(n) for n in ("a", "b", "c", "x")] == [
         range(0, 2), range(2, 6), range(6, 8), range(0)
     ]  # fmt: skip
 

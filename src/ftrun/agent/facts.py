@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 
 from ftrun.agent import policy as p
-from ftrun.agent.diagnosis.repeats import held_ranks
 from ftrun.agent.observed import Outcome
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.rendezvous.config import RendezvousImpl
@@ -48,7 +47,7 @@ def read_facts(
     if isinstance(event, _READS_HISTORY) and named:
         min_nodes = rt.config.rendezvous.min_nodes
         facts = dataclasses.replace(
-            facts, history=rt.control.failure_history(), ranks=held_ranks(rnd, rt.node),
+            facts, history=rt.control.failure_history(), ranks=rnd.ranks_of(rt.node),
             can_lose_node=len(rnd.nodes) - 1 >= min_nodes
             or bool(rnd.standby) or rt.rendezvous.num_nodes_waiting(rnd.number) > 0,
         )  # fmt: skip

@@ -25,7 +25,6 @@ from torch.distributed.elastic.rendezvous import (
 
 from ftrun.agent import policy as p
 from ftrun.agent.diagnosis.evidence import Evidence
-from ftrun.agent.diagnosis.repeats import held_ranks
 from ftrun.agent.diagnosis.reporting import CycleReport
 from ftrun.agent.facts import read_facts
 from ftrun.agent.inbox import SignalReceived, SignalRecorder, take_queued, take_until
@@ -120,7 +119,7 @@ class NodeAgent:
             self.report.failure(action.record, *action.decision())
             if not action.record.secondary:
                 record = FailureRecord(self._round.number, self.rt.node, action.record.key,
-                                       held_ranks(self._round, self.rt.node))  # fmt: skip
+                                       self._round.ranks_of(self.rt.node))  # fmt: skip
                 control.record_failure(record)
         if action.note is not None:
             log.warning("%s", action.note)

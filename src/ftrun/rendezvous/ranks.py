@@ -128,6 +128,15 @@ class Round:
     def first_global_rank(self) -> int:
         return sum(n.local_world_size for n in self.nodes[: self.group_rank])
 
+    def ranks_of(self, node: str) -> range:
+        """The global ranks `node` holds in this round (empty when it is not in it)."""
+        first = 0
+        for descriptor in self.nodes:
+            if descriptor.node == node:
+                return range(first, first + descriptor.local_world_size)
+            first += descriptor.local_world_size
+        return range(0)
+
     @property
     def master(self) -> NodeDescriptor:
         return self.nodes[0]

@@ -27,7 +27,6 @@ from ftrun.agent.diagnosis.attribution import (
     hang_signature,
 )
 from ftrun.agent.diagnosis.flight_recorder import FlightRecorder, suspect_nodes
-from ftrun.agent.diagnosis.repeats import held_ranks
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.workers import WorkerExited, WorkerGroup
 from ftrun.errors import ExitCode
@@ -81,7 +80,7 @@ class Evidence:
             for stall in self._flight.after_stop(self.rt.control, rnd):
                 key = collective_signature(stall.op, stall.seq, list(stall.missing)).key
                 for node in suspect_nodes(rnd, stall) if stall.missing else ():
-                    record = FailureRecord(rnd.number, node, key, held_ranks(rnd, node))
+                    record = FailureRecord(rnd.number, node, key, rnd.ranks_of(node))
                     self.rt.control.record_failure(record)
 
     def lost_nodes(self, before: Round | None, rnd: Round) -> None:

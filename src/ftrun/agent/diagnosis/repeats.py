@@ -34,7 +34,6 @@ from collections.abc import Sequence
 
 from ftrun.agent.diagnosis.attribution import Signature
 from ftrun.rendezvous.control import FailureRecord
-from ftrun.rendezvous.ranks import Round
 
 
 class Decision(str, enum.Enum):
@@ -48,16 +47,6 @@ class Judgement:
     decision: Decision
     reason: str = ""
     """Why, for the log and the events (empty for a plain restart)."""
-
-
-def held_ranks(rnd: Round, node: str) -> range:
-    """The global ranks `node` held in `rnd` (empty when it was not in it)."""
-    first = 0
-    for descriptor in rnd.nodes:
-        if descriptor.node == node:
-            return range(first, first + descriptor.local_world_size)
-        first += descriptor.local_world_size
-    return range(0)
 
 
 def judge(
