@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
+from ftrun.eventlog.failures import ranks_text
 from ftrun.straggler.config import DEFAULT_REPORT_INTERVAL
 
 FLAG = "--ft-straggler-report-interval"
@@ -119,14 +120,6 @@ def _groups(by_rank: Mapping[int, object]) -> list[tuple[object, list[int]]]:
 def _ranks(ranks: Iterable[int]) -> str:
     """'rank 3', 'ranks 0-3,8' (at most a few ranges, then '...')."""
     ordered = sorted(ranks)
-    ranges: list[str] = []
-    start = prev = ordered[0]
-    for rank in [*ordered[1:], None]:
-        if rank is not None and rank == prev + 1:
-            prev = rank
-            continue
-        ranges.append(str(start) if start == prev else f"{start}-{prev}")
-        if rank is not None:
-            start = prev = rank
+    ranges = ranks_text(ordered).split(",")
     shown = ",".join(ranges[:_RANGES_SHOWN]) + (",..." if len(ranges) > _RANGES_SHOWN else "")
     return f"rank {shown}" if len(ordered) == 1 else f"ranks {shown}"

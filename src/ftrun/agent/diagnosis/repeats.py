@@ -33,6 +33,7 @@ import enum
 from collections.abc import Sequence
 
 from ftrun.agent.diagnosis.attribution import Signature
+from ftrun.eventlog.failures import ranks_text
 from ftrun.rendezvous.control import FailureRecord
 
 
@@ -85,8 +86,8 @@ def judge(
     before = _moved_with(now, records, alone)
     if before is not None:
         evidence = (
-            f"node {node} failed the same way holding ranks {_text(before.ranks)} in cycle "
-            f"{before.cycle} and ranks {_text(ranks)} in cycle {cycle}, alone both times: the "
+            f"node {node} failed the same way holding ranks {ranks_text(before.ranks)} in cycle "
+            f"{before.cycle} and ranks {ranks_text(ranks)} in cycle {cycle}, alone both times: the "
             f"fault follows the node ({now.key})"
         )
         if can_lose_node:
@@ -163,7 +164,3 @@ def _same_place_note(
 
 def _overlap(a: range, b: range) -> bool:
     return a.start < b.stop and b.start < a.stop
-
-
-def _text(ranks: range) -> str:
-    return str(ranks.start) if len(ranks) == 1 else f"{ranks.start}-{ranks.stop - 1}"
