@@ -16,6 +16,10 @@ status by then is asked again (`poll()`) every `ASK_S`. So is a handle without a
 kernel has none, the process was reaped before its pidfd was opened, or the pid names no
 process (the tests' fake workers).
 
+A pidfd fires only once the whole thread group is gone, though: a CUDA worker's driver threads
+can outlive its main thread by 150 ms, while a forked worker's handle reads the main thread's exit
+from /proc. So the handles of running processes are asked too, every `LEADER_S`.
+
 Every wait is bounded: the waiter's poll wakes at least every `IDLE_S`, `close` joins it with a
 timeout, and `wait_exited` has a deadline.
 """
@@ -41,6 +45,11 @@ ASK_S = 0.02
 """How often a handle whose process ended (or that has no pidfd) is asked for its status."""
 IDLE_S = 1.0
 """The longest the waiter waits without looking whether it was closed (a close wakes it)."""
+LEADER_S = 0.05
+"""How often a running process's handle is asked too: a pidfd fires once the whole thread group
+is gone, but a CUDA worker's other threads can take 150 ms more to die after its main thread
+exited (measured on an H200), and a forked worker's handle reads the main thread's exit from
+/proc (`prewarm.forked`) as it happens."""
 
 
 class Ending(Protocol):
@@ -125,6 +134,7 @@ class ExitWaiter:
                         watched = self._waiting.pop(fd)
                     os.close(fd)
                     self._tell(watched)
+                self._ask_running(poller, polled)
                 self._ask()
         except Exception:  # a bug here would hide every exit from the agent: say so loudly
             log.exception("the worker exit waiter failed")
@@ -140,7 +150,7 @@ class ExitWaiter:
             for fd in self._waiting.keys() - polled:
                 poller.register(fd, select.POLLIN)
                 polled.add(fd)
-            return ASK_S if self._asking else IDLE_S
+            return ASK_S if self._asking else LEADER_S if self._waiting else IDLE_S
 
     def _tell(self, watched: _Watched) -> None:
         """Its process ended: the status is there, or on its way (a forked worker's note)."""
@@ -151,6 +161,21 @@ class ExitWaiter:
                 self._asking.append(watched)
             return
         watched.on_exit(code)
+
+    def _ask_running(self, poller: select.poll, polled: set[int]) -> None:
+        """Still waited on its pidfd: whose handle already has a status (`LEADER_S`)."""
+        with self._lock:
+            running = [(fd, w) for fd, w in self._waiting.items() if fd in polled]
+        for fd, watched in running:
+            code = watched.proc.poll()
+            if code is None:
+                continue
+            poller.unregister(fd)
+            polled.discard(fd)
+            with self._lock:
+                del self._waiting[fd]
+            os.close(fd)
+            watched.on_exit(code)
 
     def _ask(self) -> None:
         with self._lock:
