@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.distributed import HashStore
 
 from ftrun.agent import policy as p
+from ftrun.agent.facts import _rerun_facts as rerun_facts
 from ftrun.agent.policy import Facts, Policy, RestartVote
 from ftrun.agent.state import AgentState
 from ftrun.errors import ExitCode
+from ftrun.rendezvous.config import RendezvousImpl
+from ftrun.rendezvous.control import Shutdown, job_control
 from ftrun.rendezvous.slots import Arrival, RoundView, plan_round
 from ftrun.rerun import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
@@ -200,19 +205,57 @@ def ended(code: int, **facts: object) -> p.Action:
 
 
 def test_exit_16_with_a_standby_restarts_without_spending_the_budget() -> None:
-    action = ended(16, standby_waiting=True)
-    assert action.next_state is AgentState.STOPPING and action.shutdown is None
+    action = ended(16, standby_waiting=1)
+    assert action.next_state is AgentState.STOPPING and action.shutdown is None and action.drain
     assert action.vote == RestartVote("rank 3 on n1: a rejected result is re-run on another "
-                                      "node", failure=False)  # fmt: skip
+                                      "node", failure=False, rerun=True)  # fmt: skip
 
 
 def test_exit_16_without_a_standby_ends_the_job_with_16_for_a_relaunch() -> None:
     action = ended(16)
     assert action.shutdown is not None and action.shutdown.code is ExitCode.RESUME_TO_DISAMBIGUATE
+    assert action.drain
+
+
+def test_a_re_runs_end_lets_the_other_ranks_finish_saving_instead_of_killing_them() -> None:
+    """Every rank exits 16 once its checkpoint part is saved, not all at once: the first exit,
+    here or on another node, must not kill the others mid-save (the re-run elsewhere would
+    restore nothing and start over)."""
+    assert all(ended(code, standby_waiting=1).drain for code in (16, 17))
+    cycle_ended = p.CycleEnded()
+    decide = Policy(2).decide
+    rerun_restart = dataclasses.replace(FACTS, ended_for_rerun=True)
+    assert decide(AgentState.RUNNING, cycle_ended, rerun_restart).drain
+    for code in (ExitCode.RESUME_TO_DISAMBIGUATE, ExitCode.FAILED_ON_RESULT_VALIDATION):
+        shut = dataclasses.replace(FACTS, shutdown=Shutdown(code, "re-run"))
+        assert decide(AgentState.RUNNING, cycle_ended, shut).drain
+    for facts in (FACTS, dataclasses.replace(FACTS, shutdown=Shutdown(ExitCode.FAILED, "x"))):
+        assert not decide(AgentState.RUNNING, cycle_ended, facts).drain  # a failure: no wait
+    assert not ended(1).drain
+
+
+def test_a_suspect_standing_by_is_no_standby_for_its_own_re_run() -> None:
+    """The node that stepped aside for this cycle's re-run (no verdict yet) must not take the
+    suspect slot back: with no other standby, the job exits 16 for a relaunch elsewhere."""
+    action = ended(16, standby_waiting=1, suspects_standing_by=1)
+    assert action.vote is None and action.shutdown is not None
+    assert action.shutdown.code is ExitCode.RESUME_TO_DISAMBIGUATE
+    assert "suspects of the re-run" in action.shutdown.reason
+    other = ended(16, standby_waiting=2, suspects_standing_by=1)
+    assert other.shutdown is None and other.vote is not None and other.vote.rerun
+
+
+def test_a_re_run_asked_for_again_without_a_verdict_exits_16_instead_of_restarting() -> None:
+    """Restarts for a re-run are not failures: without a bound they could loop forever."""
+    assert p.RERUN_RESTARTS_IN_A_ROW == 1
+    action = ended(16, standby_waiting=1, rerun_restarts=1)
+    assert action.vote is None and action.shutdown is not None
+    assert action.shutdown.code is ExitCode.RESUME_TO_DISAMBIGUATE
+    assert "2 cycles in a row" in action.shutdown.reason
 
 
 def test_exit_17_stops_the_job_with_17() -> None:
-    action = ended(17, standby_waiting=True)
+    action = ended(17, standby_waiting=1, rerun_restarts=1)
     assert action.shutdown is not None
     assert action.shutdown.code is ExitCode.FAILED_ON_RESULT_VALIDATION
 
@@ -230,3 +273,51 @@ def test_without_a_standby_the_node_keeps_its_slot() -> None:
     view = RoundView(2, 2, (Arrival(0, "b"), Arrival(1, "a")), owners=("a", "b"),
                      aside=frozenset({"b"}))  # fmt: skip
     assert [a.node for a in plan_round(view) or ()] == ["a", "b"]
+
+
+def test_the_round_waits_for_the_node_stepping_aside_before_a_standby_takes_its_slot() -> None:
+    """It arrives once its stop is over, the re-run's checkpoint replicated: closing before
+    would restore nothing for the re-run (it then starts over and reproduces the result on the
+    standby, which becomes a suspect too)."""
+    early = (Arrival(0, "a"), Arrival(1, "c"))
+    view = RoundView(2, 2, early, owners=("a", "b"), aside=frozenset({"b"}))
+    assert plan_round(view) is None
+    arrived = dataclasses.replace(view, arrivals=(*early, Arrival(2, "b")))
+    assert [a.node for a in plan_round(arrived) or ()] == ["a", "c"]
+    for late in (dataclasses.replace(view, last_call_over=True),
+                 dataclasses.replace(view, gone=frozenset({"b"}))):  # fmt: skip
+        assert [a.node for a in plan_round(late) or ()] == ["a", "c"]
+
+
+def test_the_store_counts_re_run_restarts_in_a_row_back_to_a_verdict() -> None:
+    control = job_control(HashStore(), "job")
+    assert control.rerun_restarts(0, 5) == 0
+    assert control.request_restart(0, "exit 16", failure=False, rerun=True)
+    assert not control.request_restart(0, "exit 16 too", failure=False)  # a loser: no mark
+    assert control.failures() == 0 and control.rerun_restarts(1, 5) == 1
+    assert control.restarted_for_rerun(0) and not control.restarted_for_rerun(1)
+    assert control.request_restart(1, "again", failure=False, rerun=True)
+    assert control.rerun_restarts(2, 5) == 2 and control.rerun_restarts(2, 1) == 1
+    control.settle_rerun(1)  # the re-run of cycle 1 reached a verdict, then another request
+    assert control.rerun_restarts(2, 5) == 1
+    control.settle_rerun(2)
+    assert control.rerun_restarts(2, 5) == 0 and control.rerun_settled(2)
+    assert control.request_restart(2, "a crash")  # a failure restart breaks the run
+    assert control.rerun_restarts(3, 5) == 0
+
+
+def test_the_facts_of_an_exit_16_name_the_suspects_standing_by_until_a_verdict() -> None:
+    control = job_control(HashStore(), "job")
+    rendezvous = SimpleNamespace(num_nodes_waiting=lambda cycle: 2)
+    rt = SimpleNamespace(control=control, rendezvous=rendezvous, config=SimpleNamespace(
+        rendezvous=SimpleNamespace(impl=RendezvousImpl.BARRIER)))  # fmt: skip
+    rnd = SimpleNamespace(number=1, standby=("b", "c"))
+    control.request_restart(0, "exit 16", failure=False, rerun=True)
+    control.step_aside("b", 1)
+    found = rerun_facts(rt, rnd, FACTS)
+    assert (found.standby_waiting, found.suspects_standing_by, found.rerun_restarts) == (2, 1, 1)
+    control.settle_rerun(1)
+    found = rerun_facts(rt, rnd, FACTS)
+    assert (found.standby_waiting, found.suspects_standing_by, found.rerun_restarts) == (2, 0, 0)
+    rt.config.rendezvous.impl = RendezvousImpl.DYNAMIC  # no stepping aside: no standby to use
+    assert rerun_facts(rt, rnd, FACTS) == FACTS

@@ -55,6 +55,24 @@ def test_a_group_that_ends_on_sigterm_is_not_sigkilled_and_keeps_its_status() ->
     assert proc.wait(5) == -signal.SIGTERM  # the Popen still gets the status
 
 
+def test_a_draining_stop_lets_a_process_leaving_on_its_own_finish_unsignalled() -> None:
+    """A rank exiting 16 once its part of a re-run's checkpoint is saved: not killed mid-save."""
+    proc = start("import sys, time; print('ready', flush=True); time.sleep(0.5); sys.exit(16)")
+    delivery = Delivery.graceful(signal.SIGTERM, 10.0, drain=True)
+    assert delivery.drain == 10.0 and Delivery.graceful(signal.SIGTERM, 10.0).drain == 0.0
+    result = terminate([proc.pid], delivery, others(proc))
+    assert (result.killed, result.survivors) == (0, 0) and result.duration < 5
+    assert proc.wait(5) == 16
+
+
+def test_a_drain_is_bounded_then_the_signal_goes() -> None:
+    proc = start(ENDS_ON_TERM)
+    result = terminate([proc.pid], Delivery.graceful(signal.SIGTERM, 0.5, drain=True),
+                       others(proc))  # fmt: skip
+    assert 0.5 <= result.duration < 5 and result.killed == 0
+    assert proc.wait(5) == -signal.SIGTERM
+
+
 def test_a_group_ignoring_sigterm_gets_sigkill_after_the_grace_period_children_included() -> None:
     proc = start(IGNORES_TERM)
     started = time.monotonic()

@@ -37,12 +37,11 @@ def read_facts(
         )
     if rnd is None:
         return facts
-    # Standby nodes of this node's round: another node's vote may have moved the job on.
+    if isinstance(event, p.CycleEnded):  # a re-run's end lets the ranks finish their save
+        rerun = rt.control.restarted_for_rerun(rnd.number)
+        facts = dataclasses.replace(facts, ended_for_rerun=rerun)
     if isinstance(event, p.WorkerEnded) and event.returncode in p.RERUN_CODES:
-        # Only the barrier rendezvous lets a node step aside for a standby.
-        barrier = rt.config.rendezvous.impl is RendezvousImpl.BARRIER
-        waiting = barrier and rt.rendezvous.num_nodes_waiting(rnd.number) > 0
-        facts = dataclasses.replace(facts, standby_waiting=waiting)
+        facts = _rerun_facts(rt, rnd, facts)
     named = getattr(event, "signature", None) is not None  # a failure, not an exit 0
     if isinstance(event, _READS_HISTORY) and named:
         min_nodes = rt.config.rendezvous.min_nodes
@@ -52,3 +51,19 @@ def read_facts(
             or bool(rnd.standby) or rt.rendezvous.num_nodes_waiting(rnd.number) > 0,
         )  # fmt: skip
     return facts
+
+
+def _rerun_facts(rt: AgentRuntime, rnd: Round, facts: p.Facts) -> p.Facts:
+    """Who could re-run a step elsewhere, and how often the job restarted for it already."""
+    # Only the barrier rendezvous lets a node step aside for a standby.
+    if rt.config.rendezvous.impl is not RendezvousImpl.BARRIER:
+        return facts
+    control, cycle = rt.control, rnd.number
+    # Standby nodes of this node's round: another node's vote may have moved the job on.
+    waiting = rt.rendezvous.num_nodes_waiting(cycle)
+    # Those that stepped aside for this cycle's re-run are its suspects until a verdict.
+    suspects = frozenset() if control.rerun_settled(cycle) else control.stepped_aside(cycle)
+    return dataclasses.replace(
+        facts, standby_waiting=waiting, suspects_standing_by=len(suspects & set(rnd.standby)),
+        rerun_restarts=control.rerun_restarts(cycle, p.RERUN_RESTARTS_IN_A_ROW),
+    )  # fmt: skip

@@ -76,7 +76,7 @@ class NodeAgent:
         self._round: Round | None = None
         self._group: WorkerGroup | None = None
         self._after_stop: Outcome | None = None
-        self._stop_signal = self.cfg.termination_signal
+        self._stop_signal, self._drain = self.cfg.termination_signal, False
         self._outcome = Outcome(ExitCode.FAILED, "the agent ended without a decision (a bug)")
         self._steps = {
             AgentState.HEALTH_CHECK: self._health_check,
@@ -130,16 +130,16 @@ class NodeAgent:
             control.mark_gone(self.rt.node, action.leave)
         for pid in action.kill:  # hung ranks: their stacks are taken, nothing to wait for
             self._termination.kill_now(pid)
-        if action.vote is not None and self._round is not None:
-            if action.vote.failure:
-                log.error("cycle %d failed: %s", self._round.number, action.vote.cause)
-            control.request_restart(self._round.number, action.vote.cause, action.vote.failure)
+        if (vote := action.vote) is not None and self._round is not None:
+            if vote.failure:
+                log.error("cycle %d failed: %s", self._round.number, vote.cause)
+            control.request_restart(self._round.number, vote.cause, vote.failure, vote.rerun)
         if action.shutdown is not None:
             cycle = self._round.number if self._round else control.cycle()
             in_force = control.shutdown(action.shutdown.code, action.shutdown.reason, cycle)
             outcome = Outcome(in_force.code, in_force.reason)
-        if action.stop_signal is not None:
-            self._stop_signal = action.stop_signal
+        self._stop_signal = action.stop_signal or self._stop_signal
+        self._drain = self._drain or action.drain
         self._enter(action.next_state, outcome)
 
     def _enter(self, next_state: AgentState | None, outcome: Outcome | None) -> None:
@@ -315,7 +315,7 @@ class NodeAgent:
             survivors=result.survivors,
             stopped=result.stopped,
         )
-        self._stop_signal = self.cfg.termination_signal
+        self._stop_signal, self._drain = self.cfg.termination_signal, False
         if self._after_stop is None:
             self.rt.services.on_stopped(self._round, pids)
             self.events.emit("restart")
@@ -384,7 +384,7 @@ class NodeAgent:
         group = self._group
         self._group = None
         assert group is not None
-        delivery = Delivery.graceful(self._stop_signal, self.cfg.workers_stop_timeout)
+        delivery = Delivery.graceful(self._stop_signal, self.cfg.workers_stop_timeout, self._drain)
         result = self._termination.terminate(group.pids, delivery, self.rt.services.kept_pids())
         group.join_threads()
         self.rt.monitor.forget_all()

@@ -178,5 +178,14 @@ class Facts:
     """A standby node waits, or the round is above the job's minimum size."""
     ranks: range = range(0)
     """The global ranks this node holds in its cycle (read with the history)."""
-    standby_waiting: bool = False
-    """A standby node waits to take a slot (read for a re-run request, a worker's exit 16)."""
+    standby_waiting: int = 0
+    """How many standby nodes wait to take a slot (read for a re-run request, a worker's exit
+    16)."""
+    suspects_standing_by: int = 0
+    """Of those, the nodes that stepped aside for this cycle's re-run, which reached no verdict:
+    they must not take the suspect slot back (read with `standby_waiting`)."""
+    rerun_restarts: int = 0
+    """Re-run restarts in a row just before this cycle's request that no verdict settled (read
+    with `standby_waiting`)."""
+    ended_for_rerun: bool = False
+    """The cycle ended with a restart for a re-run elsewhere (read when another node ended it)."""

@@ -29,9 +29,12 @@ Rules worth knowing:
   without it, else it is logged). Findings that are not faults (throttling) are only logged.
 - The re-run state machine (`ftrun.rerun`): a worker's exit 16 asks for the step to be re-run
   on another node. It is not a failure: the job restarts (the suspect node steps aside, a
-  standby takes its slot) when a standby node waits; otherwise every launcher exits 16 (a
-  relaunch lands elsewhere). A worker's exit 17 (a rejected result reproduced elsewhere, fatal)
-  stops the job with 17, not relaunched.
+  standby takes its slot) when a standby node waits that is not itself a suspect of the re-run
+  still undecided; otherwise every launcher exits 16 (a relaunch lands elsewhere). Bounded: a
+  re-run asked for again in the next cycle, with no verdict between (the restart did not
+  settle it), exits 16 too instead of restarting again (`RERUN_RESTARTS_IN_A_ROW`). A worker's
+  exit 17 (a rejected result reproduced elsewhere, fatal) stops the job with 17, not
+  relaunched.
 - `--ft-max-no-progress-cycles`: a round that starts after that many cycles in a row without
   progress (see `rendezvous.published.Progress`) ends the job with `ExitCode.NO_PROGRESS`.
 """
@@ -77,6 +80,8 @@ class RestartVote:
     cause: str
     failure: bool = True
     """False for restarts that are not failures (scale-up): they do not spend the budget."""
+    rerun: bool = False
+    """A restart for a re-run elsewhere (exit 16): the job counts them (`rerun_restarts`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +102,9 @@ class Action:
     """How this node ends (EXITING now, or after STOPPING); None with STOPPING: restart."""
     stop_signal: signal.Signals | None = None
     """The signal that stops the workers; None: the configured termination signal."""
+    drain: bool = False
+    """The workers leave on their own (a re-run's exit: every rank exits once its part of the
+    checkpoint is saved): the stop waits for them, bounded, before it signals them."""
     record: Signature | None = None
     """A failure of this node to add to the job's history (and `failures.jsonl`)."""
     note: str | None = None
@@ -246,11 +254,15 @@ class Policy:
         return KEEP_WATCHING  # Continue: the executor logs it
 
     def _cycle_ended(self, _event: CycleEnded, facts: Facts) -> Action:
-        """Another node ended the cycle: follow it into a restart, or out with the shutdown."""
-        if facts.shutdown is None:
-            return Action(AgentState.STOPPING)
+        """Another node ended the cycle: follow it into a restart, or out with the shutdown.
+        For a re-run, this node's ranks are leaving too, each once its checkpoint part is
+        saved: they are let go (drain), not killed mid-save."""
+        shutdown = facts.shutdown
+        rerun = facts.ended_for_rerun or (shutdown is not None and shutdown.code in RERUN_CODES)
+        if shutdown is None:
+            return Action(AgentState.STOPPING, drain=rerun)
         return Action(
-            AgentState.STOPPING, outcome=Outcome(facts.shutdown.code, facts.shutdown.reason)
+            AgentState.STOPPING, outcome=Outcome(shutdown.code, shutdown.reason), drain=rerun
         )
 
     def _cycle_ended_after_success(self, _event: CycleEnded, facts: Facts) -> Action:
@@ -310,21 +322,36 @@ def _store_restarted(state: AgentState) -> Action:
 
 
 RERUN_CODES = (ExitCode.RESUME_TO_DISAMBIGUATE, ExitCode.FAILED_ON_RESULT_VALIDATION)
+RERUN_RESTARTS_IN_A_ROW = 1
+"""Re-run restarts in a row, with no verdict between, after which a re-run asked for again
+exits 16 instead: the restart did not settle it (the step landed on the suspect GPU again, or
+its checkpoint did not reach the re-run), and restarts that are not failures would never end."""
 
 
 def _rerun(event: WorkerEnded, facts: Facts) -> Action:
     """The re-run state machine's exits: re-run elsewhere (16), or the diagnosis is done (17)."""
     who = f"rank {event.rank} on {facts.node}"
+    # Every rank exits with the code, once its part of the checkpoint is saved: drain.
     if event.returncode == ExitCode.FAILED_ON_RESULT_VALIDATION:
         why = f"{who}: a rejected result was reproduced on another node (fatal): stopping"
-        return Action(AgentState.STOPPING,
+        return Action(AgentState.STOPPING, drain=True,
                       shutdown=Outcome(ExitCode.FAILED_ON_RESULT_VALIDATION, why))  # fmt: skip
-    if facts.standby_waiting:
+    able = facts.standby_waiting - facts.suspects_standing_by
+    if able > 0 and facts.rerun_restarts < RERUN_RESTARTS_IN_A_ROW:
         why = f"{who}: a rejected result is re-run on another node"
-        return Action(AgentState.STOPPING, vote=RestartVote(why, failure=False))
-    why = (f"{who}: a rejected result must be re-run on other GPUs and no standby node waits: "
+        vote = RestartVote(why, failure=False, rerun=True)
+        return Action(AgentState.STOPPING, vote=vote, drain=True)
+    if able > 0:
+        blocker = (f"it was asked for in {facts.rerun_restarts + 1} cycles in a row with no "
+                   "verdict")  # fmt: skip
+    elif facts.standby_waiting:
+        blocker = "the only standby nodes are suspects of the re-run still undecided"
+    else:
+        blocker = "no standby node waits"
+    why = (f"{who}: a rejected result must be re-run on other GPUs and {blocker}: "
            "relaunch the job from its checkpoint")  # fmt: skip
-    return Action(AgentState.STOPPING, shutdown=Outcome(ExitCode.RESUME_TO_DISAMBIGUATE, why))
+    relaunch = Outcome(ExitCode.RESUME_TO_DISAMBIGUATE, why)
+    return Action(AgentState.STOPPING, shutdown=relaunch, drain=True)
 
 
 def _exit(code: ExitCode, reason: str) -> Action:

@@ -58,10 +58,14 @@ class Delivery:
 
     first: signal.Signals
     grace: float
+    drain: float = 0.0
+    """Seconds the leaders get to exit on their own before `first` is sent: workers that leave
+    by themselves (ranks exiting 16 once their part of a re-run's checkpoint is saved)."""
 
     @classmethod
-    def graceful(cls, sig: signal.Signals, grace: float) -> Delivery:
-        return cls(sig, grace)
+    def graceful(cls, sig: signal.Signals, grace: float, drain: bool = False) -> Delivery:
+        """`drain`: the leaders get `grace` seconds to exit on their own first."""
+        return cls(sig, grace, grace if drain else 0.0)
 
     @classmethod
     def at_once(cls) -> Delivery:
@@ -101,6 +105,8 @@ def terminate(
     `keep` holds pids never to signal: the node services' own processes (the fork server).
     """
     started = time.monotonic()
+    if delivery.drain > 0:
+        wait_exited(leaders, delivery.drain)
     targets, orphans = _targets(leaders, keep)
     _signal_all(leaders, targets, delivery.first)
     stopped = _kill_stopped(leaders, targets) if delivery.first != signal.SIGKILL else 0

@@ -117,14 +117,19 @@ class JobControl:
         while int(current) < value:
             current = self._store.compare_set(key, current, str(value))
 
-    def request_restart(self, cycle: int, cause: str, failure: bool = True) -> bool:
-        """Move the job from `cycle` to the next; True if this call made the move."""
+    def request_restart(
+        self, cycle: int, cause: str, failure: bool = True, rerun: bool = False
+    ) -> bool:
+        """Move the job from `cycle` to the next; True if this call made the move. `rerun`: the
+        move re-runs a step elsewhere (counted by `rerun_restarts`)."""
         # The first vote wins; a compare-and-set on the cycle cannot tell its winner apart from
         # a loser that finds the value it wanted to write.
         won = self._store.add(self._key(f"c{cycle}/votes"), 1) == 1
         if won:
             if failure:
                 self.known.failures = self._store.add(self._key("failures"), 1)
+            if rerun:
+                self._store.set(self._key(f"c{cycle}/rerun"), "1")
             self._store.set(self._key(f"c{cycle}/cause"), cause)
             self._store.set(self._key("cycle"), str(cycle + 1))
             self.known.cycle = max(self.known.cycle, cycle + 1)
@@ -193,6 +198,33 @@ class JobControl:
         if not self._store.check([key]):
             return frozenset()
         return frozenset(filter(None, self._store.get(key).decode().splitlines()))
+
+    def restarted_for_rerun(self, cycle: int) -> bool:
+        """Whether `cycle` ended with a restart for a re-run elsewhere (`request_restart`)."""
+        return self._store.check([self._key(f"c{cycle}/rerun")])
+
+    def settle_rerun(self, cycle: int) -> None:
+        """A re-run reached its verdict in `cycle`: the suspects that stepped aside for it count
+        as standby nodes again, and a later re-run request is a new one, not a repeat."""
+        self._store.set(self._key(f"c{cycle}/rerun_verdict"), "1")
+
+    def rerun_settled(self, cycle: int) -> bool:
+        return self._store.check([self._key(f"c{cycle}/rerun_verdict")])
+
+    def rerun_restarts(self, cycle: int, limit: int) -> int:
+        """Re-run restarts in a row that ended the cycles just before `cycle` (at most `limit`
+        counted), back to the first that reached a verdict: what a re-run request in `cycle`
+        repeats. 0 once `cycle` reached a verdict itself (a later request is a new one)."""
+        if self.rerun_settled(cycle):
+            return 0
+        count = 0
+        for earlier in range(cycle - 1, max(cycle - 1 - limit, -1), -1):
+            if not self.restarted_for_rerun(earlier):
+                break
+            count += 1
+            if self.rerun_settled(earlier):
+                break
+        return count
 
     def left_on_purpose(self, node: str, cycle: int) -> bool:
         """Whether `node` said why it is not in `cycle`: it left the job, or was unhealthy."""

@@ -11,6 +11,11 @@ late gives it up once the last call is over. Slots without an owner go to the ot
 (hot spares) in arrival order, or infra-rank order when infra ranks are used, lowest slot first.
 When too few nodes are there to fill every slot, the remaining ones keep their order and close
 up (an elastic round of fewer nodes). Arrivals left over stand by for the next cycle.
+
+An owner stepping aside (one of its ranks' steps is re-run elsewhere) is still waited for like
+any owner, and then gives its slot to a spare: it arrives only once its stop is over, which
+includes replicating the checkpoint its ranks saved for the re-run, and the round's restore
+needs that checkpoint on the nodes that take part.
 """
 
 from __future__ import annotations
@@ -47,8 +52,9 @@ class RoundView:
     last_call_over: bool = False
     """`last_call_timeout` has passed since `min_nodes` were there: wait for nobody else."""
     aside: frozenset[str] = frozenset()
-    """Nodes that give up their slot this round (a step is re-run elsewhere): other spares
-    take it first; one of them takes a slot only when no other node can."""
+    """Nodes that give up their slot this round (a step is re-run elsewhere): the round still
+    waits for them to arrive, then other spares take it first; one of them takes a slot only
+    when no other node can."""
 
 
 def plan_round(view: RoundView) -> tuple[Arrival, ...] | None:
@@ -62,10 +68,12 @@ def plan_round(view: RoundView) -> tuple[Arrival, ...] | None:
         None if owner in view.aside else first_of_owner.get(owner)
         for owner in view.owners[: view.max_nodes]
     ]
+    # An owner stepping aside is waited for too: its arrival means its stop is over (the
+    # re-run's checkpoint replicated); closing without it restored nothing for the re-run.
     pending = [
         owner
-        for owner, arrival in zip(view.owners, owned, strict=False)
-        if arrival is None and owner not in view.gone and owner not in view.aside
+        for owner in view.owners[: view.max_nodes]
+        if owner not in first_of_owner and owner not in view.gone
     ]
     if pending and not view.last_call_over:
         return None

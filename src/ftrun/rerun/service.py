@@ -7,10 +7,12 @@ the job can end).
 - `suspect`: a rank's rejected result reproduced in place; this node steps aside for the next
   cycle (`JobControl.step_aside`), so a standby node takes its slot and re-runs the step. The
   ranks then exit 16, which the agent's policy turns into a restart that is not a failure.
-- `verdict`: a `rerun_verdict` event and a log line. A persistent error excludes the suspect
-  node (it is standing by: it leaves with exit 5) and goes into the job's failure history; a
-  correct result needs nothing here (with `fatal`, the ranks exit 17 and the policy stops the
-  job); a transient error is only told.
+- `verdict`: a `rerun_verdict` event, a log line, and the cycle marked as one that reached a
+  verdict (`JobControl.settle_rerun`: the suspects that stood by for it count as standby nodes
+  again, and a later request is a new re-run, not a repeat). A persistent error excludes the
+  suspect node (it is standing by: it leaves with exit 5) and goes into the job's failure
+  history; a correct result needs nothing more (with `fatal`, the ranks exit 17 and the policy
+  stops the job); a transient error is only told.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class RerunService(NodeService):
         log.warning("re-run verdict for rank %d at iteration %d (%s): %s (first %s, re-run %s)",
                     fact.rank, fact.iteration, fact.message, fact.diagnostic, fact.initial,
                     fact.rerun)  # fmt: skip
+        self._control.settle_rerun(self._cycle)
         if fact.diagnostic == "persistent_error":
             reason = (
                 f"its result at iteration {fact.iteration} ({fact.message}) differed when re-run "
