@@ -1,0 +1,207 @@
+"""The `abort` hook (NVRx's `inprocess.abort`): unblock the training thread after a fault.
+
+The wrapper's monitor thread calls it while the training thread may be stuck in a collective
+with a dead peer; aborting the communicators makes that collective fail, so the training thread
+can unwind. Every step here is bounded: an abort that hangs would hang the restart it exists for.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib.util
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ftrun.inprocess import exception
+from ftrun.inprocess.state import FrozenState
+
+log = logging.getLogger("ftrun.inprocess")
+
+DEFAULT_ABORT_TIMEOUT_S = 30.0
+TRACE_PATH_ENV = ("FTRUN_FR_TRACE_PATH", "NVRX_FR_TRACE_PATH")
+"""Where Flight Recorder traces go when no path is given (the first one set wins)."""
+_FR_BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+_FR_SHARE = 1 / 3
+"""The share of the abort timeout the Flight Recorder dump may take (diagnostics come second)."""
+
+
+class Abort(abc.ABC):
+    """Runs in the wrapper's monitor thread when a fault is detected, to unblock the training
+    thread (e.g. one waiting in a collective on a dead rank); compose several with `Compose`."""
+
+    @abc.abstractmethod
+    def __call__(self, state: FrozenState) -> FrozenState:
+        """Do the work and return `state` unchanged (the next composed stage gets it)."""
+        raise NotImplementedError
+
+
+class AbortTorchDistributed(Abort):
+    """Aborts every backend of every process group (NCCL, gloo, ...), each in its own daemon
+    thread so that one hung communicator does not hold up the others, then destroys the process
+    groups. Dumps the Flight Recorder trace first when `torch_fr_trace_path` (or FTRUN_/
+    NVRX_FR_TRACE_PATH) is set and the recorder is on (TORCH_FR_BUFFER_SIZE or
+    TORCH_NCCL_TRACE_BUFFER_SIZE > 0), to `<path>/iter_<iteration>/_dump_<rank>.json`.
+
+    ftrun: bounded by `timeout` seconds (`exception.TimeoutError` past it, which the wrapper
+    escalates; NVRx waits forever). A gloo backend is not aborted: torch 2.13's
+    `ProcessGroupGloo.abort()` does not return a blocked collective and leaves its threads
+    joinable, so the process aborts ("terminate called without an active exception") when the
+    group is freed at exit. The wrapper stops gloo collectives by shutting down the sockets the
+    function opened (`ftrun.inprocess.sockets`).
+    """
+
+    def __init__(
+        self, torch_fr_trace_path: str | None = None, *, timeout: float = DEFAULT_ABORT_TIMEOUT_S
+    ) -> None:
+        self.torch_fr_trace_path = torch_fr_trace_path or _first_env(TRACE_PATH_ENV)
+        self.timeout = timeout
+
+    def __call__(self, state: FrozenState) -> FrozenState:
+        if not (dist.is_available() and dist.is_initialized()):
+            return state
+        deadline = time.monotonic() + self.timeout
+        if self.torch_fr_trace_path and _flight_recorder_on():
+            path = os.path.join(self.torch_fr_trace_path, f"iter_{state.iteration}")
+            dump = _bounded(
+                {"flight recorder dump": lambda: _dump_fr_trace(path)},
+                time.monotonic() + self.timeout * _FR_SHARE,
+            )
+            if dump:
+                log.warning("abort: %s; aborting the process groups anyway", dump[0])
+        late = _bounded(_backend_aborts(), deadline)
+        if late:
+            raise exception.TimeoutError(f"abort: {', '.join(late)}")
+        late = _bounded({"destroy_process_group": dist.destroy_process_group}, deadline)
+        if late:
+            raise exception.TimeoutError(f"abort: {', '.join(late)}")
+        return state
+
+
+class AbortTransformerEngine(Abort):
+    """Frees TransformerEngine's userbuffers and resets its FP8 global state, which holds a
+    process group that is now gone. A no-op without transformer_engine."""
+
+    def __call__(self, state: FrozenState) -> FrozenState:
+        if importlib.util.find_spec("transformer_engine") is None:
+            log.debug("AbortTransformerEngine: transformer_engine is not installed; nothing to do")
+            return state
+        for what, step in (("userbuffers", _te_destroy_ub), ("FP8 state", _te_reset_fp8)):
+            try:
+                step()
+            except Exception as exc:  # an optional cleanup must not stop the restart
+                log.warning("AbortTransformerEngine: resetting %s failed: %r", what, exc)
+        return state
+
+
+class AbortPersistentCheckpointProcesses(Abort):
+    """NVRx aborts its persistent async-checkpoint worker process here.
+
+    ftrun: a no-op. ftrun's async checkpointing (`ftrun.checkpointing.async_calls`) runs in a
+    daemon thread of the training process, owned by each `AsyncCallsQueue`, not in a global
+    persistent process: there is no process to abort and no registry of queues to reach. A call
+    left unfinished is never published (its finalize never runs); to drop it at once, close the
+    queue with `close(abort=True)` in your own `Finalize`.
+    """
+
+    def __call__(self, state: FrozenState) -> FrozenState:
+        return state
+
+
+def _first_env(names: tuple[str, ...]) -> str | None:
+    return next((os.environ[name] for name in names if os.environ.get(name)), None)
+
+
+def _flight_recorder_on() -> bool:
+    for name in _FR_BUFFER_ENV:
+        value = os.environ.get(name, "0").strip() or "0"
+        try:
+            if int(value) > 0:
+                return True
+        except ValueError:
+            log.warning("abort: %s=%r is not an integer; taken as 0", name, value)
+    return False
+
+
+def _dump_fr_trace(directory: str) -> None:
+    """This rank's Flight Recorder entries as JSON (torch 2.13's `_dump_fr_trace_json`; older
+    torch names it `_dump_nccl_trace_json`); skipped where torch has neither."""
+    c10d = torch._C._distributed_c10d
+    dump = getattr(c10d, "_dump_fr_trace_json", None) or getattr(
+        c10d, "_dump_nccl_trace_json", None
+    )
+    if dump is None:
+        log.info("abort: this torch cannot dump the Flight Recorder; no trace written")
+        return
+    trace = dump(includeCollectives=True, onlyActive=True)
+    os.makedirs(directory, exist_ok=True)
+    target = os.path.join(directory, f"_dump_{dist.get_rank()}.json")
+    with open(target, "wb") as f:
+        f.write(trace if isinstance(trace, bytes) else str(trace).encode())
+    log.info("abort: Flight Recorder trace written to %s", target)
+
+
+def _backend_aborts() -> dict[str, Callable[[], Any]]:
+    """`{"<group>/<device>": abort}` for each distinct backend of each process group."""
+    found: dict[int, tuple[str, Callable[[], Any]]] = {}
+    world = dist.distributed_c10d._world
+    for group, name in list(world.pg_names.items()):
+        for device in getattr(group, "_device_types", ()):
+            try:
+                backend = group._get_backend(device)
+            except RuntimeError:
+                continue  # no backend for this device type
+            if isinstance(backend, dist.ProcessGroupGloo):
+                continue  # see the class: its abort() returns nothing and breaks its destructor
+            stop = getattr(backend, "abort", None) or getattr(backend, "shutdown", None)
+            if stop is not None and id(backend) not in found:
+                found[id(backend)] = (f"{type(backend).__name__} {name}/{device.type}", stop)
+    return dict(found.values())
+
+
+def _bounded(steps: dict[str, Callable[[], Any]], deadline: float) -> list[str]:
+    """Run each step in its own daemon thread; the names of those still running at `deadline`.
+    A step that raises is logged, not re-raised: the next step (destroying the groups) must
+    still run."""
+    threads = []
+    for name, step in steps.items():
+        thread = threading.Thread(
+            target=_logged, args=(name, step), name=f"ftrun-abort {name}", daemon=True
+        )
+        thread.start()
+        threads.append((name, thread))
+    late = []
+    for name, thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            late.append(f"{name} still running at the deadline")
+    return late
+
+
+def _logged(name: str, step: Callable[[], Any]) -> None:
+    try:
+        step()
+    except Exception as exc:
+        log.warning("abort: %s failed: %r", name, exc)
+
+
+def _te_destroy_ub() -> None:
+    import transformer_engine.pytorch as te
+
+    base = getattr(getattr(te, "module", None), "base", None)
+    if base is not None and hasattr(base, "destroy_ub"):
+        base.destroy_ub()
+
+
+def _te_reset_fp8() -> None:
+    import transformer_engine.pytorch.fp8 as te_fp8
+
+    manager = getattr(te_fp8, "FP8GlobalStateManager", None)
+    if manager is not None:
+        manager.reset()

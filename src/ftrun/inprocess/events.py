@@ -1,0 +1,61 @@
+"""What a wrapped rank tells about its restarts: a log line, and under `ft_launcher` a JSON line
+in `<FTRUN_IPC_DIR>/inprocess/rank<N>.jsonl` (the job's 0700 directory) for its agent, which
+turns them into events (`ftrun report`, metrics, the status page)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import IO
+
+from ftrun.inprocess.iteration import Interruption
+
+log = logging.getLogger("ftrun.inprocess")
+
+IPC_DIR_ENV = "FTRUN_IPC_DIR"
+SUBDIR = "inprocess"
+
+
+class EventWriter:
+    """One rank's in-process restart records."""
+
+    def __init__(self, rank: int, out: IO[str] | None) -> None:
+        self.rank, self._out = rank, out
+
+    @classmethod
+    def for_rank(cls, rank: int, environ: dict[str, str] | None = None) -> EventWriter:
+        ipc_dir = (os.environ if environ is None else environ).get(IPC_DIR_ENV)
+        if not ipc_dir:
+            return cls(rank, None)
+        folder = Path(ipc_dir) / SUBDIR
+        folder.mkdir(mode=0o700, exist_ok=True)
+        return cls(rank, (folder / f"rank{rank}.jsonl").open("a", encoding="utf-8"))
+
+    def recovered(self, iteration: int, causes: list[Interruption], seconds: float) -> None:
+        first = min(causes, key=lambda c: c.at) if causes else None
+        cause = f"{first.kind} on rank {first.rank}: {first.why}" if first else "unknown"
+        if (first is not None and first.rank == self.rank) or self.rank == 0:
+            log.warning("in-process restart: iteration %d -> %d after %s (ready in %.3fs)",
+                        iteration, iteration + 1, cause, seconds)  # fmt: skip
+        causes_out = [c.__dict__ for c in causes]
+        self._write({"event": "inprocess_recovered", "iteration": iteration,
+                     "causes": causes_out, "seconds": round(seconds, 4)})  # fmt: skip
+
+    def left(self, iteration: int, why: str) -> None:
+        log.error("in-process restart: rank %d leaves at iteration %d: %s",
+                  self.rank, iteration, why)  # fmt: skip
+        self._write({"event": "inprocess_left", "iteration": iteration, "why": why})
+
+    def close(self) -> None:
+        if self._out is not None:
+            self._out.close()
+            self._out = None
+
+    def _write(self, record: dict[str, object]) -> None:
+        if self._out is None:
+            return
+        self._out.write(json.dumps({"time": time.time(), "rank": self.rank, **record}) + "\n")
+        self._out.flush()

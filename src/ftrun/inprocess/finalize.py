@@ -1,0 +1,77 @@
+"""The `finalize` hook (NVRx's `inprocess.finalize`): bring the process back to a state where
+the wrapped function can start again, after the fault was found and the process groups were
+torn down, before the health check."""
+
+from __future__ import annotations
+
+import abc
+import datetime
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ftrun.inprocess import exception
+from ftrun.inprocess.state import FrozenState
+
+log = logging.getLogger("ftrun.inprocess")
+
+
+class Finalize(abc.ABC):
+    """Undo what the wrapped function left behind (globals, pending async work). An exception
+    skips the health check and ends the process; compose several with `Compose`."""
+
+    @abc.abstractmethod
+    def __call__(self, state: FrozenState) -> FrozenState:
+        """Do the work and return `state` unchanged (the next composed stage gets it)."""
+        raise NotImplementedError
+
+
+class ThreadedFinalize(Finalize):
+    """Runs `fn(*args, **kwargs)` in a daemon thread, at most `timeout`: a finalize stuck on a
+    dead peer must not hang the restart (`exception.TimeoutError`; the thread is left behind,
+    a daemon, since a thread cannot be killed).
+
+    ftrun: works without CUDA (NVRx raises unless CUDA is initialized), takes the caller's
+    current device rather than LOCAL_RANK's, and re-raises what `fn` raised (NVRx drops it).
+    """
+
+    def __init__(
+        self,
+        timeout: datetime.timedelta,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] | None = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.timeout = timeout
+        self.fn = fn
+        self.args = tuple(args or ())
+        self.kwargs = dict(kwargs or {})
+
+    def __call__(self, state: FrozenState) -> FrozenState:
+        # The device is per thread in CUDA: hand the caller's to the worker thread, so that fn
+        # runs on the device this rank uses. Only if CUDA is already up: never initialize it.
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                if device is not None:
+                    torch.cuda.set_device(device)
+                self.fn(*self.args, **self.kwargs)
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(
+            target=run, name=f"{type(self).__name__}-{state.rank}", daemon=True
+        )
+        thread.start()
+        thread.join(self.timeout.total_seconds())
+        if thread.is_alive():
+            log.warning("%s: %r still running after %s", type(self).__name__, self.fn, self.timeout)
+            raise exception.TimeoutError(f"finalize {self.fn!r} did not finish in {self.timeout}")
+        if errors:
+            raise errors[0]
+        return state

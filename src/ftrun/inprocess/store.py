@@ -1,0 +1,83 @@
+"""The coordination store of the wrapped ranks: where it lives, and NVRx's store names.
+
+Under `ft_launcher` the agents serve it (`FTRUN_INPROCESS_STORE`, `host:port`, and
+`FTRUN_INPROCESS_PREFIX`, this cycle's keys): it outlives any rank's process, so even rank 0 can
+be lost and replaced in-process, and the agents write their own interruptions into it (a hang
+verdict, a lost process). Standalone (`torchrun`, or no launcher) it is NVRx's arrangement: a
+`TCPStore` on `MASTER_ADDR` that rank 0 serves at `store_kwargs["port"]` (NVRx's examples pass
+`MASTER_PORT + 1`), or, where that port is taken (torchrun's own store on `MASTER_PORT`), a
+client of the store already there.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+log = logging.getLogger("ftrun.inprocess")
+
+STORE_ENV = "FTRUN_INPROCESS_STORE"
+PREFIX_ENV = "FTRUN_INPROCESS_PREFIX"
+STANDALONE_PREFIX = "ftrun-inprocess"
+_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+class StoreMixin:
+    """NVRx's marker base of the stores a `Wrapper(store_factory=...)` accepts."""
+
+
+class TCPStore(dist.TCPStore, StoreMixin):
+    """NVRx's `inprocess.store.TCPStore`: `MASTER_ADDR`/`MASTER_PORT`/`WORLD_SIZE` by default;
+    rank 0 serves it, or joins the one already serving the port."""
+
+    def __init__(self, host_name: str | None = None, port: int | None = None,
+                 world_size: int | None = None, timeout: datetime.timedelta = _TIMEOUT,
+                 wait_for_workers: bool = True, multi_tenant: bool = False,
+                 use_libuv: bool = True) -> None:  # fmt: skip
+        host = host_name or os.environ["MASTER_ADDR"]
+        port = int(port if port is not None else os.environ["MASTER_PORT"])
+        world = int(world_size if world_size is not None else os.environ["WORLD_SIZE"])
+        common: dict[str, Any] = dict(timeout=timeout, multi_tenant=multi_tenant,
+                                      use_libuv=use_libuv)  # fmt: skip
+        if int(os.environ.get("RANK", "0")) == 0:
+            try:
+                super().__init__(host, port, world, True, wait_for_workers=False, **common)
+                return
+            except (RuntimeError, OSError) as error:  # the port is served already
+                log.debug("in-process store: joining the one on %s:%d (%s)", host, port, error)
+        super().__init__(host, port, world, False, **common)
+
+
+class PrefixStore(dist.PrefixStore, StoreMixin):
+    """NVRx's name for a store under a key prefix."""
+
+
+def launcher_store_address(environ: os._Environ[str] | dict[str, str] = os.environ) -> str | None:
+    """`host:port` of the agents' coordination store, when `ft_launcher` runs this rank."""
+    return environ.get(STORE_ENV) or None
+
+
+def connect(
+    factory: Callable[..., dist.Store], kwargs: dict[str, Any], environ: dict[str, str]
+) -> tuple[dist.Store, Callable[[], dist.Store]]:
+    """The coordination store (under its prefix) and a maker of more connections to it (the
+    watcher blocks on its own)."""
+    address = launcher_store_address(environ)
+    if address is None:
+        base = factory(**kwargs)
+        return dist.PrefixStore(STANDALONE_PREFIX, base), lambda: dist.PrefixStore(
+            STANDALONE_PREFIX, base.clone()
+        )
+    host, _, port = address.rpartition(":")
+    prefix = environ.get(PREFIX_ENV, STANDALONE_PREFIX)
+
+    def client() -> dist.Store:
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=_TIMEOUT, use_libuv=True)
+        return dist.PrefixStore(prefix, store)
+
+    return client(), client

@@ -1,0 +1,72 @@
+"""In-process restart with real processes (gloo on 127.0.0.1): a wrapped training function
+(tests/workers/inprocess_worker.py) recovers inside the same processes, under `ft_launcher`
+(2 nodes x 2 ranks) and under `torchrun`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import Job, free_port, start_job
+
+pytestmark = pytest.mark.process
+
+WORKER = Path(__file__).resolve().parent / "workers" / "inprocess_worker.py"
+STEPS, FAULT_STEP = 60, 20
+
+
+def steps(out: Path, rank: int) -> list[tuple[int, int, int, float]]:
+    """(pid, restart iteration, step, time) of each step rank `rank` made."""
+    rows = [line.split() for line in (out / f"steps-rank{rank}.txt").read_text().splitlines()]
+    return [(int(p), int(i), int(s), float(t)) for p, i, s, t in rows]
+
+
+def back_after_fault(out: Path, ranks: int) -> float:
+    """Seconds from the fault to the last rank's first step after it."""
+    fault = float((out / "fault.txt").read_text())
+    firsts = [min(t for _, _, _, t in steps(out, r) if t > fault) for r in range(ranks)]
+    return max(firsts) - fault
+
+
+def assert_recovered_in_place(out: Path, ranks: int) -> None:
+    for rank in range(ranks):
+        rows = steps(out, rank)
+        assert [s for _, _, s, _ in rows] == list(range(STEPS)), f"rank {rank} lost a step"
+        assert len({pid for pid, *_ in rows}) == 1, f"rank {rank} changed process"
+        assert {i for _, i, s, _ in rows if s >= FAULT_STEP} == {1}
+
+
+def start(tmp_path: Path, *worker_args: str) -> Job:
+    return start_job(tmp_path, 2, ["--max-restarts=1"],
+                     ["--steps", str(STEPS), "--fault-step", str(FAULT_STEP), *worker_args],
+                     script=WORKER, nproc=2)  # fmt: skip
+
+
+def test_a_raise_in_one_rank_restarts_every_rank_in_its_process(tmp_path: Path):
+    job = start(tmp_path, "--fault", "raise", "--fault-rank", "1")
+    assert job.wait(120) == [0, 0]
+    assert_recovered_in_place(job.ckpt_dir, 4)
+    assert len(job.events("rendezvous_done")) == 2  # one cycle, no in-job restart
+    assert "in-process restart: iteration 0 -> 1" in job.nodes[0].text()
+
+
+@pytest.mark.alone
+def test_every_rank_steps_again_within_0_3_s_of_a_raise(tmp_path: Path):
+    job = start(tmp_path, "--fault", "raise", "--fault-rank", "1")
+    assert job.wait(120) == [0, 0]
+    assert_recovered_in_place(job.ckpt_dir, 4)
+    assert back_after_fault(job.ckpt_dir, 4) <= 0.3
+
+
+def test_under_torchrun_the_wrapper_recovers_on_its_own(tmp_path: Path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(WORKER),
+           "--ckpt-dir", str(out), "--steps", str(STEPS), "--fault-step", str(FAULT_STEP),
+           "--fault", "raise", "--fault-rank", "0"]  # fmt: skip
+    run = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert_recovered_in_place(out, 2)

@@ -1,0 +1,85 @@
+"""A plain gloo DDP loop wrapped by `ftrun.inprocess.Wrapper`, as a user writes one.
+
+Each rank appends `pid iteration step time` to `<ckpt-dir>/steps-rank<R>.txt` after every step. A
+fault is injected once (a marker file): `--fault raise` raises in `--fault-rank` at
+`--fault-step`, `--fault kill` SIGKILLs that rank's own process there, `--fault hang` sleeps
+(the monitor's or the wrapper's timeout must end it). The time of the fault goes to
+`<ckpt-dir>/fault.txt`."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ftrun import inprocess
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ckpt-dir", dest="out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--step-time", type=float, default=0.02)
+    parser.add_argument("--fault", choices=["none", "raise", "kill", "hang"], default="none")
+    parser.add_argument("--fault-rank", type=int, default=1)
+    parser.add_argument("--fault-step", type=int, default=20)
+    parser.add_argument("--soft-timeout", type=float, default=60.0)
+    return parser.parse_args()
+
+
+ARGS = parse()
+
+
+def fault_once(rank: int, step: int) -> None:
+    marker = ARGS.out / "fault.txt"
+    if ARGS.fault == "none" or rank != ARGS.fault_rank or step != ARGS.fault_step:
+        return
+    try:
+        with open(marker, "x") as out:
+            out.write(f"{time.time()}\n")
+    except FileExistsError:
+        return
+    if ARGS.fault == "raise":
+        raise RuntimeError(f"injected fault at step {step} on rank {rank}")
+    if ARGS.fault == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(3600)
+
+
+@inprocess.Wrapper(
+    store_kwargs={"port": int(os.environ["MASTER_PORT"]) + 1},
+    soft_timeout=datetime.timedelta(seconds=ARGS.soft_timeout),
+    hard_timeout=datetime.timedelta(seconds=ARGS.soft_timeout + 30),
+    barrier_timeout=datetime.timedelta(seconds=ARGS.soft_timeout + 60),
+)
+def train(model: torch.nn.Module, call_wrapper: inprocess.CallWrapper | None = None) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 2,
+                          world, rank == 0, multi_tenant=True)  # fmt: skip
+    prefix = dist.PrefixStore(f"it{call_wrapper.iteration}", store)
+    dist.init_process_group("gloo", store=prefix, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))  # fmt: skip
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    done = ARGS.out / f"steps-rank{rank}.txt"
+    start = len(done.read_text().splitlines()) if done.exists() else 0
+    with done.open("a") as out:
+        for step in range(start, ARGS.steps):
+            fault_once(rank, step)
+            ddp(torch.ones(4, 8)).sum().backward()
+            call_wrapper.ping()
+            out.write(f"{os.getpid()} {call_wrapper.iteration} {step} {time.time()}\n")
+            out.flush()
+            time.sleep(ARGS.step_time)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    ARGS.out.mkdir(parents=True, exist_ok=True)
+    train(torch.nn.Linear(8, 8))
