@@ -29,6 +29,8 @@ def test_crash_of_one_rank_restarts_in_job_and_resumes(tmp_path: Path, impl: str
     args = ["--max-restarts=2", f"--ft-rdzv-impl={impl}"]
     job = start_job(tmp_path, 2, args, [*TRAIN, "--crash", "0:1:8"])
     assert job.wait(120) == [0, 0], job.nodes[0].text()[-2000:]
+    # Each node's fork server inherited its launcher's torch import (no second import).
+    assert all("forked from the agent" in node.text() for node in job.nodes)
     crash = job.events("worker_exited")
     assert any(e["rank"] == 1 and e["code"] == 1 and e["cycle"] == 0 for e in crash)
     rounds = {(e["node"], e["cycle"]) for e in job.events("rendezvous_done")}

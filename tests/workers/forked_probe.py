@@ -13,9 +13,12 @@ forked_probe.py mark PATH       create PATH, then exit 0
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import json
+import logging
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -47,6 +50,11 @@ def report(code: int) -> None:
                 "write_through": sys.stdout.write_through,
                 "line_buffering": sys.stdout.line_buffering,
                 "stdout_is_original": sys.stdout is sys.__stdout__,
+                "stdio_buffers": [type(s.buffer).__name__ for s in (sys.stdout, sys.stderr)],
+                "root_logging": [logging.root.level, len(logging.root.handlers)],
+                "handlers": [str(signal.getsignal(s)) for s in (signal.SIGTERM, signal.SIGINT)],
+                "faulthandler": faulthandler.is_enabled(),
+                "ftrun_modules": sorted(m for m in sys.modules if m.startswith("ftrun")),
                 "modules": sorted(m for m in PREWARMED if m in sys.modules),
                 "random": random.random(),
                 "numpy_random": numpy_random.random() if numpy_random else None,

@@ -29,7 +29,7 @@ def run_node(
 
     `environ` is what the workers inherit (before the launcher's own adjustments); `signals`
     records the launcher's signals into the agent's inbox (installed before torch's import);
-    `fork_server`, the node's if it was started before torch's import (closed here);
+    `fork_server`, the node's if the CLI started it with torch's import (closed here);
     `subsystems`, the builder's service factories (`open_runtime`).
     """
     if signals.last is not None:  # preempted while importing: nothing runs yet, leave now

@@ -129,7 +129,7 @@ def open_runtime(
     subsystems: Sequence[ServiceFactory] = (),
     interrupted: Callable[[], bool] = lambda: False,
 ) -> Iterator[AgentRuntime]:
-    """`fork_server`: the node's, if the CLI started it early (`prewarm.service.start_early`);
+    """`fork_server`: the node's, if the CLI started it (`prewarm.service.start_with_torch`);
     the runtime owns it from here on and closes it. `subsystems`: the builder's service
     factories, started in order after the node's own services they may use. `interrupted`:
     whether the launcher got a signal (a wait for a restarting store gives up then)."""

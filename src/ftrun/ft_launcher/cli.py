@@ -15,7 +15,7 @@ from typing import NoReturn
 
 from ftrun.agent.inbox import SignalRecorder
 from ftrun.agent.node_services.compile_cache import prepare_compile_caches
-from ftrun.agent.prewarm.service import start_early
+from ftrun.agent.prewarm.service import start_with_torch
 from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError, ExitCode, FtrunError
 from ftrun.ft_launcher.build import config_from
@@ -43,11 +43,12 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     for warning in config.warnings:
         log.warning("%s", warning)
     workers_environ = {**os.environ, **prepare_compile_caches(config, os.environ)}
-    # Before torch's import here: the fork server's imports overlap the launcher's own.
-    fork_server = start_early(config, workers_environ, config.this_node(os.environ)[1])
     # c10d logs every timed-out store wait and failed connect with a C++ backtrace; the agent
     # reports those conditions itself in one line. The workers keep the user's setting.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    # Torch's import, and the fork server forked right after it (it inherits the import):
+    # before any thread starts.
+    fork_server = start_with_torch(config, workers_environ, config.this_node(os.environ)[1])
     from ftrun.agent import run_node  # the agent (and torch) only once the config is valid
     from ftrun.checkpointing.keeper import keeper_service
     from ftrun.observe.service import observe_service

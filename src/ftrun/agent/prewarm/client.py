@@ -1,15 +1,17 @@
 """The agent's side of the fork server (`forkserver.py`): start it, fork workers, learn their ends.
 
 `ForkServer.start` spawns the server (own process group, SIGKILL when the agent dies) with one end
-of a socketpair, and returns at once while the server imports. `spawn` sends the worker's command,
-environment and cwd together with the write ends of two fresh pipes, and gets back the pid; the
-returned `ForkedWorker` is a `subprocess.Popen` look-alike (`pid`, `stdout`, `stderr`, `wait`,
-`poll`, `returncode`). The worker is the server's child, not ours, so one reader thread turns the
-server's "exit" notes into return codes. If the server dies, its workers die with it (PDEATHSIG):
-every handle still running resolves once its process is gone (to its real status where the agent,
-a child subreaper, can reap it; else -SIGKILL), and `spawn` raises `ForkServerError`, upon which
-the caller spawns plainly. `deepen` asks the server to import more modules between cycles; a
-spawn sent meanwhile waits for that import (no longer than a plain worker's own import of them).
+of a socketpair, or, with `fork`, forks it from the agent itself where that is safe (the server
+then inherits the agent's torch import: `launch.py`), and returns at once while it imports.
+`spawn` sends the worker's command, environment and cwd together with the write ends of two
+fresh pipes, and gets back the pid; the returned `ForkedWorker` is a `subprocess.Popen`
+look-alike (`pid`, `stdout`, `stderr`, `wait`, `poll`, `returncode`). The worker is the
+server's child, not ours, so one reader thread turns the server's "exit" notes into return
+codes. If the server dies, its workers die with it (PDEATHSIG): every handle still running
+resolves once its process is gone (to its real status where the agent, a child subreaper, can
+reap it; else -SIGKILL), and `spawn` raises `ForkServerError`, upon which the caller spawns
+plainly. `deepen` asks the server to import more modules between cycles; a spawn sent meanwhile
+waits for that import (no longer than a plain worker's own import of them).
 
 Never signal `ForkServer.pid` when stopping workers: it is no worker, and killing it kills them all.
 Call `start` from a thread that lives as long as the server should: PR_SET_PDEATHSIG fires when
@@ -31,11 +33,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 from ftrun.agent.prewarm import wire as proto
 from ftrun.agent.prewarm.forked import ForkedWorker, await_death
-from ftrun.agent.prewarm.pools import SERVER_ONLY_ENV
+from ftrun.agent.prewarm.launch import ServerProcess, fork_blocker, fork_server, spawn_server
 from ftrun.agent.prewarm.spawn_request import SpawnRequest, close_fds
 from ftrun.agent.prewarm.start_env import path0, start_env_mismatch
 from ftrun.agent.prewarm.target import PythonTarget
-from ftrun.agent.termination import die_with_parent, kill_group_now
+from ftrun.agent.termination import kill_group_now
 from ftrun.errors import FtrunError
 
 log = logging.getLogger("ftrun.agent")
@@ -60,13 +62,15 @@ class ForkServer:
 
     def __init__(
         self,
-        proc: subprocess.Popen[bytes],
+        proc: ServerProcess,
         sock: socket.socket,
         env: Mapping[str, str],
         modules: Sequence[str],
         ready_timeout: float,
     ) -> None:
         self._proc = proc
+        self.forked = not isinstance(proc, subprocess.Popen)
+        """Forked from the agent (it inherited the agent's imports), not spawned."""
         self._sock = sock
         self._env = dict(env)
         self.modules = tuple(modules)
@@ -102,35 +106,31 @@ class ForkServer:
         *,
         target: PythonTarget | None = None,
         ready_timeout: float = READY_TIMEOUT,
+        fork: bool = False,
     ) -> ForkServer:
-        """Spawn the server, which imports `modules` with `env` as its environment (native
+        """Start the server, which imports `modules` with `env` as its environment (native
         thread pools limited: `SERVER_ONLY_ENV`); returns at once.
 
         `target` (optional): the workers' script or module, so that the imports see the
-        `sys.path[0]` the workers will have. Raises ForkServerError if it cannot be spawned.
+        `sys.path[0]` the workers will have. `fork`: fork the server from this process, which
+        imported what it needs with `env` (`launch.environment`) and started no thread yet, so
+        that the server inherits those imports; where a fork would not be the server that `env`
+        starts (`launch.fork_blocker`, logged) it is spawned. Raises ForkServerError if it
+        cannot be started.
         """
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        argv = [sys.executable, "-u", "-m", "ftrun.agent.prewarm.forkserver"]
-        argv += ["--fd", str(theirs.fileno()), "--parent", str(os.getpid())]
-        if target is not None:
-            argv += ["--path0", path0(target)]
-        argv += ["--", *modules]
+        where = path0(target) if target is not None else None
+        why = fork_blocker(modules, env, where) if fork else None
         try:
-            proc = subprocess.Popen(
-                argv,
-                env={**env, **SERVER_ONLY_ENV},
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,  # its own errors go to the agent's stderr
-                pass_fds=[theirs.fileno()],
-                start_new_session=True,
-                # Only a prctl() through a preloaded libc: nothing that takes a lock after fork.
-                preexec_fn=die_with_parent,  # noqa: PLW1509
-            )
+            if fork and why is None:
+                proc: ServerProcess
+                proc, ours = fork_server(modules, env, where)
+            else:
+                proc, ours = spawn_server(modules, env, where)
         except OSError as exc:
-            ours.close()
             raise ForkServerError(f"cannot start the fork server: {exc}") from exc
-        finally:
-            theirs.close()
+        if fork:
+            how = "forked from the agent" if why is None else f"spawned, not forked: {why}"
+            log.info("fork server (pid %d) %s", proc.pid, how)
         server = cls(proc, ours, env, modules, ready_timeout)
         server._reader.start()
         return server

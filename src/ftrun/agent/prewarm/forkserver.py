@@ -2,7 +2,9 @@
 
 Run by the agent (`client.ForkServer.start`) as
 `python -u -m ftrun.agent.prewarm.forkserver --fd N [--parent PID] [--path0 DIR] MODULE...`,
-with one end of a Unix stream socketpair as fd N. It says hello, imports the modules (errors
+with one end of a Unix stream socketpair as fd N, or forked from the agent right after the
+agent's own import of torch (`launch.fork_server`; `inherit.py` makes the child what this
+command would have started, then calls `main`). It says hello, imports the modules (errors
 swallowed: the script reports its own), says ready, then serves until EOF on the socket.
 
 It never starts a thread and never touches CUDA: before each fork it checks that it is the only

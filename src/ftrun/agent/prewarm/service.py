@@ -1,10 +1,13 @@
 """Prewarmed workers as a node service.
 
-The node's fork server starts before the launcher imports torch itself (`start_early`, from the
-CLI), so its imports overlap the launcher's own start-up and the rendezvous. It imports
-`--ft-prewarm-modules` (what every worker imports anyway: the first cycle waits for these
-alone), and once the first cycle's workers have started it imports `--ft-prewarm-deep-modules`
-too (torch._dynamo, which brings triton and inductor: DDP imports it in each worker).
+The node's fork server starts with the launcher (`start_with_torch`, from the CLI): forked from
+the launcher right after the launcher's own import of torch, which the server then inherits
+instead of importing torch a second time (`launch.py`); where a fork could not stand in for a
+fresh server, spawned before that import, so that the two imports overlap. It has
+`--ft-prewarm-modules` imported (what every worker imports anyway: the first cycle waits for
+these alone), and once the first cycle's workers have started it imports
+`--ft-prewarm-deep-modules` too (torch._dynamo, which brings triton and inductor: DDP imports it
+in each worker).
 
 Where it cannot serve (a non-Python entrypoint, a worker environment that differs in what is
 read at interpreter start, a dead or unsafe server) workers are spawned plainly. Each cycle
@@ -20,7 +23,10 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from ftrun.agent.prewarm import launch
 from ftrun.agent.prewarm.client import ForkServer, ForkServerError
+from ftrun.agent.prewarm.pools import SERVER_ONLY_ENV
+from ftrun.agent.prewarm.start_env import path0
 from ftrun.agent.prewarm.target import PythonTarget, python_target
 from ftrun.agent.worker_env import shared_env
 from ftrun.agent.workers import PlainSpawner, SpawnPath, WorkerProcess
@@ -35,15 +41,48 @@ MAX_REPLACEMENTS = 2
 replaced forever (each costs a full import)."""
 
 
+def start_with_torch(
+    config: LaunchConfig, environ: Mapping[str, str], node: str
+) -> ForkServer | None:
+    """Import torch for the agent, and start the node's fork server: forked right after that
+    import where a fork can stand in for a spawned server (`launch.fork_blocker`), else
+    spawned before it. None where workers will not be forked (`plain_reason`); torch is then
+    left for the agent's own imports. The caller must not have started a thread."""
+    target = python_target(config.agent.entrypoint)
+    modules = config.agent.prewarm_modules
+    if target is None or not modules:
+        return None
+    env = shared_env(config, environ, {}, None, node)
+    why = launch.fork_blocker(modules, env, path0(target), planned=launch.AGENT_IMPORTS)
+    if why is not None:
+        log.info("fork server: spawned before the agent imports torch, not forked: %s", why)
+        return start_early(config, environ, node)
+    agent_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    with launch.environment({**env, **SERVER_ONLY_ENV}):  # torch reads what the server's would
+        import torch.distributed  # noqa: F401 - the agent's store needs it; the server inherits it
+    server = _start(modules, env, target, fork=True)
+    # The agent's own C++ log level, which torch could not read at its import (after the fork:
+    # the server and its workers keep the workers' level).
+    if agent_level is not None and agent_level != env.get("TORCH_CPP_LOG_LEVEL"):
+        launch.set_cpp_log_level(agent_level)
+    return server
+
+
 def start_early(config: LaunchConfig, environ: Mapping[str, str], node: str) -> ForkServer | None:
-    """The node's fork server, started now (before the agent imports torch); None where
-    workers will not be forked (the reason is said by `plain_reason`)."""
+    """The node's fork server, spawned now (whatever the agent imported, whatever threads it
+    runs); None where workers will not be forked (the reason is said by `plain_reason`)."""
     target = python_target(config.agent.entrypoint)
     if target is None or not config.agent.prewarm_modules:
         return None
     env = shared_env(config, environ, {}, None, node)
+    return _start(config.agent.prewarm_modules, env, target, fork=False)
+
+
+def _start(
+    modules: Sequence[str], env: Mapping[str, str], target: PythonTarget, fork: bool
+) -> ForkServer | None:
     try:
-        return ForkServer.start(config.agent.prewarm_modules, env, target=target)
+        return ForkServer.start(modules, env, target=target, fork=fork)
     except ForkServerError as exc:
         log.warning("starting workers without the fork server: %s", exc)
         return None
