@@ -171,7 +171,7 @@ def test_gpu_checks_pass_on_a_cpu_rank_without_nvml(monkeypatch: pytest.MonkeyPa
     def no_nvml() -> None:
         raise AssertionError("a CPU rank must not touch NVML")
 
-    monkeypatch.setattr("ftrun.agent.node_services.nvml.nvml_session", no_nvml)
+    monkeypatch.setattr("ftrun.nvml.nvml_session", no_nvml)
     monkeypatch.setenv("LOCAL_RANK", "1")  # NVRx would check GPU 1 here
     state = FrozenState(rank=1, world_size=2, fn_exception=RuntimeError("x"))
     assert CudaHealthCheck()(state) is state

@@ -61,6 +61,16 @@ def test_every_rank_steps_again_within_0_3_s_of_a_raise(tmp_path: Path):
     assert back_after_fault(job.ckpt_dir, 4) <= 0.3
 
 
+def test_a_hang_judged_by_the_rank_monitor_is_recovered_in_process(tmp_path: Path):
+    job = start_job(tmp_path, 2, ["--max-restarts=1", "--ft-rank-heartbeat-timeout=2"],
+                    ["--steps", str(STEPS), "--fault-step", str(FAULT_STEP), "--heartbeats",
+                     "--fault", "hang", "--fault-rank", "3"], script=WORKER, nproc=2)  # fmt: skip
+    assert job.wait(120) == [0, 0]
+    assert_recovered_in_place(job.ckpt_dir, 4)
+    assert len(job.events("rendezvous_done")) == 2  # the agent did not restart the workers
+    assert "the wrapped ranks restart iteration 0" in job.nodes[1].text()
+
+
 def test_under_torchrun_the_wrapper_recovers_on_its_own(tmp_path: Path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",

@@ -20,7 +20,7 @@ from bench.common import smoke
 from bench.common.timing import p99, per_call_us
 from ftrun.agent.config import HealthCheckConfig
 from ftrun.agent.node_services.health_watch import HealthWatch
-from ftrun.agent.node_services.nvml import load_nvml
+from ftrun.nvml import load_nvml
 
 
 def row(name: str, costs: list[float]) -> str:

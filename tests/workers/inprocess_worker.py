@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ftrun import inprocess
+from ftrun.client_lib import RankMonitorClient
 
 
 def parse() -> argparse.Namespace:
@@ -30,6 +31,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--fault-step", type=int, default=20)
     parser.add_argument("--soft-timeout", type=float, default=60.0)
+    parser.add_argument("--heartbeats", action="store_true", help="send ft_launcher heartbeats")
     return parser.parse_args()
 
 
@@ -66,6 +68,9 @@ def train(model: torch.nn.Module, call_wrapper: inprocess.CallWrapper | None = N
     dist.init_process_group("gloo", store=prefix, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=30))  # fmt: skip
     ddp = torch.nn.parallel.DistributedDataParallel(model)
+    monitor = RankMonitorClient() if ARGS.heartbeats else None
+    if monitor is not None:  # a registration per iteration: a hang verdict ends the last one
+        monitor.init_workload_monitoring()
     done = ARGS.out / f"steps-rank{rank}.txt"
     start = len(done.read_text().splitlines()) if done.exists() else 0
     with done.open("a") as out:
@@ -73,11 +78,15 @@ def train(model: torch.nn.Module, call_wrapper: inprocess.CallWrapper | None = N
             fault_once(rank, step)
             ddp(torch.ones(4, 8)).sum().backward()
             call_wrapper.ping()
+            if monitor is not None:
+                monitor.send_heartbeat()
             out.write(f"{os.getpid()} {call_wrapper.iteration} {step} {time.time()}\n")
             out.flush()
             time.sleep(ARGS.step_time)
     dist.barrier()
     dist.destroy_process_group()
+    if monitor is not None:
+        monitor.shutdown_workload_monitoring()
 
 
 if __name__ == "__main__":

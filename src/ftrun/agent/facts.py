@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 from ftrun.agent import policy as p
+from ftrun.agent.inprocess import ladder
+from ftrun.agent.inprocess.link import Coordination
 from ftrun.agent.observed import Outcome
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.rendezvous.config import RendezvousImpl
@@ -40,6 +42,12 @@ def read_facts(
     if isinstance(event, p.CycleEnded):  # a re-run's end lets the ranks finish their save
         rerun = rt.control.restarted_for_rerun(rnd.number)
         facts = dataclasses.replace(facts, ended_for_rerun=rerun)
+    if isinstance(event, p.HangsFound):  # may the wrapped ranks recover it in-process?
+        link = Coordination(rt.job_dir)
+        facts = dataclasses.replace(
+            facts, inprocess_wrapped=link.current(rnd.number) is not None,
+            inprocess_attempts=link.recent_attempts(ladder.WINDOW_S),
+        )  # fmt: skip
     if isinstance(event, p.WorkerEnded) and event.returncode in p.RERUN_CODES:
         facts = _rerun_facts(rt, rnd, facts)
     named = getattr(event, "signature", None) is not None  # a failure, not an exit 0

@@ -11,6 +11,7 @@ node ended the cycle.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import signal
@@ -28,6 +29,7 @@ from ftrun.agent.diagnosis.evidence import Evidence
 from ftrun.agent.diagnosis.reporting import CycleReport
 from ftrun.agent.facts import read_facts
 from ftrun.agent.inbox import SignalReceived, SignalRecorder, take_queued, take_until
+from ftrun.agent.inprocess.link import Coordination
 from ftrun.agent.node_services.health_watch import HealthFinding
 from ftrun.agent.policy import Action, AgentEvent, Outcome, Policy
 from ftrun.agent.runtime import AgentRuntime
@@ -111,7 +113,14 @@ class NodeAgent:
 
     def _decide(self, event: AgentEvent) -> Action:
         facts = read_facts(self.rt, event, self._round, self._after_stop)
-        return self.policy.decide(self.state, event, facts)
+        action = self.policy.decide(self.state, event, facts)
+        if (interrupt := action.interrupt) is not None and self._round is not None:
+            # The ladder's first rung is an effect that can fail: unreachable ranks, next rung.
+            cycle, link = self._round.number, Coordination(self.rt.job_dir)
+            if not link.interrupt(cycle, interrupt.ranks, "UNRESPONSIVE", interrupt.cause):
+                unwrapped = dataclasses.replace(facts, inprocess_wrapped=False)
+                action = self.policy.decide(self.state, event, unwrapped)
+        return action
 
     def _apply(self, action: Action) -> None:
         control, outcome = self.rt.control, action.outcome
@@ -291,7 +300,7 @@ class NodeAgent:
         signature = self.evidence.of_hang(verdicts, self._round, self._group)
         return p.HangsFound(
             tuple(v.rank for v in verdicts), tuple(v.worker_pid for v in verdicts),
-            first.kind.value, signature,
+            first.kind.value, signature, any(v.stopped for v in verdicts),
         )  # fmt: skip
 
     def _control_event(self, item: WorkloadControl) -> p.ControlRequested:

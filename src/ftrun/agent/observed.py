@@ -72,6 +72,8 @@ class HangsFound:
     """The hung workers' process group leaders: killed at once (they cannot be asked)."""
     kind: str
     signature: Signature | None = None
+    stopped: bool = False
+    """A hung rank is stopped (SIGSTOP): it cannot be interrupted in its process."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,5 +189,9 @@ class Facts:
     rerun_restarts: int = 0
     """Re-run restarts in a row just before this cycle's request that no verdict settled (read
     with `standby_waiting`)."""
+    inprocess_wrapped: bool = False
+    """This node's ranks run `ftrun.inprocess.Wrapper` in this cycle (hang verdicts only)."""
+    inprocess_attempts: int = 0
+    """In-process restarts this node asked for within `agent.inprocess.ladder.WINDOW_S`."""
     ended_for_rerun: bool = False
     """The cycle ended with a restart for a re-run elsewhere (read when another node ended it)."""

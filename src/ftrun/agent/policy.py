@@ -46,6 +46,7 @@ import signal
 
 from ftrun.agent.diagnosis.attribution import Signature
 from ftrun.agent.diagnosis.repeats import Decision, judge
+from ftrun.agent.inprocess import ladder
 from ftrun.agent.observed import (
     AgentEvent,
     ControlRequested,
@@ -85,6 +86,14 @@ class RestartVote:
 
 
 @dataclasses.dataclass(frozen=True)
+class InprocessInterrupt:
+    """Interrupt the wrapped ranks' restart iteration (`agent.inprocess.link`)."""
+
+    ranks: tuple[int, ...]
+    cause: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Action:
     """The next state, and the effects that go with the move, applied in field order."""
 
@@ -102,6 +111,9 @@ class Action:
     """How this node ends (EXITING now, or after STOPPING); None with STOPPING: restart."""
     stop_signal: signal.Signals | None = None
     """The signal that stops the workers; None: the configured termination signal."""
+    interrupt: InprocessInterrupt | None = None
+    """The ladder's first rung: the wrapped ranks recover in-process (no stop, no vote). If
+    their store cannot be reached, the executor asks again as if they did not wrap."""
     drain: bool = False
     """The workers leave on their own (a re-run's exit: every rank exits once its part of the
     checkpoint is saved): the stop waits for them, bounded, before it signals them."""
@@ -201,7 +213,12 @@ class Policy:
     def _hangs(self, event: HangsFound, facts: Facts) -> Action:
         ranks = ", ".join(str(r) for r in event.ranks)
         cause = f"rank(s) {ranks} on {facts.node} hung ({event.kind})"
-        return dataclasses.replace(self._failure(cause, event.signature, facts), kill=event.pids)
+        rung = ladder.for_hang(facts.inprocess_wrapped, event.stopped, facts.inprocess_attempts)
+        if rung.rung is ladder.Rung.IN_PROCESS:
+            return Action(None, interrupt=InprocessInterrupt(event.ranks, cause))
+        failure = self._failure(cause, event.signature, facts)
+        note = f"{rung.why}: in-job restart" if facts.inprocess_wrapped else failure.note
+        return dataclasses.replace(failure, kill=event.pids, note=note)
 
     def _health_found(self, event: HealthFound, facts: Facts) -> Action:
         found = f"health on {facts.node}: {event.signature.describe()}"

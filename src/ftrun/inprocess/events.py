@@ -17,6 +17,7 @@ log = logging.getLogger("ftrun.inprocess")
 
 IPC_DIR_ENV = "FTRUN_IPC_DIR"
 SUBDIR = "inprocess"
+COORDINATION_FILE = "coordination.json"
 
 
 class EventWriter:
@@ -33,6 +34,17 @@ class EventWriter:
         folder = Path(ipc_dir) / SUBDIR
         folder.mkdir(mode=0o700, exist_ok=True)
         return cls(rank, (folder / f"rank{rank}.jsonl").open("a", encoding="utf-8"))
+
+    def announce(self, address: str, prefix: str, cycle: str | None) -> None:
+        """Tell this node's agent where the ranks coordinate (`coordination.json`): a hang its
+        rank monitor judges is then interrupted in-process, through the same store."""
+        if self._out is None or not address:
+            return
+        target = Path(self._out.name).with_name(COORDINATION_FILE)
+        record = {"address": address, "prefix": prefix, "cycle": cycle, "time": time.time()}
+        partial = target.with_suffix(f".{self.rank}.tmp")
+        partial.write_text(json.dumps(record))
+        partial.replace(target)  # atomic: the agent never reads half a file
 
     def recovered(self, iteration: int, causes: list[Interruption], seconds: float) -> None:
         first = min(causes, key=lambda c: c.at) if causes else None

@@ -119,7 +119,7 @@ class _NvmlHealthCheck(HealthCheck):
     def __call__(self, state: FrozenState) -> FrozenState:
         if self.device_index is None and not torch.cuda.is_initialized():
             return state
-        from ftrun.agent.node_services.nvml import nvml_session
+        from ftrun.nvml import nvml_session
 
         with nvml_session() as nvml:
             if nvml is None:

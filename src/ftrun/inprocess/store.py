@@ -64,15 +64,15 @@ def launcher_store_address(environ: os._Environ[str] | dict[str, str] = os.envir
 
 def connect(
     factory: Callable[..., dist.Store], kwargs: dict[str, Any], environ: dict[str, str]
-) -> tuple[dist.Store, Callable[[], dist.Store]]:
-    """The coordination store (under its prefix) and a maker of more connections to it (the
-    watcher blocks on its own)."""
+) -> tuple[dist.Store, Callable[[], dist.Store], str]:
+    """The coordination store (under its prefix), a maker of more connections to it (the
+    watcher blocks on its own), and its `host:port`."""
     address = launcher_store_address(environ)
     if address is None:
         base = factory(**kwargs)
-        return dist.PrefixStore(STANDALONE_PREFIX, base), lambda: dist.PrefixStore(
-            STANDALONE_PREFIX, base.clone()
-        )
+        address = f"{base.host}:{base.port}" if isinstance(base, dist.TCPStore) else ""
+        return (dist.PrefixStore(STANDALONE_PREFIX, base),
+                lambda: dist.PrefixStore(STANDALONE_PREFIX, base.clone()), address)  # fmt: skip
     host, _, port = address.rpartition(":")
     prefix = environ.get(PREFIX_ENV, STANDALONE_PREFIX)
 
@@ -80,4 +80,4 @@ def connect(
         store = dist.TCPStore(host, int(port), is_master=False, timeout=_TIMEOUT, use_libuv=True)
         return dist.PrefixStore(prefix, store)
 
-    return client(), client
+    return client(), client, address

@@ -77,8 +77,9 @@ class CallWrapper:
                                "process group itself (it is initialized already)")  # fmt: skip
         self.options = opts = wrapper.options
         self.state = State.from_env()
-        self.store, self._connect = stores.connect(opts.store_factory, opts.store_kwargs,
-                                                   dict(os.environ))  # fmt: skip
+        environ = dict(os.environ)
+        self.store, self._connect, address = stores.connect(opts.store_factory,
+                                                            opts.store_kwargs, environ)  # fmt: skip
         self.state.iteration = newest_iteration(self.store)  # a replacement joins the newest
         self._interrupter = Interrupter()
         self._watcher = Watcher(self._interrupter, self._abort)
@@ -88,6 +89,8 @@ class CallWrapper:
         self.progress = ProgressWatchdog(opts, self._on_progress_timeout)
         self._iteration: Iteration | None = None
         self._events = events.EventWriter.for_rank(self.state.rank)
+        prefix = environ.get(stores.PREFIX_ENV, stores.STANDALONE_PREFIX)
+        self._events.announce(address, prefix, environ.get("FTRUN_CYCLE"))
         # What exists before the first call (imports, a model built outside the function) stays:
         # frozen, a restart's collection scans only what the function allocated (about 0.1-0.3 s
         # less per restart with torch loaded).

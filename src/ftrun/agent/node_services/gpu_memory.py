@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
-from ftrun.agent.node_services.nvml import load_nvml
+from ftrun.nvml import load_nvml
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import NodeService
 

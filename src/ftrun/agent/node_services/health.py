@@ -1,7 +1,7 @@
 """Node health checks run before every rendezvous round: GPUs (NVML), InfiniBand ports
 (`agent.node_services.nic_health`), storage, a command.
 
-NVML comes from `agent.node_services.nvml` (loaded lazily, replaced by a fake in tests).
+NVML comes from `nvml` (loaded lazily, replaced by a fake in tests).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import IO, Any
 
 from ftrun.agent.config import HealthCheckConfig
 from ftrun.agent.node_services.nic_health import check_ib_ports
-from ftrun.agent.node_services.nvml import load_nvml
 from ftrun.agent.termination import kill_group_now
 from ftrun.errors import NodeUnhealthyError
+from ftrun.nvml import load_nvml
 from ftrun.services import NodeService
 
 log = logging.getLogger("ftrun.agent")

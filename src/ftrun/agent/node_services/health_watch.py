@@ -34,8 +34,8 @@ from typing import Any
 from ftrun.agent.config import HealthCheckConfig
 from ftrun.agent.diagnosis.attribution import Signature, health_signature
 from ftrun.agent.node_services.nic_health import check_ib_ports
-from ftrun.agent.node_services.nvml import load_nvml
 from ftrun.errors import NodeUnhealthyError
+from ftrun.nvml import load_nvml
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import NodeService
 

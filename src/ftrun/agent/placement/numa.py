@@ -32,10 +32,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from ftrun.agent.node_services.nvml import nvml_session
 from ftrun.agent.placement.binding import CPU_BIND, MEM_BIND, format_cpulist, parse_cpulist
 from ftrun.agent.rank_env import visible_device
 from ftrun.errors import ConfigError
+from ftrun.nvml import nvml_session
 
 MODES = ("node", "socket", "exclusive")
 """The modes ftrun computes (torchrun's fourth, core-complex, is refused: `REFUSED`)."""
