@@ -53,8 +53,10 @@ def test_workers_of_a_forked_server_see_what_a_spawned_servers_see() -> None:
     assert "forked from the agent" in log
     seen = report(forked)
     assert seen == report(spawned)
-    # Not the agent's: its SIGTERM handler, root handler, stray fd, buffered stdio.
-    assert seen["handlers"] == [str(signal.SIG_DFL), str(signal.default_int_handler)]
+    # Not the agent's: its SIGTERM handler, root handler, stray fd, buffered stdio. (SIGINT's
+    # is Python's own, or ignored where the test runner ignores it: xdist's workers do.)
+    assert seen["handlers"][0] == str(signal.SIG_DFL)
+    assert seen["handlers"][1] in (str(signal.default_int_handler), str(signal.SIG_IGN))
     assert seen["root_logging"] == [30, 0] and seen["fds"][:3] == [0, 1, 2]
     assert seen["stdio_buffers"] == ["FileIO", "FileIO"] and seen["faulthandler"]
     assert seen["env"]["ONLY_WORKERS"] == "x"

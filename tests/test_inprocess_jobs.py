@@ -31,11 +31,14 @@ def back_after_fault(out: Path, ranks: int) -> float:
     return max(firsts) - fault
 
 
-def assert_recovered_in_place(out: Path, ranks: int) -> None:
+def assert_recovered_in_place(out: Path, ranks: int, replaced: int | None = None) -> None:
+    """Every step once, in restart iteration 1 from the fault on; each rank in one process,
+    but `replaced`, whose process was started again at the fault."""
     for rank in range(ranks):
         rows = steps(out, rank)
         assert [s for _, _, s, _ in rows] == list(range(STEPS)), f"rank {rank} lost a step"
-        assert len({pid for pid, *_ in rows}) == 1, f"rank {rank} changed process"
+        pids = [pid for pid, *_ in rows]
+        assert len(set(pids)) == (2 if rank == replaced else 1), f"rank {rank}'s processes"
         assert {i for _, i, s, _ in rows if s >= FAULT_STEP} == {1}
 
 
@@ -51,6 +54,9 @@ def test_a_raise_in_one_rank_restarts_every_rank_in_its_process(tmp_path: Path):
     assert_recovered_in_place(job.ckpt_dir, 4)
     assert len(job.events("rendezvous_done")) == 2  # one cycle, no in-job restart
     assert "in-process restart: iteration 0 -> 1" in job.nodes[0].text()
+    report = job.report()
+    assert "In-process restarts" in report
+    assert "iteration 0 -> 1: EXCEPTION from rank 1 | in-process |" in report
 
 
 @pytest.mark.alone
@@ -69,6 +75,24 @@ def test_a_hang_judged_by_the_rank_monitor_is_recovered_in_process(tmp_path: Pat
     assert_recovered_in_place(job.ckpt_dir, 4)
     assert len(job.events("rendezvous_done")) == 2  # the agent did not restart the workers
     assert "the wrapped ranks restart iteration 0" in job.nodes[1].text()
+
+
+def test_a_sigkilled_rank_alone_is_started_again_and_joins_the_others(tmp_path: Path):
+    job = start(tmp_path, "--fault", "kill", "--fault-rank", "1")
+    assert job.wait(120) == [0, 0]
+    assert_recovered_in_place(job.ckpt_dir, 4, replaced=1)
+    assert len(job.events("rendezvous_done")) == 2  # no in-job restart
+    [replaced] = job.events("rank_replaced")
+    assert replaced["rank"] == 1 and "SIGKILL" in replaced["cause"]
+    assert "TERMINATED from rank 1 | replace rank 1 |" in job.report()
+
+
+@pytest.mark.alone
+def test_every_rank_steps_again_within_1_s_of_a_sigkill(tmp_path: Path):
+    job = start(tmp_path, "--fault", "kill", "--fault-rank", "1")
+    assert job.wait(120) == [0, 0]
+    assert_recovered_in_place(job.ckpt_dir, 4, replaced=1)
+    assert back_after_fault(job.ckpt_dir, 4) <= 1.0
 
 
 def test_under_torchrun_the_wrapper_recovers_on_its_own(tmp_path: Path):

@@ -2,8 +2,11 @@
 
 Each rank appends `pid iteration step time` to `<ckpt-dir>/steps-rank<R>.txt` after every step. A
 fault is injected once (a marker file): `--fault raise` raises in `--fault-rank` at
-`--fault-step`, `--fault kill` SIGKILLs that rank's own process there, `--fault hang` sleeps
-(the monitor's or the wrapper's timeout must end it). The time of the fault goes to
+`--fault-step`, `--fault raise-late` raises there 0.5 s late (the peers wait in the step's
+collective meanwhile), `--fault kill` SIGKILLs that rank's own process there, `--fault hang`
+sleeps (the monitor's or the wrapper's timeout must end it), `--fault abort-hangs` raises and
+then the rank's abort never returns, `--fault finalize-fails` raises and then the rank's
+`finalize` fails (a fault during the recovery). The time of the fault goes to
 `<ckpt-dir>/fault.txt`."""
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--ckpt-dir", dest="out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--step-time", type=float, default=0.02)
-    parser.add_argument("--fault", choices=["none", "raise", "kill", "hang"], default="none")
+    faults = ["none", "raise", "raise-late", "kill", "hang", "abort-hangs", "finalize-fails"]
+    parser.add_argument("--fault", default="none", choices=faults)
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--fault-step", type=int, default=20)
     parser.add_argument("--soft-timeout", type=float, default=60.0)
@@ -47,15 +51,35 @@ def fault_once(rank: int, step: int) -> None:
             out.write(f"{time.time()}\n")
     except FileExistsError:
         return
-    if ARGS.fault == "raise":
+    if ARGS.fault == "raise-late":
+        time.sleep(0.5)
+    if ARGS.fault in ("raise", "raise-late", "abort-hangs", "finalize-fails"):
         raise RuntimeError(f"injected fault at step {step} on rank {rank}")
     if ARGS.fault == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(3600)
 
 
+class _FaultyAbort(inprocess.abort.Abort):
+    """The fault rank's abort never returns (an NCCL abort that hangs), once."""
+
+    def __call__(self, state: inprocess.FrozenState) -> inprocess.FrozenState:
+        if ARGS.fault == "abort-hangs" and state.rank == ARGS.fault_rank:
+            time.sleep(3600)
+        return state
+
+
+class _FaultyFinalize(inprocess.finalize.Finalize):
+    def __call__(self, state: inprocess.FrozenState) -> inprocess.FrozenState:
+        if ARGS.fault == "finalize-fails" and state.rank == ARGS.fault_rank:
+            raise RuntimeError("finalize failed")
+        return state
+
+
 @inprocess.Wrapper(
     store_kwargs={"port": int(os.environ["MASTER_PORT"]) + 1},
+    abort=inprocess.Compose(inprocess.abort.AbortTorchDistributed(), _FaultyAbort()),
+    finalize=_FaultyFinalize(),
     soft_timeout=datetime.timedelta(seconds=ARGS.soft_timeout),
     hard_timeout=datetime.timedelta(seconds=ARGS.soft_timeout + 30),
     barrier_timeout=datetime.timedelta(seconds=ARGS.soft_timeout + 60),

@@ -86,16 +86,23 @@ class ExitWaiter:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def watch(self, proc: Ending, on_exit: Callable[[int], None]) -> None:
+    def watch(self, proc: Ending, on_exit: Callable[[int], None], late: bool = False) -> bool:
+        """Tell `on_exit` when `proc` ends. `late`: a process added after `seal()` (a rank's
+        replacement) while others are still watched; False if the thread has ended already."""
         fd = open_pidfd(proc.pid)
         watched = _Watched(proc, on_exit)
         with self._lock:
-            assert not self._sealed, "watch after seal"
+            assert late or not self._sealed, "watch after seal"
+            if self._ended or self._closed:
+                if fd is not None:
+                    os.close(fd)
+                return False
             if fd is None:
                 self._asking.append(watched)
             else:
                 self._waiting[fd] = watched
         self._wake()
+        return True
 
     def seal(self) -> None:
         """No more processes come: the thread ends once every end was told."""

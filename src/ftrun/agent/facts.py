@@ -42,7 +42,8 @@ def read_facts(
     if isinstance(event, p.CycleEnded):  # a re-run's end lets the ranks finish their save
         rerun = rt.control.restarted_for_rerun(rnd.number)
         facts = dataclasses.replace(facts, ended_for_rerun=rerun)
-    if isinstance(event, p.HangsFound):  # may the wrapped ranks recover it in-process?
+    lost = isinstance(event, p.WorkerEnded) and event.returncode != 0
+    if lost or isinstance(event, p.HangsFound):  # may the wrapped ranks recover it?
         link = Coordination(rt.job_dir)
         facts = dataclasses.replace(
             facts, inprocess_wrapped=link.current(rnd.number) is not None,

@@ -29,7 +29,7 @@ from ftrun.agent.diagnosis.evidence import Evidence
 from ftrun.agent.diagnosis.reporting import CycleReport
 from ftrun.agent.facts import read_facts
 from ftrun.agent.inbox import SignalReceived, SignalRecorder, take_queued, take_until
-from ftrun.agent.inprocess.link import Coordination
+from ftrun.agent.inprocess.effects import carry_out
 from ftrun.agent.node_services.health_watch import HealthFinding
 from ftrun.agent.policy import Action, AgentEvent, Outcome, Policy
 from ftrun.agent.runtime import AgentRuntime
@@ -114,12 +114,12 @@ class NodeAgent:
     def _decide(self, event: AgentEvent) -> Action:
         facts = read_facts(self.rt, event, self._round, self._after_stop)
         action = self.policy.decide(self.state, event, facts)
-        if (interrupt := action.interrupt) is not None and self._round is not None:
-            # The ladder's first rung is an effect that can fail: unreachable ranks, next rung.
-            cycle, link = self._round.number, Coordination(self.rt.job_dir)
-            if not link.interrupt(cycle, interrupt.ranks, "UNRESPONSIVE", interrupt.cause):
-                unwrapped = dataclasses.replace(facts, inprocess_wrapped=False)
-                action = self.policy.decide(self.state, event, unwrapped)
+        # The ladder's in-process rungs are effects that can fail (unreachable ranks, a worker
+        # that cannot start): then the next rung, as if the ranks did not wrap.
+        in_process = action.interrupt is not None or action.replace is not None
+        if in_process and not carry_out(action, self._round, self._group, self.rt):
+            unwrapped = dataclasses.replace(facts, inprocess_wrapped=False)
+            action = self.policy.decide(self.state, event, unwrapped)
         return action
 
     def _apply(self, action: Action) -> None:
@@ -262,6 +262,8 @@ class NodeAgent:
             if event is None:
                 continue
             action = self._decide(event)
+            if action.replace is not None:  # a lost rank's process started again
+                running.add(group.workers[action.replace.rank - rnd.first_global_rank].proc.pid)
             if action.next_state is not None:
                 return action
             self._apply(action)  # effects without a move (a scale-up vote)

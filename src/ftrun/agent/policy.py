@@ -94,6 +94,14 @@ class InprocessInterrupt:
 
 
 @dataclasses.dataclass(frozen=True)
+class RankReplacement:
+    """Start a lost wrapped rank's process again, alone (`NodeAgent._replace_rank`)."""
+
+    rank: int
+    cause: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Action:
     """The next state, and the effects that go with the move, applied in field order."""
 
@@ -114,6 +122,10 @@ class Action:
     interrupt: InprocessInterrupt | None = None
     """The ladder's first rung: the wrapped ranks recover in-process (no stop, no vote). If
     their store cannot be reached, the executor asks again as if they did not wrap."""
+    replace: RankReplacement | None = None
+    """The ladder's second rung: the survivors restart in-process, the lost rank's process is
+    started again and joins them; if that cannot be done, the executor asks again as if the
+    ranks did not wrap."""
     drain: bool = False
     """The workers leave on their own (a re-run's exit: every rank exits once its part of the
     checkpoint is saved): the stop waits for them, bounded, before it signals them."""
@@ -207,7 +219,13 @@ class Policy:
             return _rerun(event, facts)
         if event.returncode != 0:
             cause = f"rank {event.rank} on {facts.node} {exit_text(event.returncode)}"
-            return self._failure(cause, event.signature, facts)
+            rung = ladder.for_lost_rank(facts.inprocess_wrapped, event.returncode,
+                                        facts.inprocess_attempts)  # fmt: skip
+            if rung.rung is ladder.Rung.REPLACE_RANK:
+                return Action(None, replace=RankReplacement(event.rank, cause))
+            failure = self._failure(cause, event.signature, facts)
+            note = f"{rung.why}: in-job restart" if facts.inprocess_wrapped else failure.note
+            return dataclasses.replace(failure, note=note)
         return KEEP_WATCHING if event.others_running else Action(AgentState.SUCCEEDED)
 
     def _hangs(self, event: HangsFound, facts: Facts) -> Action:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from torch.distributed import Store
 
+from ftrun.agent.inprocess.records import InprocessRecords
 from ftrun.agent.node_services.cycle_info import CycleInfoService
 from ftrun.agent.node_services.gpu_memory import GpuReclaimService
 from ftrun.agent.node_services.health import HealthService
@@ -209,13 +210,14 @@ def _add_node_services(
     link: _MonitorLink,
 ) -> MonitorService:
     """The agent's own services that follow the subsystems': the rank monitor (returned),
-    the health watch and the GPU memory reclaim."""
+    the health watch, the wrapped ranks' in-process records and the GPU memory reclaim."""
     agent = config.agent
     link.monitor = services.add(
         MonitorService(config.monitor, job_dir, inbox.put, link.on_timings())
     )
     if config.health.watch_interval > 0 and (config.health.gpu or config.health.nic):
         services.add(HealthWatch(config.health, events.emit, inbox.put))
+    services.add(InprocessRecords(job_dir, events.emit))
     if agent.gpu_memory_reclaim_timeout > 0:
         services.add(
             GpuReclaimService(

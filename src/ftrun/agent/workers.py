@@ -152,6 +152,21 @@ class WorkerGroup:
         finally:
             self._exits.seal()  # no more workers: the waiter ends once their ends are told
 
+    def replace(
+        self, local_rank: int, env: Mapping[str, str], spawner: Spawner,
+        expect: Callable[[int, int], None],
+    ) -> int:  # fmt: skip
+        """Start local rank `local_rank`'s worker again (its process is gone, the others run);
+        its output goes on into the same log files. The new pid; OSError if it cannot start."""
+        old = self.workers[local_rank]
+        proc = spawner.spawn(env, functools.partial(expect, old.rank))
+        worker = Worker(local_rank, old.rank, proc, old.log_dir)
+        self.workers[local_rank] = worker
+        self._relay(worker)
+        if not self._exits.watch(proc, functools.partial(self._exited, worker), late=True):
+            raise OSError("the cycle's exit waiter has ended: no worker is left to join")
+        return proc.pid
+
     @property
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self.workers]

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from ftrun.errors import ExitCode
 from ftrun.eventlog.attribution import Attribution, RerunVerdict, attribute, rerun_verdicts
 from ftrun.eventlog.failures import CycleTimes, Failure, find_failures
+from ftrun.eventlog.inprocess import InprocessRestart, inprocess_restarts
 from ftrun.eventlog.reader import Event, EventSet
 from ftrun.eventlog.startup import StartupSplit, startup_splits
 
@@ -110,6 +111,8 @@ class Report:
     """Per failed cycle: its signature, the suspect, the evidence, the policy's decision."""
     reruns: tuple[RerunVerdict, ...]
     """The re-run state machine's verdicts."""
+    inprocess: tuple[InprocessRestart, ...]
+    """Faults the wrapped ranks recovered without a launcher cycle (`ftrun.inprocess`)."""
     spans: tuple[Span, ...]
     startup: tuple[StartupSplit, ...]
     """Per cycle, where its slowest rank's start-up went (`rank_startup` events)."""
@@ -165,6 +168,7 @@ def build_report(events: EventSet, now: float | None = None) -> Report:
         failures=failures,
         attributions=attribute(all_events),
         reruns=rerun_verdicts(all_events),
+        inprocess=inprocess_restarts(all_events),
         spans=spans,
         startup=startup_splits(all_events),
         warnings=events.warnings,

@@ -206,6 +206,21 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
     ),
     "unhealthy": (_req("reason", STR),),
     "restart": (_opt("cause", STR),),
+    "inprocess_recovered": (
+        _req("iteration", INT, "the restart iteration that ended (the ranks go on with the next)"),
+        _req("kind", STR, "EXCEPTION, SOFT_TIMEOUT, UNRESPONSIVE (a hang verdict), TERMINATED"),
+        _opt("from_rank", INT, "the rank the fault came from (none: the agent's own verdict)"),
+        _opt("why", STR),
+        _opt("seconds", NUM, "from the fault to every rank ready at the iteration's barrier"),
+    ),
+    "inprocess_left": (
+        _req("rank", INT), _req("iteration", INT), _opt("why", STR, "why the rank left"),
+    ),
+    "rank_replaced": (
+        _req("rank", INT, "a wrapped rank (ftrun.inprocess) whose process was lost"),
+        _req("pid", INT, "its new process, which joins the others' next restart iteration"),
+        _req("cause", STR),
+    ),
     "ckpt_replicated": (
         _req("session", STR, "the checkpoint session (a directory of the node's keeper)"),
         _req("iteration", INT),

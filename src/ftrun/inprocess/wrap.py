@@ -20,6 +20,7 @@ import functools
 import gc
 import logging
 import os
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -86,6 +87,7 @@ class CallWrapper:
         self._watcher_store = self._connect()
         self._timeout_store = self._connect()  # opened now: see `sockets`
         self._sockets = FunctionSockets()
+        self._sockets.mark()  # a replacement process aborts before it ever calls the function
         self.progress = ProgressWatchdog(opts, self._on_progress_timeout)
         self._iteration: Iteration | None = None
         self._events = events.EventWriter.for_rank(self.state.rank)
@@ -234,13 +236,11 @@ class CallWrapper:
             return
         self._watcher.aborted.set()
         abort: Abort | None = self.options.abort
+        bound = self.options.abort_timeout.total_seconds()
         if isinstance(abort, AbortTorchDistributed):
-            abort.timeout = self.options.abort_timeout.total_seconds()
-        try:
-            if abort is not None:
-                abort(self.state.freeze())
-        except RestartTimeoutError as error:
-            _give_up(f"aborting the process groups did not finish: {error}")
+            abort.timeout = bound
+        if abort is not None:
+            _bounded(lambda: abort(self.state.freeze()), bound, "the abort")
         self._sockets.shut_down_new()  # a gloo collective blocked on a peer returns now
 
     def _on_progress_timeout(self, kind: str, why: str) -> None:
@@ -264,6 +264,28 @@ _INTERRUPTED = object()
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:500]
+
+
+def _bounded(step: Callable[[], object], bound_s: float, what: str) -> None:
+    """Run `step` within `bound_s` (on a daemon thread: a user's abort, or an NCCL abort, can
+    hang); give up on in-process restart if it does not return in time or times out."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            step()
+        except BaseException as error:  # handed to the caller's thread
+            failed.append(error)
+
+    thread = threading.Thread(target=run, name="ftrun-inprocess-abort", daemon=True)
+    thread.start()
+    thread.join(bound_s)
+    if thread.is_alive():
+        _give_up(f"{what} did not finish within {bound_s:g}s")
+    if failed and isinstance(failed[0], RestartTimeoutError):
+        _give_up(f"{what} did not finish: {failed[0]}")
+    if failed:
+        log.warning("in-process restart: %s failed: %s", what, _describe(failed[0]))
 
 
 def _release(stopped: BaseException | None, bound_s: float) -> None:

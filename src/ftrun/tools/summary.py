@@ -61,6 +61,7 @@ def _lines(report: Report, timeline: str | None, timeline_note: str | None) -> I
     yield from _failure_lines(report.failures, clock, report.progress_reported)
     yield from _attribution_lines(report)
     yield from _rerun_lines(report)
+    yield from _inprocess_lines(report)
     if timeline or timeline_note:
         yield ""
         yield f"Timeline   {timeline or timeline_note}"
@@ -239,6 +240,19 @@ def _rerun_lines(report: Report) -> Iterator[str]:
         yield (f"  cycle {v.cycle} iteration {v.iteration} rank {v.rank}: {v.diagnostic} "
                f"({v.message}): first {v.initial}, re-run {v.rerun}; suspect node "
                f"{v.suspect_node}: {v.outcome}")  # fmt: skip
+
+
+def _inprocess_lines(report: Report) -> Iterator[str]:
+    if not report.inprocess:
+        return
+    yield ""
+    yield "In-process restarts  (ftrun.inprocess: recovered without a launcher cycle)"
+    for r in report.inprocess:
+        took = f"{r.seconds:.3f}s" if r.seconds is not None else "?"
+        source = f"rank {r.from_rank}" if r.from_rank is not None else "the agent"
+        yield (f"  cycle {r.cycle} iteration {r.iteration} -> {r.iteration + 1}: {r.kind} "
+               f"from {source} | {r.tier} | every rank ready {took} after the fault | "
+               f"{r.why}")  # fmt: skip
 
 
 def _redone(failure: Failure) -> str:

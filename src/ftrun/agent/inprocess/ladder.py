@@ -5,11 +5,13 @@ processes) -> in-job restart of the workers (the policy's restart vote) -> spare
 exclusion -> the job's exit code (both decided by `diagnosis.repeats` as for any failure).
 This module decides the first step only; the rest is the policy's existing failure path.
 
-In-process needs wrapped ranks on this node for the current cycle (`link.Coordination`) and a
-fault that leaves their processes alive: a hang judged by the rank monitor. A rank that is
-stopped (SIGSTOP) cannot run its watcher, and one whose process is gone cannot be reached: both
-take the in-job restart. So does the same hang again after `MAX_ATTEMPTS` in-process attempts
-within `WINDOW_S`: interrupting did not cure it.
+In-process needs wrapped ranks on this node for the current cycle (`link.Coordination`). A hang
+judged by the rank monitor is interrupted in the ranks' processes; a rank whose process was
+killed by a signal (SIGKILL, a segfault) is started again alone, and joins the others' next
+iteration (`REPLACE_RANK`). A stopped rank (SIGSTOP) cannot run its watcher, and a rank whose
+wrapper exited with a code gave up on purpose (an abort that hung, a failed health check): both
+take the in-job restart. So does any fault after `MAX_ATTEMPTS` in-process restarts within
+`WINDOW_S`: they did not cure it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ WINDOW_S = 120.0
 
 class Rung(enum.Enum):
     IN_PROCESS = "in_process"
+    REPLACE_RANK = "replace_rank"
     IN_JOB = "in_job"
 
 
@@ -42,3 +45,15 @@ def for_hang(wrapped: bool, stopped: bool, recent_attempts: int) -> Decision:
         return Decision(Rung.IN_JOB, f"{recent_attempts} in-process restarts in "
                                      f"{WINDOW_S:g}s did not cure it")  # fmt: skip
     return Decision(Rung.IN_PROCESS, "the wrapped ranks restart their function in-process")
+
+
+def for_lost_rank(wrapped: bool, returncode: int, recent_attempts: int) -> Decision:
+    """The first rung for a wrapped rank's process that ended while the others run."""
+    if not wrapped:
+        return Decision(Rung.IN_JOB, "the ranks do not run ftrun.inprocess.Wrapper")
+    if returncode >= 0:  # the wrapper itself gave up (abort, health check, barrier timeout)
+        return Decision(Rung.IN_JOB, f"the rank's wrapper gave up (exit {returncode})")
+    if recent_attempts >= MAX_ATTEMPTS:
+        return Decision(Rung.IN_JOB, f"{recent_attempts} in-process restarts in "
+                                     f"{WINDOW_S:g}s did not cure it")  # fmt: skip
+    return Decision(Rung.REPLACE_RANK, "only the lost rank's process is started again")

@@ -1,0 +1,53 @@
+"""In-process restarts in the event log: which tier recovered each fault, and in how long.
+
+A restart iteration of wrapped ranks (`ftrun.inprocess`) is told by every node whose ranks
+took part (`inprocess_recovered`); the report shows it once, with the slowest node's seconds
+from the fault to every rank ready. A lost rank's process started again (`rank_replaced`) marks
+its restart as the "replace rank" tier; a rank that left (`inprocess_left`) is listed too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from ftrun.eventlog.reader import Event
+
+
+@dataclasses.dataclass(frozen=True)
+class InprocessRestart:
+    cycle: int
+    iteration: int
+    kind: str
+    from_rank: int | None
+    why: str
+    seconds: float | None
+    """From the fault to every rank ready at the iteration's barrier (the slowest node's)."""
+    tier: str
+    """"in-process", or "replace rank N" when a lost rank's process was started again."""
+
+
+def inprocess_restarts(events: Sequence[Event]) -> tuple[InprocessRestart, ...]:
+    by_iteration: dict[tuple[int, int], InprocessRestart] = {}
+    replaced = {(e.cycle, int(e.get("rank", -1))) for e in events if e.event == "rank_replaced"}
+    for e in (e for e in events if e.event == "inprocess_recovered"):
+        key = (e.cycle, int(e.get("iteration", -1)))
+        seconds = e.get("seconds")
+        seconds = float(seconds) if isinstance(seconds, (int, float)) else None
+        rank = e.get("from_rank")
+        rank = int(rank) if isinstance(rank, int) else None
+        known = by_iteration.get(key)
+        if known is not None and known.seconds is not None:
+            seconds = max(known.seconds, seconds) if seconds is not None else known.seconds
+        kind = str(e.get("kind", "?"))
+        tier = f"replace rank {rank}" if (e.cycle, rank) in replaced and kind == "TERMINATED" \
+            else "in-process"  # fmt: skip
+        by_iteration[key] = InprocessRestart(e.cycle, key[1], kind, rank,
+                                             str(e.get("why", "")), seconds, tier)  # fmt: skip
+    return tuple(by_iteration[k] for k in sorted(by_iteration))
+
+
+def left_ranks(events: Sequence[Event]) -> tuple[tuple[int, int, str], ...]:
+    """(cycle, rank, why) of each wrapped rank that left its job in-process."""
+    return tuple((e.cycle, int(e.get("rank", -1)), str(e.get("why", "")))
+                 for e in events if e.event == "inprocess_left")  # fmt: skip
