@@ -60,19 +60,32 @@ def fault_once(rank: int, step: int) -> None:
     time.sleep(3600)
 
 
+def resume_step(world: int) -> int:
+    """The step every rank has made (a checkpoint's): after an in-job restart the ranks that
+    went on without a lost one are ahead of it."""
+    made = [ARGS.out / f"steps-rank{r}.txt" for r in range(world)]
+    return min(len(p.read_text().splitlines()) if p.exists() else 0 for p in made)
+
+
 class _FaultyAbort(inprocess.abort.Abort):
     """The fault rank's abort never returns (an NCCL abort that hangs), once."""
 
     def __call__(self, state: inprocess.FrozenState) -> inprocess.FrozenState:
         if ARGS.fault == "abort-hangs" and state.rank == ARGS.fault_rank:
-            time.sleep(3600)
+            marker = ARGS.out / "abort-hung"
+            if not marker.exists():
+                marker.touch()
+                time.sleep(3600)
         return state
 
 
 class _FaultyFinalize(inprocess.finalize.Finalize):
     def __call__(self, state: inprocess.FrozenState) -> inprocess.FrozenState:
         if ARGS.fault == "finalize-fails" and state.rank == ARGS.fault_rank:
-            raise RuntimeError("finalize failed")
+            marker = ARGS.out / "finalize-failed"
+            if not marker.exists():
+                marker.touch()
+                raise RuntimeError("finalize failed")
         return state
 
 
@@ -96,7 +109,7 @@ def train(model: torch.nn.Module, call_wrapper: inprocess.CallWrapper | None = N
     if monitor is not None:  # a registration per iteration: a hang verdict ends the last one
         monitor.init_workload_monitoring()
     done = ARGS.out / f"steps-rank{rank}.txt"
-    start = len(done.read_text().splitlines()) if done.exists() else 0
+    start = resume_step(world)
     with done.open("a") as out:
         for step in range(start, ARGS.steps):
             fault_once(rank, step)
