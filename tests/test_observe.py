@@ -184,6 +184,15 @@ def test_ranks_stepping_and_recoveries_by_tier_and_cause_are_served():
     assert value(samples, "ftrun_recovery_duration_seconds_bucket", le="+Inf") == 1
 
 
+def test_in_process_restarts_count_as_their_own_tier_with_their_seconds():
+    timings = NodeTimings()
+    timings.apply(rec("inprocess_recovered", 10.0, 0, iteration=0, kind="EXCEPTION", seconds=0.2))
+    timings.apply(rec("rank_replaced", 20.0, 0, rank=1, pid=42, cause="killed"))
+    timings.apply(rec("inprocess_recovered", 20.5, 0, iteration=1, kind="TERMINATED", seconds=0.4))
+    assert timings.recoveries == {("in-process", "EXCEPTION"): 1, ("in-process", "TERMINATED"): 1}
+    assert (timings.recovery.count, timings.recovery.cumulative()[0]) == (2, (0.5, 2))
+
+
 def test_recovery_runs_from_the_last_progress_to_stepping_again_across_cycles_that_failed():
     timings = NodeTimings()
     timings.apply(rec("stepping", 10.0, 0, ranks=[0], progress_ts=10.0, progress_mono=10.0))
@@ -298,6 +307,11 @@ def test_the_status_tells_each_node_the_cycle_the_failures_and_the_time_lost():
     live = {"n0": {"ts": 119.0, "cycle": 1, "progress": [[0, 70, 0.2], [1, 71, 0.3]]}}
     doc = job_status("job", events_of(two_node_job()), live, now=120.0)
     assert (doc["outcome"], doc["cycle"], doc["restarts"]) == ("RUNNING", 1, 1)
+    assert doc["inprocess_restarts"] == 0
+    recovered = rec("inprocess_recovered", 119.5, 1, "n0", iteration=0, kind="EXCEPTION",
+                    from_rank=1, seconds=0.2)  # fmt: skip
+    assert job_status("job", events_of([*two_node_job(), recovered]), live,
+                      now=120.0)["inprocess_restarts"] == 1  # fmt: skip
     assert [(n["node"], n["state"], n["stepping"]) for n in doc["nodes"]] == [
         ("n0", "stepping", [0, 1]), ("n1", "stepping", [2, 3])]  # fmt: skip
     assert doc["nodes"][0]["progress"] == [[0, 70, 1.2], [1, 71, 1.3]]  # aged since published

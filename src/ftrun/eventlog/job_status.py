@@ -49,6 +49,7 @@ def job_status(
         "outcome": "RUNNING" if report.outcome == "INCOMPLETE" else report.outcome,
         "cycle": cycle,
         "restarts": sum(1 for c in report.cycles if c.outcome == "failed"),
+        "inprocess_restarts": len(report.inprocess),
         "wall_s": report.wall_s,
         "effective_s": report.effective_s,
         "lost_s": max(report.wall_s - report.effective_s, 0.0),

@@ -6,7 +6,8 @@
   for them (`tier`: the failure's `decision`, e.g. `restart`, `exclude node`, `stop job`) and
   their kind. A rung added later writes its own decision and is counted without a change here.
 - `recovery`: seconds from the node's last progress before a failure stopped its workers to its
-  ranks stepping again (`ftrun report`'s recovery, measured on the node's monotonic clock). A
+  ranks stepping again (`ftrun report`'s recovery, measured on the node's monotonic clock), or,
+  for an in-process restart, from the fault to every rank ready again. A
   cycle that never trained keeps the earlier start: the failure before it is still being paid.
 - `rendezvous`: the rounds' durations, joining to formed.
 
@@ -22,9 +23,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-RECOVERY_BOUNDS = (5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+RECOVERY_BOUNDS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 RENDEZVOUS_BOUNDS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 DEFAULT_TIER = "restart"
+INPROCESS_TIER = "in-process"
+"""Faults the wrapped ranks recovered without a cycle (`inprocess_recovered`; its `kind` is the
+cause: EXCEPTION, UNRESPONSIVE, TERMINATED for a rank whose process was started again)."""
 """A failure event without a decision (written before the policy named it): a restart, as
 `ftrun report` reads it."""
 
@@ -82,6 +86,11 @@ class NodeTimings:
             self._lost_at(at if at is not None else _number(record.get("mono")))
         elif kind == "restart":
             self._lost_at(_number(record.get("mono")))
+        elif kind == "inprocess_recovered":  # the ladder's first rungs: no stop, no cycle
+            self.recoveries[(INPROCESS_TIER, str(record.get("kind")))] += 1
+            seconds = _number(record.get("seconds"))
+            if seconds is not None:
+                self.recovery.observe(max(seconds, 0.0))
         elif kind == "stepping":
             self._stepped(_number(record.get("progress_mono")))
         elif kind == "exit":
