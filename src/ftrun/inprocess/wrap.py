@@ -129,7 +129,7 @@ class CallWrapper:
         self._events.close()
 
     def __call__(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        self._assign(set())
+        self._assign(set(), "start")
         while True:
             it = Iteration(self.store, self.state.iteration, self.state.world_size)
             done, result = self._attempt(it, fn, args, kwargs)
@@ -219,11 +219,13 @@ class CallWrapper:
 
     def _next_iteration(self, it: Iteration) -> None:
         terminated = it.terminated(range(it.world_size))
-        self._assign(terminated)
+        self._assign(terminated, str(it.number))
         self.state.advance()
 
-    def _assign(self, terminated: set[int]) -> None:
-        ctx_store = stores.PrefixStore(f"{self.state.iteration}/ra", self.store)
+    def _assign(self, terminated: set[int], phase: str) -> None:
+        """Rank assignment, at the first call (`phase` "start") or at the end of an iteration
+        (its number): each has its own keys, for the assignments that gather through them."""
+        ctx_store = stores.PrefixStore(f"ra/{phase}", self.store)
         ctx = self.options.rank_assignment(RankAssignmentCtx(self.state, ctx_store, terminated))
         self.state = ctx.state
         self.state.set_distributed_vars()

@@ -1,0 +1,89 @@
+"""The restart iteration's protocol on a store (`ftrun.inprocess.iteration`), without processes:
+how an iteration ends (every rank completed, or somebody interrupted it), the barrier, and the
+ranks that left; and the options `Wrapper` checks as NVRx does."""
+
+from __future__ import annotations
+
+import datetime
+import warnings
+
+import pytest
+from torch.distributed import HashStore
+
+from ftrun.inprocess.iteration import CURRENT_KEY, Interruption, Iteration, newest_iteration
+from ftrun.inprocess.options import build_options
+from ftrun.inprocess.params import substitute_call_wrapper
+
+SHORT = datetime.timedelta(milliseconds=50)
+
+
+def test_the_last_rank_to_complete_ends_the_iteration_without_an_interruption():
+    store = HashStore()
+    ranks = [Iteration(store, 0, world_size=3) for _ in range(3)]
+    ranks[0].complete()
+    ranks[1].complete()
+    assert not ranks[0].wait_end(SHORT)
+    ranks[2].complete()
+    assert ranks[0].wait_end(SHORT) and not ranks[0].was_interrupted()
+
+
+def test_an_interruption_ends_it_at_once_with_its_reason_first():
+    store = HashStore()
+    it = Iteration(store, 4, world_size=2)
+    it.interrupt(Interruption(1, "EXCEPTION", "RuntimeError: x", at=10.0))
+    it.interrupt(Interruption(None, "UNRESPONSIVE", "rank 1 hung", at=11.0))
+    assert it.wait_end(SHORT) and it.was_interrupted()
+    kinds = [(i.rank, i.kind) for i in it.interruptions()]
+    assert kinds == [(1, "EXCEPTION"), (None, "UNRESPONSIVE")]
+    assert not Iteration(store, 5, 2).wait_end(SHORT)  # the next iteration is untouched
+
+
+def test_the_barrier_opens_once_every_rank_arrived_leavers_included():
+    store = HashStore()
+    it = Iteration(store, 0, world_size=3)
+    it.arrive(0)
+    it.arrive(2, leaving=True)
+    assert not it.wait_go(SHORT)
+    it.arrive(1)
+    assert it.wait_go(SHORT) and it.terminated(range(3)) == {2}
+
+
+def test_a_replacement_joins_the_newest_iteration_a_rank_entered():
+    store = HashStore()
+    assert newest_iteration(store) == 0
+    Iteration(store, 3, 2).enter()
+    assert newest_iteration(store) == 3 and store.get(CURRENT_KEY) == b"3"
+
+
+def test_nvrx_arguments_are_checked_as_nvrx_checks_them():
+    with pytest.raises(TypeError, match="soft_timeout"):
+        build_options({"soft_timeout": 60})
+    with pytest.raises(ValueError, match="soft_timeout < hard_timeout"):
+        build_options({"soft_timeout": datetime.timedelta(seconds=100)})
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        build_options({"monitor_interval": 1})
+    with pytest.raises(ValueError, match="FTRUN_INPROCESS_ABORT_TIMEOUT"):
+        build_options({}, environ={"FTRUN_INPROCESS_ABORT_TIMEOUT": "soon"})
+
+
+def test_arguments_ftrun_does_not_need_warn_once_with_the_reason():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_options({"monitor_process_interval": datetime.timedelta(seconds=2),
+                       "heartbeat_interval": datetime.timedelta(seconds=1)})  # fmt: skip
+    assert [str(w.message) for w in caught] == [
+        "ftrun.inprocess.Wrapper: monitor_process_interval is not used: ftrun runs no monitor "
+        "process"
+    ]  # the second is NVRx's default: nothing to say
+
+
+def test_the_call_wrapper_goes_to_the_parameter_annotated_for_it():
+    class CallWrapper:
+        pass
+
+    def train(model: int, call_wrapper: CallWrapper | None = None, *, lr: float = 0.1) -> None:
+        return None
+
+    marker = CallWrapper()
+    args, kwargs = substitute_call_wrapper(train, (7,), {"lr": 0.2}, marker)
+    assert (args, kwargs) == ((7, marker), {"lr": 0.2})
