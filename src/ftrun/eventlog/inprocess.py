@@ -2,8 +2,8 @@
 
 A restart iteration of wrapped ranks (`ftrun.inprocess`) is told by every node whose ranks
 took part (`inprocess_recovered`); the report shows it once, with the slowest node's seconds
-from the fault to every rank ready. A lost rank's process started again (`rank_replaced`) marks
-its restart as the "replace rank" tier; a rank that left (`inprocess_left`) is listed too.
+from the fault to every rank ready. A restart caused by a lost process (kind TERMINATED: the agent
+started that rank's process again, `rank_replaced`) is the "replace rank" tier.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ class InprocessRestart:
 
 def inprocess_restarts(events: Sequence[Event]) -> tuple[InprocessRestart, ...]:
     by_iteration: dict[tuple[int, int], InprocessRestart] = {}
-    replaced = {(e.cycle, int(e.get("rank", -1))) for e in events if e.event == "rank_replaced"}
     for e in (e for e in events if e.event == "inprocess_recovered"):
         key = (e.cycle, int(e.get("iteration", -1)))
         seconds = e.get("seconds")
@@ -40,14 +39,9 @@ def inprocess_restarts(events: Sequence[Event]) -> tuple[InprocessRestart, ...]:
         if known is not None and known.seconds is not None:
             seconds = max(known.seconds, seconds) if seconds is not None else known.seconds
         kind = str(e.get("kind", "?"))
-        tier = f"replace rank {rank}" if (e.cycle, rank) in replaced and kind == "TERMINATED" \
-            else "in-process"  # fmt: skip
+        # TERMINATED comes from the agent alone, when it started a lost rank's process again.
+        tier = f"replace rank {rank}" if kind == "TERMINATED" else "in-process"
         by_iteration[key] = InprocessRestart(e.cycle, key[1], kind, rank,
                                              str(e.get("why", "")), seconds, tier)  # fmt: skip
     return tuple(by_iteration[k] for k in sorted(by_iteration))
 
-
-def left_ranks(events: Sequence[Event]) -> tuple[tuple[int, int, str], ...]:
-    """(cycle, rank, why) of each wrapped rank that left its job in-process."""
-    return tuple((e.cycle, int(e.get("rank", -1)), str(e.get("why", "")))
-                 for e in events if e.event == "inprocess_left")  # fmt: skip

@@ -22,6 +22,17 @@ from ftrun.services import NodeService
 POLL_S = 0.2
 
 
+def _root_cause(causes: list[dict[str, object]]) -> dict[str, object]:
+    """The fault the restart recovered from: the agent's own verdict (a lost process, a hang)
+    over the ranks' errors that followed from it (gloo's "connection closed" in a peer can be
+    recorded milliseconds before the agent's), else the earliest."""
+    for kind in ("TERMINATED", "UNRESPONSIVE"):
+        found = [c for c in causes if c.get("kind") == kind]
+        if found:
+            return found[0]
+    return min(causes, key=lambda c: float(c.get("at", 0.0) or 0.0)) if causes else {}
+
+
 class InprocessRecords(NodeService):
     name = "inprocess-records"
 
@@ -99,8 +110,9 @@ class InprocessRecords(NodeService):
         if iteration in self._seen:  # another local rank's record of the same restart
             return
         causes = [c for c in record.get("causes") or [] if isinstance(c, dict)]
-        first = min(causes, key=lambda c: float(c.get("at", 0.0))) if causes else {}
-        at, ready = float(first.get("at", 0.0) or 0.0), float(record.get("time", 0.0) or 0.0)
+        first = _root_cause(causes)
+        earliest = min((float(c.get("at", 0.0) or 0.0) for c in causes), default=0.0)
+        at, ready = earliest, float(record.get("time", 0.0) or 0.0)
         self._seen.add(iteration)
         self._emit("inprocess_recovered", iteration=iteration, kind=str(first.get("kind", "?")),
                    from_rank=first.get("rank"), why=str(first.get("why", ""))[:300],
