@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +74,10 @@ def connect(
         address = f"{base.host}:{base.port}" if isinstance(base, dist.TCPStore) else ""
         return (dist.PrefixStore(STANDALONE_PREFIX, base),
                 lambda: dist.PrefixStore(STANDALONE_PREFIX, base.clone()), address)  # fmt: skip
+    if kwargs or factory is not TCPStore:
+        warnings.warn("ftrun.inprocess.Wrapper: store_factory/store_kwargs are not used under "
+                      "ft_launcher: the ranks coordinate through the job's store",
+                      stacklevel=4)  # fmt: skip
     host, _, port = address.rpartition(":")
     prefix = environ.get(PREFIX_ENV, STANDALONE_PREFIX)
 
