@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from torch.distributed import Store
+from torch.distributed import Store, TCPStore
 
 from ftrun.agent.inprocess.records import InprocessRecords
 from ftrun.agent.node_services.cycle_info import CycleInfoService
@@ -158,6 +158,8 @@ def open_runtime(
         for factory in subsystems:
             services.add(factory(context))
         monitor = _add_node_services(config, services, job_dir, events, inbox, link)
+        services.add(InprocessRecords(job_dir, events.emit, _tcp_address(store),
+                                      config.rendezvous.run_id))  # fmt: skip
         spawner = _spawner(config, environ, node, fork_server, services)
         runtime = AgentRuntime(
             config=config, environ=environ, host=host, node=node, node_log_dir=log_dir / node,
@@ -210,14 +212,13 @@ def _add_node_services(
     link: _MonitorLink,
 ) -> MonitorService:
     """The agent's own services that follow the subsystems': the rank monitor (returned),
-    the health watch, the wrapped ranks' in-process records and the GPU memory reclaim."""
+    the health watch and the GPU memory reclaim."""
     agent = config.agent
     link.monitor = services.add(
         MonitorService(config.monitor, job_dir, inbox.put, link.on_timings())
     )
     if config.health.watch_interval > 0 and (config.health.gpu or config.health.nic):
         services.add(HealthWatch(config.health, events.emit, inbox.put))
-    services.add(InprocessRecords(job_dir, events.emit))
     if agent.gpu_memory_reclaim_timeout > 0:
         services.add(
             GpuReclaimService(
@@ -225,6 +226,13 @@ def _add_node_services(
             )
         )
     return link.monitor
+
+
+def _tcp_address(store: Store) -> str | None:
+    """`host:port` of the job's store where it is a c10d TCPStore that wrapped ranks can share
+    (`agent.inprocess.records`); None on etcd and for a store that `ftrun store` serves (its
+    restarts would take the ranks' keys with them)."""
+    return f"{store.host}:{store.port}" if isinstance(store, TCPStore) else None
 
 
 def _spawner(

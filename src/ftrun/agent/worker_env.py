@@ -6,15 +6,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-
 from ftrun.agent.placement.binding import BIND_VARIABLES
 from ftrun.agent.rank_env import rank_variables
 from ftrun.client_lib.flight import BUFFER_VARS
 from ftrun.config import LaunchConfig
-from ftrun.inprocess.store import PREFIX_ENV, STORE_ENV
 from ftrun.rendezvous.ranks import Round
-from ftrun.store.connect import DEFAULT_PORT
 
 FLIGHT_RECORDER_ENTRIES = 2000
 """Collectives each worker's flight recorder keeps (torch's own suggestion for NCCL jobs)."""
@@ -86,17 +82,5 @@ def shared_env(
             TORCHELASTIC_RESTART_COUNT=str(rnd.number),
             FTRUN_CYCLE=str(rnd.number),
         )
-        env.update(inprocess_store_env(config, rnd.number))
     return env
 
-
-def inprocess_store_env(config: LaunchConfig, cycle: int) -> dict[str, str]:
-    """Where ranks that run `ftrun.inprocess.Wrapper` coordinate: the job's own c10d store, which
-    outlives every worker (rank 0 can be lost and replaced) and needs no port next to
-    MASTER_PORT (NVRx's MASTER_PORT + 1 may be taken); the cycle's keys under their own prefix.
-    On etcd there is no TCPStore to share: the wrapper serves its own, as under torchrun."""
-    rdzv = config.rendezvous
-    if rdzv.backend != "c10d":
-        return {}
-    host, port = parse_rendezvous_endpoint(rdzv.endpoint, default_port=DEFAULT_PORT)
-    return {STORE_ENV: f"{host}:{port}", PREFIX_ENV: f"inprocess/{rdzv.run_id}/{cycle}"}

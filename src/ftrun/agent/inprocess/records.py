@@ -1,7 +1,8 @@
 """What the wrapped ranks tell of their in-process restarts, turned into this node's events.
 
 Each rank appends its records to `<job-dir>/inprocess/rank<N>.jsonl` (`ftrun.inprocess.events`).
-This service reads them while the workers run (every `POLL_S`, from where it stopped) and once
+It also tells the workers where to coordinate (`worker_env`). This service reads the records
+while the workers run (every `POLL_S`, from where it stopped) and once
 more when they stop or finish, and emits one `inprocess_recovered` event per restart iteration
 of this node's ranks (the cause, the rank it came from, and the seconds from the fault to
 every rank ready at the iteration's barrier) and an `inprocess_left` event per rank that left:
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ftrun.inprocess.events import SUBDIR
+from ftrun.inprocess.store import PREFIX_ENV, STORE_ENV
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import NodeService
 
@@ -36,13 +38,27 @@ def _root_cause(causes: list[dict[str, object]]) -> dict[str, object]:
 class InprocessRecords(NodeService):
     name = "inprocess-records"
 
-    def __init__(self, job_dir: Path, emit: Callable[..., None]) -> None:
+    def __init__(
+        self, job_dir: Path, emit: Callable[..., None], store_address: str | None, run_id: str
+    ) -> None:
         self._folder, self._emit = job_dir / SUBDIR, emit
+        self._store_address, self._run_id = store_address, run_id
         self._offsets: dict[Path, int] = {}
         self._seen: set[int] = set()  # this cycle's restart iterations already told
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def worker_env(self, rnd: Round) -> dict[str, str]:
+        """Where wrapped ranks coordinate: the job's own c10d store (its real address: with
+        --standalone the endpoint's port is 0), which outlives every worker (rank 0 can be lost
+        and started again) and needs no port next to MASTER_PORT (NVRx's MASTER_PORT + 1 may be
+        taken); the cycle's keys under their own prefix. Without one (etcd) the wrapper serves
+        its own store, as under torchrun."""
+        if self._store_address is None:
+            return {}
+        prefix = f"inprocess/{self._run_id}/{rnd.number}"
+        return {STORE_ENV: self._store_address, PREFIX_ENV: prefix}
 
     def on_started(self, rnd: Round, pids: Iterable[int]) -> None:
         self._stop.clear()
