@@ -65,6 +65,8 @@ bench-smoke: $(STAMP)
 
 bench-gpu:
 	python3 -m bench.restart.gpu_compare --runs $(or $(BENCH_RUNS),3)
+	python3 -m bench.restart.inprocess_compare --nproc 4 --runs $(or $(BENCH_RUNS),3)
+	python3 -m bench.restart.inprocess_compare --nproc 1 --cases raise:plain,raise:compile --runs $(or $(BENCH_RUNS),3)
 	python3 -m bench.checkpoint.checkpoint_gpu
 	python3 -m bench.monitor.straggler_gpu
 	python3 -m bench.monitor.health_watch

@@ -81,6 +81,8 @@ SMOKES = [
           slow=A_JOB, needs="etcd"),
     Smoke("compat.nvrx_examples", r"nvrx_examples: no NVRx examples|of 1 passed",
           ("--set", "cpu", "--work", "{tmp}/work"), timeout=180, slow=A_JOB),
+    Smoke("restart.inprocess_compare", r"ftrun-inprocess\s+0\.\d+",
+          ("--contenders", "ftrun-inprocess", "--out-dir", "{tmp}"), timeout=300, slow=A_JOB),
     Smoke("compat.nvrx_inprocess",
           r"nvrx_inprocess: no NVRx examples|advanced_example.py\s+torchrun", timeout=300,
           slow=A_JOB),
