@@ -8,11 +8,13 @@ import datetime
 import warnings
 
 import pytest
+import torch.distributed as dist
 from torch.distributed import HashStore
 
 from ftrun.inprocess.iteration import CURRENT_KEY, Interruption, Iteration, newest_iteration
 from ftrun.inprocess.options import build_options
 from ftrun.inprocess.params import substitute_call_wrapper
+from ftrun.inprocess.wrap import _has_gloo_group
 
 SHORT = datetime.timedelta(milliseconds=50)
 
@@ -87,3 +89,13 @@ def test_the_call_wrapper_goes_to_the_parameter_annotated_for_it():
     marker = CallWrapper()
     args, kwargs = substitute_call_wrapper(train, (7,), {"lr": 0.2}, marker)
     assert (args, kwargs) == ((7, marker), {"lr": 0.2})
+
+
+def test_only_a_gloo_group_has_its_connections_shut_down_at_a_restart():
+    assert not _has_gloo_group()
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        assert _has_gloo_group()
+    finally:
+        dist.destroy_process_group()
+    assert not _has_gloo_group()

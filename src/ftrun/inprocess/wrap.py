@@ -123,6 +123,7 @@ class CallWrapper:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        gc.unfreeze()
         self.progress.close()
         self._watcher.close()
         self._interrupter.close()
@@ -241,9 +242,11 @@ class CallWrapper:
         bound = self.options.abort_timeout.total_seconds()
         if isinstance(abort, AbortTorchDistributed):
             abort.timeout = bound
+        gloo = _has_gloo_group()  # before the abort destroys the groups
         if abort is not None:
             _bounded(lambda: abort(self.state.freeze()), bound, "the abort")
-        self._sockets.shut_down_new()  # a gloo collective blocked on a peer returns now
+        if gloo:  # a gloo collective blocked on a peer returns now (see `sockets`)
+            self._sockets.shut_down_new()
 
     def _on_progress_timeout(self, kind: str, why: str) -> None:
         it = self._iteration
@@ -262,6 +265,24 @@ class CallWrapper:
 
 
 _INTERRUPTED = object()
+
+
+def _has_gloo_group() -> bool:
+    """Whether a process group of this process has a gloo backend (only then are the function's
+    connections shut down: an NCCL job's are left alone, a streaming dataset's too)."""
+    import torch.distributed as dist
+
+    gloo = getattr(dist, "ProcessGroupGloo", None)  # a build without gloo has none
+    if gloo is None or not (dist.is_available() and dist.is_initialized()):
+        return False
+    for group in list(dist.distributed_c10d._world.pg_names):
+        for device in getattr(group, "_device_types", ()):
+            try:
+                if isinstance(group._get_backend(device), gloo):
+                    return True
+            except RuntimeError:
+                continue
+    return False
 
 
 def _describe(error: BaseException) -> str:
