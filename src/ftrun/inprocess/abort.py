@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -147,21 +147,32 @@ def _dump_fr_trace(directory: str) -> None:
     log.info("abort: Flight Recorder trace written to %s", target)
 
 
-def _backend_aborts() -> dict[str, Callable[[], Any]]:
-    """`{"<group>/<device>": abort}` for each distinct backend of each process group."""
-    found: dict[int, tuple[str, Callable[[], Any]]] = {}
-    world = dist.distributed_c10d._world
-    for group, name in list(world.pg_names.items()):
+def backends() -> Iterator[tuple[str, Any]]:
+    """`("<group>/<device>", backend)` for each backend of each live process group (a backend
+    two groups share comes once per group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    for group, name in list(dist.distributed_c10d._world.pg_names.items()):
         for device in getattr(group, "_device_types", ()):
             try:
-                backend = group._get_backend(device)
+                yield f"{name}/{device.type}", group._get_backend(device)
             except RuntimeError:
                 continue  # no backend for this device type
-            if type(backend).__name__ == "ProcessGroupGloo":
-                continue  # see the class: its abort() returns nothing and breaks its destructor
-            stop = getattr(backend, "abort", None) or getattr(backend, "shutdown", None)
-            if stop is not None and id(backend) not in found:
-                found[id(backend)] = (f"{type(backend).__name__} {name}/{device.type}", stop)
+
+
+def is_gloo(backend: Any) -> bool:
+    return type(backend).__name__ == "ProcessGroupGloo"  # a build without gloo has no class
+
+
+def _backend_aborts() -> dict[str, Callable[[], Any]]:
+    """`{"<type> <group>/<device>": abort}` for each distinct backend of each process group."""
+    found: dict[int, tuple[str, Callable[[], Any]]] = {}
+    for where, backend in backends():
+        if is_gloo(backend):
+            continue  # see the class: its abort() returns nothing and breaks its destructor
+        stop = getattr(backend, "abort", None) or getattr(backend, "shutdown", None)
+        if stop is not None and id(backend) not in found:
+            found[id(backend)] = (f"{type(backend).__name__} {where}", stop)
     return dict(found.values())
 
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from ftrun.inprocess.iteration import Interruption
+from ftrun.inprocess.iteration import Interruption, root_cause
 
 log = logging.getLogger("ftrun.inprocess")
 
@@ -47,7 +47,7 @@ class EventWriter:
         partial.replace(target)  # atomic: the agent never reads half a file
 
     def recovered(self, iteration: int, causes: list[Interruption], seconds: float) -> None:
-        first = min(causes, key=lambda c: c.at) if causes else None
+        first = root_cause(causes)
         cause = f"{first.kind} on rank {first.rank}: {first.why}" if first else "unknown"
         if (first is not None and first.rank == self.rank) or self.rank == 0:
             log.warning("in-process restart: iteration %d -> %d after %s (ready in %.3fs)",

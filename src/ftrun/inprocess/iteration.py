@@ -22,6 +22,7 @@ import dataclasses
 import datetime
 import json
 from collections.abc import Iterable
+from typing import Any
 
 from torch.distributed import Store
 
@@ -49,9 +50,26 @@ class Interruption:
 
     @classmethod
     def decode(cls, raw: bytes) -> Interruption:
-        fields = json.loads(raw)
-        return cls(rank=fields.get("rank"), kind=str(fields.get("kind", "?")),
-                   why=str(fields.get("why", "")), at=float(fields.get("at", 0.0)))  # fmt: skip
+        return cls.from_fields(json.loads(raw))
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> Interruption:
+        """From `encode`'s fields (also as a rank's records carry them), missing ones filled."""
+        rank = fields.get("rank")
+        return cls(rank=rank if isinstance(rank, int) else None,
+                   kind=str(fields.get("kind", "?")), why=str(fields.get("why", "")),
+                   at=float(fields.get("at", 0.0) or 0.0))  # fmt: skip
+
+
+def root_cause(causes: list[Interruption]) -> Interruption | None:
+    """The fault a restart recovered from: the agent's own verdict (a lost process, a hang) over
+    the ranks' errors that followed from it (gloo's "connection closed" in a peer can be
+    recorded milliseconds before the agent's), else the earliest."""
+    for kind in ("TERMINATED", "UNRESPONSIVE"):
+        found = [c for c in causes if c.kind == kind]
+        if found:
+            return found[0]
+    return min(causes, key=lambda c: c.at) if causes else None
 
 
 class Iteration:

@@ -28,7 +28,7 @@ from typing import Any
 
 from ftrun.inprocess import events
 from ftrun.inprocess import store as stores
-from ftrun.inprocess.abort import Abort, AbortTorchDistributed
+from ftrun.inprocess.abort import Abort, AbortTorchDistributed, backends, is_gloo
 from ftrun.inprocess.exception import HealthCheckError
 from ftrun.inprocess.exception import TimeoutError as RestartTimeoutError
 from ftrun.inprocess.interrupt import Interrupter, RankShouldRestart
@@ -270,19 +270,7 @@ _INTERRUPTED = object()
 def _has_gloo_group() -> bool:
     """Whether a process group of this process has a gloo backend (only then are the function's
     connections shut down: an NCCL job's are left alone, a streaming dataset's too)."""
-    import torch.distributed as dist
-
-    gloo = getattr(dist, "ProcessGroupGloo", None)  # a build without gloo has none
-    if gloo is None or not (dist.is_available() and dist.is_initialized()):
-        return False
-    for group in list(dist.distributed_c10d._world.pg_names):
-        for device in getattr(group, "_device_types", ()):
-            try:
-                if isinstance(group._get_backend(device), gloo):
-                    return True
-            except RuntimeError:
-                continue
-    return False
+    return any(is_gloo(backend) for _, backend in backends())
 
 
 def _describe(error: BaseException) -> str:

@@ -37,23 +37,28 @@ class Decision:
 
 def for_hang(wrapped: bool, stopped: bool, recent_attempts: int) -> Decision:
     """The first rung for a hang verdict of this node's ranks."""
-    if not wrapped:
-        return Decision(Rung.IN_JOB, "the ranks do not run ftrun.inprocess.Wrapper")
-    if stopped:
+    if stopped and wrapped:
         return Decision(Rung.IN_JOB, "a stopped rank cannot be interrupted in its process")
-    if recent_attempts >= MAX_ATTEMPTS:
-        return Decision(Rung.IN_JOB, f"{recent_attempts} in-process restarts in "
-                                     f"{WINDOW_S:g}s did not cure it")  # fmt: skip
-    return Decision(Rung.IN_PROCESS, "the wrapped ranks restart their function in-process")
+    return _unless_cannot(wrapped, recent_attempts) or Decision(
+        Rung.IN_PROCESS, "the wrapped ranks restart their function in-process"
+    )
 
 
 def for_lost_rank(wrapped: bool, returncode: int, recent_attempts: int) -> Decision:
     """The first rung for a wrapped rank's process that ended while the others run."""
+    if returncode >= 0 and wrapped:  # the wrapper gave up (abort, health check, barrier)
+        return Decision(Rung.IN_JOB, f"the rank's wrapper gave up (exit {returncode})")
+    return _unless_cannot(wrapped, recent_attempts) or Decision(
+        Rung.REPLACE_RANK, "only the lost rank's process is started again"
+    )
+
+
+def _unless_cannot(wrapped: bool, recent_attempts: int) -> Decision | None:
+    """The in-job restart where no in-process rung can work for any fault: ranks that do not
+    wrap, or in-process restarts that did not cure it; None: an in-process rung may."""
     if not wrapped:
         return Decision(Rung.IN_JOB, "the ranks do not run ftrun.inprocess.Wrapper")
-    if returncode >= 0:  # the wrapper itself gave up (abort, health check, barrier timeout)
-        return Decision(Rung.IN_JOB, f"the rank's wrapper gave up (exit {returncode})")
     if recent_attempts >= MAX_ATTEMPTS:
         return Decision(Rung.IN_JOB, f"{recent_attempts} in-process restarts in "
                                      f"{WINDOW_S:g}s did not cure it")  # fmt: skip
-    return Decision(Rung.REPLACE_RANK, "only the lost rank's process is started again")
+    return None

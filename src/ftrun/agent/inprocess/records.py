@@ -17,22 +17,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ftrun.inprocess.events import SUBDIR
+from ftrun.inprocess.iteration import Interruption, root_cause
 from ftrun.inprocess.store import PREFIX_ENV, STORE_ENV
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import NodeService
 
 POLL_S = 0.2
-
-
-def _root_cause(causes: list[dict[str, object]]) -> dict[str, object]:
-    """The fault the restart recovered from: the agent's own verdict (a lost process, a hang)
-    over the ranks' errors that followed from it (gloo's "connection closed" in a peer can be
-    recorded milliseconds before the agent's), else the earliest."""
-    for kind in ("TERMINATED", "UNRESPONSIVE"):
-        found = [c for c in causes if c.get("kind") == kind]
-        if found:
-            return found[0]
-    return min(causes, key=lambda c: float(c.get("at", 0.0) or 0.0)) if causes else {}
 
 
 class InprocessRecords(NodeService):
@@ -125,11 +115,12 @@ class InprocessRecords(NodeService):
             return
         if iteration in self._seen:  # another local rank's record of the same restart
             return
-        causes = [c for c in record.get("causes") or [] if isinstance(c, dict)]
-        first = _root_cause(causes)
-        earliest = min((float(c.get("at", 0.0) or 0.0) for c in causes), default=0.0)
-        at, ready = earliest, float(record.get("time", 0.0) or 0.0)
+        causes = [Interruption.from_fields(c) for c in record.get("causes") or []
+                  if isinstance(c, dict)]  # fmt: skip
+        first = root_cause(causes) or Interruption(None, "?", "", 0.0)
+        at = min((c.at for c in causes), default=0.0)
+        ready = float(record.get("time", 0.0) or 0.0)
         self._seen.add(iteration)
-        self._emit("inprocess_recovered", iteration=iteration, kind=str(first.get("kind", "?")),
-                   from_rank=first.get("rank"), why=str(first.get("why", ""))[:300],
+        self._emit("inprocess_recovered", iteration=iteration, kind=first.kind,
+                   from_rank=first.rank, why=first.why[:300],
                    seconds=round(max(0.0, ready - at), 4) if at else None)  # fmt: skip
