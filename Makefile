@@ -20,9 +20,8 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench examples slurm
 
-# tests/run-suite.sh: everything else on two xdist workers, then the Slurm tests (one cluster
-# per host), then the tests marked `alone` (an outcome that rests on tens of milliseconds
-# between nodes).
+# tests/run-suite.sh: everything but the Slurm tests on two xdist workers, and beside them the
+# Slurm tests (one cluster per host).
 test: $(STAMP) lint
 	bash tests/browser/install-chromium.sh
 	bash tests/etcd/install-etcd.sh

@@ -7,24 +7,17 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from support import wait_for
+from support import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
 KILL_DEADLINE_S = 10
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclasses.dataclass
@@ -129,17 +122,7 @@ def start_job(
     `endpoint`: a store the test serves)."""
     log_dir, ckpt_dir = tmp / "logs", tmp / "ckpt"
     endpoint = endpoint or f"127.0.0.1:{free_port()}"
-    # No deep warm-up (torch._dynamo in every fork server, about 1.2 s of CPU each) unless the
-    # test asks for one: on 2 cores and 2 xdist workers it is CPU taken from the jobs under
-    # test. tests/test_prewarm_cycles.py sets it itself; the demo and the fault matrix keep it.
-    if not any(arg.startswith("--ft-prewarm-deep-modules") for arg in launcher_args):
-        launcher_args = [*launcher_args, "--ft-prewarm-deep-modules=none"]
-    # A worker that never imports torch gets a fork server that does not either (about 1.6 s of
-    # CPU a node): the fork-server path is the same, only the module it imports changes.
-    if not any(arg.startswith("--ft-prewarm-modules") for arg in launcher_args) and not (
-        _imports_torch(script)
-    ):
-        launcher_args = [*launcher_args, "--ft-prewarm-modules=ftrun.client_lib"]
+    launcher_args = [*launcher_args, *prewarm_args(launcher_args, script)]
     common = [
         f"--nnodes={nodes}",
         f"--nproc-per-node={nproc}",
@@ -158,8 +141,29 @@ def start_job(
     return Job(tmp, sorted(started, key=lambda n: n.index), log_dir, ckpt_dir, argv)
 
 
-def _imports_torch(script: Path) -> bool:
-    return re.search(r"^\s*(import|from) torch\b", script.read_text(), re.MULTILINE) is not None
+def prewarm_args(launcher_args: Sequence[str], script: Path) -> list[str]:
+    """The fork server's imports for a test job, where the test does not choose them.
+
+    On 2 cores and 2 xdist workers, each CPU second a job spends is taken from another job
+    under test, so the fork server imports what its workers will, once a node, and no more:
+    - no deep warm-up after the first cycle (torch._dynamo, about 1.3 s of CPU a node):
+      tests/test_prewarm_cycles.py and the demo test it;
+    - a script that builds DistributedDataParallel (which imports torch._dynamo) gets it before
+      the first fork, instead of in every worker of every cycle;
+    - a script that never imports torch gets a server that does not either (about 1.6 s a node).
+    The fork-server path is the same; only the modules it imports change."""
+    def given(flag: str) -> bool:
+        return any(arg.startswith(flag) for arg in launcher_args)
+
+    extra = [] if given("--ft-prewarm-deep-modules") else ["--ft-prewarm-deep-modules=none"]
+    if given("--ft-prewarm-modules"):
+        return extra
+    text = script.read_text()
+    if re.search(r"^\s*(import|from) torch\b", text, re.MULTILINE) is None:
+        return [*extra, "--ft-prewarm-modules=ftrun.client_lib"]
+    if "DistributedDataParallel" in text:
+        return [*extra, "--ft-prewarm-modules=torch,torch.distributed,torch._dynamo"]
+    return extra
 
 
 def _start_launcher(tmp: Path, index: int, argv: list[str], extra_env: dict[str, str]) -> Node:

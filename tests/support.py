@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -59,6 +60,31 @@ def reap_zombies() -> None:
             return
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port() -> int:
+    """A TCP port nobody uses now, for a test's server to listen on later.
+
+    It comes from below the kernel's ephemeral range: a port that `bind(0)` hands out is one the
+    kernel may give the local end of the next outgoing connection before the server listens on
+    it (a Slurm test's status page lost its port so). Below the range, only another test's
+    pick can collide, one in thousands."""
+    low = min(_ephemeral_low(), 32768)
+    while True:
+        port = random.randrange(max(1024, low - 16384), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+
+
 def python_cmd(script: str, *args: str) -> list[str]:
     return [sys.executable, "-u", str(WORKERS / script), *args]
 
@@ -66,9 +92,7 @@ def python_cmd(script: str, *args: str) -> list[str]:
 def run_gloo_ranks(script: str, args: Sequence[str], timeout: float, ranks: int = 2) -> list[str]:
     """Run `python -c script *args` as `ranks` torch.distributed ranks on 127.0.0.1 (env://);
     every one must exit 0. Returns each rank's last stdout line; no process outlives the call."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
     procs = [

@@ -24,13 +24,6 @@ def steps(out: Path, rank: int) -> list[tuple[int, int, int, float]]:
     return [(int(p), int(i), int(s), float(t)) for p, i, s, t in rows]
 
 
-def back_after_fault(out: Path, ranks: int) -> float:
-    """Seconds from the fault to the last rank's first step after it."""
-    fault = float((out / "fault.txt").read_text())
-    firsts = [min(t for _, _, _, t in steps(out, r) if t > fault) for r in range(ranks)]
-    return max(firsts) - fault
-
-
 def assert_recovered_in_place(out: Path, ranks: int, replaced: int | None = None) -> None:
     """Every step once, in restart iteration 1 from the fault on; each rank in one process,
     but `replaced`, whose process was started again at the fault."""
@@ -59,14 +52,6 @@ def test_a_raise_in_one_rank_restarts_every_rank_in_its_process(tmp_path: Path):
     assert "iteration 0 -> 1: EXCEPTION from rank 1 | in-process |" in report
 
 
-@pytest.mark.alone
-def test_every_rank_steps_again_within_0_3_s_of_a_raise(tmp_path: Path):
-    job = start(tmp_path, "--fault", "raise", "--fault-rank", "1")
-    assert job.wait(120) == [0, 0]
-    assert_recovered_in_place(job.ckpt_dir, 4)
-    assert back_after_fault(job.ckpt_dir, 4) <= 0.3
-
-
 def test_a_hang_judged_by_the_rank_monitor_is_recovered_in_process(tmp_path: Path):
     job = start_job(tmp_path, 2, ["--max-restarts=1", "--ft-rank-heartbeat-timeout=2"],
                     ["--steps", str(STEPS), "--fault-step", str(FAULT_STEP), "--heartbeats",
@@ -85,18 +70,6 @@ def test_a_sigkilled_rank_alone_is_started_again_and_joins_the_others(tmp_path: 
     [replaced] = job.events("rank_replaced")
     assert replaced["rank"] == 1 and "SIGKILL" in replaced["cause"]
     assert "TERMINATED from rank 1 | replace rank 1 |" in job.report()
-
-
-@pytest.mark.alone
-def test_every_rank_steps_again_within_1_s_of_a_sigkill(tmp_path: Path):
-    # As launched by default: the fork server imports torch._dynamo (which DDP imports) once
-    # the first workers run, so the lost rank's new process does not (start_job turns it off).
-    # The fault comes after that import (0.1 s steps).
-    job = start(tmp_path, "--fault", "kill", "--fault-rank", "1", "--step-time", "0.1",
-                launcher=("--ft-prewarm-deep-modules=torch._dynamo",))
-    assert job.wait(120) == [0, 0]
-    assert_recovered_in_place(job.ckpt_dir, 4, replaced=1)
-    assert back_after_fault(job.ckpt_dir, 4) <= 1.0
 
 
 def test_under_torchrun_the_wrapper_recovers_on_its_own(tmp_path: Path):

@@ -12,8 +12,12 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from conftest import first_step
+
 if TYPE_CHECKING:
     from conftest import Fault
+
+COLLECTIVE = Path(__file__).resolve().parent.parent / "workers" / "collective_worker.py"
 
 pytestmark = pytest.mark.faults
 
@@ -104,6 +108,28 @@ def test_hang_inside_gloo_collective(fault: Fault):
     assert 0 not in hangs or hangs[0]["in_library"] is True  # blocked inside gloo
     assert job.progress(0)[-1] == (1, 12)
     assert next(s for c, s in job.progress(0) if c == 1) == 5  # resumed after step 4
+
+
+def test_stopped_rank(fault: Fault):
+    """NVRx's examples simulate a hung rank with SIGSTOP: rank 3 (2 nodes x 2 gloo ranks) stops
+    itself at step 10. Every rank misses its heartbeat (the others wait for it inside gloo), and
+    the stopped one acts on no SIGTERM: it is named as the hung one and SIGKILLed at once. How
+    soon the ranks step again is measured (`make faults`), not asserted here."""
+    args = ["--nproc-per-node=2", "--max-restarts=1", "--ft-rank-heartbeat-timeout=2"]
+    job = fault.start(2, args, ["--stop", "0:3:10", "--steps", "30"], script=COLLECTIVE)
+    fault.expect = "recovered"
+    codes = job.wait(120)
+    fault.track(job)
+    assert codes == [0, 0], job.nodes[0].text()[-3000:]
+    stopped_at = float((job.ckpt_dir / "stopped-rank3.txt").read_text())
+    fault.stepping = round(max(first_step(job, rank, 1) for rank in range(4)) - stopped_at, 3)
+    fault.time(fault.stepping, "SIGSTOP to every rank stepping again")
+    assert all(e["killed"] == 0 for e in job.events("stop_done"))  # no grace waited out
+    cause = [f for f in job.failures() if not f.get("secondary")]
+    assert [(f["rank"], f["kind"]) for f in cause] == [(3, "hang")]
+    text = job.report()
+    assert "rank 3 on " in text and "stopped" in text
+    assert "suspect: " in text and " rank 3" in text.split("suspect: ")[1].splitlines()[0]
 
 
 # ---- stopping a process tree that ignores SIGTERM --------------------------------------------

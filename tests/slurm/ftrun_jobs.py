@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,8 @@ from typing import Any
 
 import psutil
 
-from support import wait_for
+from launch import prewarm_args
+from support import free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "slurm" / "ftrun.sbatch"
@@ -35,13 +35,6 @@ ENDED_STATES = frozenset(
     {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "TIMEOUT"}
 )
 SBATCH_TIMEOUT_S = 30
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on now: each test's rendezvous gets its own."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def job_env(cluster: Any, **extra: str) -> dict[str, str]:
@@ -230,6 +223,9 @@ def submit_chain(
     """
     job_dir = tmp_path / "job"
     (job_dir / "ckpt").mkdir(parents=True, exist_ok=True)
+    script = next((Path(arg) for arg in launcher_args if arg.endswith(".py")), None)
+    if script is not None:  # the fork server's imports as in tests/launch.py's jobs
+        launcher_args = [*prewarm_args(launcher_args, script), *launcher_args]
     argv = [
         "sbatch",
         "--parsable",
