@@ -8,6 +8,7 @@ can unwind. Every step here is bounded: an abort that hangs would hang the resta
 from __future__ import annotations
 
 import abc
+import ctypes
 import importlib.util
 import logging
 import os
@@ -150,12 +151,35 @@ def _dump_fr_trace(directory: str) -> None:
 def backends() -> Iterator[tuple[str, Any]]:
     """`("<group>/<device>", backend)` for each backend of each live process group (a backend
     two groups share comes once per group)."""
+    for _, where, backend in _group_backends():
+        yield where, backend
+
+
+def pin_gloo_groups() -> bool:
+    """Pin each process group that has a gloo backend for the life of the process; whether
+    there was one.
+
+    A gloo group whose collective was cut short (the wrapper shuts its sockets down, see
+    `ftrun.inprocess.sockets`) must never be freed: its destructor ends the process with
+    SIGABRT ("terminate called without an active exception") whenever the last reference goes,
+    DDP's or the interpreter's at exit (a worker forked by ft_launcher ends without that
+    teardown; under torchrun it failed one rank in two). An extra reference that nothing
+    releases keeps it; its threads end with the process."""
+    pinned: dict[int, Any] = {}
+    for group, _, backend in _group_backends():
+        if is_gloo(backend) and id(group) not in pinned:
+            pinned[id(group)] = group
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    return bool(pinned)
+
+
+def _group_backends() -> Iterator[tuple[Any, str, Any]]:
     if not (dist.is_available() and dist.is_initialized()):
         return
     for group, name in list(dist.distributed_c10d._world.pg_names.items()):
         for device in getattr(group, "_device_types", ()):
             try:
-                yield f"{name}/{device.type}", group._get_backend(device)
+                yield group, f"{name}/{device.type}", group._get_backend(device)
             except RuntimeError:
                 continue  # no backend for this device type
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from ftrun.inprocess import events
 from ftrun.inprocess import store as stores
-from ftrun.inprocess.abort import Abort, AbortTorchDistributed, backends, is_gloo
+from ftrun.inprocess.abort import Abort, AbortTorchDistributed, pin_gloo_groups
 from ftrun.inprocess.exception import HealthCheckError
 from ftrun.inprocess.exception import TimeoutError as RestartTimeoutError
 from ftrun.inprocess.interrupt import Interrupter, RankShouldRestart
@@ -242,7 +242,7 @@ class CallWrapper:
         bound = self.options.abort_timeout.total_seconds()
         if isinstance(abort, AbortTorchDistributed):
             abort.timeout = bound
-        gloo = _has_gloo_group()  # before the abort destroys the groups
+        gloo = pin_gloo_groups()  # before the abort destroys the groups
         if abort is not None:
             _bounded(lambda: abort(self.state.freeze()), bound, "the abort")
         if gloo:  # a gloo collective blocked on a peer returns now (see `sockets`)
@@ -265,12 +265,6 @@ class CallWrapper:
 
 
 _INTERRUPTED = object()
-
-
-def _has_gloo_group() -> bool:
-    """Whether a process group of this process has a gloo backend (only then are the function's
-    connections shut down: an NCCL job's are left alone, a streaming dataset's too)."""
-    return any(is_gloo(backend) for _, backend in backends())
 
 
 def _describe(error: BaseException) -> str:
