@@ -5,16 +5,17 @@ ranks that left; and the options `Wrapper` checks as NVRx does."""
 from __future__ import annotations
 
 import datetime
+import sys
 import warnings
 
 import pytest
 import torch.distributed as dist
 from torch.distributed import HashStore
 
+from ftrun.inprocess.abort import pin_gloo_groups
 from ftrun.inprocess.iteration import CURRENT_KEY, Interruption, Iteration, newest_iteration
 from ftrun.inprocess.options import build_options
 from ftrun.inprocess.params import substitute_call_wrapper
-from ftrun.inprocess.wrap import _has_gloo_group
 
 SHORT = datetime.timedelta(milliseconds=50)
 
@@ -91,11 +92,14 @@ def test_the_call_wrapper_goes_to_the_parameter_annotated_for_it():
     assert (args, kwargs) == ((7, marker), {"lr": 0.2})
 
 
-def test_only_a_gloo_group_has_its_connections_shut_down_at_a_restart():
-    assert not _has_gloo_group()
+def test_a_gloo_group_is_pinned_for_good_and_its_connections_shut_down_at_a_restart():
+    assert not pin_gloo_groups()  # no group: nothing pinned, no connection shut down
     dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
     try:
-        assert _has_gloo_group()
+        group = dist.group.WORLD
+        held = sys.getrefcount(group)
+        assert pin_gloo_groups()
+        assert sys.getrefcount(group) == held + 1  # a reference nothing releases
     finally:
         dist.destroy_process_group()
-    assert not _has_gloo_group()
+    assert not pin_gloo_groups()
