@@ -25,7 +25,7 @@ passed() { [[ $1 -eq 0 || $1 -eq 5 ]]; }
 "$python" -m pytest -q -m slurm --basetemp="$work/slurm" -p no:cacheprovider >"$work/slurm.log" 2>&1 &
 slurm_pid=$!
 
-"$python" -m pytest -q -n 2 --dist worksteal -m "not slurm"
+"$python" -m pytest -q -n 3 --dist worksteal -m "not slurm"
 parallel=$?
 
 wait "$slurm_pid"
