@@ -10,9 +10,10 @@ FAULT_REPEATS ?= 3
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	# torch first and pinned: an unpinned torch resolves to a multi-GB CUDA build.
-	$(VPY) -m pip install -q $(TORCH_PIN)
-	$(VPY) -m pip install -q -e '.[test,lightning,etcd]'
+	# torch first and pinned: an unpinned torch resolves to a multi-GB CUDA build. --no-compile:
+	# the first import compiles what is used (torch's whole tree compiled costs ~20 s here).
+	$(VPY) -m pip install -q --no-compile $(TORCH_PIN)
+	$(VPY) -m pip install -q --no-compile -e '.[test,lightning,etcd]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -20,7 +21,7 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench examples slurm
 
-# tests/run-suite.sh: everything but the Slurm tests on two xdist workers, and beside them the
+# tests/run-suite.sh: everything but the Slurm tests on three xdist workers, and beside them the
 # Slurm tests (one cluster per host).
 test: $(STAMP) lint
 	bash tests/browser/install-chromium.sh

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole suite as `make test` runs it, in two parts at once:
 #
-#   1. everything but the Slurm tests, on two xdist workers (work stealing: a long job test at
-#      the end no longer leaves the other worker idle);
+#   1. everything but the Slurm tests, on three xdist workers on the VM's two cores (a job test
+#      spends much of its time waiting on a deadline; a third worker fills that time; work
+#      stealing: a long job test at the end no longer leaves the others idle);
 #   2. the Slurm tests, one pytest session beside it (one cluster per host). Most of their time
 #      is Slurm's own: scheduling, requeues, the relaunch chain, while part 1's jobs wait on
 #      heartbeat deadlines; each part fills the other's idle time.

@@ -380,6 +380,8 @@ def test_a_new_part_is_copied_to_the_clique_node(cluster: Any) -> None:
         a.write(S, K(8, 0))
         a.write(S, K(9, 0))
     wait_for(lambda: b.tier.has(S, K(9, 0)), 10, "the newest copy")
+    # The event follows the copy's arrival: wait for it too.
+    wait_for(lambda: len(a.events.of("ckpt_replicated")) >= 2, 5, "the second event")
     assert not b.tier.has(S, K(8, 0))
     assert len(a.events.of("ckpt_replicated")) == 2
 
