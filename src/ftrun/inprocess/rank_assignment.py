@@ -14,48 +14,31 @@ those that mark ranks terminated (`FilterCountGroupedByKey`); filters (`RankFilt
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 import datetime
-import itertools
-import json
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
 
-import torch.distributed as dist
-
-from ftrun.inprocess import exception
+from ftrun.inprocess.assignment_base import (
+    KeyOrFn,
+    RankAssignment,
+    RankAssignmentCtx,
+    RankDiscarded,
+    encode_key,
+    gather_keys,
+    surviving_rank,
+)
 from ftrun.inprocess.state import Mode, State
+from ftrun.inprocess.tree import Layer, LayerFlag, Tree
 
 log = logging.getLogger("ftrun.inprocess")
 
-KeyOrFn = str | Callable[[State], Any]
-
-
-class RankDiscarded(exception.RestartError):
-    """This rank was removed by the rank assignment and takes no further part."""
-
-
-@dataclasses.dataclass
-class RankAssignmentCtx:
-    """What a rank assignment reads and rewrites: this rank's `state`, the iteration's `store`
-    and the (current) ranks terminated so far."""
-
-    state: State
-    store: dist.Store
-    terminated_ranks: set[int]
-
-
-class RankAssignment(abc.ABC):
-    """Computes the next iteration's ranks, world size and which ranks are active (call the
-    function) or inactive (wait as reserves); compose several with `Compose`."""
-
-    @abc.abstractmethod
-    def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
-        """Return `ctx` with the new state; raise `RankDiscarded` on a rank that is removed."""
-        raise NotImplementedError
+__all__ = [
+    "ActivateAllRanks", "ActiveWorldSizeDivisibleBy", "FillGaps", "FilterCountGroupedByKey",
+    "KeyOrFn", "Layer", "LayerFlag", "MaxActiveWorldSize", "RankAssignment",
+    "RankAssignmentCtx", "RankDiscarded", "RankFilter", "ShiftRanks", "Tree", "gather_keys",
+]  # fmt: skip
 
 
 class RankFilter(RankAssignment):
@@ -108,7 +91,7 @@ class ShiftRanks(RankAssignment):
 
     def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
         state, terminated = ctx.state, ctx.terminated_ranks
-        rank = _surviving_rank(state, terminated)
+        rank = surviving_rank(state, terminated)
         new_rank = rank - sum(1 for dead in terminated if dead < rank)
         _log_move(rank, new_rank, "shifted")
         ctx.state = dataclasses.replace(
@@ -128,7 +111,7 @@ class FillGaps(RankAssignment):
 
     def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
         state, terminated = ctx.state, ctx.terminated_ranks
-        rank = _surviving_rank(state, terminated)
+        rank = surviving_rank(state, terminated)
         world_size = state.world_size - len(terminated)
         new_rank = rank
         if rank >= world_size:
@@ -165,7 +148,7 @@ class FilterCountGroupedByKey(RankAssignment):
         state, terminated = ctx.state, ctx.terminated_ranks
         if state.rank in terminated:
             return ctx  # a terminated rank publishes nothing; the others do not wait for it
-        keys = gather_keys(ctx, _encode_key(self.key_or_fn, state), self.timeout)
+        keys = gather_keys(ctx, encode_key(self.key_or_fn, state), self.timeout)
         counts = Counter(keys.values())
         failed = {rank for rank, key in keys.items() if not self.condition(counts[key])}
         if state.rank in failed:
@@ -175,27 +158,6 @@ class FilterCountGroupedByKey(RankAssignment):
             )  # fmt: skip
         ctx.terminated_ranks = terminated | failed
         return ctx
-
-
-def gather_keys(
-    ctx: RankAssignmentCtx, value: str, timeout: datetime.timedelta | None = None
-) -> dict[int, str]:
-    """`{rank: value}` of every live rank (in `range(world_size)`, not terminated), this one's
-    included; `timeout` None waits as long as the store's own timeout.
-
-    The n-th gather of an iteration on one rank meets the n-th on every other (each rank counts
-    its own gathers in the iteration's store), so the assignments need no agreed names.
-    """
-    store, state = ctx.store, ctx.state
-    seq = store.add(f"ra/seq/{state.rank}", 1)
-    store.set(f"ra/key/{seq}/{state.rank}", value)
-    live = [r for r in range(state.world_size) if r not in ctx.terminated_ranks]
-    names = [f"ra/key/{seq}/{r}" for r in live]
-    if timeout is None:
-        store.wait(names)
-    else:
-        store.wait(names, timeout)
-    return {rank: store.get(key).decode() for rank, key in zip(live, names, strict=True)}
 
 
 def _current_active_size(state: State) -> int:
@@ -216,39 +178,6 @@ def _activate_lowest(state: State, size: int, why: str) -> State:
     return dataclasses.replace(state, mode=Mode.INACTIVE, active_rank=None, active_world_size=size)
 
 
-def _surviving_rank(state: State, terminated: set[int]) -> int:
-    """This rank's number, or RankDiscarded if it is among the terminated ones."""
-    if state.rank is None or state.rank in terminated:
-        raise RankDiscarded(f"rank {state.rank} discarded (terminated ranks {_ranks(terminated)})")
-    return state.rank
-
-
 def _log_move(old: int, new: int, how: str) -> None:
     if old != new:
         log.info("[In-process] rank %d %s: now rank %d", old, how, new)
-
-
-def _encode_key(key_or_fn: KeyOrFn, state: State) -> str:
-    """The group key as text (JSON, so that 1 and "1" stay different keys)."""
-    key = key_or_fn(state) if callable(key_or_fn) else key_or_fn
-    return json.dumps(key, default=repr, sort_keys=True)
-
-
-def _ranks(ranks: Iterable[int]) -> str:
-    """A rank set in ranges for log lines: "{0-2, 5}"."""
-    parts = []
-    ordered = sorted(ranks)
-    for _, run in itertools.groupby(enumerate(ordered), lambda pair: pair[1] - pair[0]):
-        block = [rank for _, rank in run]
-        parts.append(str(block[0]) if len(block) == 1 else f"{block[0]}-{block[-1]}")
-    return "{" + ", ".join(parts) + "}"
-
-
-def __getattr__(name: str) -> object:
-    """`Tree`, `Layer` and `LayerFlag` live in `ftrun.inprocess.tree` (which imports this
-    module): NVRx code reaches them here, as `inprocess.rank_assignment.Tree`."""
-    if name in ("Tree", "Layer", "LayerFlag"):
-        from ftrun.inprocess import tree
-
-        return getattr(tree, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

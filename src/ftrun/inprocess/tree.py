@@ -1,5 +1,6 @@
 """`Tree`: rank assignment over the job's topology (NVRx's `rank_assignment.Tree`, `Layer`,
-`LayerFlag`), kept apart from the flat assignments in `rank_assignment`, which re-exports it.
+`LayerFlag`), beside the flat assignments in `rank_assignment`, which re-exports it; both build on
+`assignment_base`.
 
 Ranks are the leaves of a tree whose levels (`Layer`s) group them by a key (a node, a rack); a
 group whose live ranks fall below its `min_ranks` is terminated whole, `max_ranks` caps a
@@ -15,15 +16,15 @@ import itertools
 import json
 from collections.abc import Callable, Iterator
 
-from ftrun.inprocess.rank_assignment import (
+from ftrun.inprocess.assignment_base import (
     KeyOrFn,
     RankAssignment,
     RankAssignmentCtx,
     RankDiscarded,
-    _encode_key,
-    _surviving_rank,
+    encode_key,
     gather_keys,
     log,
+    surviving_rank,
 )
 from ftrun.inprocess.state import Mode
 
@@ -84,7 +85,7 @@ class Tree(RankAssignment):
     def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
         state, terminated = ctx.state, set(ctx.terminated_ranks)
         if self._root is None:
-            _surviving_rank(state, terminated)  # a rank terminated already never joins
+            surviving_rank(state, terminated)  # a rank terminated already never joins
             self._build(ctx)
             terminated = set()  # the terminated ranks are not in the tree at all
         by_rank = {leaf.rank: leaf for leaf in self._leaves if leaf.rank is not None}
@@ -112,7 +113,7 @@ class Tree(RankAssignment):
 
     def _build(self, ctx: RankAssignmentCtx) -> None:
         """Gather every live rank's keys, build the groups and activate the first ranks."""
-        keys = [_encode_key(layer.key_or_fn, ctx.state) for layer in self.layers]
+        keys = [encode_key(layer.key_or_fn, ctx.state) for layer in self.layers]
         entry = json.dumps({"initial_rank": ctx.state.initial_rank, "keys": keys})
         gathered = gather_keys(ctx, entry)
         entries = {rank: json.loads(text) for rank, text in gathered.items()}
