@@ -48,7 +48,7 @@ def test_the_fault_fires_after_its_delay(kind: str, sig: signal.Signals) -> None
     proc = subprocess.Popen([sys.executable, "-c", code], env=os.environ.copy())
     try:
         if sig == signal.SIGKILL:
-            assert proc.wait(20) == -signal.SIGKILL
+            assert proc.wait(60) == -signal.SIGKILL  # the import alone takes seconds under load
         else:
             _, status = os.waitpid(proc.pid, os.WUNTRACED)
             assert os.WIFSTOPPED(status) and os.WSTOPSIG(status) == signal.SIGSTOP
