@@ -1,5 +1,7 @@
-"""Attribution with real launchers: health faults while training, failures that repeat on a
-node or across nodes, and a lost node named as the cause (2 nodes x 2 ranks, plus a standby).
+"""Attribution with real launchers: a health fault while training, and the rank a collective
+waits for named by the flight recorders (2 nodes x 2 ranks, plus a standby). Failures that
+repeat, on one node or across nodes: tests/test_repeats.py decides them without processes,
+tests/test_repeated_failure_jobs.py runs them on 1 and 2 nodes.
 
 The ranks are tests/workers/fault_worker.py (no torch: the decisions are the agents'); the lost
 node is test_spares.py's (its surviving ranks fail in gloo when their peer dies).
@@ -52,45 +54,6 @@ def test_an_xid_while_training_excludes_the_node_and_the_standby_takes_its_slot(
     assert rounds(job)[1] == [spare if n == name else n for n in first]
     assert [(f["node"], f["key"]) for f in job.failures()] == [(name, "health: Xid 79")]
     assert all(e["node"] != name for e in job.events("rendezvous_done") if e["cycle"] == 1)
-
-
-def test_the_same_exception_on_two_nodes_stops_the_job_not_relaunched(tmp_path: Path):
-    # Cycle 0: rank 0 (first node) raises; cycle 1: rank 2 (second node), in the same place.
-    job = start_job(
-        tmp_path, 2, [*TWO_BY_TWO, "--ft-max-same-failure=2"],
-        ["--raise", "0:0:3,1:2:3", "--steps", "200", "--step-time", "0.02"], script=FAULT,
-    )  # fmt: skip
-    codes = wait_all(job, 120)
-    assert set(codes.values()) == {ExitCode.REPEATED_FAILURE}
-    keys = {f["key"] for f in job.failures() if not f.get("secondary")}
-    assert keys == {"exception: ValueError at fault_worker.py:113 in load_batch"}
-    assert len({f["node"] for f in job.failures()}) == 2
-    text = job.report()
-    assert (
-        "the same failure in 2 cycles on 2 nodes" in text
-        and "ValueError at fault_worker.py" in text
-    )
-
-
-def test_a_node_failing_in_its_slot_every_cycle_stops_the_job_and_stays(tmp_path: Path):
-    # A standby waits, but the node keeps its slot (its ranks) from cycle to cycle: its failure
-    # may be the work's on those ranks as well as the node's, so no node leaves (issue 37: it
-    # was excluded at its second failure) and the third cycle in a row stops the job.
-    job = start_job(
-        tmp_path, 3, [*TWO_BY_TWO], ["--raise-on-marked", "20", "--steps", "60"], script=FAULT,
-    )  # fmt: skip
-    job.wait_event("rendezvous_done", 2)
-    victim = killable(job, 0)
-    name = next(n for n in rounds(job)[0] if n.endswith(f"-{victim.proc.pid}"))
-    job.ckpt_dir.mkdir(parents=True, exist_ok=True)
-    (job.ckpt_dir / f"fail-{name}").write_text("")
-    codes = wait_all(job, 120)
-    assert set(codes.values()) == {ExitCode.REPEATED_FAILURE}
-    mine = [f for f in job.failures() if f["node"] == name]
-    assert [f["cycle"] for f in mine] == [0, 1, 2] and len({f["key"] for f in mine}) == 1
-    assert rounds(job)[2] == rounds(job)[0]
-    assert "failed the same way again" in victim.text()
-    assert "the same failure in 3 cycles on 1 node" in job.report()
 
 
 def test_a_rank_that_skips_an_all_reduce_is_named_by_the_flight_recorders(tmp_path: Path):

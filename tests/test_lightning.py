@@ -47,7 +47,6 @@ from ftrun.lightning.ending import ENV_FINISHED_FLAG  # noqa: E402
 from ftrun.lightning.fault_tolerance import STATE_KEY  # noqa: E402
 from ftrun.straggler import Report  # noqa: E402
 from launch import Job, start_job  # noqa: E402
-from support import wait_for  # noqa: E402
 
 pytestmark = [
     # Lightning's advice for real runs (few workers, no logger, small batches...): not ours.
@@ -428,36 +427,3 @@ def test_a_crash_and_a_hang_resume_from_the_newest_checkpoint_with_calculated_ti
     assert hangs and all(h["cycle"] == 1 and h["timeout"] < 60 for h in hangs), hangs
     assert "fault tolerance: timeouts from the checkpoint" in worker_log(job, 2, 0)
     assert json.loads((job.ckpt_dir / "FINISHED").read_text())["ending"] == "max_steps"
-
-
-@pytest.mark.process
-def test_sigterm_to_the_launchers_saves_and_the_next_run_resumes_from_that_step(tmp_path):
-    """Run 1 gets SIGTERM on both launchers: every rank stops at the same step after saving
-    last-preempted.ckpt, and the launchers exit 75 (no finished flag). Run 2 (a relaunch)
-    resumes from that step and finishes; in it rank 3 is twice as slow in its training_step and
-    the straggler callback on rank 0 names it."""
-    (tmp_path / "run1").mkdir()
-    (tmp_path / "run2").mkdir()
-    first = start_job(
-        tmp_path / "run1", 2, LAUNCHER, ["--max-steps", "5000", "--step-time", "0.02"],
-        script=EXAMPLE, nproc=2,
-    )  # fmt: skip
-    global_dir = first.ckpt_dir / "global"
-    wait_for((global_dir / "step=20.ckpt").exists, 90, "a global checkpoint")
-    for node in first.nodes:
-        os.kill(node.proc.pid, signal.SIGTERM)
-    assert first.wait(60) == [75, 75]
-    saved = torch.load(global_dir / "last-preempted.ckpt", weights_only=False)["global_step"]
-    assert saved >= 20 and not (first.ckpt_dir / "FINISHED").exists()
-    second = start_job(
-        tmp_path / "run2", 2, [*LAUNCHER, "--ft-straggler-report-interval=1"],
-        ["--max-steps", str(saved + 80), "--step-time", "0.02", "--slow-rank", "3:2",
-         "--straggler-interval", "1", "--ckpt-dir", str(first.ckpt_dir)],
-        script=EXAMPLE, nproc=2,
-    )  # fmt: skip
-    assert second.wait(120) == [0, 0]
-    runs = (first.ckpt_dir / "resume-rank0.txt").read_text().splitlines()
-    assert runs == ["0 0 scratch", f"0 {saved} {global_dir / 'last-preempted.ckpt'}"]
-    assert json.loads((first.ckpt_dir / "FINISHED").read_text())["global_step"] == saved + 80
-    rank0 = worker_log(second, 0, 0)
-    assert "Some GPUs have worse relative performance. Affected ranks: rank 3 on" in rank0

@@ -1,7 +1,8 @@
 """examples/lightning_train.py under slurm/ftrun.sbatch on the local cluster: a preemption
 (SIGTERM to the batch shell) saves through `PreemptionCallback`, the relaunched job resumes from
 that step, and `FaultToleranceCallback` writes the finished flag the template reads, so the
-chain stops once training is over (issue 18)."""
+chain stops once training is over (issue 18). Rank 1 is twice as slow in its training_step:
+`StragglerDetectionCallback` on rank 0 names it, at the interval it gives the launchers."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ TWO_RUNS_S = 300
 def test_a_preempted_lightning_job_resumes_from_its_sigterm_checkpoint(slurm_cluster, tmp_path):
     job_dir = tmp_path / "job"
     ckpt = job_dir / "ckpt"
-    train = train_args(job_dir, "--max-steps", "120", "--step-time", "0.05", "--local-every", "0")
+    train = train_args(job_dir, "--max-steps", "120", "--step-time", "0.05", "--local-every", "0",
+                       "--slow-rank", "1:2", "--straggler-interval", "1")  # fmt: skip
     chain = submit_chain(
         slurm_cluster,
         tmp_path,
@@ -51,4 +53,6 @@ def test_a_preempted_lightning_job_resumes_from_its_sigterm_checkpoint(slurm_clu
     assert runs == ["0 0 scratch", f"0 {saved} {preempted}"], runs
     assert json.loads((ckpt / "FINISHED").read_text())["ending"] == "max_steps"
     assert chain.state(second["job_id"]) == ("COMPLETED", "0:0")
+    named = "Some GPUs have worse relative performance. Affected ranks: rank 1 on"
+    assert named in chain.output(second["job_id"]), chain.describe()
     chain.assert_no_processes_left()
