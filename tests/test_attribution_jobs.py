@@ -3,8 +3,8 @@ waits for named by the flight recorders (2 nodes x 2 ranks, plus a standby). Fai
 repeat, on one node or across nodes: tests/test_repeats.py decides them without processes,
 tests/test_repeated_failure_jobs.py runs them on 1 and 2 nodes.
 
-The ranks are tests/workers/fault_worker.py (no torch: the decisions are the agents'); the lost
-node is test_spares.py's (its surviving ranks fail in gloo when their peer dies).
+The ranks are tests/workers/fault_worker.py (no torch: the decisions are the agents') and
+tests/workers/collective_worker.py (gloo collectives for the flight recorders).
 """
 
 from __future__ import annotations
