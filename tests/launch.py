@@ -144,7 +144,7 @@ def start_job(
 def prewarm_args(launcher_args: Sequence[str], script: Path) -> list[str]:
     """The fork server's imports for a test job, where the test does not choose them.
 
-    On 2 cores and 2 xdist workers, each CPU second a job spends is taken from another job
+    On 2 cores and 3 xdist workers, each CPU second a job spends is taken from another job
     under test, so the fork server imports what its workers will, once a node, and no more:
     - no deep warm-up after the first cycle (torch._dynamo, about 1.3 s of CPU a node):
       tests/test_prewarm_cycles.py and the demo test it;
