@@ -35,8 +35,8 @@ def assert_recovered_in_place(out: Path, ranks: int, replaced: int | None = None
         assert {i for _, i, s, _ in rows if s >= FAULT_STEP} == {1}
 
 
-def start(tmp_path: Path, *worker_args: str, launcher: tuple[str, ...] = ()) -> Job:
-    return start_job(tmp_path, 2, ["--max-restarts=1", *launcher],
+def start(tmp_path: Path, *worker_args: str) -> Job:
+    return start_job(tmp_path, 2, ["--max-restarts=1"],
                      ["--steps", str(STEPS), "--fault-step", str(FAULT_STEP), *worker_args],
                      script=WORKER, nproc=2)  # fmt: skip
 
