@@ -44,7 +44,13 @@ from pathlib import Path  # noqa: E402
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "error")  # NVRx's advice: its store waits warn
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from gpu_user_worker import CKPT_NAME, Log, build_model, process_start  # noqa: E402
+from gpu_user_worker import (  # noqa: E402
+    CKPT_NAME,
+    Log,
+    add_model_args,
+    build_model,
+    process_start,
+)
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
@@ -59,16 +65,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fault-step", type=int, default=15)
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--steps", type=int, default=25, help="train this many steps in all")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--d-model", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--ff", type=int, default=0, help="feed-forward width (0: 4 x d-model)")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
-    parser.add_argument("--seq", type=int, default=512, help="tokens per sequence")
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--compile", action="store_true", help="wrap the model in torch.compile")
-    parser.add_argument("--ckpt-dir", type=Path, default=Path("ckpt"))
-    parser.add_argument("--ckpt-every", type=int, default=10, help="0: no checkpoints")
+    add_model_args(parser)
     parser.add_argument("--out", type=Path, help="also append the lines to DIR/rank<RANK>.log")
     return parser.parse_args()
 

@@ -46,9 +46,8 @@ TORCH_TS = time.time()
 CKPT_NAME = "ckpt.pt"
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200, help="train this many steps in all")
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The model, its training and its checkpoints: the same in the in-process worker."""
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=12)
@@ -59,6 +58,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="wrap the model in torch.compile")
     parser.add_argument("--ckpt-dir", type=Path, default=Path("ckpt"))
     parser.add_argument("--ckpt-every", type=int, default=10, help="0: no checkpoints")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200, help="train this many steps in all")
+    add_model_args(parser)
     parser.add_argument(
         "--crash-at-step",
         type=int,
