@@ -37,8 +37,9 @@ def test_an_xid_while_training_excludes_the_node_and_the_standby_takes_its_slot(
              "xid_file": str(path)})} for path in xids]  # fmt: skip
     job = start_job(
         tmp_path, 3, [*TWO_BY_TWO, f"--ft-health-interval={POLL_S}"],
-        ["--steps", "80", "--step-time", "0.05"], script=FAULT, node_env=envs,
+        ["--steps", "200", "--step-time", "0.05"], script=FAULT, node_env=envs,
     )  # fmt: skip
+    # 200 steps (10 s): under the suite's load, 80 once ended before the Xid was acted on.
     wait_for(lambda: len(job.progress(0)) >= 5, 90, "training on 2 nodes")
     first = rounds(job)[0]
     victim = killable(job, 0)
