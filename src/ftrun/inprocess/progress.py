@@ -73,6 +73,8 @@ class ProgressWatchdog:
 
     def close(self) -> None:
         self._closed.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(self._interval + 1.0)  # none of it left running at exit
 
     def _run(self) -> None:
         while not self._closed.wait(self._interval):

@@ -17,6 +17,10 @@ from ftrun.inprocess.iteration import Iteration
 
 log = logging.getLogger("ftrun.inprocess")
 
+_CLOSE_BOUND_S = 10.0
+"""How long closing waits for the thread's last store call (the iteration's `end` is set by
+then, so that call returns at once unless the store is gone, when it fails about as fast)."""
+
 
 class Watcher:
     """Watches iteration after iteration, as `follow` hands them over."""
@@ -42,10 +46,19 @@ class Watcher:
             self._iteration = iteration
             self._changed.notify_all()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = _CLOSE_BOUND_S) -> None:
+        """Stop watching and wait (bounded) for the thread to end. A daemon thread still in a
+        store call when the interpreter finalizes aborts the process: it returns from the call,
+        cannot take the GIL back, and is unwound through torch's noexcept frames (SIGABRT,
+        "terminate called without an active exception", after training had finished)."""
         with self._changed:
             self._closed = True
             self._changed.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("in-process watcher: still in a store call %gs after the wrapped "
+                            "call ended", timeout_s)  # fmt: skip
 
     def _next(self, done: Iteration | None) -> Iteration | None:
         with self._changed:
