@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +12,8 @@ from pathlib import Path
 from typing import TypeVar
 
 import psutil
+
+from ftrun import identity
 
 T = TypeVar("T")
 WORKERS = Path(__file__).parent / "workers"
@@ -60,29 +60,10 @@ def reap_zombies() -> None:
             return
 
 
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def free_port() -> int:
-    """A TCP port nobody uses now, for a test's server to listen on later.
-
-    It comes from below the kernel's ephemeral range: a port that `bind(0)` hands out is one the
-    kernel may give the local end of the next outgoing connection before the server listens on
-    it (a Slurm test's status page lost its port so). Below the range, only another test's
-    pick can collide, one in thousands."""
-    low = min(_ephemeral_low(), 32768)
-    while True:
-        port = random.randrange(max(1024, low - 16384), low)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
+    """A TCP port nobody uses now, nor the two after it, for a test's server to listen on later
+    (below the ephemeral range: see `ftrun.identity.free_port`)."""
+    return identity.free_port()
 
 
 def python_cmd(script: str, *args: str) -> list[str]:

@@ -9,6 +9,10 @@ launched with `--standalone --nproc-per-node=N --max-restarts=3` in a fresh dire
   under ft_launcher (`python -m ftrun.ft_launcher.cli`);
 - `nvrx-inprocess`: the same worker with `--wrapper nvrx`, under torchrun, as NVRx's usage guide
   runs its examples (`torchrun --nproc-per-node=N`; monitor interval at its default, 0.1 s);
+- `ftrun-inprocess-mem`, `nvrx-inprocess-mem`: the same two, the worker with `--restore memory`
+  (a restart in the same process copies back the state each rank kept on its GPU at the last
+  checkpoint step, instead of reading the file): the fast path a user can write for either
+  wrapper; their ratios are taken against each other;
 - `ftrun-injob`, `torchrun-injob`: the unwrapped gpu_user_worker.py, crashing at the same step,
   under ft_launcher / torchrun (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see NO_SHARE): every
   rank's process is replaced.
@@ -29,7 +33,8 @@ raise or kill) -> every rank's first step in a new life (a new process or restar
 the last rank's; -> the function re-entered or the new process started; -> ready to train;
 the ranks back and how many of them in a new process. A job counts when its launcher exits 0
 and rank 0 reached `--steps`. Runs are interleaved (run 1 of every case and contender, then
-run 2, ...), the first contender rotating; ratios are pair by pair against nvrx-inprocess.
+run 2, ...), the first contender rotating; ratios are pair by pair against the NVRx contender
+of the same restore.
 Raw results: `--json` (rewritten after every job); `--from-json` tabulates earlier calls.
 `--budget-s` starts no job past that many seconds (a device call has a time limit).
 """
@@ -92,12 +97,22 @@ class Contender:
     faults: tuple[str, ...]
     fresh_caches: bool = False
     env: tuple[tuple[str, str], ...] = ()
+    worker_args: tuple[str, ...] = ()
+    peer: str = PEER
+    """The contender its ratios are taken against (run i / run i)."""
+
+
+MEMORY = ("--restore", "memory")
+NVRX_ENV = (*INPROCESS_ENV, ("NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE", "1"))
 
 
 CONTENDERS = {c.key: c for c in (
     Contender("ftrun-inprocess", FT, "ftrun", ("raise", "kill", "abort-hang"), env=INPROCESS_ENV),
-    Contender(PEER, TORCHRUN, "nvrx", ("raise", "kill"), fresh_caches=True,
-              env=(*INPROCESS_ENV, ("NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE", "1"))),
+    Contender(PEER, TORCHRUN, "nvrx", ("raise", "kill"), fresh_caches=True, env=NVRX_ENV),
+    Contender("ftrun-inprocess-mem", FT, "ftrun", ("raise", "kill"), env=INPROCESS_ENV,
+              worker_args=MEMORY, peer="nvrx-inprocess-mem"),
+    Contender("nvrx-inprocess-mem", TORCHRUN, "nvrx", ("raise", "kill"), fresh_caches=True,
+              env=NVRX_ENV, worker_args=MEMORY),
     Contender("ftrun-injob", FT, None, ("raise",)),
     Contender("torchrun-injob", TORCHRUN, None, ("raise",), fresh_caches=True, env=NO_SHARE),
 )}  # fmt: skip
@@ -182,6 +197,7 @@ def job_argv(
     else:
         argv += [str(WRAPPED), "--wrapper", c.wrapper, "--fault", fault]
         argv += ["--fault-step", str(args.fault_step), "--fault-rank", str(rank)]
+        argv += c.worker_args
     argv += [
         "--out",
         str(tmp / "out"),
@@ -276,6 +292,7 @@ class Line:
     kind: str  # step | fault | mark
     name: str = ""
     step: int = 0
+    proc: float | None = None  # a start mark's: when the process was forked
 
 
 def read_rank(out: Path, rank: int) -> list[Line]:
@@ -287,7 +304,8 @@ def read_rank(out: Path, rank: int) -> list[Line]:
             v = dict(f.split("=", 1) for f in fields[1:] if "=" in f)
             ts, pid, it = float(fields[0]), int(v["pid"]), int(v.get("it", 0))
             if "mark" in v:
-                found.append(Line(ts, pid, it, "mark", v["mark"]))
+                proc = float(v["proc"]) if "proc" in v else None
+                found.append(Line(ts, pid, it, "mark", v["mark"], proc=proc))
             else:
                 kind = "fault" if "fault" in v else "step"
                 found.append(Line(ts, pid, it, kind, v.get("fault", ""), int(v["step"])))
@@ -303,7 +321,8 @@ def measures(lives: Sequence[list[Line]], launched_at: float) -> dict[str, float
     if not faults:
         return found
     at = min(faults, key=lambda s: s.ts).ts
-    back: dict[str, list[float]] = {"back": [], **{f"to_{m}": [] for m, _ in SPLIT}}
+    back: dict[str, list[float]] = {"back": [], "to_fork": [],
+                                    **{f"to_{m}": [] for m, _ in SPLIT}}  # fmt: skip
     replaced = 0
     for lines in lives:
         old = {(s.pid, s.it) for s in lines if s.ts <= at}
@@ -314,6 +333,9 @@ def measures(lives: Sequence[list[Line]], launched_at: float) -> dict[str, float
         replaced += step.pid not in {pid for pid, _ in old}
         back["back"].append(step.ts - at)
         life = [s for s in new if (s.pid, s.it) == (step.pid, step.it)]  # the one that stepped
+        forked = [s.proc for s in new if s.pid == step.pid and s.proc is not None]
+        if forked:  # a new process (its start mark is iteration 0's): when it was forked
+            back["to_fork"].append(forked[0] - at)
         for key, names in SPLIT:
             mark = next((s for s in life if s.kind == "mark" and s.name in names), None)
             if mark is not None:
@@ -358,7 +380,7 @@ def _fmt(value: float | None) -> str:
 
 def brief(o: Outcome) -> str:
     m = o.measures
-    split = ", ".join(f"{k} {_fmt(m.get(f'to_{k}'))}" for k, _ in SPLIT)
+    split = ", ".join(f"{k} {_fmt(m.get(f'to_{k}'))}" for k in ("fork", *(k for k, _ in SPLIT)))
     text = (f"fault -> all stepping {_fmt(m.get('back'))} ({split}; "
             f"ranks back {m.get('ranks_back', '-')}, "
             f"replaced {m.get('replaced', '-')}); startup {_fmt(m.get('startup'))}; "
@@ -378,21 +400,23 @@ def cell(values: dict[int, float | None]) -> str:
 def render(group: Sequence[Outcome], markdown: bool) -> str:
     fault, variant, nproc = group[0].fault, group[0].variant, group[0].nproc
     headers = ["contender", "fault -> all ranks stepping (s)", "-> re-entered / new process",
-               "-> ready to train", "ranks back (in new processes)", "runs ok", f"x {PEER}",
+               "-> ready to train", "ranks back (in new processes)", "runs ok", "x its NVRx peer",
                "target (4 GPUs)"]  # fmt: skip
     rows = []
     for key in [k for k in CONTENDERS if any(o.contender == k for o in group)]:
         mine = [o for o in group if o.contender == key]
         backs = {f"{o.measures.get('ranks_back', 0)} ({o.measures.get('replaced', 0)})"
                  for o in mine}  # fmt: skip
-        ratios = pair_ratios(series(group, key, "back"), series(group, PEER, "back"))
-        limit = TARGETS.get((fault, variant)) if key == "ftrun-inprocess" and nproc == 4 else None
+        peer = CONTENDERS[key].peer
+        ratios = pair_ratios(series(group, key, "back"), series(group, peer, "back"))
+        ours = key.startswith("ftrun-inprocess")
+        limit = TARGETS.get((fault, variant)) if ours and nproc == 4 else None
         met = Stats.of(list(series(group, key, "back").values()))
         target = "-" if limit is None else f"<= {limit}: " + (
             "yes" if met and met.median <= limit else "**no**")  # fmt: skip
         rows.append([key, *(cell(series(group, key, n)) for n in ("back", "to_enter", "to_ready")),
                      " / ".join(sorted(backs)), f"{sum(o.ok for o in mine)}/{len(mine)}",
-                     "-" if key == PEER else ratio_cell(ratios), target])  # fmt: skip
+                     "-" if key.startswith("nvrx") else ratio_cell(ratios), target])  # fmt: skip
     return table(headers, rows, markdown)
 
 
@@ -445,9 +469,10 @@ def main() -> None:
         machine = raws[0]["machine"]
     else:
         keys = list(args.contenders)
-        if PEER in keys and not nvrx_importable():
-            progress("nvrx-inprocess left out: `import nvidia_resiliency_ext` fails here")
-            keys.remove(PEER)
+        nvrx = [k for k in keys if CONTENDERS[k].wrapper == "nvrx"]
+        if nvrx and not nvrx_importable():
+            progress(f"{', '.join(nvrx)} left out: `import nvidia_resiliency_ext` fails here")
+            keys = [k for k in keys if k not in nvrx]
         take_charge()
         machine = machine_line(args.device)
         progress(f"machine: {machine}")

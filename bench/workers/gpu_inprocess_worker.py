@@ -5,8 +5,10 @@ The same 151M transformer, AdamW, DDP over NCCL (gloo with `--device cpu`), `tor
 what does not depend on a process group (the model on its device, `torch.compile` of it, the
 optimizer, a TCPStore at MASTER_PORT + 2) is built once, outside the wrapped function; the
 process group (on a PrefixStore per restart iteration) and DDP are built inside it, and each
-call loads the newest checkpoint. `--wrapper ftrun|nvrx` picks the import, and nothing else
-differs:
+call loads the newest checkpoint (`--restore disk`, as NVRx's examples do), or, with `--restore
+memory`, copies back the snapshot every rank keeps on its device at each checkpoint step (a
+replaced rank's new process has none and reads the file). `--wrapper ftrun|nvrx` picks the
+import, and nothing else differs:
 
     import ftrun.inprocess as inprocess                      # --wrapper ftrun
     import nvidia_resiliency_ext.inprocess as inprocess      # --wrapper nvrx
@@ -65,6 +67,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fault-step", type=int, default=15)
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--steps", type=int, default=25, help="train this many steps in all")
+    parser.add_argument("--restore", choices=["disk", "memory"], default="disk",
+                        help="where a restart gets the last checkpoint's state")  # fmt: skip
     add_model_args(parser)
     parser.add_argument("--out", type=Path, help="also append the lines to DIR/rank<RANK>.log")
     return parser.parse_args()
@@ -94,6 +98,46 @@ def _hang(*_args: object) -> None:
     time.sleep(3600)
 
 
+class MemorySnapshot:
+    """The model's and optimizer's tensors at the last checkpoint step, kept where they live
+    (the GPU): a restart in the same process copies them back instead of reading the file."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self._saved: list[torch.Tensor] = []
+
+    @staticmethod
+    def _live(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        live = list(model.state_dict().values())  # detached, sharing the parameters' storage
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                state = optimizer.state.get(param, {})
+                live += [state[k] for k in sorted(state) if torch.is_tensor(state[k])]
+        return live
+
+    @torch.no_grad()
+    def take(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+        live = self._live(model, optimizer)
+        if len(live) != len(self._saved):
+            self._saved = [tensor.detach().clone() for tensor in live]
+        else:
+            for saved, tensor in zip(self._saved, live, strict=True):
+                saved.copy_(tensor)
+        self.step = step
+
+    @torch.no_grad()
+    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> int | None:
+        """The snapshot's step, its tensors copied back; None where there is none."""
+        if self.step is None:
+            return None
+        for tensor, saved in zip(self._live(model, optimizer), self._saved, strict=True):
+            tensor.copy_(saved)
+        return self.step
+
+
+SNAPSHOT = MemorySnapshot()
+
+
 def train(
     base_store: dist.Store,
     model: nn.Module,
@@ -118,7 +162,10 @@ def train(
     log(f"mark=pg it={it}")
     ckpt_path = ARGS.ckpt_dir / CKPT_NAME
     start_step = 0
-    if ckpt_path.exists():
+    restored = SNAPSHOT.restore(model, optimizer) if ARGS.restore == "memory" else None
+    if restored is not None:
+        start_step = restored
+    elif ckpt_path.exists():
         state = torch.load(ckpt_path, map_location=device)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -140,17 +187,25 @@ def train(
         value = loss.item()  # waits for the step on the device
         call_wrapper.ping()
         log(f"step={step} it={it} loss={value:.5f}")
-        if rank == 0 and ARGS.ckpt_every and step % ARGS.ckpt_every == 0:
-            checkpoint = {
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "step": step,
-            }
+        if ARGS.ckpt_every and step % ARGS.ckpt_every == 0:
             with call_wrapper.atomic():
-                torch.save(checkpoint, f"{ckpt_path}.tmp")
-                os.replace(f"{ckpt_path}.tmp", ckpt_path)
+                save(model, optimizer, step, rank, ckpt_path)
     dist.barrier()  # no rank tears its group down while a peer still uses it (gloo)
     dist.destroy_process_group()
+
+
+def save(
+    model: nn.Module, optimizer: torch.optim.Optimizer, step: int, rank: int, path: Path
+) -> None:
+    """A checkpoint step: rank 0 writes the file; with `--restore memory` every rank also
+    keeps its snapshot."""
+    if ARGS.restore == "memory":
+        SNAPSHOT.take(model, optimizer, step)
+    if rank == 0:
+        checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                      "step": step}  # fmt: skip
+        torch.save(checkpoint, f"{path}.tmp")
+        os.replace(f"{path}.tmp", path)
 
 
 def main() -> None:

@@ -95,14 +95,15 @@ class Log:
 
 
 def process_start() -> float | None:
-    """This process's start (fork or exec) on the wall clock, from /proc (10 ms resolution)."""
+    """This process's start (fork or exec) on the wall clock, 10 ms resolution: /proc's start
+    time counts from boot, set against the boot-time clock now (/proc/stat's btime is whole
+    seconds, too coarse)."""
     try:
         with open("/proc/self/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        with open("/proc/stat") as f:
-            boot = next(float(line.split()[1]) for line in f if line.startswith("btime"))
-        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError):
         return None
 
 

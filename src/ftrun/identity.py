@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+import random
 import socket
 from collections.abc import Mapping
+from pathlib import Path
 
 
 def is_local_host(host: str) -> bool:
@@ -59,10 +61,38 @@ def this_node(
     return host, node_name(given_name, environ, host)
 
 
-def free_port(host: str) -> int:
-    """A TCP port free on this host now (for the workers' MASTER_PORT)."""
+MASTER_PORT_SPAN = 3
+"""Ports kept free from MASTER_PORT on: scripts serve more stores next to it (NVRx's in-process
+examples at MASTER_PORT + 1, ftrun's tests also at + 2)."""
+
+
+def free_port(host: str = "127.0.0.1", span: int = MASTER_PORT_SPAN) -> int:
+    """A TCP port free on this host now, with the `span - 1` ports after it, for a server that
+    listens later (the workers' MASTER_PORT).
+
+    It comes from below the kernel's ephemeral range: a port that `bind(0)` hands out sits
+    among those the kernel gives next to this agent's own listeners and to the local end of
+    outgoing connections (an agent's peer channel once took MASTER_PORT + 2 so). Below the
+    range only another explicit pick can collide."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low = min(_ephemeral_low(), 32768)
+    while True:
+        port = random.randrange(max(1024, low - 16384), low - span + 1)
+        if all(_bindable(family, candidate) for candidate in range(port, port + span)):
+            return port
+
+
+def _bindable(family: socket.AddressFamily, port: int) -> bool:
     with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+        return True
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
