@@ -4,9 +4,9 @@ Round `c` (the job's cycle number, see `control`): each node `add`s itself to `c
 (its arrival index), writes its descriptor to `c<c>/node/<index>` and waits on `c<c>/closed`.
 A closer decides who takes which slot (`slots.plan_round`: the previous round's nodes keep
 their group ranks, spares fill the slots of nodes that are gone, extra nodes stand by) and
-publishes it as one value, `c<c>/round/<closer's index>` (`published.PublishedRound`), then
-`compare_set`s `closed` to its index: the first close wins, and each node does one `get` of
-~10 bytes per node instead of N key reads (O(N^2) work per round made 1024 nodes slow).
+publishes it by `compare_set`ting `closed` to it, as one value (`published.PublishedRound`):
+the first close wins, and each node does one `get` of ~10 bytes per node instead of N key reads
+(O(N^2) work per round made 1024 nodes slow), and no second read for where the round is.
 
 Who closes: the arrival that fills `max_nodes` tries at once (the common case: everyone is
 back); the first arrival (the *planner*) looks again every second, probing the previous
@@ -52,7 +52,11 @@ _WAIT_CHUNK_S = 1.0  # how often a waiting node looks at shutdown requests and i
 DESCRIPTOR_GRACE_S = 5.0
 """How long the filling arrival waits for a descriptor of a node that arrived: a live node
 writes it one store round trip after arriving; seconds cover a loaded store and GIL stalls."""
-_TAKEOVER_S = DESCRIPTOR_GRACE_S + 3 * _WAIT_CHUNK_S
+_POLL_EVERY = 3
+"""A waiting node that does not plan looks at the store (shutdown, arrivals, the unhealthy,
+the planner's beat) every this many chunks, and otherwise only waits for the close: N waiting
+nodes poll a third as often, which is what loads an etcd store at 1,000 nodes and more."""
+_TAKEOVER_S = DESCRIPTOR_GRACE_S + (_POLL_EVERY + 2) * _WAIT_CHUNK_S
 """A planner beat unchanged this long: the planner is gone, every waiting node plans."""
 
 Probe = Callable[[NodeDescriptor], bool]
@@ -100,8 +104,8 @@ class BarrierRendezvousHandler(RendezvousHandler):
         self._arrived_at = 0.0
         """When this node last arrived at a round (monotonic): a standby node's wait for earlier
         cycles to end is not its rendezvous time."""
-        self._last_published: tuple[int, bytes, bytes] | None = None
-        """(cycle, closer, round) of the last closed round this node read, for `restore`."""
+        self._last_published: tuple[int, bytes] | None = None
+        """(cycle, round) of the last closed round this node read, for `restore`."""
 
     # ---- torch's RendezvousHandler -------------------------------------------------------
 
@@ -156,7 +160,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
             self._store.set(self._key(cycle, f"node/{index}"), mine)
             planning = _Planning(cycle)
             if index + 1 >= self._config.max_nodes:  # the filler, or a spare after it
-                self._plan_and_close(planning, index, self._grace, probe=False)
+                self._plan_and_close(planning, self._grace, probe=False)
             self._await_close(planning, index, deadline, interrupted)
             published = self._published(cycle)
             rnd = published.round_for(cycle, index)
@@ -173,7 +177,12 @@ class BarrierRendezvousHandler(RendezvousHandler):
         cycle = planning.cycle
         closed = self._key(cycle, "closed")
         is_planner = index == 0
+        chunks = 0
         while not wait_for_key(self._store, closed, _WAIT_CHUNK_S):
+            chunks += 1
+            if not is_planner and chunks % _POLL_EVERY:  # the close itself ends the wait
+                self._check_waiting(deadline, interrupted, ask_store=False)
+                continue
             self._check_waiting(deadline, interrupted)
             arrived = self._store.add(self._key(cycle, "arrivals"), 0)
             self.control.healthy_capacity(
@@ -181,7 +190,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
             )
             if is_planner or self._planner_gone(planning):
                 self._store.add(self._key(cycle, "beat"), 1)
-                self._plan_and_close(planning, index, 0.0, probe=True)
+                self._plan_and_close(planning, 0.0, probe=True)
 
     def _planner_gone(self, planning: _Planning) -> bool:
         beat = self._store.add(self._key(planning.cycle, "beat"), 0)
@@ -190,7 +199,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
             planning.beat = (beat, now)
         return now - planning.beat[1] >= _TAKEOVER_S
 
-    def _plan_and_close(self, planning: _Planning, index: int, grace: float, probe: bool) -> None:
+    def _plan_and_close(self, planning: _Planning, grace: float, probe: bool) -> None:
         """Look at the round once; close it if it is decided (the first close wins)."""
         cycle = planning.cycle
         if self._store.check([self._key(cycle, "closed")]):
@@ -214,8 +223,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
             progress=self._progress(planning),
             error=error,
         )
-        self._store.set(self._key(cycle, f"round/{index}"), published.encode())
-        self._store.compare_set(self._key(cycle, "closed"), "", str(index))
+        self._store.compare_set(self._key(cycle, "closed"), "", published.encode())
 
     def _view(self, planning: _Planning, arrivals: tuple[Arrival, ...], probe: bool) -> RoundView:
         config, previous = self._config, planning.previous
@@ -293,10 +301,9 @@ class BarrierRendezvousHandler(RendezvousHandler):
         return previous.progress.after(reports)
 
     def _published(self, cycle: int) -> PublishedRound:
-        closer = self._store.get(self._key(cycle, "closed"))
-        blob = self._store.get(self._key(cycle, f"round/{closer.decode()}"))
+        blob = self._store.get(self._key(cycle, "closed"))
         if self._last_published is None or self._last_published[0] <= cycle:
-            self._last_published = (cycle, closer, blob)
+            self._last_published = (cycle, blob)
         return PublishedRound.decode(blob)
 
     def restore(self) -> None:
@@ -304,9 +311,8 @@ class BarrierRendezvousHandler(RendezvousHandler):
         next round then keeps its nodes in their slots (and spares in the slots of the gone)."""
         if self._last_published is None:
             return
-        cycle, closer, blob = self._last_published
-        self._store.set(self._key(cycle, f"round/{closer.decode()}"), blob)
-        self._store.compare_set(self._key(cycle, "closed"), "", closer)
+        cycle, blob = self._last_published
+        self._store.compare_set(self._key(cycle, "closed"), "", blob)
 
     def _published_or_none(self, cycle: int) -> PublishedRound | None:
         if not self._store.check([self._key(cycle, "closed")]):
@@ -327,10 +333,15 @@ class BarrierRendezvousHandler(RendezvousHandler):
             reason = self._store.get(key).decode()
             raise NodeExcludedError(f"excluded while standing by: {reason}")
 
-    def _check_waiting(self, deadline: float, interrupted: Callable[[], bool]) -> None:
+    def _check_waiting(
+        self, deadline: float, interrupted: Callable[[], bool], ask_store: bool = True
+    ) -> None:
+        """A signal, a shutdown of the job (`ask_store`: the one check that is a store read),
+        the join timeout."""
         if interrupted():
             raise JoinInterruptedError
-        self._raise_if_shut_down()
+        if ask_store:
+            self._raise_if_shut_down()
         if time.monotonic() >= deadline:
             raise RendezvousTimeoutError(
                 f"rendezvous did not complete within join_timeout={self._config.join_timeout}s "

@@ -300,8 +300,10 @@ def wait_for_keys(store: Store, keys: list[str], timeout: float) -> bool:
         return store.check(keys)
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout))
-    except RuntimeError:
-        # A timeout and a lost store look alike here; `check` tells them apart by raising.
+    except RuntimeError as error:
+        if "timeout" in str(error).lower():  # TCPStore's and EtcdStore's: no request more
+            return False
+        # A lost store, or another store error: `check` tells them apart by raising.
         return store.check(keys)
     return True
 

@@ -93,7 +93,7 @@ class EtcdStore(Store):
         return all(value is not None for value in self._read(keys, values=False)[0])
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        self._until(keys, timeout)
+        self._until(keys, timeout, values=False)
 
     def add(self, key: str, amount: int) -> int:
         full = self._key(key)
@@ -192,11 +192,12 @@ class EtcdStore(Store):
         return [wire.decoded(kvs[k]) if k in kvs else None for k in full], wire.revision(reply)
 
     def _until(
-        self, keys: list[str], timeout: datetime.timedelta | None = None
+        self, keys: list[str], timeout: datetime.timedelta | None = None, values: bool = True
     ) -> list[bytes | None]:
         """The keys' values once none is absent: a read, then a watch on the absent ones from
         the revision after that read (so no put is missed) until each has been put, then a read
-        again. DistStoreError after the timeout, as TCPStore."""
+        again for their values (without `values`, a `wait`: none, and no read after the watch).
+        DistStoreError after the timeout, as TCPStore."""
         limit = (timeout or self.timeout).total_seconds()
         deadline = self._clock() + limit
         absent, self._absent = self._absent, None
@@ -204,7 +205,7 @@ class EtcdStore(Store):
             if absent is not None and absent[0] == tuple(keys) and self._clock() < deadline:
                 missing, revision = absent[1], absent[2]  # the last wait's: no read needed
             else:
-                found, revision = self._read(keys)
+                found, revision = self._read(keys, values)
                 missing = [k for k, v in zip(keys, found, strict=True) if v is None]
                 if not missing:
                     return found
@@ -214,6 +215,8 @@ class EtcdStore(Store):
                 # keys were absent at `revision`, and a watch from there replays any put since.
                 self._absent = (tuple(keys), missing, revision)
                 raise DistStoreError(f"wait timeout after {limit:g}s for key(s) {missing}")
+            if not values:
+                return []
 
     def _watch(self, keys: list[str], start: int, deadline: float) -> bool:
         """Block until each key has been put at `start` or later (True) or `deadline` (False):
