@@ -44,6 +44,21 @@ WHEELS=(
     PyYAML==6.0.4
     crc32c==2.9.post0
     prometheus_client==0.26.0
+    # the etcd store and the scale bench (bench/rendezvous/rendezvous_scale.py --backend etcd,
+    # which starts tests/etcd_cluster.py's members: pytest is imported there)
+    etcd3gw==2.7.0
+    futurist==3.5.0
+    debtcollector==3.1.0
+    wrapt==2.5.2
+    pbr==7.1.3
+    requests==2.34.2
+    urllib3==2.8.0
+    charset-normalizer==3.5.3
+    pytest==9.2.0
+    pluggy==1.7.0
+    iniconfig==2.3.1
+    packaging==26.4
+    pygments==2.21.0
 )
 
 PLATFORMS=()
@@ -58,5 +73,10 @@ for spec in "${WHEELS[@]}"; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp "${PLATFORMS[@]}" -d .whl "$spec"
 done
+# The etcd server for the scale bench: this machine's (tests/etcd/install-etcd.sh installs it),
+# a static binary; carry .etcd-bin and set FTRUN_ETCD=$PWD/.etcd-bin/etcd on the device.
+mkdir -p .etcd-bin
+cp "$(command -v etcd || echo /usr/bin/etcd)" .etcd-bin/etcd
+grep -qxF '/.etcd-bin/' "$exclude" || echo '/.etcd-bin/' >>"$exclude"
 ls -l .whl
-du -sh .whl
+du -sh .whl .etcd-bin
