@@ -9,10 +9,10 @@ from ftrun import identity
 
 
 def test_the_pick_is_below_the_ephemeral_range_with_its_neighbours_free():
-    low = identity._ephemeral_low()
+    first, end = identity._outside_ephemeral()
     for _ in range(20):
         port = identity.free_port("127.0.0.1")
-        assert port >= 1024 and port + identity.MASTER_PORT_SPAN - 1 < min(low, 32768)
+        assert first <= port and port + identity.MASTER_PORT_SPAN <= end
         for taken in range(port, port + identity.MASTER_PORT_SPAN):
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", taken))  # raises if it was not free
@@ -26,3 +26,15 @@ def test_a_port_whose_neighbour_listens_is_not_picked(monkeypatch):
         picks = iter([busy - 2, busy + 1])  # the first has `busy` as its + 2
         monkeypatch.setattr(identity.random, "randrange", lambda *_: next(picks))
         assert identity.free_port("127.0.0.1") == busy + 1
+
+
+def test_a_range_that_leaves_no_room_below_picks_above_it(monkeypatch, tmp_path):
+    ranges = {"1024 40000": (40001, 65536), "1500 65000": (1024, 65536),
+              "32768 60999": (16384, 32768)}  # fmt: skip
+    for text, expected in ranges.items():
+        fake = tmp_path / "range"
+        fake.write_text(text)
+        real_path = identity.Path
+        monkeypatch.setattr(identity, "Path", lambda _p, fake=fake: fake)
+        assert identity._outside_ephemeral() == expected
+        monkeypatch.setattr(identity, "Path", real_path)

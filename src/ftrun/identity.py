@@ -68,18 +68,19 @@ examples at MASTER_PORT + 1, ftrun's tests also at + 2)."""
 
 def free_port(host: str = "127.0.0.1", span: int = MASTER_PORT_SPAN) -> int:
     """A TCP port free on this host now, with the `span - 1` ports after it, for a server that
-    listens later (the workers' MASTER_PORT).
+    listens later (the workers' MASTER_PORT); OSError if none is found in 1,000 tries.
 
-    It comes from below the kernel's ephemeral range: a port that `bind(0)` hands out sits
-    among those the kernel gives next to this agent's own listeners and to the local end of
-    outgoing connections (an agent's peer channel once took MASTER_PORT + 2 so). Below the
-    range only another explicit pick can collide."""
+    It comes from outside the kernel's ephemeral range (below it where there is room): a port
+    that `bind(0)` hands out sits among those the kernel gives next to this agent's own
+    listeners and to the local end of outgoing connections (an agent's peer channel once took
+    MASTER_PORT + 2 so). Outside the range only another explicit pick can collide."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    low = min(_ephemeral_low(), 32768)
-    while True:
-        port = random.randrange(max(1024, low - 16384), low - span + 1)
+    first, end = _outside_ephemeral()
+    for _ in range(1000):
+        port = random.randrange(first, end - span + 1)
         if all(_bindable(family, candidate) for candidate in range(port, port + span)):
             return port
+    raise OSError(f"no {span} free TCP ports in a row found in {first}-{end - 1}")
 
 
 def _bindable(family: socket.AddressFamily, port: int) -> bool:
@@ -91,8 +92,15 @@ def _bindable(family: socket.AddressFamily, port: int) -> bool:
         return True
 
 
-def _ephemeral_low() -> int:
+def _outside_ephemeral() -> tuple[int, int]:
+    """[first, end) of the ports to pick from: up to 16,384 below the ephemeral range, else
+    above it, else (a range that leaves no room) any unprivileged port."""
     try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    if low - 1024 >= 1024:
+        return max(1024, low - 16384), low
+    if 65535 - high >= 1024:
+        return high + 1, 65536
+    return 1024, 65536

@@ -48,7 +48,7 @@ from ftrun.rendezvous.slots import Arrival, RoundView, plan_round, standbys
 log = logging.getLogger("ftrun.rendezvous")
 
 BACKEND = "ftrun-barrier"
-_WAIT_CHUNK_S = 1.0  # how often a waiting node looks at shutdown requests and its signals
+_WAIT_CHUNK_S = 1.0  # how often a waiting node looks at its signals (the store: `_POLL_EVERY`)
 DESCRIPTOR_GRACE_S = 5.0
 """How long the filling arrival waits for a descriptor of a node that arrived: a live node
 writes it one store round trip after arriving; seconds cover a loaded store and GIL stalls."""

@@ -7,7 +7,8 @@ keeps TCPStore's semantics, which the rendezvous, job control and the subsystems
 that nothing above `store/connect.py` knows which backend it has:
 
 - `get`, `multi_get` and `wait` block until their keys exist, up to the store's timeout: one
-  read, then one etcd watch on the missing keys (no polling), then one read to return;
+  read, then one etcd watch on the missing keys (no polling), then one read to return the
+  values (`wait` returns none, and reads nothing after the watch);
 - `add`, `append` and `compare_set` are atomic: one transaction comparing the key's revision
   (or its value), retried when another writer got there first;
 - `compare_set` of an absent key with `expected == b""` creates it (TCPStore's rule).
