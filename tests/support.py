@@ -62,7 +62,7 @@ def reap_zombies() -> None:
 
 def free_port() -> int:
     """A TCP port nobody uses now, nor the two after it, for a test's server to listen on later
-    (below the ephemeral range: see `ftrun.identity.free_port`)."""
+    (outside the ephemeral range: see `ftrun.identity.free_port`)."""
     return identity.free_port()
 
 
