@@ -173,7 +173,8 @@ class EtcdStore(Store):
         found: list[bytes | None] = []
         revision = 0
         for start in range(0, len(keys), MAX_TXN_OPS):
-            reads = [wire.range_op(self._key(k)) for k in keys[start : start + MAX_TXN_OPS]]
+            reads = [wire.range_op(self._key(k), keys_only=not values)
+                     for k in keys[start : start + MAX_TXN_OPS]]  # fmt: skip
             reply = self._txn([], reads, [])
             found += [wire.value_of(response) for response in reply.get("responses", [])]
             revision = min(revision or wire.revision(reply), wire.revision(reply))

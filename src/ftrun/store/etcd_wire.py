@@ -40,8 +40,12 @@ def put_op(key: str, value: bytes, prev_kv: bool = False) -> dict[str, Any]:
     return {"request_put": put}
 
 
-def range_op(key: str) -> dict[str, Any]:
-    return {"request_range": {"key": b64(key)}}
+def range_op(key: str, keys_only: bool = False) -> dict[str, Any]:
+    """A read of one key; `keys_only`: whether it exists, without its value."""
+    read: dict[str, Any] = {"key": b64(key)}
+    if keys_only:
+        read["keys_only"] = True
+    return {"request_range": read}
 
 
 def value_is(key: str, value: bytes) -> dict[str, Any]:
