@@ -407,16 +407,17 @@ def render(group: Sequence[Outcome], markdown: bool) -> str:
         mine = [o for o in group if o.contender == key]
         backs = {f"{o.measures.get('ranks_back', 0)} ({o.measures.get('replaced', 0)})"
                  for o in mine}  # fmt: skip
-        peer = CONTENDERS[key].peer
-        ratios = pair_ratios(series(group, key, "back"), series(group, peer, "back"))
-        ours = key.startswith("ftrun-inprocess")
+        contender = CONTENDERS[key]
+        ratios = pair_ratios(series(group, key, "back"), series(group, contender.peer, "back"))
+        ratio = "-" if contender.wrapper == "nvrx" else ratio_cell(ratios)
+        ours = contender.wrapper == "ftrun"
         limit = TARGETS.get((fault, variant)) if ours and nproc == 4 else None
         met = Stats.of(list(series(group, key, "back").values()))
         target = "-" if limit is None else f"<= {limit}: " + (
             "yes" if met and met.median <= limit else "**no**")  # fmt: skip
         rows.append([key, *(cell(series(group, key, n)) for n in ("back", "to_enter", "to_ready")),
                      " / ".join(sorted(backs)), f"{sum(o.ok for o in mine)}/{len(mine)}",
-                     "-" if key.startswith("nvrx") else ratio_cell(ratios), target])  # fmt: skip
+                     ratio, target])  # fmt: skip
     return table(headers, rows, markdown)
 
 
