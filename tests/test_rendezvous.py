@@ -10,7 +10,7 @@ import re
 from collections.abc import Iterator
 
 import pytest
-from torch.distributed import TCPStore
+from torch.distributed import Store, TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from ftrun.agent.state import AgentState, IllegalTransitionError, check_transition
@@ -123,6 +123,39 @@ def test_simultaneous_failures_make_one_restart_and_one_failure(store):
     assert winners.count(True) == 1
     assert (controls[0].cycle(), controls[0].failures()) == (1, 1)
     assert controls[3].restart_requested(0) and not controls[3].restart_requested(1)
+
+
+class Resending(Store):
+    """A client that lost the answer to every write and sent it again: each `add` and
+    `compare_set` reaches the store twice (etcd's client does so when a member stops answering
+    after it applied a request)."""
+
+    def __init__(self, inner: TCPStore) -> None:
+        super().__init__()
+        self._inner = inner
+
+    def add(self, key: str, amount: int) -> int:
+        self._inner.add(key, amount)
+        return self._inner.add(key, amount)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        self._inner.compare_set(key, expected, desired)
+        return self._inner.compare_set(key, expected, desired)
+
+    def set(self, key: str, value: str) -> None:
+        self._inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._inner.get(key)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+
+def test_a_vote_sent_twice_still_has_one_winner(store):
+    controls = [JobControl(Resending(client(store)), "ftrun/resent") for _ in range(2)]
+    assert [c.request_restart(0, "crash") for c in controls] == [True, False]
+    assert controls[1].cycle() == 1 and controls[1].restart_requested(0)
 
 
 @pytest.mark.parametrize(

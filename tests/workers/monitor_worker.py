@@ -65,7 +65,7 @@ def calculate(client: RankMonitorClient) -> None:
         client.start_section("step")
         time.sleep(0.03)
         client.end_section("step")
-        time.sleep(0.01)
+        time.sleep(0.03)
     client.calculate_and_set_hb_timeouts()
     client.calculate_and_set_section_timeouts()
     with open(sys.argv[2], "w") as f:

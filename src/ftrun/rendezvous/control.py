@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import json
 import time
+import uuid
 from collections.abc import Callable
 
 from torch.distributed import Store
@@ -122,9 +123,12 @@ class JobControl:
     ) -> bool:
         """Move the job from `cycle` to the next; True if this call made the move. `rerun`: the
         move re-runs a step elsewhere (counted by `rerun_restarts`)."""
-        # The first vote wins; a compare-and-set on the cycle cannot tell its winner apart from
-        # a loser that finds the value it wanted to write.
-        won = self._store.add(self._key(f"c{cycle}/votes"), 1) == 1
+        # The first vote wins: a compare-and-set of a token no other call writes. Not a counter
+        # (`add(votes, 1) == 1`): a store client that resends an increment whose answer it lost
+        # (etcd, a member that stops answering) counts it twice, and then nobody wins the vote.
+        # Nor a set of the cycle itself: its winner and a loser finding its value look alike.
+        token = uuid.uuid4().hex
+        won = self._store.compare_set(self._key(f"c{cycle}/vote"), "", token) == token.encode()
         if won:
             if failure:
                 self.known.failures = self._store.add(self._key("failures"), 1)

@@ -20,7 +20,10 @@ at once: N requests, not a compare-and-swap's O(N^2)). Every read turns the mark
 
 Every key goes under `/ftrun/<run id>/`, so several jobs share one etcd. Endpoints are tried in
 turn: a member that stops answering is left for the next one, with one log line, and a request
-fails only when no member has answered for the whole timeout.
+fails only when no member has answered for the whole timeout. A request whose member stopped
+answering after applying it is sent again, so an `add` or `append` may count twice (TCPStore's
+reconnecting client alike): callers decide by a compare-and-set of a value of their own
+(`control.request_restart`), and treat counters as upper bounds.
 """
 
 from __future__ import annotations
