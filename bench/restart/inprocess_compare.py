@@ -13,6 +13,9 @@ launched with `--standalone --nproc-per-node=N --max-restarts=3` in a fresh dire
   (a restart in the same process copies back the state each rank kept on its GPU at the last
   checkpoint step, instead of reading the file): the fast path a user can write for either
   wrapper; their ratios are taken against each other;
+- `ftrun-inprocess-peer`, `nvrx-inprocess-peer`: `--restore peer`, `memory` where a rank without
+  the snapshot (a replaced rank's new process) takes it from a peer by broadcast over NCCL;
+  `-peer-dev`: also `--init-on-device` (the model built on the GPU, not moved there);
 - `ftrun-injob`, `torchrun-injob`: the unwrapped gpu_user_worker.py, crashing at the same step,
   under ft_launcher / torchrun (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see NO_SHARE): every
   rank's process is replaced.
@@ -87,6 +90,8 @@ SPLIT = (("enter", ("enter", "start")), ("pg", ("pg",)), ("load", ("load",)), ("
          ("ready", ("ready",)))  # fmt: skip
 """A restart's split: the function re-entered (or the new process started), process group,
 checkpoint loaded, DDP built (its first NCCL use), ready to train: each the last rank's."""
+NEW_PROCESS = ("start", "cuda")
+"""A new process's own marks: its script's first line, its model and optimizer on the device."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +108,7 @@ class Contender:
 
 
 MEMORY = ("--restore", "memory")
+PEER_STATE = ("--restore", "peer")
 NVRX_ENV = (*INPROCESS_ENV, ("NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE", "1"))
 
 
@@ -113,6 +119,14 @@ CONTENDERS = {c.key: c for c in (
               worker_args=MEMORY, peer="nvrx-inprocess-mem"),
     Contender("nvrx-inprocess-mem", TORCHRUN, "nvrx", ("raise", "kill"), fresh_caches=True,
               env=NVRX_ENV, worker_args=MEMORY),
+    Contender("ftrun-inprocess-peer", FT, "ftrun", ("raise", "kill"), env=INPROCESS_ENV,
+              worker_args=PEER_STATE, peer="nvrx-inprocess-peer"),
+    Contender("ftrun-inprocess-peer-dev", FT, "ftrun", ("raise", "kill"), env=INPROCESS_ENV,
+              worker_args=(*PEER_STATE, "--init-on-device"), peer="nvrx-inprocess-peer-dev"),
+    Contender("nvrx-inprocess-peer", TORCHRUN, "nvrx", ("raise", "kill"), fresh_caches=True,
+              env=NVRX_ENV, worker_args=PEER_STATE),
+    Contender("nvrx-inprocess-peer-dev", TORCHRUN, "nvrx", ("raise", "kill"), fresh_caches=True,
+              env=NVRX_ENV, worker_args=(*PEER_STATE, "--init-on-device")),
     Contender("ftrun-injob", FT, None, ("raise",)),
     Contender("torchrun-injob", TORCHRUN, None, ("raise",), fresh_caches=True, env=NO_SHARE),
 )}  # fmt: skip
@@ -322,7 +336,8 @@ def measures(lives: Sequence[list[Line]], launched_at: float) -> dict[str, float
         return found
     at = min(faults, key=lambda s: s.ts).ts
     back: dict[str, list[float]] = {"back": [], "to_fork": [],
-                                    **{f"to_{m}": [] for m, _ in SPLIT}}  # fmt: skip
+                                    **{f"to_{m}": [] for m, _ in SPLIT},
+                                    **{f"new_{m}": [] for m in NEW_PROCESS}}  # fmt: skip
     replaced = 0
     for lines in lives:
         old = {(s.pid, s.it) for s in lines if s.ts <= at}
@@ -336,6 +351,10 @@ def measures(lives: Sequence[list[Line]], launched_at: float) -> dict[str, float
         forked = [s.proc for s in new if s.pid == step.pid and s.proc is not None]
         if forked:  # a new process (its start mark is iteration 0's): when it was forked
             back["to_fork"].append(forked[0] - at)
+        for name in NEW_PROCESS:
+            mark = next((s for s in new if s.pid == step.pid and s.name == name), None)
+            if mark is not None and step.pid not in {pid for pid, _ in old}:
+                back[f"new_{name}"].append(mark.ts - at)
         for key, names in SPLIT:
             mark = next((s for s in life if s.kind == "mark" and s.name in names), None)
             if mark is not None:
@@ -380,7 +399,8 @@ def _fmt(value: float | None) -> str:
 
 def brief(o: Outcome) -> str:
     m = o.measures
-    split = ", ".join(f"{k} {_fmt(m.get(f'to_{k}'))}" for k in ("fork", *(k for k, _ in SPLIT)))
+    keys = ("to_fork", *(f"new_{k}" for k in NEW_PROCESS), *(f"to_{k}" for k, _ in SPLIT))
+    split = ", ".join(f"{k.split('_', 1)[1]} {_fmt(m.get(k))}" for k in keys if k in m)
     text = (f"fault -> all stepping {_fmt(m.get('back'))} ({split}; "
             f"ranks back {m.get('ranks_back', '-')}, "
             f"replaced {m.get('replaced', '-')}); startup {_fmt(m.get('startup'))}; "
