@@ -17,11 +17,11 @@ NVRx get `--ft-rank-section-timeouts=step:60`, as in compare.py. Settings: `omp-
 (worker `--compile`); the compile variant adds `ftrun-nocache`: ftrun with
 TORCHINDUCTOR_FORCE_DISABLE_CACHES=1, a restart of a compiled model without warm caches.
 
-Caches: every job starts cold. Each job has its own TMPDIR (where inductor's default cache and
-ftrun's per-job caches live) and torchrun and NVRx get fresh TORCHINDUCTOR_CACHE_DIR and
+Caches: every job starts cold. Each job has its own TMPDIR (where inductor's default cache
+lives, which ftrun's workers use) and torchrun and NVRx get fresh TORCHINDUCTOR_CACHE_DIR and
 TRITON_CACHE_DIR in the job's directory (triton's default is ~/.triton, shared by every job).
 Within a job, a restart of any launcher may reuse what its earlier cycles wrote: that is what a
-user gets from torch's caches. ftrun gets no cache variables: it sets per-job caches itself.
+user gets from torch's caches. ftrun gets no cache variables: torch's default, in the job's TMPDIR.
 
 Measures, from the wall-clock times in rank 0's log and the launch time: startup (launch ->
 first step), early and late (crash -> first step of the next process), and for each restart the

@@ -29,7 +29,7 @@ the table says how many ranks came back in a new process), `abort-hang` (a Runti
 with that rank's NCCL abort made to hang: ftrun's wrapper only, with
 FTRUN_INPROCESS_ABORT_TIMEOUT=`--abort-bound`; NVRx bounds no abort).
 Variants `plain` and `compile`; GPUs per job: `--nproc` (e.g. 1,4). Torchrun's jobs get fresh
-inductor/triton caches in their directory; ft_launcher makes per-job caches itself.
+inductor/triton caches in their directory; ft_launcher's use torch's default in the job's TMPDIR.
 
 Measures, from the ranks' wall-clock lines: fault (the faulting rank's line, just before the
 raise or kill) -> every rank's first step in a new life (a new process or restart iteration),

@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     setup_logging(config, os.environ)
     for warning in config.warnings:
         log.warning("%s", warning)
-    workers_environ = {**os.environ, **prepare_compile_caches(config, os.environ)}
+    workers_environ = {**os.environ, **prepare_compile_caches(os.environ)}
     # c10d logs every timed-out store wait and failed connect with a C++ backtrace; the agent
     # reports those conditions itself in one line. The workers keep the user's setting.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")

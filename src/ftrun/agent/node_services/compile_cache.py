@@ -1,70 +1,85 @@
-"""torch.compile's caches, kept per job on node-local storage across cycles.
+"""torch.compile's caches: where torch keeps them for the user, across cycles and across jobs.
 
 A restarted worker of a compiled model recompiles unless it finds inductor's caches (FX graphs,
-AOTAutograd) and triton's kernels. Their defaults are /tmp/torchinductor_<user> and
-~/.triton/cache: the second often sits on a shared home file system, and both mix every job of
-the user. So, unless the user set them, workers get `TORCHINDUCTOR_CACHE_DIR` and
-`TRITON_CACHE_DIR` under one 0700 directory per job and user in the node's temporary directory
-(`$TMPDIR`, which Slurm sites point at node-local disk), named after the rendezvous id: the
-cycles of one job, and a requeued job with the same id, share it. It is kept after the job,
-as torch keeps its own.
+AOTAutograd, and triton's kernels, which torch keeps under the same directory, one folder per
+device). So does the user's next job. torch's own default, `$TMPDIR/torchinductor_<user>`, is
+where torchrun's workers find them, so ftrun's workers use it too: the cycles of a job, the next
+job and a torchrun job on the same node share one cache (Slurm sites point `$TMPDIR` at
+node-local disk), and no directory is made per job.
 
-Inductor's caches hold code that the workers load and run, so a directory that is not this
-user's own and private (someone else's, a symlink, group- or world-accessible) is not used: the
-launcher says so once and leaves the variables unset.
+Inductor's caches hold code that the workers load and run, so the launcher first checks that
+the directory is this user's own and that nobody else can write to it (torch makes it with the
+umask's mode, usually 0755, and does not look at who owns an existing one): a symlink, another
+user's directory, or one that group or others can write is not used. The workers then get a
+private fallback, `$TMPDIR/ftrun-compile-<uid>` (0700), with one warning; if that is unusable
+too, caching is turned off for the job (`TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`). A user's own
+`TORCHINDUCTOR_CACHE_DIR` is left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import getpass
 import logging
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from ftrun.config import LaunchConfig
-from ftrun.rendezvous.config import run_id_in_file_name
-
 log = logging.getLogger("ftrun.agent")
 
-CACHE_VARIABLES: Mapping[str, str] = {
-    "TORCHINDUCTOR_CACHE_DIR": "inductor",
-    "TRITON_CACHE_DIR": "triton",
-}
-"""Variable -> its subdirectory of the job's cache directory."""
+CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
+DISABLE_VARIABLE = "TORCHINDUCTOR_FORCE_DISABLE_CACHES"
 
 
 class UnsafeCacheDir(OSError):
-    """The job's cache directory exists but is not this user's private directory."""
+    """A cache directory that is not this user's, or that others can write to."""
 
 
-def prepare_compile_caches(config: LaunchConfig, environ: Mapping[str, str]) -> dict[str, str]:
-    """The cache variables the workers get (those the user did not set), their directories made."""
-    missing = [name for name in CACHE_VARIABLES if not environ.get(name)]
-    if not missing:
+def prepare_compile_caches(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables the workers get on top of `environ` (none when torch's default is safe)."""
+    if environ.get(CACHE_VARIABLE):
         return {}
-    root = job_cache_dir(config.rendezvous.run_id, environ)
+    default = torch_default_cache_dir(environ)
     try:
-        _private_dir(root)
-        for name in missing:
-            _private_dir(root / CACHE_VARIABLES[name])
-    except OSError as exc:
-        log.warning("torch.compile caches left at torch's defaults: %s", exc)
+        _safe_dir(default)
         return {}
-    return {name: str(root / CACHE_VARIABLES[name]) for name in missing}
+    except OSError as exc:
+        unsafe = exc
+    fallback = private_cache_dir(environ)
+    try:
+        _safe_dir(fallback)
+    except OSError as exc:
+        log.warning("torch.compile caches turned off: %s; and %s", unsafe, exc)
+        return {DISABLE_VARIABLE: "1"}
+    log.warning("torch.compile caches in %s: %s", fallback, unsafe)
+    return {CACHE_VARIABLE: str(fallback)}
 
 
-def job_cache_dir(run_id: str, environ: Mapping[str, str]) -> Path:
-    """`$TMPDIR/ftrun-compile-<uid>-<run id>` (the run id made safe for a file name)."""
-    base = environ.get("TMPDIR") or tempfile.gettempdir()
-    safe_id = run_id_in_file_name(run_id) or "none"
-    return Path(base) / f"ftrun-compile-{os.getuid()}-{safe_id}"
+def torch_default_cache_dir(environ: Mapping[str, str]) -> Path:
+    """`torch._inductor.runtime.cache_dir_utils.default_cache_dir()` for the workers' `environ`
+    (a test holds the two together)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return _temp_dir(environ) / ("torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
-def _private_dir(path: Path) -> None:
-    """Make `path` (mode 0700), or accept it if it is already this user's private directory."""
+def private_cache_dir(environ: Mapping[str, str]) -> Path:
+    """`$TMPDIR/ftrun-compile-<uid>`: the fallback, one per user (not per job)."""
+    return _temp_dir(environ) / f"ftrun-compile-{os.getuid()}"
+
+
+def _temp_dir(environ: Mapping[str, str]) -> Path:
+    return Path(environ.get("TMPDIR") or tempfile.gettempdir())
+
+
+def _safe_dir(path: Path) -> None:
+    """Make `path` (mode 0700), or accept it if it is this user's and only this user can write
+    to it."""
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
     info = os.lstat(path)
@@ -72,5 +87,5 @@ def _private_dir(path: Path) -> None:
         raise UnsafeCacheDir(f"{path} is not a directory")
     if info.st_uid != os.getuid():
         raise UnsafeCacheDir(f"{path} belongs to uid {info.st_uid}, not to this user")
-    if info.st_mode & 0o077:
-        raise UnsafeCacheDir(f"{path} is open to other users (mode {info.st_mode & 0o777:o})")
+    if info.st_mode & 0o022:
+        raise UnsafeCacheDir(f"others can write to {path} (mode {info.st_mode & 0o777:o})")
