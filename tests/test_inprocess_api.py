@@ -444,3 +444,24 @@ def test_nested_restarter_lines(caplog: pytest.LogCaptureFixture) -> None:
         "[NestedRestarter] name=[InProcess] state=handling stage=completed",
     ]
     assert isinstance(NestedRestarterHandlingStarting(), Abort)
+
+
+def test_a_restarts_split_is_told_once_per_restart(tmp_path: Path) -> None:
+    from ftrun.inprocess.events import EventWriter, PhaseClock
+
+    clock = PhaseClock()
+    clock.mark("enter")  # the first call: no restart to tell
+    assert clock.take() is None
+    clock.start()
+    for phase in ("abort", "barrier", "health_check"):
+        clock.mark(phase)
+    phases = clock.take()
+    assert list(phases or {}) == ["abort", "barrier", "health_check"]
+    assert clock.take() is None
+    writer = EventWriter.for_rank(1, {"FTRUN_IPC_DIR": str(tmp_path)})
+    writer.entered(1, {"abort": 0.5, "barrier": 0.25})
+    writer.close()
+    lines = (tmp_path / "inprocess" / "rank1.jsonl").read_text().splitlines()
+    [record] = [json.loads(line) for line in lines]
+    assert (record["event"], record["iteration"], record["phases"]) == (
+        "inprocess_entered", 1, {"abort": 0.5, "barrier": 0.25})  # fmt: skip

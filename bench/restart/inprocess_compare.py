@@ -256,6 +256,7 @@ def run_job(
         outcome.rc = proc.wait(10)
         lives = [read_rank(tmp / "out", r) for r in range(nproc)]
         outcome.measures = measures(lives, launched_at)
+        outcome.measures.update(wrapper_phases(tmp / "launcher.log"))
         last = max((s.step for s in lives[0] if s.kind == "step"), default=0)
         outcome.ok = outcome.rc == 0 and last >= args.steps
         if not outcome.ok:
@@ -323,6 +324,23 @@ def read_rank(out: Path, rank: int) -> list[Line]:
             else:
                 kind = "fault" if "fault" in v else "step"
                 found.append(Line(ts, pid, it, kind, v.get("fault", ""), int(v["step"])))
+    return found
+
+
+def wrapper_phases(launcher_log: Path) -> dict[str, float | None]:
+    """ftrun's wrapper's own split of the first restart (`in-process restart: rank R entered
+    iteration 1 after T s: abort 0.123s, ...`): each phase's longest over the ranks, as
+    `phase_<name>`. A replaced rank's new process logs none."""
+    found: dict[str, float | None] = {}
+    text = launcher_log.read_text(errors="replace") if launcher_log.exists() else ""
+    for line in text.splitlines():
+        if "entered iteration 1 after" not in line:
+            continue
+        for part in line.split(": ")[-1].split(", "):
+            with contextlib.suppress(ValueError):
+                name, seconds = part.split()
+                value = float(seconds.rstrip("s"))
+                found[f"phase_{name}"] = max(found.get(f"phase_{name}") or 0.0, value)
     return found
 
 
@@ -401,6 +419,8 @@ def brief(o: Outcome) -> str:
     m = o.measures
     keys = ("to_fork", *(f"new_{k}" for k in NEW_PROCESS), *(f"to_{k}" for k, _ in SPLIT))
     split = ", ".join(f"{k.split('_', 1)[1]} {_fmt(m.get(k))}" for k in keys if k in m)
+    phases = ", ".join(f"{k[6:]} {_fmt(v)}" for k, v in m.items() if k.startswith("phase_"))
+    split += f"; wrapper's longest: {phases}" if phases else ""
     text = (f"fault -> all stepping {_fmt(m.get('back'))} ({split}; "
             f"ranks back {m.get('ranks_back', '-')}, "
             f"replaced {m.get('replaced', '-')}); startup {_fmt(m.get('startup'))}; "

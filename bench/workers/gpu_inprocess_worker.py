@@ -41,6 +41,7 @@ import argparse  # noqa: E402 (after the start time)
 import datetime  # noqa: E402
 import faulthandler  # noqa: E402
 import importlib  # noqa: E402
+import logging  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
@@ -81,6 +82,9 @@ def parse_args() -> argparse.Namespace:
 
 ARGS = parse_args()
 inprocess = importlib.import_module(WRAPPERS[ARGS.wrapper])  # the one line that differs
+if ARGS.wrapper == "ftrun":  # its restart's split, one line per rank (the bench reads them)
+    logging.getLogger("ftrun.inprocess").setLevel(logging.INFO)
+    logging.getLogger("ftrun.inprocess").addHandler(logging.StreamHandler())
 
 
 def inject_fault(rank: int, step: int, it: int, log: Log) -> None:

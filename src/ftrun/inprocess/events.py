@@ -20,6 +20,30 @@ SUBDIR = "inprocess"
 COORDINATION_FILE = "coordination.json"
 
 
+class PhaseClock:
+    """Where one restart's time goes on this rank: the seconds of each phase, from the fault
+    seen to the function entered again (`mark` does nothing outside a restart)."""
+
+    def __init__(self) -> None:
+        self._last: float | None = None
+        self.phases: dict[str, float] = {}
+
+    def start(self) -> None:
+        self._last, self.phases = time.monotonic(), {}
+
+    def mark(self, phase: str) -> None:
+        if self._last is not None:
+            now = time.monotonic()
+            self.phases[phase] = round(now - self._last, 4)
+            self._last = now
+
+    def take(self) -> dict[str, float] | None:
+        """The phases of the restart just ended (None: no restart since the last take)."""
+        taken = self.phases if self._last is not None else None
+        self._last, self.phases = None, {}
+        return taken
+
+
 class EventWriter:
     """One rank's in-process restart records."""
 
@@ -55,6 +79,13 @@ class EventWriter:
         causes_out = [c.__dict__ for c in causes]
         self._write({"event": "inprocess_recovered", "iteration": iteration,
                      "causes": causes_out, "seconds": round(seconds, 4)})  # fmt: skip
+
+    def entered(self, iteration: int, phases: dict[str, float]) -> None:
+        """This rank calls the function again: where its restart's time went."""
+        split = ", ".join(f"{name} {seconds:.3f}s" for name, seconds in phases.items())
+        log.info("in-process restart: rank %d entered iteration %d after %.3fs: %s",
+                 self.rank, iteration, sum(phases.values()), split)  # fmt: skip
+        self._write({"event": "inprocess_entered", "iteration": iteration, "phases": phases})
 
     def left(self, iteration: int, why: str) -> None:
         log.error("in-process restart: rank %d leaves at iteration %d: %s",

@@ -91,6 +91,7 @@ class CallWrapper:
         self.progress = ProgressWatchdog(opts, self._on_progress_timeout)
         self._iteration: Iteration | None = None
         self._events = events.EventWriter.for_rank(self.state.rank)
+        self._clock = events.PhaseClock()
         prefix = environ.get(stores.PREFIX_ENV, stores.STANDALONE_PREFIX)
         self._events.announce(address, prefix, environ.get("FTRUN_CYCLE"))
         # What exists before the first call (imports, a model built outside the function) stays:
@@ -145,6 +146,7 @@ class CallWrapper:
         """Run iteration `it`: (True, result) when every rank completed, else (False, None)
         once this rank is ready to restart."""
         it.enter()
+        self._clock.mark("enter")
         self._iteration = it
         self._watcher.follow(Iteration(self._watcher_store, it.number, it.world_size))
         self.progress.start_iteration()
@@ -164,12 +166,15 @@ class CallWrapper:
         finally:
             self.progress.stop_iteration()
         self._interrupter.disarm()
+        self._clock.start()
         if fault is not None:
             log.warning("rank %s: restart iteration %d failed: %s", self.state.rank, it.number,
                         _describe(fault))  # fmt: skip
             it.interrupt(Interruption(self.state.rank, "EXCEPTION", _describe(fault), time.time()))
         self._abort()
+        self._clock.mark("abort")
         _release(stopped, self.options.abort_timeout.total_seconds())
+        self._clock.mark("release")
         self._recover(it, fault)
         return False, None
 
@@ -185,6 +190,10 @@ class CallWrapper:
                 opts.health_check(frozen)
             except Exception as error:
                 raise HealthCheckError(str(error)) from error
+        self._clock.mark("health_check")
+        phases = self._clock.take()
+        if phases is not None:
+            self._events.entered(it.number, phases)
         result = None
         if self.state.mode == Mode.ACTIVE:
             call_args, call_kwargs = substitute_call_wrapper(fn, args, kwargs, self)
@@ -212,16 +221,19 @@ class CallWrapper:
             it.arrive(self.state.rank, leaving=True)
             self._events.left(it.number, _describe(error))
             raise HealthCheckError(f"rank {self.state.rank} leaves: {error}") from error
+        self._clock.mark("finalize")
         it.arrive(self.state.rank)
         if not it.wait_go(self.options.barrier_timeout):
             raise RestartTimeoutError(f"not every rank reached restart iteration {it.number}'s "
                                       f"barrier within {self.options.barrier_timeout}")  # fmt: skip
+        self._clock.mark("barrier")
         self._events.recovered(it.number, it.interruptions(), time.monotonic() - started)
 
     def _next_iteration(self, it: Iteration) -> None:
         terminated = it.terminated(range(it.world_size))
         self._assign(terminated, str(it.number))
         self.state.advance()
+        self._clock.mark("assignment")
 
     def _assign(self, terminated: set[int], phase: str) -> None:
         """Rank assignment, at the first call (`phase` "start") or at the end of an iteration
