@@ -65,9 +65,12 @@ bench-more: $(STAMP)
 bench-smoke: $(STAMP)
 	FTRUN_BENCH_SMOKE=all $(VPY) -m pytest -q -n 0 tests/test_bench_smoke.py
 
+# The GPUs present pick the layouts (`python3 -m bench.common.layouts`: 1; 2, 2x1; 4, 2x2).
 bench-gpu:
-	python3 -m bench.restart.gpu_compare --runs $(or $(BENCH_RUNS),3)
-	python3 -m bench.restart.inprocess_compare --nproc 4 --runs $(or $(BENCH_RUNS),3)
+	LAYOUTS=$$(python3 -m bench.common.layouts); \
+	python3 -m bench.restart.gpu_compare --layouts $$LAYOUTS --runs $(or $(BENCH_RUNS),3) && \
+	case ",$$LAYOUTS," in *,4,*) python3 -m bench.restart.inprocess_compare --nproc 4 \
+	    --runs $(or $(BENCH_RUNS),3);; esac
 	python3 -m bench.restart.inprocess_compare --nproc 1 --cases raise:plain,raise:compile --runs $(or $(BENCH_RUNS),3)
 	python3 -m bench.checkpoint.checkpoint_gpu
 	python3 -m bench.monitor.straggler_gpu

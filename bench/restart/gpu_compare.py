@@ -1,21 +1,26 @@
-"""One GPU, one plain training script, three launchers: ft_launcher, torchrun and NVRx 0.7.0.
+"""GPUs, one plain training script, three launchers: ft_launcher, torchrun and NVRx 0.7.0.
 
 Every job runs `bench/workers/gpu_user_worker.py` (151M transformer, AdamW, DDP over NCCL,
-`torch.save` every `--ckpt-every` steps, no client of any launcher) under one launcher with
-`--standalone --nproc-per-node=1 --max-restarts=3` (a fresh store port per job, chosen by the
-launcher) in a fresh directory. The worker crashes once at `--early` (5) and once at `--late`
-(35), and trains on to `--steps` (late + 10) from the checkpoint. A job counts when its launcher
-exits 0 and the last step was reached; otherwise it is recorded as failed, with the tail of its
-output. Jobs are interleaved (run 1 of every setting, variant and launcher, then run 2, ...),
-and the launcher that goes first rotates from run to run.
+`torch.save` every `--ckpt-every` steps, no client of any launcher) in a fresh directory, laid
+out as `--layouts` says (`bench/common/layouts.py`): `N`, one launcher with `--standalone
+--nproc-per-node=N --max-restarts=3` (a fresh store port per job, chosen by the launcher); `AxB`,
+A launchers on this host as A nodes, B GPUs each (their own CUDA_VISIBLE_DEVICES), over c10d on
+127.0.0.1. Rank 0 crashes once at `--early` (5) and once at `--late` (35); a restart's figures
+are its slowest rank's. The job trains on to `--steps` (late + 10) from the checkpoint. A job
+counts when its launchers exit 0 and the last step was reached; otherwise it is recorded as
+failed, with the tail of its output. Jobs are interleaved (run 1 of every layout, setting,
+variant and launcher, then run 2, ...), and the launcher that goes first rotates run to run.
 
 Contenders: `ftrun` (`python -m ftrun.ft_launcher.cli`, which works from PYTHONPATH=src without
 console scripts), `torchrun` (`python -m torch.distributed.run`), `nvrx` (NVRx's launcher
 `main`, with NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE=1; left out when it does not import). ftrun and
 NVRx get `--ft-rank-section-timeouts=step:60`, as in compare.py. Settings: `omp-unset`
 (OMP_NUM_THREADS removed) and `omp1` (OMP_NUM_THREADS=1). Variants: `plain` and `compile`
-(worker `--compile`); the compile variant adds `ftrun-nocache`: ftrun with
-TORCHINDUCTOR_FORCE_DISABLE_CACHES=1, a restart of a compiled model without warm caches.
+(worker `--compile`) and `compile-warm` (the same, each measured job after an unmeasured one of
+the same launcher with the same TMPDIR: a user's second job, its caches where torch keeps them);
+the compile variants add `ftrun-nocache`: ftrun with TORCHINDUCTOR_FORCE_DISABLE_CACHES=1, a
+restart of a compiled model without warm caches. torchrun runs with
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it, its restart of several ranks hangs.
 
 Caches: every job starts cold. Each job has its own TMPDIR (where inductor's default cache
 lives, which ftrun's workers use) and torchrun and NVRx get fresh TORCHINDUCTOR_CACHE_DIR and
@@ -52,22 +57,25 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
 from bench.common import OUT, WORKERS, smoke
+from bench.common.harness import free_port
 from bench.common.jobs import SECTION_ARGS, TAG_ENV, Job, Launcher, kill_everything, take_charge
+from bench.common.layouts import Layout
 from bench.common.logs import parse_step_line
 from bench.common.report import Stats, pair_ratios, progress, ratio_cell, table
 
 WORKER = WORKERS / "gpu_user_worker.py"
 PY = sys.executable
 NVRX_MAIN = "from nvidia_resiliency_ext.fault_tolerance.launcher import main; main()"
-RDZV_ARGS = ("--standalone", "--nproc-per-node=1", "--max-restarts=3")
 SMALL_MODEL = ("--d-model", "128", "--layers", "2", "--batch", "2", "--seq", "64")
 CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_FORCE_DISABLE_CACHES")
 SETTINGS = {"omp-unset": None, "omp1": "1"}  # -> OMP_NUM_THREADS (None: removed)
-VARIANTS = ("plain", "compile")
+VARIANTS = ("plain", "compile", "compile-warm")
 # The restart's split, in the order the marks happen.
 MARKS = ("script", "cuda", "pg", "load", "ddp", "opt", "ready")
 STARTUP_TARGET = 1.0  # ftrun/torchrun, median of pair ratios
-RECOVERY_TARGET = {"plain": 0.25, "compile": 0.3}  # early and late, ftrun/torchrun
+# Early and late restarts, ftrun/torchrun.
+RECOVERY_TARGET = {"plain": 0.25, "compile": 0.3, "compile-warm": 0.3}
+WIDTH_TARGET = 1.2  # ftrun at any layout / ftrun at 1 GPU, early and late
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +92,10 @@ FTRUN = Launcher("ftrun", (PY, "-m", "ftrun.ft_launcher.cli"), None, SECTION_ARG
 FTRUN_NOCACHE = dataclasses.replace(
     FTRUN, name="ftrun-nocache", env=(("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1"),)
 )
-TORCHRUN = Launcher("torchrun", (PY, "-m", "torch.distributed.run"), None)
+# torchrun's in-job restart of several gloo or NCCL ranks hangs in the first collective (the
+# restarted ranks share the first attempt's store keys): torch's own opt-out (pytorch#135712).
+NO_SHARE = (("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),)
+TORCHRUN = Launcher("torchrun", (PY, "-m", "torch.distributed.run"), None, (), NO_SHARE)
 NVRX = Launcher(
     "NVRx",
     (PY, "-c", NVRX_MAIN),
@@ -105,6 +116,15 @@ CONTENDERS = {
 RATIOS = (("ftrun", "torchrun"), ("ftrun", "nvrx"), ("ftrun-nocache", "torchrun"))
 
 
+@dataclasses.dataclass(frozen=True)
+class JobPlan:
+    """What one job runs, but for the launcher: setting, variant, layout."""
+
+    setting: str
+    variant: str
+    layout: Layout
+
+
 @dataclasses.dataclass
 class Outcome:
     """One job: one launcher in one setting and variant, one run."""
@@ -113,6 +133,7 @@ class Outcome:
     variant: str
     contender: str
     run: int
+    layout: str = "1"
     ok: bool = False
     rc: int | None = None
     wall_s: float = 0.0
@@ -139,6 +160,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a small model, gloo"
     )
+    parser.add_argument("--layouts", type=_layouts, default=[Layout(1, 1)],
+                        help="comma-separated: N (one launcher, N GPUs) or AxB (A launchers x "
+                             "B GPUs each, on this host); default 1")  # fmt: skip
     parser.add_argument("--early", type=int, default=5, help="step of the early crash")
     parser.add_argument("--late", type=int, default=35, help="step of the late crash")
     parser.add_argument("--steps", type=int, help="steps in all (default: late + 10)")
@@ -161,6 +185,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _layouts(text: str) -> list[Layout]:
+    try:
+        return [Layout.parse(part) for part in text.split(",")]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _subset(choices: Collection[str]) -> Callable[[str], list[str]]:
     """An argparse type: a comma-separated subset of `choices`, in the order given."""
 
@@ -177,18 +208,18 @@ def _subset(choices: Collection[str]) -> Callable[[str], list[str]]:
 # ---- one job -------------------------------------------------------------------------------------
 
 
-def job_env(contender: Contender, setting: str, tmp: Path) -> dict[str, str]:
+def job_env(contender: Contender, setting: str, variant: str, tmpdir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in CACHE_ENV}
     env.pop("VIRTUAL_ENV", None)
     env.pop("OMP_NUM_THREADS", None)
     if SETTINGS[setting] is not None:
         env["OMP_NUM_THREADS"] = SETTINGS[setting]
-    if contender.fresh_caches:
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / "cache" / "inductor")
-        env["TRITON_CACHE_DIR"] = str(tmp / "cache" / "triton")
-    # What a launcher or torch leaves in the temporary directory stays with the job.
-    env.update(dict(contender.launcher.env), TMPDIR=str(tmp / "tmp"), PYTHONUNBUFFERED="1")
-    env[TAG_ENV] = str(tmp)
+    if contender.fresh_caches and variant != "compile-warm":
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(tmpdir.parent / "cache" / "inductor")
+        env["TRITON_CACHE_DIR"] = str(tmpdir.parent / "cache" / "triton")
+    # What a launcher or torch leaves in the temporary directory stays with the job (with
+    # compile-warm: with the contender's two jobs, whose caches live there, torch's default).
+    env.update(dict(contender.launcher.env), TMPDIR=str(tmpdir), PYTHONUNBUFFERED="1")
     return env
 
 
@@ -198,29 +229,37 @@ def worker_args(args: argparse.Namespace, variant: str, tmp: Path) -> list[str]:
     argv += ["--ckpt-every", "10", "--steps", str(args.steps), "--device", args.device]
     if args.device == "cpu":
         argv += SMALL_MODEL
-    return [*argv, "--compile"] if variant == "compile" else argv
+    return [*argv, "--compile"] if variant.startswith("compile") else argv
 
 
-def start(contender: Contender, setting: str, variant: str, args: argparse.Namespace) -> Job:
+def start(contender: Contender, how: JobPlan, args: argparse.Namespace, tmpdir: Path | None) -> Job:
+    """The job's launchers (one per node of the layout), in a fresh directory; their TMPDIR
+    the job's own, or `tmpdir` (compile-warm: shared by a contender's two jobs)."""
     tmp = Path(tempfile.mkdtemp(prefix=f"ftrun-gpu-{contender.key}-"))
-    (tmp / "tmp").mkdir()
-    argv = [*contender.launcher.argv, *RDZV_ARGS, *contender.launcher.args]
-    argv += worker_args(args, variant, tmp)
-    env = job_env(contender, setting, tmp)
-    with (tmp / "launcher0.log").open("wb") as log:
-        launched_at = time.time()
-        proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp, start_new_session=True
-        )
-    return Job(contender.launcher, tmp, tmp / "out", [proc], launched_at)
+    if tmpdir is None:
+        tmpdir = tmp / "tmp"
+        tmpdir.mkdir()
+    layout, port = how.layout, free_port()
+    argv = [*contender.launcher.argv, *layout.launcher_args(port, tmp.name)]
+    argv += [*contender.launcher.args, *worker_args(args, how.variant, tmp)]
+    env = {**job_env(contender, how.setting, how.variant, tmpdir), TAG_ENV: str(tmp)}
+    procs = []
+    launched_at = time.time()
+    for node in range(layout.nodes):
+        with (tmp / f"launcher{node}.log").open("wb") as log:
+            procs.append(subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True,
+                env={**env, **layout.node_env(node, args.device, os.environ)},
+            ))  # fmt: skip
+    return Job(contender.launcher, tmp, tmp / "out", procs, launched_at, port)
 
 
 @contextlib.contextmanager
 def running(
-    contender: Contender, setting: str, variant: str, args: argparse.Namespace
+    contender: Contender, how: JobPlan, args: argparse.Namespace, tmpdir: Path | None = None
 ) -> Iterator[Job]:
     """A started job; afterwards everything it started is killed and checked gone."""
-    job = start(contender, setting, variant, args)
+    job = start(contender, how, args, tmpdir)
     try:
         yield job
     finally:
@@ -229,24 +268,38 @@ def running(
             shutil.rmtree(job.tmp, ignore_errors=True)
 
 
-def run_job(
-    contender: Contender, setting: str, variant: str, run: int, args: argparse.Namespace
-) -> Outcome:
-    """One job to its end (or `--job-timeout`); its measures; what it said if it failed."""
-    outcome = Outcome(setting, variant, contender.key, run)
-    with running(contender, setting, variant, args) as job:
-        rc = job.wait(job.procs[0].poll, args.job_timeout)
+def all_exited(job: Job) -> int | None:
+    """None while a launcher runs; then the first non-zero exit code, or 0."""
+    codes = job.exit_codes()
+    return None if None in codes else next((c for c in codes if c), 0)
+
+
+def run_job(contender: Contender, how: JobPlan, run: int, args: argparse.Namespace) -> Outcome:
+    """One job to its end (or `--job-timeout`); its measures; what it said if it failed.
+    compile-warm: a first job of the same contender fills the caches, and is not measured."""
+    outcome = Outcome(how.setting, how.variant, contender.key, run, how.layout.name)
+    with contextlib.ExitStack() as stack:
+        tmpdir = None
+        if how.variant == "compile-warm":
+            tmpdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ftrun-warm-")))
+            with running(contender, how, args, tmpdir) as first:
+                if first.wait(lambda: all_exited(first), args.job_timeout) != 0:
+                    outcome.note = "the warm-up job failed"
+                    return outcome
+        job = stack.enter_context(running(contender, how, args, tmpdir))
+        rc = job.wait(lambda: all_exited(job), args.job_timeout)
         outcome.wall_s = time.time() - job.launched_at
         if rc is None:
-            # The launcher leads its own session; workers in groups of their own are left to
+            # Each launcher leads its own session; workers in groups of their own are left to
             # kill_everything, which also checks that nothing of the job survived.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(job.procs[0].pid, signal.SIGKILL)
+            for proc in job.procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
             outcome.note = f"timed out after {args.job_timeout:.0f} s"
         outcome.rc = rc
-        lives = read_lives(job.out)
+        lives = [read_lives(job.out, rank) for rank in range(how.layout.world)]
         outcome.measures = measures(lives, job.launched_at, args)
-        last = max((life.last_step for life in lives), default=0)
+        last = max((life.last_step for life in lives[0]), default=0)
         outcome.ok = rc == 0 and last >= args.steps
         if not outcome.ok:
             outcome.note = outcome.note or f"launcher exit {rc}, last step {last}/{args.steps}"
@@ -258,10 +311,12 @@ def run_job(
 def keep_failed(job: Job, outcome: Outcome, out_dir: Path) -> None:
     """Copy a failed job's launcher output and rank logs (not its checkpoint) for a look."""
     dest = out_dir / (
-        f"failed-{outcome.setting}-{outcome.variant}-{outcome.contender}-run{outcome.run + 1}"
+        f"failed-{outcome.layout}gpu-{outcome.setting}-{outcome.variant}-{outcome.contender}"
+        f"-run{outcome.run + 1}"
     )
     dest.mkdir(parents=True, exist_ok=True)
-    shutil.copy(job.tmp / "launcher0.log", dest)
+    for log in job.tmp.glob("launcher*.log"):
+        shutil.copy(log, dest)
     if job.out.exists():
         shutil.copytree(job.out, dest / "out", dirs_exist_ok=True)
 
@@ -280,9 +335,9 @@ class Life:
     fault: tuple[int, float] | None = None  # (step, wall clock)
 
 
-def read_lives(out: Path) -> list[Life]:
-    """Rank 0's processes in the order they first logged (complete lines only)."""
-    path = out / "rank0.log"
+def read_lives(out: Path, rank: int = 0) -> list[Life]:
+    """One rank's processes in the order they first logged (complete lines only)."""
+    path = out / f"rank{rank}.log"
     lives: dict[int, Life] = {}
     lines = path.read_text(errors="replace").split("\n")[:-1] if path.exists() else []
     for line in lines:
@@ -317,51 +372,62 @@ def _since(ts: float | None, origin: float) -> float | None:
 
 
 def measures(
-    lives: Sequence[Life], launched_at: float, args: argparse.Namespace
+    lives: Sequence[Sequence[Life]], launched_at: float, args: argparse.Namespace
 ) -> dict[str, float | None]:
-    found: dict[str, float | None] = {
-        "startup": _since(lives[0].first_step if lives else None, launched_at)
-    }
+    """`lives`: each rank's. Startup: the last rank's first step; a restart: its slowest rank."""
+    firsts = [ranks[0].first_step if ranks else None for ranks in lives]
+    found: dict[str, float | None] = {"startup": None}
+    if firsts and None not in firsts:
+        found["startup"] = max(f for f in firsts if f is not None) - launched_at
     for name, step in (("early", args.early), ("late", args.late)):
         found.update(restart(lives, name, step))
     return found
 
 
-def restart(lives: Sequence[Life], name: str, step: int) -> dict[str, float | None]:
-    """The crash at `step` -> the next process's marks and first step (`name`), cumulative."""
+def restart(lives: Sequence[Sequence[Life]], name: str, step: int) -> dict[str, float | None]:
+    """The crash at `step` (in any rank) -> the next processes' marks and first step (`name`),
+    cumulative, of the rank whose first step came last."""
     found: dict[str, float | None] = dict.fromkeys([name, *(f"{name}.to_{m}" for m in MARKS)])
-    crashed = next((i for i, life in enumerate(lives) if life.fault and life.fault[0] == step), -1)
-    if crashed < 0:
+    crashes = [life.fault[1] for ranks in lives for life in ranks
+               if life.fault and life.fault[0] == step]  # fmt: skip
+    if not crashes:
         return found
-    crash_ts = lives[crashed].fault[1]
-    after = (life for life in lives[crashed + 1 :] if (life.first_step or 0) > crash_ts)
-    successor = next(after, None)
-    if successor is None:
-        return found
-    found[name] = _since(successor.first_step, crash_ts)
-    found.update({f"{name}.to_{m}": _since(successor.marks.get(m), crash_ts) for m in MARKS})
+    crash_ts = min(crashes)
+    successors = []
+    for ranks in lives:  # a life whose first step follows the crash is a new process
+        successor = next((life for life in ranks if (life.first_step or 0) > crash_ts), None)
+        if successor is None:
+            return found  # a rank that never stepped again: no figure
+        successors.append(successor)
+    slowest = max(successors, key=lambda life: life.first_step or 0)
+    found[name] = _since(slowest.first_step, crash_ts)
+    found.update({f"{name}.to_{m}": _since(slowest.marks.get(m), crash_ts) for m in MARKS})
     return found
 
 
 # ---- the plan ------------------------------------------------------------------------------------
 
 
-def plan(args: argparse.Namespace, keys: Sequence[str]) -> Iterator[tuple[int, str, str, str]]:
-    """(run, setting, variant, launcher) in order: runs interleaved, the first launcher rotating."""
+def plan(args: argparse.Namespace, keys: Sequence[str]) -> Iterator[tuple[int, JobPlan, str]]:
+    """(run, what, launcher) in order: runs interleaved, the first launcher rotating."""
     for run in range(args.first_run, args.first_run + args.runs):
-        for setting, variant in itertools.product(args.settings, args.variants):
-            chosen = [k for k in keys if variant == "compile" or not CONTENDERS[k].compile_only]
+        for layout, setting, variant in itertools.product(
+            args.layouts, args.settings, args.variants
+        ):
+            compiled = variant.startswith("compile")
+            chosen = [k for k in keys if compiled or not CONTENDERS[k].compile_only]
             turn = run % len(chosen)
             for key in chosen[turn:] + chosen[:turn]:
-                yield run, setting, variant, key
+                yield run, JobPlan(setting, variant, layout), key
 
 
 def measure(args: argparse.Namespace, keys: Sequence[str]) -> list[Outcome]:
     outcomes = []
-    for run, setting, variant, key in plan(args, keys):
-        outcome = run_job(CONTENDERS[key], setting, variant, run, args)
+    for run, how, key in plan(args, keys):
+        outcome = run_job(CONTENDERS[key], how, run, args)
         outcomes.append(outcome)
-        progress(f"{setting:9} {variant:7} {key:13} run {run + 1}: {brief(outcome)}")
+        where = f"{how.layout.name:>4} GPU {how.setting:9} {how.variant:12} {key:13}"
+        progress(f"{where} run {run + 1}: {brief(outcome)}")
     return outcomes
 
 
@@ -426,44 +492,57 @@ def render(group: Sequence[Outcome], markdown: bool) -> str:
     return table(headers, rows, markdown)
 
 
-def groups(outcomes: Sequence[Outcome]) -> dict[tuple[str, str], list[Outcome]]:
-    found: dict[tuple[str, str], list[Outcome]] = {}
+def groups(outcomes: Sequence[Outcome]) -> dict[tuple[str, str, str], list[Outcome]]:
+    found: dict[tuple[str, str, str], list[Outcome]] = {}
     for o in outcomes:
-        found.setdefault((o.setting, o.variant), []).append(o)
+        found.setdefault((o.layout, o.setting, o.variant), []).append(o)
     return found
 
 
 def checks(outcomes: Sequence[Outcome]) -> list[tuple[bool, str]]:
-    """ftrun/torchrun (median of pair ratios) against the targets, per setting and variant."""
+    """ftrun/torchrun (median of pair ratios) against the targets, per layout, setting and
+    variant; and ftrun's restarts at each layout against its own at 1 GPU (medians)."""
     verdicts = []
-    for (setting, variant), group in groups(outcomes).items():
+    found = groups(outcomes)
+    for (layout, setting, variant), group in found.items():
         targets = {"startup": STARTUP_TARGET}
         targets.update(dict.fromkeys(("early", "late"), RECOVERY_TARGET[variant]))
         for measure, limit in targets.items():
             ratios = pair_ratios(
                 series(group, "ftrun", measure), series(group, "torchrun", measure)
             )
-            where = f"{setting}/{variant} {measure}: ftrun/torchrun"
-            if not ratios:
-                verdicts.append((False, f"FAIL {where}: no pair of figures"))
-                continue
-            med = Stats.of(ratios).median
-            ok = med <= limit
-            line = f"{where} {med:.3f} (target <= {limit:.2f}, {len(ratios)} pairs)"
-            verdicts.append((ok, f"{'PASS' if ok else 'FAIL'} {line}"))
+            verdicts.append(_verdict(f"{layout} GPU {setting}/{variant} {measure}: ftrun/torchrun",
+                                     ratios, limit))  # fmt: skip
+        single = found.get(("1", setting, variant))
+        for measure in ("early", "late") if single and layout != "1" else ():
+            mine = Stats.of(list(series(group, "ftrun", measure).values()))
+            base = Stats.of(list(series(single, "ftrun", measure).values()))
+            ratio = [mine.median / base.median] if mine and base else []
+            verdicts.append(_verdict(f"{layout} GPU {setting}/{variant} {measure}: ftrun / ftrun "
+                                     "at 1 GPU", ratio, WIDTH_TARGET))  # fmt: skip
     return verdicts
+
+
+def _verdict(where: str, ratios: Sequence[float], limit: float) -> tuple[bool, str]:
+    if not ratios:
+        return False, f"FAIL {where}: no pair of figures"
+    med = Stats.of(list(ratios)).median
+    line = f"{where} {med:.3f} (target <= {limit:.2f}, {len(ratios)} pairs)"
+    return med <= limit, f"{'PASS' if med <= limit else 'FAIL'} {line}"
 
 
 def report(outcomes: Sequence[Outcome], machine: str, markdown: bool) -> None:
     print(f"machine: {machine}")
-    for (setting, variant), group in groups(outcomes).items():
-        print(f"\n{setting}, {variant}:\n")
+    for (layout, setting, variant), group in groups(outcomes).items():
+        print(f"\n{Layout.parse(layout).world} GPU(s) as {layout}, {setting}, {variant}:\n")
         print(render(group, markdown))
     print(
         "\nmedian (min-max) over the jobs that ended well; ratios: median (min-max) of run i / "
         "run i; runs: figures per launcher. The split is cumulative from the crash; a process "
         "a launcher started ahead of the crash shows a negative start. Compile variant: each "
-        "job starts with empty caches; restarts within a job may use what earlier cycles wrote."
+        "job starts with empty caches; restarts within a job may use what earlier cycles wrote; "
+        "compile-warm: each measured job follows an unmeasured one of the same launcher that "
+        "filled torch's default caches (a user's second job). Restarts: the slowest rank."
     )
     for o in outcomes:
         if not o.ok:

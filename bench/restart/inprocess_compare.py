@@ -64,6 +64,7 @@ from bench.common.jobs import TAG_ENV, kill_everything, take_charge
 from bench.common.report import Stats, pair_ratios, progress, ratio_cell, table
 from bench.restart.gpu_compare import (
     CACHE_ENV,
+    NO_SHARE,
     PY,
     SMALL_MODEL,
     _subset,
@@ -76,9 +77,6 @@ PLAIN = WORKERS / "gpu_user_worker.py"
 FT = (PY, "-m", "ftrun.ft_launcher.cli")
 TORCHRUN = (PY, "-m", "torch.distributed.run")
 INPROCESS_ENV = (("TORCH_NCCL_RETHROW_CUDA_ERRORS", "0"),)
-# torchrun's in-job restart of 4 NCCL ranks hung in DDP's first collective on the device (the
-# restarted ranks share the first attempt's store keys): torch's own opt-out (pytorch#135712).
-NO_SHARE = (("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),)
 # The device's rule (KINDS.md): NVLink multicast stays off, in every process.
 DEVICE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
               "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip

@@ -227,6 +227,7 @@ def main() -> None:
 
     if client:
         client.shutdown_workload_monitoring()
+    dist.barrier()  # no rank tears its group down while a peer still uses it (gloo aborts)
     dist.destroy_process_group()
     sys.stdout.flush()
 
