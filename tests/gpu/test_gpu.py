@@ -1,7 +1,11 @@
-"""GPU scenarios: NCCL crash and hang recovery, NVML health check, GPU memory reclaim.
+"""GPU scenarios: NCCL crash and hang recovery, NVML health check, GPU memory reclaim, a lost
+node replaced by a hot spare.
 
-Skipped without 2 CUDA GPUs. Run on a GPU machine with `pytest tests/gpu -m gpu`; with
-FTRUN_GPU_REPORT=<file> each scenario appends its timings there as a JSON line.
+Two launchers on one host as two nodes, each with its own GPUs (`CUDA_VISIBLE_DEVICES`): one GPU
+each (2 GPUs), and where 4 are present, two each. Skipped without 2 CUDA GPUs (a layout, or the
+spare's third launcher, without enough: skipped with its reason). Run on a GPU machine with
+`pytest tests/gpu -m gpu`; with FTRUN_GPU_REPORT=<file> each scenario appends its timings there
+as a JSON line.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from ftrun.errors import NodeUnhealthyError
-from launch import Job, start_job
+from launch import Job, node_of, start_job
+from test_spares import SPARE, killable, lose, rounds, standby_nodes, wait_all
 
 torch = pytest.importorskip("torch")
 pytestmark = [
@@ -28,8 +33,18 @@ NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 TRAIN = ["--device", "cuda", "--steps", "60", "--save-every", "10", "--step-time", "0.02"]
 
 
-def node_envs() -> list[dict[str, str]]:
-    return [{**NCCL_ENV, "CUDA_VISIBLE_DEVICES": str(i)} for i in range(2)]
+GPUS = torch.cuda.device_count()
+PER_NODE = [
+    pytest.param(1, id="2x1"),
+    pytest.param(2, id="2x2", marks=pytest.mark.skipif(GPUS < 4, reason="needs 4 CUDA GPUs")),
+]
+"""GPUs per launcher, two launchers on the host."""
+
+
+def node_envs(per_node: int = 1, nodes: int = 2) -> list[dict[str, str]]:
+    """Launcher i's own GPUs: i * per_node onwards."""
+    return [{**NCCL_ENV, "CUDA_VISIBLE_DEVICES": ",".join(
+        str(i * per_node + g) for g in range(per_node))} for i in range(nodes)]  # fmt: skip
 
 
 def report(name: str, **figures: object) -> None:
@@ -39,14 +54,14 @@ def report(name: str, **figures: object) -> None:
             f.write(json.dumps({"scenario": name, **figures}) + "\n")
 
 
-def recovery_figures(job: Job) -> dict[str, float]:
+def recovery_figures(job: Job, world: int = 2) -> dict[str, float]:
     """Failure -> stopped -> all workers started -> all ranks stepping again (seconds)."""
     failure = min(e["ts"] for e in job.events() if e["event"] in ("hang", "worker_exited")
                   and (e["event"] == "hang" or e["code"] != 0))  # fmt: skip
     stopped = max(e["ts"] for e in job.events("stop_done") if e["cycle"] == 0)
     started = max(e["ts"] for e in job.events("workers_started") if e["cycle"] == 1)
     stepping = max(
-        min(float(t) for c, _, t in _rows(job, rank) if int(c) == 1) for rank in range(2)
+        min(float(t) for c, _, t in _rows(job, rank) if int(c) == 1) for rank in range(world)
     )
     return {
         "stop_s": round(stopped - failure, 3),
@@ -59,27 +74,31 @@ def _rows(job: Job, rank: int) -> list[list[str]]:
     return [r.split() for r in (job.ckpt_dir / f"progress-rank{rank}.txt").read_text().splitlines()]
 
 
-def test_a_crash_restarts_and_nccl_reinitialises(tmp_path: Path):
-    job = start_job(tmp_path, 2, ["--max-restarts=2"], [*TRAIN, "--crash", "0:1:20"],
-                    node_env=node_envs())  # fmt: skip
+@pytest.mark.parametrize("per_node", PER_NODE)
+def test_a_crash_restarts_and_nccl_reinitialises(tmp_path: Path, per_node: int):
+    last = 2 * per_node - 1  # on the second launcher
+    job = start_job(tmp_path, 2, ["--max-restarts=2"], [*TRAIN, "--crash", f"0:{last}:20"],
+                    nproc=per_node, node_env=node_envs(per_node))  # fmt: skip
     assert job.wait(300) == [0, 0], job.nodes[1].text()[-3000:]
     assert (job.ckpt_dir / "FINISHED").exists()
-    report("crash", **recovery_figures(job))
+    report(f"crash, 2x{per_node} GPUs", **recovery_figures(job, 2 * per_node))
 
 
-def test_b_hang_inside_nccl_is_pinned_on_the_sleeping_rank(tmp_path: Path):
+@pytest.mark.parametrize("per_node", PER_NODE)
+def test_b_hang_inside_nccl_is_pinned_on_the_sleeping_rank(tmp_path: Path, per_node: int):
+    last = 2 * per_node - 1
     args = ["--max-restarts=2", "--ft-rank-heartbeat-timeout=3"]
-    job = start_job(tmp_path, 2, args, [*TRAIN, "--hang-collective", "0:1:20"],
-                    node_env=node_envs())  # fmt: skip
+    job = start_job(tmp_path, 2, args, [*TRAIN, "--hang-collective", f"0:{last}:20"],
+                    nproc=per_node, node_env=node_envs(per_node))  # fmt: skip
     assert job.wait(300) == [0, 0], job.nodes[1].text()[-3000:]
     hangs = {e["rank"]: e for e in job.events("hang")}
-    assert "sleep_before_all_reduce" in Path(hangs[1]["stack_file"]).read_text()
+    assert "sleep_before_all_reduce" in Path(hangs[last]["stack_file"]).read_text()
     report(
-        "hang in NCCL all_reduce",
-        detection_latency_s=hangs[1]["detection_latency"],
-        waited_s=hangs[1]["waited"],
+        f"hang in NCCL all_reduce, 2x{per_node} GPUs",
+        detection_latency_s=hangs[last]["detection_latency"],
+        waited_s=hangs[last]["waited"],
         peer_stack=Path(hangs[0]["stack_file"]).read_text()[-600:] if 0 in hangs else "",
-        **recovery_figures(job),
+        **recovery_figures(job, 2 * per_node),
     )
 
 
@@ -112,3 +131,27 @@ def test_d_restart_waits_for_gpu_memory_to_be_released(tmp_path: Path):
         reclaim_s=[e["duration"] for e in reclaims],
         **recovery_figures(job),
     )
+
+
+@pytest.mark.skipif(GPUS < 3, reason="needs 3 CUDA GPUs (2 nodes and a spare)")
+def test_e_a_lost_node_is_replaced_by_the_spare_and_nccl_spans_it(tmp_path: Path):
+    """Three launchers of one GPU each, two active: the one not holding the store dies with
+    its workers; the spare takes its slot and NCCL runs between the survivor and the spare."""
+    job = start_job(tmp_path, 3, [*SPARE], [*TRAIN, "--steps", "80"], node_env=node_envs(1, 3))
+    progress = job.ckpt_dir / "progress-rank0.txt"
+    deadline = time.monotonic() + 180
+    while not (progress.exists() and len(progress.read_text().splitlines()) >= 10):
+        assert time.monotonic() < deadline, "no training on 2 nodes within 180 s"
+        time.sleep(0.2)
+    first = rounds(job)[0]
+    victim = killable(job, 0)
+    lose(victim)
+    lost_at = time.time()
+    codes = wait_all(job, 300)
+    assert codes == {n.index: -9 if n is victim else 0 for n in job.nodes}, job.nodes[0].text()
+    spare = standby_nodes(job, 0).pop()
+    final = rounds(job)[max(rounds(job))]
+    assert spare in final and node_of(job, spare) is not victim and len(final) == len(first)
+    assert (job.ckpt_dir / "FINISHED").exists()
+    again = max(e["ts"] for e in job.events("workers_started") if e["cycle"] == max(rounds(job)))
+    report("node lost, spare takes its slot (NCCL)", spare_started_s=round(again - lost_at, 3))
