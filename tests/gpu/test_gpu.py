@@ -155,3 +155,29 @@ def test_e_a_lost_node_is_replaced_by_the_spare_and_nccl_spans_it(tmp_path: Path
     assert (job.ckpt_dir / "FINISHED").exists()
     again = max(e["ts"] for e in job.events("workers_started") if e["cycle"] == max(rounds(job)))
     report("node lost, spare takes its slot (NCCL)", spare_started_s=round(again - lost_at, 3))
+
+
+@pytest.mark.skipif(GPUS < 3, reason="needs 3 CUDA GPUs (2 nodes and a spare)")
+def test_f_a_lost_nodes_cuda_state_is_restored_on_the_spare_from_its_peer_replica(
+    tmp_path: Path,
+):
+    """Local checkpoints of GPU tensors (`LocalCheckpointManager`, replicated to the next node):
+    the node not holding the store is lost; the spare fetches the lost rank's part from the
+    survivor's replica and every rank resumes from the same iteration, on its GPU."""
+    worker = Path(__file__).resolve().parents[1] / "workers" / "ckpt_worker.py"
+    job = start_job(tmp_path, 3, [*SPARE], ["--device", "cuda", "--steps", "80",
+                                            "--step-time", "0.05", "--mb", "64"],
+                    script=worker, node_env=node_envs(1, 3))  # fmt: skip
+    deadline = time.monotonic() + 180
+    while len(job.events("ckpt_replicated")) < 4:
+        assert time.monotonic() < deadline, "no replicated checkpoints within 180 s"
+        time.sleep(0.2)
+    victim = killable(job, 0)
+    lose(victim)
+    codes = wait_all(job, 300)
+    assert codes == {n.index: -9 if n is victim else 0 for n in job.nodes}, job.nodes[0].text()
+    after = [e for e in job.events("ckpt_restore") if e["cycle"] == 1]
+    assert len({e["iteration"] for e in after}) == 1 and after[0]["iteration"] >= 5
+    assert any(e.get("fetched") for e in after)  # the spare fetched the lost rank's part
+    report("CUDA state restored on the spare from a peer's replica",
+           iteration=after[0]["iteration"])  # fmt: skip

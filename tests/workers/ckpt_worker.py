@@ -5,7 +5,8 @@ clique replication strategy (jump = ranks per node, factor 2: copies on the next
 start it loads the newest checkpoint the launcher's agents agreed on (or torchrun's
 collective), and appends "<cycle> <step> <loaded>" to <ckpt-dir>/rank<R>.log after every step
 (loaded: the iteration it resumed from, -1: none).
-Writes <ckpt-dir>/FINISHED after --steps.
+Writes <ckpt-dir>/FINISHED after --steps. `--device cuda`: NCCL, the state on the rank's GPU
+(`cuda:LOCAL_RANK`).
 
 Faults (each in one cycle): --crash CYCLE:RANK:STEP exits 1 at STEP; --die-in-save
 CYCLE:RANK:STEP SIGKILLs itself in the middle of the save of STEP: its bytes are written, the
@@ -51,13 +52,18 @@ def main() -> int:
     parser.add_argument("--crash", default="")
     parser.add_argument("--die-in-save", default="")
     parser.add_argument("--global-every", type=int, default=0)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # copies go to the next node
     strategy = CliqueReplicationStrategy.from_replication_params(per_node, 2)
     manager = LocalCheckpointManager(args.out / "local", repl_strategy=strategy)
-    weights = torch.zeros(int(args.mb * 2**20) // 4)
+    weights = torch.zeros(int(args.mb * 2**20) // 4, device=device)
     if args.global_every:
         with_global_tier(args, manager, weights)
     else:
@@ -124,7 +130,7 @@ def train_step(args: argparse.Namespace, weights: torch.Tensor, step: int) -> No
     """One step: the injected crash, one all_reduce, the state changed, the step's time."""
     if fires(args.crash, step):
         sys.exit(1)
-    value = torch.ones(1)
+    value = torch.ones(1, device=weights.device)
     dist.all_reduce(value)
     weights.fill_(step)
     time.sleep(args.step_time)
