@@ -760,3 +760,8 @@ def test_a_reconnect_window_is_for_an_external_store_only() -> None:
     local = build("--ft-store-reconnect-timeout=30", "x")
     assert local.rendezvous.store_reconnect_timeout == 0
     assert local.warnings == ("--ft-store-reconnect-timeout ignored: the store is a local store",)
+
+
+def test_the_launchers_gpus_are_the_ones_its_health_checks_answer_for() -> None:
+    assert build("train.py", env={"CUDA_VISIBLE_DEVICES": "2,3"}).health.gpus == "2,3"
+    assert build("train.py").health.gpus is None  # unset: every GPU on the host

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from ftrun.agent.config import HealthCheckConfig
 from ftrun.agent.node_services.health_watch import HealthWatch
 
@@ -109,3 +111,43 @@ def test_an_event_wait_that_fails_otherwise_than_empty_is_a_fault(fake_nvml) -> 
     [found] = service.poll()
     assert found.fault and found.signature.detail == "NVML event wait failed"
     service.close()
+
+
+# ---- two launchers on one host: each answers for its own GPUs --------------------------------
+
+
+def test_a_launcher_watches_only_the_gpus_its_workers_use(fake_nvml, tmp_path: Path) -> None:
+    xids = tmp_path / "xids"
+    spec = {"devices": 4, "xid_file": str(xids), "faults": {"1": ["ecc"]}}
+    fake_nvml.setenv("FAKE_NVML", json.dumps(spec))
+    service = watch(HealthCheckConfig(watch_interval=1, gpus="2,3"), [], [])
+    start(service)
+    xids.write_text("0 79\n3 48\n")  # GPU 0 is the other launcher's
+    found = service.poll()
+    assert [(f.signature.detail, f.gpu) for f in found] == [("Xid 48", 3)]  # not GPU 1's ECC
+    service.close()
+
+
+def test_the_pre_round_check_looks_at_the_launchers_gpus_only(fake_nvml) -> None:
+    from ftrun.agent.node_services.health import check_node
+    from ftrun.errors import NodeUnhealthyError
+
+    spec = {"devices": 4, "faults": {"0": ["retired_pages"]}, "uuids": {"GPU-b": 3}}
+    fake_nvml.setenv("FAKE_NVML", json.dumps(spec))
+    assert check_node(HealthCheckConfig(gpus="2,GPU-b"))["gpus"] == 2
+    with pytest.raises(NodeUnhealthyError, match="GPU 0: retired pages pending"):
+        check_node(HealthCheckConfig(gpus="1,0"))
+    with pytest.raises(NodeUnhealthyError, match="GPU 0"):
+        check_node(HealthCheckConfig())  # unset: every GPU on the host
+
+
+@pytest.mark.parametrize(
+    ("visible", "indices"),
+    [("2,1", [2, 1]), ("", []), ("-1", []), ("1,x,0", [1]), ("MIG-a,MIG-b,GPU-c", [1, 0])],
+)
+def test_cuda_visible_devices_names_the_gpus_as_cuda_reads_it(fake_nvml, visible, indices):
+    from ftrun.nvml import load_nvml, visible_gpus
+
+    spec = {"devices": 3, "uuids": {"MIG-a": 1, "MIG-b": 1, "GPU-c": 0}}
+    fake_nvml.setenv("FAKE_NVML", json.dumps(spec))
+    assert [index for index, _ in visible_gpus(load_nvml(), visible)] == indices

@@ -4,8 +4,11 @@ GPU, and at one boundary that tests replace with a fake module (tests/fakes/pynv
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from typing import Any
+
+_DEVICE_ENTRY = re.compile(r"\d+|GPU-.+|MIG-.+")
 
 
 def load_nvml() -> Any:
@@ -29,3 +32,32 @@ def nvml_session() -> Iterator[Any]:
         if nvml is not None:
             with contextlib.suppress(Exception):
                 nvml.nvmlShutdown()
+
+
+def handle_of(nvml: Any, name: str) -> Any:
+    """The NVML handle of a CUDA_VISIBLE_DEVICES entry (an index, a `GPU-` or `MIG-` UUID); a MIG
+    instance counts as its GPU. LookupError for an entry of another form."""
+    if name.isdigit():
+        return nvml.nvmlDeviceGetHandleByIndex(int(name))
+    if name.startswith("GPU-"):
+        return nvml.nvmlDeviceGetHandleByUUID(name)
+    if name.startswith("MIG-"):
+        mig = nvml.nvmlDeviceGetHandleByUUID(name)
+        return nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mig)
+    raise LookupError(f"CUDA_VISIBLE_DEVICES entry {name!r} names no GPU")
+
+
+def visible_gpus(nvml: Any, visible: str | None) -> list[tuple[int, Any]]:
+    """(NVML index, handle) of each GPU that `visible`, a CUDA_VISIBLE_DEVICES value, names, in
+    its order and once each (MIG instances of one GPU are that GPU); every GPU NVML sees when it
+    is None. As CUDA does, the list ends at its first entry that names no device ("-1": none)."""
+    if visible is None:
+        count = nvml.nvmlDeviceGetCount()
+        return [(index, nvml.nvmlDeviceGetHandleByIndex(index)) for index in range(count)]
+    found: dict[int, Any] = {}
+    for name in (entry.strip() for entry in visible.split(",")):
+        if not _DEVICE_ENTRY.fullmatch(name):
+            break
+        handle = handle_of(nvml, name)
+        found.setdefault(nvml.nvmlDeviceGetIndex(handle), handle)
+    return list(found.items())

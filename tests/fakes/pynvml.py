@@ -54,11 +54,13 @@ def nvmlEventSetCreate() -> list[int]:
     return []
 
 
-def nvmlDeviceRegisterEvents(handle: int, _types: int, _event_set: list[int]) -> None:
-    return None
+def nvmlDeviceRegisterEvents(handle: int, _types: int, event_set: list[int]) -> None:
+    event_set.append(handle)
 
 
-def nvmlEventSetWait_v2(_event_set: list[int], _timeout_ms: int) -> _EventData:
+def nvmlEventSetWait_v2(event_set: list[int], _timeout_ms: int) -> _EventData:
+    """The next Xid of the file from a device registered with `event_set` (NVML's: an event
+    set hears only its devices)."""
     global _xids_read
     if "event_error" in _spec():  # e.g. 15: NVML_ERROR_GPU_IS_LOST
         raise NVMLError(int(_spec()["event_error"]))
@@ -67,11 +69,12 @@ def nvmlEventSetWait_v2(_event_set: list[int], _timeout_ms: int) -> _EventData:
     if path and os.path.exists(path):
         with open(path) as f:
             lines = [line.split() for line in f if line.strip()]
-    if _xids_read >= len(lines):
-        raise NVMLError_Timeout(10)
-    index, xid = lines[_xids_read]
-    _xids_read += 1
-    return _EventData(int(index), int(xid))
+    while _xids_read < len(lines):
+        index, xid = lines[_xids_read]
+        _xids_read += 1
+        if int(index) in event_set:
+            return _EventData(int(index), int(xid))
+    raise NVMLError_Timeout(10)
 
 
 def nvmlEventSetFree(_event_set: list[int]) -> None:

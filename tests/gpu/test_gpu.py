@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -181,3 +183,30 @@ def test_f_a_lost_nodes_cuda_state_is_restored_on_the_spare_from_its_peer_replic
     assert any(e.get("fetched") for e in after)  # the spare fetched the lost rank's part
     report("CUDA state restored on the spare from a peer's replica",
            iteration=after[0]["iteration"])  # fmt: skip
+
+
+BUSY = "import torch\nwhile True:\n    torch.cuda._sleep(100_000_000)\n"
+"""A neighbour that keeps one GPU busy: the GPU time-slices it with the rank's kernels."""
+
+
+@pytest.mark.parametrize("per_node", PER_NODE)
+def test_g_a_gpu_slowed_by_a_busy_neighbour_is_named_by_the_straggler_detector(
+    tmp_path: Path, per_node: int
+):
+    worker = Path(__file__).resolve().parents[1] / "workers" / "straggler_worker.py"
+    last = 2 * per_node - 1  # its GPU: the second launcher's last
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(last)}
+    busy = subprocess.Popen([sys.executable, "-c", BUSY], env=env)
+    try:
+        job = start_job(tmp_path, 2, ["--ft-straggler-report-interval=0.5"],
+                        ["--device", "cuda", "--steps", "300"], script=worker, nproc=per_node,
+                        node_env=node_envs(per_node))  # fmt: skip
+        assert job.wait(300) == [0, 0], job.nodes[1].text()[-3000:]
+    finally:
+        busy.kill()
+        busy.wait(10)
+    found = job.events("straggler")
+    assert found, "no straggler named"
+    assert all(e["ranks"] == [last] for e in found), found
+    report(f"GPU slowed by a busy neighbour, 2x{per_node} GPUs", stragglers=len(found),
+           first_seq=found[0]["seq"])  # fmt: skip

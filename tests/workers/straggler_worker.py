@@ -3,6 +3,8 @@
 Each step: the "step" section (a sleep of --step-time, longer on the slow rank), then one
 all_reduce outside it (where the fast ranks wait for the slow one, as in real training).
 --slow RANK:FACTOR slows global rank RANK's section by FACTOR in cycle 0 (the job's first).
+`--device cuda`: NCCL, and the section is a GPU kernel of `--gpu-cycles` clock cycles
+(`torch.cuda._sleep`) that the section waits for: a GPU shared with a busy neighbour is slower.
 Rank 0 appends every report it gets to <ckpt-dir>/reports.jsonl, and writes
 <ckpt-dir>/FINISHED after --steps steps.
 """
@@ -30,9 +32,15 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--step-time", type=float, default=0.02)
     parser.add_argument("--slow", default="", metavar="RANK:FACTOR")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--gpu-cycles", type=int, default=20_000_000)
     args = parser.parse_args()
     args.ckpt_dir.mkdir(parents=True, exist_ok=True)
-    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank()
     factor = 1.0
     if args.slow and CYCLE == 0 and int(args.slow.split(":")[0]) == rank:
@@ -40,8 +48,12 @@ def main() -> int:
     Detector.initialize(report_time_interval=1)
     for _ in range(args.steps):
         with Detector.detection_section("step"):
-            time.sleep(args.step_time * factor)
-        value = torch.ones(1)
+            if device.type == "cuda":
+                torch.cuda._sleep(int(args.gpu_cycles * factor))
+                torch.cuda.synchronize()
+            else:
+                time.sleep(args.step_time * factor)
+        value = torch.ones(1, device=device)
         dist.all_reduce(value)
         report = Detector.generate_report_if_interval_elapsed()
         if report is not None:

@@ -109,6 +109,10 @@ class HealthCheckConfig:
     flapped."""
     nic_sysfs_root: str = "/sys/class/infiniband"
     """Where the NIC check finds the devices (tests point it at a fake tree)."""
+    gpus: str | None = None
+    """The GPUs this launcher's workers use, as its CUDA_VISIBLE_DEVICES names them: the only
+    ones checked and watched (None, unset: every GPU NVML sees). Two launchers on one host
+    then each answer for their own GPUs."""
     watch_interval: float = 5.0
     """While workers run, read GPU health (and, with `nic`, the link_downed counters) every
     this many seconds (`node_services.health_watch`); 0: only before each rendezvous."""

@@ -93,7 +93,7 @@ def config_from(
             calculated_timeout_floor=opts["workload_check_interval"],
             num_warmup_iterations=opts["num_warmup_iterations"],
         ),
-        health=_health(opts, notes),
+        health=_health(opts, environ, notes),
         log_level=opts["log_level"],
         warnings=tuple(notes),
         straggler=StragglerConfig(
@@ -133,7 +133,7 @@ def _unsupported(opts: Resolved) -> list[str]:
     return notes
 
 
-def _health(opts: Resolved, notes: list[str]) -> HealthCheckConfig:
+def _health(opts: Resolved, environ: Mapping[str, str], notes: list[str]) -> HealthCheckConfig:
     if opts["gpu_health_check_nvlink"] and not opts["gpu_health_check"]:
         notes.append(
             f"{opts.labels['gpu_health_check_nvlink']} is ignored: the GPU health check is off"
@@ -150,6 +150,7 @@ def _health(opts: Resolved, notes: list[str]) -> HealthCheckConfig:
         nic=opts["enable_nic_healthcheck"],
         nic_sysfs_root=opts["nic_sysfs_root"],
         watch_interval=opts["health_interval"],
+        gpus=environ.get("CUDA_VISIBLE_DEVICES"),
     )
 
 

@@ -19,7 +19,7 @@ from ftrun.agent.config import HealthCheckConfig
 from ftrun.agent.node_services.nic_health import check_ib_ports
 from ftrun.agent.termination import kill_group_now
 from ftrun.errors import NodeUnhealthyError
-from ftrun.nvml import load_nvml
+from ftrun.nvml import load_nvml, visible_gpus
 from ftrun.services import NodeService
 
 log = logging.getLogger("ftrun.agent")
@@ -34,7 +34,7 @@ def check_node(config: HealthCheckConfig) -> dict[str, Any]:
     """Raise NodeUnhealthyError when this node must not run workers; else a report for events."""
     report: dict[str, Any] = {}
     if config.gpu:
-        report["gpus"] = check_gpus(config.nvlink)
+        report["gpus"] = check_gpus(config.nvlink, config.gpus)
     if config.nic:
         report.update(check_ib_ports(config.nic_sysfs_root))
     for path in config.storage_paths:
@@ -46,21 +46,24 @@ def check_node(config: HealthCheckConfig) -> dict[str, Any]:
     return report
 
 
-def check_gpus(nvlink: bool = False) -> int:
-    """Every GPU NVML sees must answer and report no pending page retirement, row remapping
+def check_gpus(nvlink: bool = False, visible: str | None = None) -> int:
+    """Every GPU of this launcher's workers (those `visible`, its CUDA_VISIBLE_DEVICES, names;
+    None: every GPU NVML sees) must answer and report no pending page retirement, row remapping
     failure or uncorrected (XID-class) ECC errors. Returns the GPU count (0: skipped)."""
     pynvml = _load_nvml()
     if pynvml is None:
         return 0
     try:
-        count = pynvml.nvmlDeviceGetCount()
-        for index in range(count):
-            _check_device(pynvml, index, nvlink)
+        gpus = visible_gpus(pynvml, visible)
+        for index, handle in gpus:
+            _check_device(pynvml, index, handle, nvlink)
     except pynvml.NVMLError as exc:
         raise NodeUnhealthyError(f"NVML query failed: {exc}") from None
+    except LookupError as exc:
+        raise NodeUnhealthyError(str(exc)) from None
     finally:
         pynvml.nvmlShutdown()
-    return count
+    return len(gpus)
 
 
 def _load_nvml() -> Any:
@@ -73,8 +76,7 @@ def _load_nvml() -> Any:
     return pynvml
 
 
-def _check_device(pynvml: Any, index: int, nvlink: bool) -> None:
-    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+def _check_device(pynvml: Any, index: int, handle: Any, nvlink: bool) -> None:
     problems = []
     if _supported(pynvml, lambda: pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle)):
         problems.append("retired pages pending")

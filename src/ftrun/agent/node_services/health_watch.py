@@ -35,7 +35,7 @@ from ftrun.agent.config import HealthCheckConfig
 from ftrun.agent.diagnosis.attribution import Signature, health_signature
 from ftrun.agent.node_services.nic_health import check_ib_ports
 from ftrun.errors import NodeUnhealthyError
-from ftrun.nvml import load_nvml
+from ftrun.nvml import load_nvml, visible_gpus
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import NodeService
 
@@ -72,14 +72,15 @@ class _PollCost:
 
 
 class GpuReadings:
-    """One NVML session's readings of every GPU; the baseline is taken per cycle."""
+    """One NVML session's readings of this launcher's GPUs (`visible`, its CUDA_VISIBLE_DEVICES;
+    None: every GPU): with two launchers on one host, each watches its own, and an Xid on the
+    other's GPU is not its fault. The baseline is taken per cycle."""
 
-    def __init__(self, nvml: Any) -> None:
+    def __init__(self, nvml: Any, visible: str | None = None) -> None:
         self._nvml = nvml
-        self._handles = [nvml.nvmlDeviceGetHandleByIndex(i)
-                         for i in range(nvml.nvmlDeviceGetCount())]  # fmt: skip
+        self._gpus = visible_gpus(nvml, visible)  # (NVML index, handle)
         self._events = nvml.nvmlEventSetCreate()
-        for index, handle in enumerate(self._handles):
+        for index, handle in self._gpus:
             try:
                 nvml.nvmlDeviceRegisterEvents(handle, _XID_CRITICAL, self._events)
             except nvml.NVMLError as exc:  # e.g. not supported on this GPU or driver
@@ -88,13 +89,13 @@ class GpuReadings:
         self._told: set[tuple[int, str]] = set()
 
     def start_cycle(self) -> None:
-        self._ecc = {i: self._uncorrected(h) or 0 for i, h in enumerate(self._handles)}
+        self._ecc = {i: self._uncorrected(h) or 0 for i, h in self._gpus}
         self._told.clear()
         self.xids()  # events from before this cycle belong to the pre-round check
 
     def read(self) -> list[HealthFinding]:
         found = self.xids()
-        for index, handle in enumerate(self._handles):
+        for index, handle in self._gpus:
             found += self._device(index, handle)
         return [f for f in found if self._new(f)]
 
@@ -166,7 +167,12 @@ class HealthWatch(NodeService):
     ) -> None:
         self._config, self._emit, self._post = config, emit, post
         self._nvml = load() if config.gpu else None
-        self._gpus = GpuReadings(self._nvml) if self._nvml is not None else None
+        self._gpus = None
+        if self._nvml is not None:
+            try:
+                self._gpus = GpuReadings(self._nvml, config.gpus)
+            except (self._nvml.NVMLError, LookupError) as exc:  # the pre-round check says why
+                log.warning("health watch: GPUs not watched: %s", exc)
         self._links: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -191,6 +197,7 @@ class HealthWatch(NodeService):
         self._halt()
         if self._gpus is not None:
             self._gpus.close()
+        if self._nvml is not None:
             self._nvml.nvmlShutdown()
 
     def begin_cycle(self) -> None:

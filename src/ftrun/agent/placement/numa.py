@@ -35,7 +35,7 @@ from typing import Any
 from ftrun.agent.placement.binding import CPU_BIND, MEM_BIND, format_cpulist, parse_cpulist
 from ftrun.agent.rank_env import visible_device
 from ftrun.errors import ConfigError
-from ftrun.nvml import nvml_session
+from ftrun.nvml import handle_of, nvml_session
 
 MODES = ("node", "socket", "exclusive")
 """The modes ftrun computes (torchrun's fourth, core-complex, is refused: `REFUSED`)."""
@@ -237,7 +237,7 @@ def _read_gpu(nvml: Any, name: str, words: int) -> GpuAffinity:
     node = getattr(nvml, "NVML_AFFINITY_SCOPE_NODE", _SCOPE_NODE)
     socket = getattr(nvml, "NVML_AFFINITY_SCOPE_SOCKET", _SCOPE_SOCKET)
     try:
-        handle = _handle(nvml, name)
+        handle = handle_of(nvml, name)
         return GpuAffinity(
             node_cpus=_bits(nvml.nvmlDeviceGetCpuAffinityWithinScope(handle, words, node)),
             node_mems=_memory(nvml, handle, words, node),
@@ -246,18 +246,8 @@ def _read_gpu(nvml: Any, name: str, words: int) -> GpuAffinity:
         )
     except nvml.NVMLError as err:
         raise NoTopologyError(f"GPU {name}: NVML cannot tell its affinity: {err}") from None
-
-
-def _handle(nvml: Any, name: str) -> Any:
-    """The NVML handle of a CUDA_VISIBLE_DEVICES entry; a MIG instance counts as its GPU."""
-    if name.isdigit():
-        return nvml.nvmlDeviceGetHandleByIndex(int(name))
-    if name.startswith("GPU-"):
-        return nvml.nvmlDeviceGetHandleByUUID(name)
-    if name.startswith("MIG-"):
-        mig = nvml.nvmlDeviceGetHandleByUUID(name)
-        return nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mig)
-    raise NoTopologyError(f"CUDA_VISIBLE_DEVICES entry {name!r} names no GPU")
+    except LookupError as err:
+        raise NoTopologyError(str(err)) from None
 
 
 def _memory(nvml: Any, handle: Any, words: int, scope: int) -> frozenset[int]:
