@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from ftrun.errors import NodeUnhealthyError
+from ftrun.errors import ExitCode, NodeUnhealthyError
 from launch import Job, node_of, start_job
+from test_rerun_jobs import FLIP_STEP, STEPS, expected_w, progress
 from test_spares import SPARE, killable, lose, rounds, standby_nodes, wait_all
 
 torch = pytest.importorskip("torch")
@@ -210,3 +211,31 @@ def test_g_a_gpu_slowed_by_a_busy_neighbour_is_named_by_the_straggler_detector(
     assert all(e["ranks"] == [last] for e in found), found
     report(f"GPU slowed by a busy neighbour, 2x{per_node} GPUs", stragglers=len(found),
            first_seq=found[0]["seq"])  # fmt: skip
+
+
+@pytest.mark.skipif(GPUS < 3, reason="needs 3 CUDA GPUs (2 nodes and a spare)")
+def test_h_a_result_reproduced_on_one_node_is_re_run_on_the_spare_over_nccl(tmp_path: Path):
+    """The re-run state machine with NCCL: one rank's loss is wrong on its node's GPU (marked
+    bad) and again when re-run there; it exits 16, the step is re-run on the spare, the verdict
+    names the node, which is excluded, and every rank ends where a clean run ends."""
+    worker = Path(__file__).resolve().parents[1] / "workers" / "rerun_worker.py"
+    job = start_job(tmp_path, 3, [*SPARE], ["--device", "cuda", "--flip", f"marked:{FLIP_STEP}",
+                                            "--steps", str(STEPS), "--step-time", "0.03"],
+                    script=worker, node_env=node_envs(1, 3))  # fmt: skip
+    job.wait_event("rendezvous_done", 2)
+    first = rounds(job)[0]
+    victim = killable(job, 0)
+    name = next(n for n in first if n.endswith(f"-{victim.proc.pid}"))
+    job.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    (job.ckpt_dir / "flip-rank").write_text(str(first.index(name)))
+    (job.ckpt_dir / f"fail-{name}").write_text("")
+    (job.ckpt_dir / "flip-armed").write_text("")
+    codes = wait_all(job, 300)
+    assert codes == {n.index: ExitCode.EXCLUDED if n is victim else 0 for n in job.nodes}
+    [verdict] = job.events("rerun_verdict")
+    assert (verdict["diagnostic"], verdict["suspect_node"]) == ("persistent_error", name)
+    for rank in range(2):
+        rows = progress(job, rank)
+        assert rows[-1][1] == STEPS
+        assert rows[-1][3] == pytest.approx(expected_w(STEPS, world=2), rel=1e-4)
+    report("re-run elsewhere over NCCL", verdict=verdict["diagnostic"])

@@ -11,7 +11,8 @@ step) at that step; `validate_result` rejects a loss above 100.
 MODE: `once` (the first run of the step only: a transient fault), `marked` (on a
 node the test marked, <ckpt-dir>/fail-<FTRUN_NODE>: a bad node), `always` (wherever it runs: a
 correct but unexpected result). A checkpoint for a re-run elsewhere goes through ftrun's local
-tier (replicated to the next node); a restarted rank resumes from it.
+tier (replicated to the next node); a restarted rank resumes from it. `--device cuda`: NCCL,
+the weight on the rank's GPU.
 """
 
 from __future__ import annotations
@@ -50,6 +51,16 @@ def flip_rank(ckpt_dir: Path) -> int:
     return int((ckpt_dir / "flip-rank").read_text())
 
 
+def join_group(kind: str) -> torch.device:
+    """The rank's device (`cuda:LOCAL_RANK`, or the CPU) and its process group (NCCL, gloo)."""
+    device = torch.device("cpu")
+    if kind == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ckpt-dir", type=Path, required=True)
@@ -57,8 +68,9 @@ def main() -> int:
     parser.add_argument("--flip", default="", metavar="MODE:STEP")
     parser.add_argument("--step-time", type=float, default=0.05)
     parser.add_argument("--fatal", action="store_true")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    device = join_group(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     mode, flip_step = args.flip.split(":") if args.flip else ("", "-1")
     local = LocalCheckpointManager(
@@ -69,7 +81,7 @@ def main() -> int:
         persist_to_disk=False,
     )
     rsm = initialize_rerun_state_machine(mode=RerunMode.VALIDATE_RESULTS)
-    w = torch.nn.Parameter(torch.tensor([1.0]))
+    w = torch.nn.Parameter(torch.tensor([1.0], device=device))
     optim = torch.optim.SGD([w], lr=0.01)
     start = 0
     if local.find_latest() >= 0:
@@ -86,7 +98,7 @@ def main() -> int:
     for step in range(start + 1, args.steps + 1):
         while rsm.should_run_forward_backward(data):
             optim.zero_grad()
-            x = next(data)
+            x = next(data).to(device)
             loss = ((w * x - 2 * x) ** 2).sum()
             flip = step == int(flip_step) and rank == flip_rank(args.ckpt_dir) and (
                 mode == "always"
