@@ -487,3 +487,30 @@ def test_the_feed_thread_keeps_events_through_a_store_error_and_publishes_them_l
     finally:
         thread.stop()
     assert failures == [0]
+
+
+def test_each_gpu_the_health_watch_reads_is_served_with_its_index(fake_nvml, tmp_path):
+    from ftrun.agent.config import HealthCheckConfig
+    from ftrun.agent.node_services.health_watch import HealthWatch
+
+    xids = tmp_path / "xids"
+    spec = {"devices": 4, "xid_file": str(xids), "memory": {"2": [3 << 30, 80 << 30]},
+            "utilization": {"2": 87, "3": 0}, "throttle": {"3": 0x40}}  # fmt: skip
+    fake_nvml.setenv("FAKE_NVML", json.dumps(spec))
+    watch = HealthWatch(HealthCheckConfig(watch_interval=1, gpus="2,3"), lambda *a, **k: None,
+                        lambda _: None)  # fmt: skip
+    metrics = NodeMetrics("job", "n0", list, gpus=watch.gpus)
+    assert not [n for n, _ in scrape(metrics) if n.startswith("ftrun_gpu_")]  # no poll yet
+    watch.begin_cycle()
+    xids.write_text("3 79\n0 79\n")  # GPU 0 is another launcher's
+    watch.poll()
+    samples = scrape(metrics)
+    watch.close()
+    assert value(samples, "ftrun_gpu_memory_used_bytes", gpu="2") == 3 << 30
+    assert value(samples, "ftrun_gpu_memory_total_bytes", gpu="2") == 80 << 30
+    assert value(samples, "ftrun_gpu_utilization_ratio", gpu="2") == 0.87
+    assert value(samples, "ftrun_gpu_utilization_ratio", gpu="3") == 0.0
+    assert value(samples, "ftrun_gpu_xid_events_total", gpu="3") == 1
+    assert value(samples, "ftrun_gpu_throttled", gpu="3", reason="hardware thermal slowdown") == 1
+    assert {dict(labels)["gpu"] for n, labels in samples if n.startswith("ftrun_gpu_")} == {
+        "2", "3"}  # fmt: skip

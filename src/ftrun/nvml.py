@@ -4,11 +4,31 @@ GPU, and at one boundary that tests replace with a fake module (tests/fakes/pynv
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from collections.abc import Iterator
 from typing import Any
 
 _DEVICE_ENTRY = re.compile(r"\d+|GPU-.+|MIG-.+")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSnapshot:
+    """What the health watch (`agent.node_services.health_watch`) last read of one of its GPUs,
+    for the metrics; None where NVML does not say."""
+
+    gpu: int
+    """NVML's index."""
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    utilization: float | None = None
+    """The share (0-1) of NVML's last sample period in which a kernel ran."""
+    throttled: tuple[str, ...] = ()
+    """The slowdown reasons in force (thermal, power brake)."""
+    uncorrected_ecc: int | None = None
+    """The volatile uncorrected ECC error count."""
+    xids: int = 0
+    """Xid events seen since the watch started."""
 
 
 def load_nvml() -> Any:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from torch.distributed import Store
 
     from ftrun.config import LaunchConfig
+    from ftrun.nvml import GpuSnapshot
     from ftrun.peer import PeerClient, PeerServer
     from ftrun.rank_monitor.records import ProgressSnapshot
     from ftrun.rank_monitor.timings import TimingBatch
@@ -113,6 +114,8 @@ class ServiceContext:
     describe: Callable[[str, object], None]
     """Sets a field of the cycle info every worker reads (`FTRUN_CYCLE_INFO`) from the next
     round on (None removes it)."""
+    gpus: Callable[[], Sequence[GpuSnapshot]] = tuple
+    """What the health watch last read of each of the node's GPUs (empty without one)."""
 
 
 ServiceFactory = Callable[[ServiceContext], NodeService]

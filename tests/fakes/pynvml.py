@@ -6,8 +6,9 @@ For `--numa-binding`, optionally: "cpu_affinity" and "mem_affinity": {"INDEX": {
 CPULIST, "socket": CPULIST}} (a device or scope left out: NVML_ERROR_NOT_SUPPORTED), and
 "uuids": {"GPU-...": INDEX, "MIG-...": INDEX} (a MIG instance's parent is that GPU).
 For the health watch: "xid_file": PATH, whose lines "INDEX XID" are the Xid events (a test
-appends one while the job trains), "throttle": {"INDEX": clock-event reason bits}, and
-"event_error": an NVML error code the event wait raises (other than its timeout).
+appends one while the job trains), "throttle": {"INDEX": clock-event reason bits},
+"event_error": an NVML error code the event wait raises (other than its timeout), "memory":
+{"INDEX": [USED, TOTAL]} (bytes) and "utilization": {"INDEX": PERCENT} (left out: not supported).
 """
 
 from __future__ import annotations
@@ -83,6 +84,30 @@ def nvmlEventSetFree(_event_set: list[int]) -> None:
 
 def nvmlDeviceGetIndex(handle: int) -> int:
     return handle
+
+
+class _Memory:
+    def __init__(self, used: int, total: int) -> None:
+        self.used, self.total, self.free = used, total, total - used
+
+
+class _Rates:
+    def __init__(self, gpu: int) -> None:
+        self.gpu, self.memory = gpu, 0
+
+
+def nvmlDeviceGetMemoryInfo(handle: int) -> _Memory:
+    used_total = _spec().get("memory", {}).get(str(handle))
+    if used_total is None:
+        raise NVMLError_NotSupported(3)
+    return _Memory(*used_total)
+
+
+def nvmlDeviceGetUtilizationRates(handle: int) -> _Rates:
+    percent = _spec().get("utilization", {}).get(str(handle))
+    if percent is None:
+        raise NVMLError_NotSupported(3)
+    return _Rates(int(percent))
 
 
 def nvmlDeviceGetCurrentClocksEventReasons(handle: int) -> int:

@@ -22,6 +22,8 @@ import pytest
 
 from ftrun.errors import ExitCode, NodeUnhealthyError
 from launch import Job, node_of, start_job
+from support import wait_for
+from test_observe_jobs import endpoints, scrape
 from test_rerun_jobs import FLIP_STEP, STEPS, expected_w, progress
 from test_spares import SPARE, killable, lose, rounds, standby_nodes, wait_all
 
@@ -239,3 +241,28 @@ def test_h_a_result_reproduced_on_one_node_is_re_run_on_the_spare_over_nccl(tmp_
         assert rows[-1][1] == STEPS
         assert rows[-1][3] == pytest.approx(expected_w(STEPS, world=2), rel=1e-4)
     report("re-run elsewhere over NCCL", verdict=verdict["diagnostic"])
+
+
+@pytest.mark.parametrize("per_node", PER_NODE)
+def test_i_each_launcher_watches_and_serves_its_own_gpus(tmp_path: Path, per_node: int):
+    """Two launchers on one host: each one's health watch reads (and its metrics serve) the
+    GPUs of its CUDA_VISIBLE_DEVICES, by NVML index, and no other."""
+    job = start_job(tmp_path, 2, ["--ft-health-interval=0.5", "--ft-metrics-port=0"],
+                    [*TRAIN, "--steps", "200"], nproc=per_node,
+                    node_env=node_envs(per_node))  # fmt: skip
+    try:
+        urls = wait_for(lambda: len(found := endpoints(job)) == 2 and found, 120, "metrics URLs")
+
+        def gpus_served() -> dict[str, set[str]] | None:
+            seen = {node: {dict(labels)["gpu"] for name, labels in scrape(url)
+                           if name == "ftrun_gpu_memory_used_bytes"}
+                    for node, url in urls.items()}  # fmt: skip
+            return seen if all(seen.values()) else None
+
+        seen = wait_for(gpus_served, 60, "per-GPU series from both launchers")
+        wanted = [set(env["CUDA_VISIBLE_DEVICES"].split(",")) for env in node_envs(per_node)]
+        assert sorted(map(sorted, seen.values())) == sorted(map(sorted, wanted)), seen
+        assert job.wait(300) == [0, 0], job.nodes[0].text()[-3000:]
+    finally:
+        job.kill()
+    report(f"per-GPU metrics, 2x{per_node} GPUs", served=sorted(map(sorted, seen.values())))

@@ -36,6 +36,7 @@ from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError, NodeUnhealthyError, RendezvousFailedError
 from ftrun.eventlog.writer import EventLog
 from ftrun.identity import free_port
+from ftrun.nvml import GpuSnapshot
 from ftrun.rank_monitor import ProgressSnapshot, RankMonitorServer
 from ftrun.rank_monitor.timings import TimingBatch
 from ftrun.rendezvous.control import JobControl, wait_until
@@ -153,7 +154,7 @@ def open_runtime(
             config=config, store=store, node=node, job_dir=job_dir, log_dir=log_dir,
             emit=events.emit, post=inbox.put, peer_server=peer.server, peer_client=peer.client,
             observe_timings=link.observe, read_events=events.subscribe, progress=link.progress,
-            describe=described.__setitem__,
+            describe=described.__setitem__, gpus=link.gpus,
         )  # fmt: skip
         for factory in subsystems:
             services.add(factory(context))
@@ -177,12 +178,17 @@ def open_runtime(
 
 
 class _MonitorLink:
-    """The rank monitor as the subsystems' services reach it: it starts after them (its
-    timings go to the observers they register), so they hold this link, not the monitor."""
+    """The rank monitor and the health watch as the subsystems' services reach them: they start
+    after them (the monitor's timings go to the observers they register), so they hold this
+    link, not the services."""
 
     def __init__(self) -> None:
         self._observers: list[Callable[[TimingBatch], None]] = []
         self.monitor: MonitorService | None = None
+        self.health: HealthWatch | None = None
+
+    def gpus(self) -> tuple[GpuSnapshot, ...]:
+        return self.health.gpus() if self.health else ()
 
     def observe(self, observer: Callable[[TimingBatch], None]) -> None:
         self._observers.append(observer)
@@ -218,7 +224,7 @@ def _add_node_services(
         MonitorService(config.monitor, job_dir, inbox.put, link.on_timings())
     )
     if config.health.watch_interval > 0 and (config.health.gpu or config.health.nic):
-        services.add(HealthWatch(config.health, events.emit, inbox.put))
+        link.health = services.add(HealthWatch(config.health, events.emit, inbox.put))
     if agent.gpu_memory_reclaim_timeout > 0:
         services.add(
             GpuReclaimService(

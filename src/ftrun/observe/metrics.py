@@ -13,7 +13,8 @@ Cardinality, at 1,024 nodes x 8 ranks: labels are `job`, `node`, and where they 
 `tier` (checkpoints: local, replicated; recoveries: the policy's decisions, a closed set).
 Durations are histograms with fixed buckets (`observe.timings`): 23 series per agent. An agent
 serves about 65 + 3 x its ranks series, 90 at 8 ranks: about 92,000 for the whole job;
-stragglers add the worst 8 ranks' scores on the reporting node.
+stragglers add the worst 8 ranks' scores on the reporting node. With the health watch, each of
+the launcher's GPUs (`gpu`: at most 8) adds 5 series and one per slowdown reason in force.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from ftrun.eventlog.node_view import NodeState, NodeView
+from ftrun.nvml import GpuSnapshot
 from ftrun.observe.timings import Buckets, NodeTimings
 from ftrun.rank_monitor.records import ProgressSnapshot
 
@@ -50,11 +52,14 @@ class NodeMetrics(Collector):
         progress: Callable[[], Sequence[ProgressSnapshot]],
         job_status: Callable[[], Mapping[str, Any] | None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
+        gpus: Callable[[], Sequence[GpuSnapshot]] = tuple,
     ) -> None:
         """`progress`: the rank monitor's snapshot (its monotonic clock is `clock`);
-        `job_status`: the status page's document, on the agent that serves it, else None."""
+        `job_status`: the status page's document, on the agent that serves it, else None;
+        `gpus`: what the health watch last read of each of the node's GPUs."""
         self._job, self._node = job, node
         self._progress, self._job_status, self._clock = progress, job_status, clock
+        self._gpus = gpus
         self._view = NodeView(node)
         self._timings = NodeTimings()
         self._lock = threading.Lock()
@@ -72,6 +77,7 @@ class NodeMetrics(Collector):
             yield from self._straggler_series(view)
             yield from self._timing_series(self._timings)
         yield from self._rank_series(self._progress(), self._clock())
+        yield from self._gpu_series(self._gpus())
         status = self._job_status()
         if status and not status.get("waiting"):
             yield from self._job_series(status)
@@ -215,6 +221,35 @@ class NodeMetrics(Collector):
         for name, value in sections.items():
             section.add_metric([*base, name], value)
         yield from (iteration, age, heartbeat, section)
+
+    def _gpu_series(self, gpus: Sequence[GpuSnapshot]) -> Iterator[Metric]:
+        """Each GPU the health watch reads (this launcher's own: `gpu` is NVML's index)."""
+        if not gpus:
+            return
+        gauges = [
+            ("ftrun_gpu_memory_used_bytes", "Device memory in use.", "memory_used_bytes"),
+            ("ftrun_gpu_memory_total_bytes", "Device memory.", "memory_total_bytes"),
+            ("ftrun_gpu_utilization_ratio", "The share of NVML's last sample period in which a "
+             "kernel ran.", "utilization"),
+            ("ftrun_gpu_uncorrected_ecc_errors", "The volatile uncorrected ECC error count.",
+             "uncorrected_ecc"),
+        ]  # fmt: skip
+        for name, doc, field in gauges:
+            family = self._family(GaugeMetricFamily, name, doc, "gpu")
+            for gpu in gpus:
+                if (value := getattr(gpu, field)) is not None:
+                    family.add_metric([self._job, self._node, str(gpu.gpu)], value)
+            yield family
+        xids = self._family(CounterMetricFamily, "ftrun_gpu_xid_events", "Xid events since "
+                            "the launcher started.", "gpu")  # fmt: skip
+        throttled = self._family(GaugeMetricFamily, "ftrun_gpu_throttled", "1 for each "
+                                 "slowdown reason in force.", "gpu", "reason")  # fmt: skip
+        for gpu in gpus:
+            xids.add_metric([self._job, self._node, str(gpu.gpu)], gpu.xids)
+            for reason in gpu.throttled:
+                throttled.add_metric([self._job, self._node, str(gpu.gpu), reason], 1)
+        yield xids
+        yield throttled
 
     def _job_series(self, status: Mapping[str, Any]) -> Iterator[Metric]:
         job = [self._job]

@@ -51,7 +51,8 @@ class ObserveService(NodeService):
         self._page: ThreadingHTTPServer | None = None
         self._status: CachedStatus | None = None
         self._metrics_server: Any = None
-        self.metrics = NodeMetrics(self._job, self._node, self._progress, self._page_status)
+        self.metrics = NodeMetrics(self._job, self._node, self._progress, self._page_status,
+                                   gpus=context.gpus)  # fmt: skip
         context.read_events(self.metrics.apply)
         self._feed: FeedThread | None = None
         if config.status_port is not None:

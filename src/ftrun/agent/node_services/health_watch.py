@@ -35,7 +35,7 @@ from ftrun.agent.config import HealthCheckConfig
 from ftrun.agent.diagnosis.attribution import Signature, health_signature
 from ftrun.agent.node_services.nic_health import check_ib_ports
 from ftrun.errors import NodeUnhealthyError
-from ftrun.nvml import load_nvml, visible_gpus
+from ftrun.nvml import GpuSnapshot, load_nvml, visible_gpus
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import NodeService
 
@@ -87,6 +87,8 @@ class GpuReadings:
                 log.warning("health watch: no Xid events from GPU %d (%s)", index, exc)
         self._ecc: dict[int, int] = {}
         self._told: set[tuple[int, str]] = set()
+        self._xid_counts: dict[int, int] = {}
+        self.latest: tuple[GpuSnapshot, ...] = ()
 
     def start_cycle(self) -> None:
         self._ecc = {i: self._uncorrected(h) or 0 for i, h in self._gpus}
@@ -94,9 +96,14 @@ class GpuReadings:
         self.xids()  # events from before this cycle belong to the pre-round check
 
     def read(self) -> list[HealthFinding]:
+        """The poll's new findings; `latest` then holds what it read of each GPU."""
         found = self.xids()
+        snapshots = []
         for index, handle in self._gpus:
-            found += self._device(index, handle)
+            findings, snapshot = self._device(index, handle)
+            found += findings
+            snapshots.append(snapshot)
+        self.latest = tuple(snapshots)  # one reference swap: a scrape reads it from its thread
         return [f for f in found if self._new(f)]
 
     def xids(self) -> list[HealthFinding]:
@@ -110,10 +117,11 @@ class GpuReadings:
                                                                 str(exc)), True))  # fmt: skip
                 return found
             xid, gpu = int(data.eventData), _index(nvml, data.device)
+            self._xid_counts[gpu] = self._xid_counts.get(gpu, 0) + 1
             fault = xid not in APPLICATION_XIDS
             found.append(HealthFinding(health_signature(f"Xid {xid}", f"GPU {gpu}"), fault, gpu))
 
-    def _device(self, index: int, handle: Any) -> list[HealthFinding]:
+    def _device(self, index: int, handle: Any) -> tuple[list[HealthFinding], GpuSnapshot]:
         nvml, found = self._nvml, []
         ecc = self._uncorrected(handle)
         if ecc is not None and ecc > self._ecc.get(index, 0):
@@ -125,10 +133,21 @@ class GpuReadings:
         if rows and (rows[2] or rows[3]):
             found.append(self._fault(index, "row remapping pending or failed"))
         reasons = _optional(nvml, lambda: nvml.nvmlDeviceGetCurrentClocksEventReasons(handle))
-        for bit, name in _THROTTLES.items():
-            if reasons and reasons & bit:
-                found.append(HealthFinding(health_signature(name, f"GPU {index}"), False, index))
-        return found
+        throttled = tuple(name for bit, name in _THROTTLES.items() if reasons and reasons & bit)
+        found += [HealthFinding(health_signature(name, f"GPU {index}"), False, index)
+                  for name in throttled]  # fmt: skip
+        memory = _optional(nvml, lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
+        rates = _optional(nvml, lambda: nvml.nvmlDeviceGetUtilizationRates(handle))
+        snapshot = GpuSnapshot(
+            index,
+            memory_used_bytes=None if memory is None else int(memory.used),
+            memory_total_bytes=None if memory is None else int(memory.total),
+            utilization=None if rates is None else rates.gpu / 100,
+            throttled=throttled,
+            uncorrected_ecc=ecc,
+            xids=self._xid_counts.get(index, 0),
+        )
+        return found, snapshot
 
     def _fault(self, index: int, what: str, reading: str = "") -> HealthFinding:
         text = f"GPU {index}" + (f": {reading}" if reading else "")
@@ -199,6 +218,10 @@ class HealthWatch(NodeService):
             self._gpus.close()
         if self._nvml is not None:
             self._nvml.nvmlShutdown()
+
+    def gpus(self) -> tuple[GpuSnapshot, ...]:
+        """What the last poll read of each watched GPU (for the metrics; empty before one)."""
+        return self._gpus.latest if self._gpus is not None else ()
 
     def begin_cycle(self) -> None:
         """Take the cycle's baselines (ECC counts, link_downed) and drop older Xid events."""
