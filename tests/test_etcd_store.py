@@ -150,7 +150,24 @@ def test_a_blocked_get_wakes_on_the_set_with_a_watch_not_polls(
     set_at = time.monotonic()
     thread.join(10)
     assert out["value"] == b"x" and out["at"] - set_at < 0.1, out["at"] - set_at
-    assert counted.calls() == ["txn", "watch", "txn"]
+    assert counted.calls() == ["txn", "watch"]  # the watch's event carried the value
+
+
+def test_a_value_handed_over_by_the_watch_is_what_a_read_returns(
+    etcd_cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A counter's event carries its marker: the get returns the count, as a read would; a
+    wait that times out says None through `get_within`."""
+    store, other = two_stores(etcd_cluster)
+    counted = Requests(monkeypatch)
+    thread, out = counted.run(lambda: store.get("count"))
+    assert counted.watching.wait(10)
+    other.add("count", 5)
+    thread.join(10)
+    assert out["value"] == b"5" == store.get("count")
+    assert store.get_within("never", 0.2) is None
+    other.set("empty", "")
+    assert store.get_within("empty", 5) == b""
 
 
 def test_waiting_again_after_a_timeout_replays_what_was_put_meanwhile(

@@ -86,6 +86,7 @@ from bench.rendezvous.stores import (
 )
 from ftrun.rendezvous.barrier import BarrierRendezvousHandler, JoinInterruptedError
 from ftrun.rendezvous.config import RendezvousConfig, RendezvousImpl
+from ftrun.rendezvous.control import get_within
 from ftrun.rendezvous.dynamic import DynamicRendezvous
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
 
@@ -95,7 +96,8 @@ GRACE_S = 30.0  # for agents to notice a stop request, and for processes to exit
 POLL_S = 0.1
 TARGET_1024_S = 5.0
 OPS = (
-    "check", "get", "set", "add", "add 0", "compare_set", "wait", "multi_get", "multi_set", "other"
+    "check", "get", "set", "add", "add 0", "compare_set", "wait", "get_within", "multi_get",
+    "multi_set", "other",
 )  # fmt: skip
 BACKENDS = ("tcp", "etcd")
 CONNECT_KEY = "bench-connect"
@@ -149,6 +151,11 @@ class CountingStore(dist.Store):
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         args = (keys,) if timeout is None else (keys, timeout)
         self._call("wait", self._inner.wait, *args)
+
+    def get_within(self, key: str, timeout_s: float) -> bytes | None:
+        """The barrier's wait for the round (`control.get_within`: on etcd, one watch that
+        hands the value over; on TCPStore, a wait and a get)."""
+        return self._call("get_within", get_within, self._inner, key, timeout_s)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return self._call("multi_get", self._inner.multi_get, keys)
@@ -596,10 +603,9 @@ def barrier_phases(agents: Sequence[AgentResult], t0: float) -> dict[str, float]
     """Where the barrier round's time goes (seconds after the common start).
 
     A barrier join: check (shutdown), get (cycle), add (arrival), set (descriptor),
-    [multi_get, set, compare_set (the closer publishes the round and closes it)], wait...,
-    get (size), get (the published round; the last store operation), then decoding and ordering
-    in Python.
-    """
+    [multi_get, compare_set (the closer publishes the round as it closes it)], get_within...
+    (the waits for the round; the last one returns it: on etcd from the watch's event, on
+    TCPStore by a get after the wait), then decoding and ordering in Python."""
     if os.environ.get("FTRUN_BENCH_TRACE_CLOSER"):  # the closer's own calls, one a line
         for a in agents:
             if any(e[0] == "compare_set" for e in a.log):
@@ -609,7 +615,7 @@ def barrier_phases(agents: Sequence[AgentResult], t0: float) -> dict[str, float]
     first_op = [a.log[0][1] - t0 for a in agents]
     arrived = [next(e for e in a.log if e[0] == "add")[2] - t0 for a in agents]
     closed = [e[2] - t0 for a in agents for e in a.log if e[0] == "compare_set"]
-    woke = [[e for e in a.log if e[0] == "wait"][-1][2] - t0 for a in agents]
+    woke = [[e for e in a.log if e[0] in ("wait", "get_within")][-1][2] - t0 for a in agents]
     final = [a.log[-1] for a in agents]
     fetch = [end - start for _, start, end, _ in final]
     local = [a.end - entry[2] for a, entry in zip(agents, final, strict=True)]

@@ -39,7 +39,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from ftrun.errors import ExitCode, NodeExcludedError
 from ftrun.rendezvous.config import RendezvousConfig
-from ftrun.rendezvous.control import existing_keys, job_control, wait_for_key, wait_for_keys
+from ftrun.rendezvous.control import existing_keys, get_within, job_control, wait_for_keys
 from ftrun.rendezvous.errors import DescriptorVersionError, InfraRankError, JoinInterruptedError
 from ftrun.rendezvous.published import Progress, PublishedRound
 from ftrun.rendezvous.ranks import NodeDescriptor, Round, order_nodes, row_from_json
@@ -161,8 +161,8 @@ class BarrierRendezvousHandler(RendezvousHandler):
             planning = _Planning(cycle)
             if index + 1 >= self._config.max_nodes:  # the filler, or a spare after it
                 self._plan_and_close(planning, self._grace, probe=False)
-            self._await_close(planning, index, deadline, interrupted)
-            published = self._published(cycle)
+            blob = self._await_close(planning, index, deadline, interrupted)
+            published = self._published(cycle, blob)
             rnd = published.round_for(cycle, index)
             if rnd is not None:
                 return dataclasses.replace(rnd, arrived_at=self._arrived_at)
@@ -173,12 +173,14 @@ class BarrierRendezvousHandler(RendezvousHandler):
 
     def _await_close(
         self, planning: _Planning, index: int, deadline: float, interrupted: Callable[[], bool]
-    ) -> None:
+    ) -> bytes:
+        """The round's published value, once a closer has set it (waiting in chunks, with the
+        planner's and the others' looks at the round between them)."""
         cycle = planning.cycle
         closed = self._key(cycle, "closed")
         is_planner = index == 0
         chunks = 0
-        while not wait_for_key(self._store, closed, _WAIT_CHUNK_S):
+        while (blob := get_within(self._store, closed, _WAIT_CHUNK_S)) is None:
             chunks += 1
             if not is_planner and chunks % _POLL_EVERY:  # the close itself ends the wait
                 self._check_waiting(deadline, interrupted, ask_store=False)
@@ -191,6 +193,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
             if is_planner or self._planner_gone(planning):
                 self._store.add(self._key(cycle, "beat"), 1)
                 self._plan_and_close(planning, 0.0, probe=True)
+        return blob
 
     def _planner_gone(self, planning: _Planning) -> bool:
         beat = self._store.add(self._key(planning.cycle, "beat"), 0)
@@ -300,8 +303,10 @@ class BarrierRendezvousHandler(RendezvousHandler):
         reports = [_iteration(raw) for raw in raws]
         return previous.progress.after(reports)
 
-    def _published(self, cycle: int) -> PublishedRound:
-        blob = self._store.get(self._key(cycle, "closed"))
+    def _published(self, cycle: int, blob: bytes | None = None) -> PublishedRound:
+        """Round `cycle` as its closer published it (`blob`: its value, already read)."""
+        if blob is None:
+            blob = self._store.get(self._key(cycle, "closed"))
         if self._last_published is None or self._last_published[0] <= cycle:
             self._last_published = (cycle, blob)
         return PublishedRound.decode(blob)

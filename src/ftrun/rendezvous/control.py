@@ -312,6 +312,16 @@ def wait_for_keys(store: Store, keys: list[str], timeout: float) -> bool:
     return True
 
 
+def get_within(store: Store, key: str, timeout: float) -> bytes | None:
+    """`key`'s value once it exists, or None after `timeout`. A store that hands the value over
+    as it waits (`EtcdStore.get_within`: its watch carries it) does so in one request; any
+    other waits, then reads."""
+    native = getattr(store, "get_within", None)
+    if native is not None:
+        return native(key, timeout)
+    return store.get(key) if wait_for_key(store, key, timeout) else None
+
+
 def existing_keys(store: Store, keys: list[str]) -> list[str]:
     """Those of `keys` that exist, in order, without waiting.
 

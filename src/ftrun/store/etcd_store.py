@@ -60,6 +60,10 @@ class EtcdAuthError(DistStoreError):
     """etcd refused the request (authentication or permission)."""
 
 
+class WaitTimeoutError(DistStoreError):
+    """Keys still absent at the end of a wait (TCPStore's message: "wait timeout ...")."""
+
+
 class EtcdStore(Store):
     """A TCPStore stand-in on an etcd cluster, for one job (`run_id`)."""
 
@@ -98,6 +102,15 @@ class EtcdStore(Store):
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         self._until(keys, timeout, values=False)
+
+    def get_within(self, key: str, timeout_s: float) -> bytes | None:
+        """`key`'s value once it is put, or None after `timeout_s`: a read, or the watch that
+        saw the put, whose event carries the value (no read after it: at N waiting nodes, N
+        reads of the value fewer)."""
+        try:
+            return self._until([key], datetime.timedelta(seconds=timeout_s))[0]
+        except WaitTimeoutError:
+            return None
 
     def add(self, key: str, amount: int) -> int:
         full = self._key(key)
@@ -200,9 +213,10 @@ class EtcdStore(Store):
         self, keys: list[str], timeout: datetime.timedelta | None = None, values: bool = True
     ) -> list[bytes | None]:
         """The keys' values once none is absent: a read, then a watch on the absent ones from
-        the revision after that read (so no put is missed) until each has been put, then a read
-        again for their values (without `values`, a `wait`: none, and no read after the watch).
-        DistStoreError after the timeout, as TCPStore."""
+        the revision after that read (so no put is missed) until each has been put; then the
+        values the watch's events carried where every key was absent, else a read again
+        (without `values`, a `wait`: none, and no read after the watch). WaitTimeoutError
+        after the timeout, as TCPStore."""
         limit = (timeout or self.timeout).total_seconds()
         deadline = self._clock() + limit
         absent, self._absent = self._absent, None
@@ -214,26 +228,35 @@ class EtcdStore(Store):
                 missing = [k for k, v in zip(keys, found, strict=True) if v is None]
                 if not missing:
                     return found
-            absent = None
-            if self._clock() >= deadline or not self._watch(missing, revision + 1, deadline):
+            absent, seen = None, {}
+            if self._clock() >= deadline or not self._watch(missing, revision + 1, deadline, seen):
                 # A waiter that times out waits again soon (the barrier, in 1 s chunks): the
                 # keys were absent at `revision`, and a watch from there replays any put since.
                 self._absent = (tuple(keys), missing, revision)
-                raise DistStoreError(f"wait timeout after {limit:g}s for key(s) {missing}")
+                raise WaitTimeoutError(f"wait timeout after {limit:g}s for key(s) {missing}")
             if not values:
                 return []
+            full = [self._key(k).encode() for k in keys]
+            if len(missing) == len(keys) and all(k in seen for k in full):
+                # Each value as put at its event's revision, after this call began: what a
+                # read at that moment returns (a read now could only be later).
+                return [wire.decoded(seen[k]) for k in full]
 
-    def _watch(self, keys: list[str], start: int, deadline: float) -> bool:
+    def _watch(
+        self, keys: list[str], start: int, deadline: float, seen: dict[bytes, Any] | None = None
+    ) -> bool:
         """Block until each key has been put at `start` or later (True) or `deadline` (False):
         one watch on the range from the lowest key to just past the highest, through `_call`'s
-        failover (a member lost mid-watch: the next one, from `start` again)."""
+        failover (a member lost mid-watch: the next one, from `start` again). `seen`: each
+        put key's newest kv, from the events."""
         pending = {self._key(k).encode() for k in keys}
         create = {"key": wire.b64(min(pending)), "range_end": wire.b64(max(pending) + b"\0"),
                   "start_revision": start}  # fmt: skip
         answered = [self._clock()]  # a watch answers as it goes: `_call`'s timeout runs from then
 
         def request(member: Etcd3Client) -> bool:
-            return wire.watch_on(member, create, pending, (self._clock, answered), deadline)
+            return wire.watch_on(member, create, pending, (self._clock, answered), deadline,
+                                 {} if seen is None else seen)  # fmt: skip
 
         return self._call(request, lambda: answered[0])
 

@@ -118,11 +118,13 @@ def watch_on(
     pending: set[bytes],
     clocks: tuple[Callable[[], float], list[float]],
     deadline: float,
+    seen: dict[bytes, Any],
 ) -> bool:
     """One watch on one member (etcd's `/v3/watch`, a stream of JSON lines), read in this
-    thread and closed before returning: True once every key of `pending` has been put, False
-    at `deadline`. A member that fails raises as etcd3gw would, for `_call` to go on; each
-    message from it is written down in `clocks[1]` (`clocks[0]`: the store's clock)."""
+    thread and closed before returning: True once every key of `pending` has been put (its kv
+    in `seen`), False at `deadline`. A member that fails raises as etcd3gw would, for `_call`
+    to go on; each message from it is written down in `clocks[1]` (`clocks[0]`: the store's
+    clock)."""
     clock = clocks[0]
     left = min(member.timeout, deadline - clock())  # `_call` cut it to the time it has left
     if left <= 0:
@@ -141,7 +143,7 @@ def watch_on(
         if answer.status_code != 200:
             exc = ConnectionTimeoutError if answer.status_code in BUSY else Etcd3Exception
             raise exc(answer.text, answer.reason)
-        return watch_events(answer, pending, clocks, deadline)
+        return watch_events(answer, pending, clocks, deadline, seen)
 
 
 def watch_events(
@@ -149,6 +151,7 @@ def watch_events(
     pending: set[bytes],
     clocks: tuple[Callable[[], float], list[float]],
     deadline: float,
+    seen: dict[bytes, Any],
 ) -> bool:
     clock, answered = clocks
     buffer = b""
@@ -181,5 +184,7 @@ def watch_events(
                 return True
             for event in result.get("events", []):
                 if event.get("type", "PUT") == "PUT":  # the gateway leaves out PUT (0)
-                    pending.discard(base64.b64decode(event["kv"]["key"]))
+                    key = base64.b64decode(event["kv"]["key"])
+                    pending.discard(key)
+                    seen[key] = event["kv"]
     return True
