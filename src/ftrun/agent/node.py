@@ -31,6 +31,7 @@ from ftrun.agent.facts import read_facts
 from ftrun.agent.inbox import SignalReceived, SignalRecorder, take_queued, take_until
 from ftrun.agent.inprocess.effects import carry_out
 from ftrun.agent.node_services.health_watch import HealthFinding
+from ftrun.agent.node_services.restart_watch import CycleEndedElsewhere
 from ftrun.agent.policy import Action, AgentEvent, Outcome, Policy
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.state import AgentState, check_transition
@@ -48,6 +49,9 @@ from ftrun.store.reconnecting import StoreRestartedError
 log = logging.getLogger("ftrun.agent")
 
 _SCALE_CHECK_S = 1.0
+_RESTART_CHECK_S = 2.0
+"""How often the agent itself checks the cycle's restart key while its workers run: a safety
+net only (`RestartWatch` waits on it and tells the inbox at once)."""
 # Peers need the store only to read why the job ends (they poll every monitor interval, or
 # every second while joining): a few seconds cover them, a dead peer must not hold us long.
 _STORE_LINGER_S = 5.0
@@ -243,6 +247,7 @@ class NodeAgent:
         assert rnd is not None and group is not None
         running = set(group.pids)
         next_scale_check = time.monotonic() + _SCALE_CHECK_S
+        next_restart_check = time.monotonic() + _RESTART_CHECK_S
         while True:
             try:
                 item = self._inbox.get(timeout=self.cfg.monitor_interval)
@@ -251,10 +256,10 @@ class NodeAgent:
             event: AgentEvent | None = None
             if item is not None:
                 event = self._running_event(item, running)
-            elif self.rt.control.restart_requested(rnd.number):
-                cause = self.rt.control.cause_of(rnd.number)
-                log.info("cycle %d ended elsewhere: %s", rnd.number, cause)
-                event = p.CycleEnded()
+            elif time.monotonic() >= next_restart_check:  # the restart watch's safety net
+                next_restart_check = time.monotonic() + _RESTART_CHECK_S
+                if self.rt.control.restart_requested(rnd.number):
+                    event = self._ended_elsewhere(rnd.number)
             elif time.monotonic() >= next_scale_check:
                 next_scale_check = time.monotonic() + _SCALE_CHECK_S
                 if len(rnd.nodes) < self.rt.config.rendezvous.max_nodes:
@@ -268,8 +273,15 @@ class NodeAgent:
                 return action
             self._apply(action)  # effects without a move (a scale-up vote)
 
+    def _ended_elsewhere(self, cycle: int) -> p.CycleEnded:
+        log.info("cycle %d ended elsewhere: %s", cycle, self.rt.control.cause_of(cycle))
+        return p.CycleEnded()
+
     def _running_event(self, item: object, running: set[int]) -> AgentEvent | None:
         """The event an inbox item means while workers run; None for stale or unrelated ones."""
+        if isinstance(item, CycleEndedElsewhere):
+            current = self._round is not None and item.cycle == self._round.number
+            return self._ended_elsewhere(item.cycle) if current else None
         if isinstance(item, WorkerExited) and item.pid in running:
             running.discard(item.pid)
             self.report.worker_exit(item)

@@ -70,6 +70,16 @@ def connect_store(
     )
 
 
+def another_client(store: Store, config: StoreConfig, environ: Mapping[str, str]) -> Store:
+    """A client of the same store with a connection of its own, for a thread that blocks in
+    waits (a blocking request holds its connection). The job's TCPStore at its real address
+    (with --standalone the endpoint says port 0), else as `connect_store` meets it, never
+    serving."""
+    if isinstance(store, TCPStore):
+        return _open_store(store.host, store.port, False, config.timeout)
+    return connect_store(config, may_host=False, environ=environ)[0]
+
+
 def _connect_external(
     host: str,
     port: int,

@@ -1,0 +1,84 @@
+"""Learning, while the workers run, that another node ended the cycle: a wait, not a poll.
+
+A node whose workers are fine learns that the job restarts from the cycle's restart key
+(`control.request_restart` sets `c<c>/next`). The agent used to `check` it every
+`--monitor-interval` (10 requests a second per agent: 10 N a second for the store, the largest
+load on it at 1,000 nodes and more; docs/store.md). This service waits on the key instead, in a
+thread with its own store client (a blocking wait holds its connection): on TCPStore the server
+answers the moment the key is set, on etcd one watch does. The wait runs in chunks of
+`CHUNK_S`, so that a stopped cycle's thread ends within one, and when the key appears it puts a
+`CycleEndedElsewhere` on the agent's inbox. The agent keeps a slow `check` (`agent.node`) for a
+thread that lost its store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Iterable
+
+from ftrun.rendezvous.control import JobControl
+from ftrun.rendezvous.ranks import Round
+from ftrun.services import NodeService
+
+log = logging.getLogger("ftrun.agent")
+
+CHUNK_S = 1.0
+"""One wait on the key: a store request a second per agent while training, and how long a
+stopped cycle's thread may outlive it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CycleEndedElsewhere:
+    """The restart key of `cycle` is set (an inbox item)."""
+
+    cycle: int
+
+
+class RestartWatch(NodeService):
+    name = "restart-watch"
+
+    def __init__(self, connect: Callable[[], JobControl], post: Callable[[object], None]) -> None:
+        """`connect`: the job's control over a store client of the thread's own."""
+        self._connect, self._post = connect, post
+        self._threads: list[tuple[threading.Thread, threading.Event]] = []
+
+    def on_started(self, rnd: Round, pids: Iterable[int]) -> None:
+        self._stop_all()
+        stop = threading.Event()
+        thread = threading.Thread(target=self._wait, args=(rnd.number, stop), daemon=True,
+                                  name=f"restart-watch-c{rnd.number}")  # fmt: skip
+        self._threads = [(t, s) for t, s in self._threads if t.is_alive()]
+        self._threads.append((thread, stop))
+        thread.start()
+
+    def on_stopped(self, rnd: Round | None, pids: Iterable[int]) -> None:
+        self._stop_all()  # not joined: a restart does not wait for a chunk to end
+
+    def on_finished(self, rnd: Round) -> None:
+        self._stop_all()
+
+    def close(self) -> None:
+        """Stop and join every thread (bounded): none may sit in a store call while the
+        interpreter shuts down."""
+        self._stop_all()
+        for thread, _ in self._threads:
+            thread.join(CHUNK_S + 5.0)
+        self._threads = []
+
+    def _stop_all(self) -> None:
+        for _, stop in self._threads:
+            stop.set()
+
+    def _wait(self, cycle: int, stop: threading.Event) -> None:
+        try:
+            control = self._connect()
+            while not stop.is_set():
+                if control.wait_restart(cycle, CHUNK_S):
+                    if not stop.is_set():
+                        self._post(CycleEndedElsewhere(cycle))
+                    return
+        except Exception as exc:  # the store lost: the agent's slow check still sees the key
+            if not stop.is_set():
+                log.warning("restart watch of cycle %d stopped: %s", cycle, exc)

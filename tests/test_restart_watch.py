@@ -1,0 +1,47 @@
+"""The restart watch: a node learns that another node ended the cycle from a wait on the
+cycle's restart key, not from polling it (a real TCPStore on 127.0.0.1, no agent)."""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+from torch.distributed import TCPStore
+
+from ftrun.agent.node_services.restart_watch import CHUNK_S, CycleEndedElsewhere, RestartWatch
+from ftrun.rendezvous.control import job_control
+from support import free_port
+
+
+@pytest.fixture
+def store():
+    server = TCPStore("127.0.0.1", free_port(), is_master=True,
+                      timeout=datetime.timedelta(seconds=10))  # fmt: skip
+    yield server
+
+
+def client(server: TCPStore) -> TCPStore:
+    return TCPStore("127.0.0.1", server.port, is_master=False,
+                    timeout=datetime.timedelta(seconds=10))  # fmt: skip
+
+
+def test_the_restart_key_reaches_the_inbox_at_once_and_a_stopped_cycle_says_nothing(store):
+    before = threading.active_count()
+    inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+    watch = RestartWatch(lambda: job_control(client(store), "job"), inbox.put)
+    other = job_control(client(store), "job")
+    watch.on_started(SimpleNamespace(number=0), [])
+    asked = time.monotonic()
+    assert other.request_restart(0, "a crash elsewhere")
+    assert inbox.get(timeout=CHUNK_S + 5) == CycleEndedElsewhere(0)
+    assert time.monotonic() - asked < 0.5
+    watch.on_started(SimpleNamespace(number=1), [])
+    watch.on_stopped(None, [])  # this node restarts on its own: cycle 1's key means nothing
+    other.request_restart(1, "too late")
+    watch.close()
+    assert inbox.empty()
+    assert threading.active_count() == before
