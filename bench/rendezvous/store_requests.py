@@ -319,10 +319,10 @@ def report(windows: Sequence[Window], calibration: dict[str, dict[str, float]]) 
     text += (
         f"\n\nCalibration, data segments sent per call by a client of this process "
         f"({CALIBRATION_CALLS} calls each): {cal}.\n"
-        f"The agent's loop, by its code: one `check` of `c<cycle>/next` every monitor interval "
-        f"({MONITOR_INTERVAL_S} s) while its inbox is empty: at most "
-        f"{1 / MONITOR_INTERVAL_S:.0f} requests/s per agent (a `check` is one request on either "
-        "store), plus what an inbox item brings (none while training steadily).\n"
+        "The agent, by its code: a wait on `c<cycle>/next` a second in its restart watch's "
+        "thread (one request on TCPStore, one watch on etcd), its own `check` of the key every "
+        "2 s (a safety net), and the live record every 2 s: about 2 requests/s per agent "
+        f"(until 2026-11-28: a `check` every monitor interval, {MONITOR_INTERVAL_S} s: 10/s).\n"
     )
     return text
 
