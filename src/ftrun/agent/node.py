@@ -4,8 +4,8 @@ Each state has a step that observes (runs the health checks, joins the round, st
 the workers, or takes the next inbox item) and turns what it saw into an event; the policy
 decides; `_apply` carries the action out (store writes, signals, the next state). The agent
 decides nothing itself. Everything that happens to a running cycle arrives on the inbox (see
-`inbox.py`); between items, every `monitor_interval`, the agent asks the store whether another
-node ended the cycle.
+`inbox.py`), another node ending the cycle too (`RestartWatch` waits on its key); every
+`_RESTART_CHECK_S` the agent also asks the store itself, in case that watch lost its store.
 """
 
 from __future__ import annotations
