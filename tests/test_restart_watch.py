@@ -32,8 +32,8 @@ def client(server: TCPStore) -> TCPStore:
 def test_the_restart_key_reaches_the_inbox_at_once_and_a_stopped_cycle_says_nothing(store):
     before = threading.active_count()
     inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
-    watch = RestartWatch(lambda: job_control(client(store), "job"), inbox.put)
     other = job_control(client(store), "job")
+    watch = RestartWatch(lambda: client(store), other.restart_key, inbox.put)
     watch.on_started(SimpleNamespace(number=0), [])
     asked = time.monotonic()
     assert other.request_restart(0, "a crash elsewhere")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import functools
 import queue
 import shutil
@@ -22,13 +23,13 @@ from pathlib import Path
 from torch.distributed import Store, TCPStore
 
 from ftrun.agent.inprocess.records import InprocessRecords
+from ftrun.agent.node_services import restart_watch
 from ftrun.agent.node_services.cycle_info import CycleInfoService
 from ftrun.agent.node_services.gpu_memory import GpuReclaimService
 from ftrun.agent.node_services.health import HealthService
 from ftrun.agent.node_services.health_watch import HealthWatch
 from ftrun.agent.node_services.monitoring import MonitorService
 from ftrun.agent.node_services.peering import PeerService
-from ftrun.agent.node_services.restart_watch import RestartWatch
 from ftrun.agent.prewarm.client import ForkServer
 from ftrun.agent.prewarm.service import PrewarmService, plain_reason, start_early
 from ftrun.agent.prewarm.target import python_target
@@ -41,7 +42,7 @@ from ftrun.identity import free_port
 from ftrun.nvml import GpuSnapshot
 from ftrun.rank_monitor import ProgressSnapshot, RankMonitorServer
 from ftrun.rank_monitor.timings import TimingBatch
-from ftrun.rendezvous.control import JobControl, job_control, wait_until
+from ftrun.rendezvous.control import JobControl, wait_until
 from ftrun.rendezvous.factory import NodeRendezvous, create_rendezvous
 from ftrun.rendezvous.ranks import NodeDescriptor, Round, infra_rank_from_env
 from ftrun.services import NodeServices, ServiceContext, ServiceFactory
@@ -160,8 +161,7 @@ def open_runtime(
         )  # fmt: skip
         for factory in subsystems:
             services.add(factory(context))
-        restarts = functools.partial(_control_of_own, store, config, environ)
-        monitor = _add_node_services(config, services, job_dir, events, inbox, link, restarts)
+        monitor = _add_node_services(config, services, job_dir, events, inbox, link)
         services.add(InprocessRecords(job_dir, events.emit, _tcp_address(store),
                                       config.rendezvous.run_id))  # fmt: skip
         spawner = _spawner(config, environ, node, fork_server, services)
@@ -177,6 +177,11 @@ def open_runtime(
                 job_dir, config.rendezvous.run_id, environ, runtime.control.cause_of, described
             )
         )
+        bound = datetime.timedelta(seconds=restart_watch.CONNECT_S)
+        own_client = functools.partial(another_client, store, config.rendezvous.store, environ,
+                                       bound)  # fmt: skip
+        services.add(restart_watch.RestartWatch(own_client, runtime.control.restart_key,
+                                                inbox.put))  # fmt: skip
         yield runtime
 
 
@@ -219,12 +224,10 @@ def _add_node_services(
     events: EventLog,
     inbox: queue.SimpleQueue[object],
     link: _MonitorLink,
-    restarts: Callable[[], JobControl],
 ) -> MonitorService:
     """The agent's own services that follow the subsystems': the rank monitor (returned),
-    the restart watch, the health watch and the GPU memory reclaim."""
+    the health watch and the GPU memory reclaim."""
     agent = config.agent
-    services.add(RestartWatch(restarts, inbox.put))
     link.monitor = services.add(
         MonitorService(config.monitor, job_dir, inbox.put, link.on_timings())
     )
@@ -237,12 +240,6 @@ def _add_node_services(
             )
         )
     return link.monitor
-
-
-def _control_of_own(store: Store, config: LaunchConfig, environ: Mapping[str, str]) -> JobControl:
-    """The job's control over a store client of its own (`RestartWatch`'s thread)."""
-    client = another_client(store, config.rendezvous.store, environ)
-    return job_control(client, config.rendezvous.run_id)
 
 
 def _tcp_address(store: Store) -> str | None:

@@ -137,11 +137,15 @@ class JobControl:
             self._store.set(self._key(f"c{cycle}/cause"), cause)
             self._store.set(self._key("cycle"), str(cycle + 1))
             self.known.cycle = max(self.known.cycle, cycle + 1)
-            self._store.set(self._key(f"c{cycle}/next"), "1")
+            self._store.set(self.restart_key(cycle), "1")
         return won
 
+    def restart_key(self, cycle: int) -> str:
+        """The key whose existence ends `cycle` (`request_restart` sets it last)."""
+        return self._key(f"c{cycle}/next")
+
     def restart_requested(self, cycle: int) -> bool:
-        return self._store.check([self._key(f"c{cycle}/next")])
+        return self._store.check([self.restart_key(cycle)])
 
     def cause_of(self, cycle: int) -> str | None:
         """Why `cycle` ended; None while it has not (never waits: `get` would, on a missing key)."""
@@ -150,7 +154,7 @@ class JobControl:
 
     def wait_restart(self, cycle: int, timeout: float) -> bool:
         """Block until `cycle` ends or `timeout` passes; True if it ended."""
-        return wait_for_key(self._store, self._key(f"c{cycle}/next"), timeout)
+        return wait_for_key(self._store, self.restart_key(cycle), timeout)
 
     def shutdown(self, code: ExitCode, reason: str, cycle: int) -> Shutdown:
         """Ask every agent to exit; the first request wins. Returns the one in force."""

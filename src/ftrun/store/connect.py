@@ -70,14 +70,26 @@ def connect_store(
     )
 
 
-def another_client(store: Store, config: StoreConfig, environ: Mapping[str, str]) -> Store:
+def another_client(
+    store: Store,
+    config: StoreConfig,
+    environ: Mapping[str, str],
+    timeout: datetime.timedelta | None = None,
+) -> Store:
     """A client of the same store with a connection of its own, for a thread that blocks in
-    waits (a blocking request holds its connection). The job's TCPStore at its real address
-    (with --standalone the endpoint says port 0), else as `connect_store` meets it, never
-    serving."""
+    waits (a blocking request holds its connection): on etcd another `EtcdStore`; else a plain
+    TCPStore client at the store's real address (with --standalone the endpoint says port 0),
+    which never serves and never reconnects (`ftrun store`'s restarts are the agent's own
+    client's business: the thread's caller connects again). `timeout`: its requests' bound
+    (default: the store's)."""
+    timeout = timeout or config.timeout
+    if config.backend == "etcd":
+        return connect_etcd(config.endpoint, config.run_id, timeout, environ)
     if isinstance(store, TCPStore):
-        return _open_store(store.host, store.port, False, config.timeout)
-    return connect_store(config, may_host=False, environ=environ)[0]
+        host, port = store.host, store.port
+    else:  # `ftrun store`'s, which the agent reaches through a ReconnectingStore
+        host, port = parse_rendezvous_endpoint(config.endpoint, default_port=DEFAULT_PORT)
+    return _open_store(host, port, False, timeout)
 
 
 def _connect_external(

@@ -18,7 +18,9 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 
-from ftrun.rendezvous.control import JobControl
+from torch.distributed import Store
+
+from ftrun.rendezvous.control import wait_for_key
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import NodeService
 
@@ -27,6 +29,9 @@ log = logging.getLogger("ftrun.agent")
 CHUNK_S = 1.0
 """One wait on the key: a store request a second per agent while training, and how long a
 stopped cycle's thread may outlive it."""
+CONNECT_S = 2.0
+"""The thread's own client's bound on a request (and on connecting): a store that is gone
+keeps it no longer than that, so that `close` can join it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +44,16 @@ class CycleEndedElsewhere:
 class RestartWatch(NodeService):
     name = "restart-watch"
 
-    def __init__(self, connect: Callable[[], JobControl], post: Callable[[object], None]) -> None:
-        """`connect`: the job's control over a store client of the thread's own."""
-        self._connect, self._post = connect, post
+    def __init__(
+        self,
+        connect: Callable[[], Store],
+        restart_key: Callable[[int], str],
+        post: Callable[[object], None],
+    ) -> None:
+        """`connect`: a store client of the thread's own; `restart_key`: the key that ends a
+        cycle (`JobControl.restart_key`). The thread only waits: it writes nothing (a store
+        that restarted empty is the agent's to restore first)."""
+        self._connect, self._restart_key, self._post = connect, restart_key, post
         self._threads: list[tuple[threading.Thread, threading.Event]] = []
 
     def on_started(self, rnd: Round, pids: Iterable[int]) -> None:
@@ -64,7 +76,7 @@ class RestartWatch(NodeService):
         interpreter shuts down."""
         self._stop_all()
         for thread, _ in self._threads:
-            thread.join(CHUNK_S + 5.0)
+            thread.join(CHUNK_S + CONNECT_S + 2.0)
         self._threads = []
 
     def _stop_all(self) -> None:
@@ -72,13 +84,17 @@ class RestartWatch(NodeService):
             stop.set()
 
     def _wait(self, cycle: int, stop: threading.Event) -> None:
-        try:
-            control = self._connect()
-            while not stop.is_set():
-                if control.wait_restart(cycle, CHUNK_S):
-                    if not stop.is_set():
-                        self._post(CycleEndedElsewhere(cycle))
-                    return
-        except Exception as exc:  # the store lost: the agent's slow check still sees the key
-            if not stop.is_set():
-                log.warning("restart watch of cycle %d stopped: %s", cycle, exc)
+        """Wait on the key until it is set or `stop`; a store that fails (it restarts, or is
+        lost: the agent's own client says so) is met again a chunk later, and meanwhile the
+        agent's slow check still sees the key."""
+        while not stop.is_set():
+            try:
+                store, key = self._connect(), self._restart_key(cycle)
+                while not stop.is_set():
+                    if wait_for_key(store, key, CHUNK_S):
+                        if not stop.is_set():
+                            self._post(CycleEndedElsewhere(cycle))
+                        return
+            except Exception as exc:
+                log.debug("restart watch of cycle %d: %s; again in %gs", cycle, exc, CHUNK_S)
+                stop.wait(CHUNK_S)
