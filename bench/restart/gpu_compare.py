@@ -42,8 +42,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib
-import importlib.metadata
 import itertools
 import json
 import os
@@ -57,11 +55,12 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
 from bench.common import OUT, WORKERS, smoke
+from bench.common.gpu_host import cuda_in_child, machine_line, nvrx_importable
 from bench.common.harness import free_port
 from bench.common.jobs import SECTION_ARGS, TAG_ENV, Job, Launcher, kill_everything, take_charge
 from bench.common.layouts import Layout
-from bench.common.logs import parse_step_line
 from bench.common.report import Stats, pair_ratios, progress, ratio_cell, table
+from bench.restart.gpu_lives import MARKS, measures, read_lives
 
 WORKER = WORKERS / "gpu_user_worker.py"
 PY = sys.executable
@@ -70,8 +69,6 @@ SMALL_MODEL = ("--d-model", "128", "--layers", "2", "--batch", "2", "--seq", "64
 CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_FORCE_DISABLE_CACHES")
 SETTINGS = {"omp-unset": None, "omp1": "1"}  # -> OMP_NUM_THREADS (None: removed)
 VARIANTS = ("plain", "compile", "compile-warm")
-# The restart's split, in the order the marks happen.
-MARKS = ("script", "cuda", "pg", "load", "ddp", "opt", "ready")
 STARTUP_TARGET = 1.0  # ftrun/torchrun, median of pair ratios
 # Early and late restarts, ftrun/torchrun.
 RECOVERY_TARGET = {"plain": 0.25, "compile": 0.3, "compile-warm": 0.3}
@@ -298,7 +295,7 @@ def run_job(contender: Contender, how: JobPlan, run: int, args: argparse.Namespa
             outcome.note = f"timed out after {args.job_timeout:.0f} s"
         outcome.rc = rc
         lives = [read_lives(job.out, rank) for rank in range(how.layout.world)]
-        outcome.measures = measures(lives, job.launched_at, args)
+        outcome.measures = measures(lives, job.launched_at, (args.early, args.late))
         last = max((life.last_step for life in lives[0]), default=0)
         outcome.ok = rc == 0 and last >= args.steps
         if not outcome.ok:
@@ -319,90 +316,6 @@ def keep_failed(job: Job, outcome: Outcome, out_dir: Path) -> None:
         shutil.copy(log, dest)
     if job.out.exists():
         shutil.copytree(job.out, dest / "out", dirs_exist_ok=True)
-
-
-# ---- rank 0's log --------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Life:
-    """One worker process, from its lines: its marks, first step, last step, crash."""
-
-    pid: int
-    marks: dict[str, float] = dataclasses.field(default_factory=dict)
-    first_step: float | None = None
-    last_step: int = 0
-    fault: tuple[int, float] | None = None  # (step, wall clock)
-
-
-def read_lives(out: Path, rank: int = 0) -> list[Life]:
-    """One rank's processes in the order they first logged (complete lines only)."""
-    path = out / f"rank{rank}.log"
-    lives: dict[int, Life] = {}
-    lines = path.read_text(errors="replace").split("\n")[:-1] if path.exists() else []
-    for line in lines:
-        step = parse_step_line(line)
-        if step is None:
-            _add_mark(lives, line)
-            continue
-        life = lives.setdefault(step.pid, Life(step.pid))
-        if step.fault:
-            life.fault = (step.step, step.ts)
-        else:
-            life.first_step = life.first_step or step.ts
-            life.last_step = max(life.last_step, step.step)
-    return list(lives.values())
-
-
-def _add_mark(lives: dict[int, Life], line: str) -> None:
-    """`<ts> rank= pid= mark=<name> [proc=<ts>]`; `start` is recorded as `script`, at the
-    process's start (`proc`) when the worker could read it."""
-    fields = line.split()
-    with contextlib.suppress(ValueError, KeyError, IndexError):
-        values = dict(field.split("=", 1) for field in fields[1:] if "=" in field)
-        mark, pid = values["mark"], int(values["pid"])
-        name, ts = mark, float(fields[0])
-        if mark == "start":
-            name, ts = "script", float(values.get("proc", ts))
-        lives.setdefault(pid, Life(pid)).marks[name] = ts
-
-
-def _since(ts: float | None, origin: float) -> float | None:
-    return None if ts is None else ts - origin
-
-
-def measures(
-    lives: Sequence[Sequence[Life]], launched_at: float, args: argparse.Namespace
-) -> dict[str, float | None]:
-    """`lives`: each rank's. Startup: the last rank's first step; a restart: its slowest rank."""
-    firsts = [ranks[0].first_step if ranks else None for ranks in lives]
-    found: dict[str, float | None] = {"startup": None}
-    if firsts and None not in firsts:
-        found["startup"] = max(f for f in firsts if f is not None) - launched_at
-    for name, step in (("early", args.early), ("late", args.late)):
-        found.update(restart(lives, name, step))
-    return found
-
-
-def restart(lives: Sequence[Sequence[Life]], name: str, step: int) -> dict[str, float | None]:
-    """The crash at `step` (in any rank) -> the next processes' marks and first step (`name`),
-    cumulative, of the rank whose first step came last."""
-    found: dict[str, float | None] = dict.fromkeys([name, *(f"{name}.to_{m}" for m in MARKS)])
-    crashes = [life.fault[1] for ranks in lives for life in ranks
-               if life.fault and life.fault[0] == step]  # fmt: skip
-    if not crashes:
-        return found
-    crash_ts = min(crashes)
-    successors = []
-    for ranks in lives:  # a life whose first step follows the crash is a new process
-        successor = next((life for life in ranks if (life.first_step or 0) > crash_ts), None)
-        if successor is None:
-            return found  # a rank that never stepped again: no figure
-        successors.append(successor)
-    slowest = max(successors, key=lambda life: life.first_step or 0)
-    found[name] = _since(slowest.first_step, crash_ts)
-    found.update({f"{name}.to_{m}": _since(slowest.marks.get(m), crash_ts) for m in MARKS})
-    return found
 
 
 # ---- the plan ------------------------------------------------------------------------------------
@@ -551,36 +464,6 @@ def report(outcomes: Sequence[Outcome], machine: str, markdown: bool) -> None:
 
 
 # ---- the machine and the raw results -------------------------------------------------------------
-
-
-def nvrx_importable() -> bool:
-    try:
-        importlib.import_module("nvidia_resiliency_ext")
-    except Exception:  # whatever it raises, NVRx cannot run here
-        return False
-    return True
-
-
-def cuda_in_child() -> bool:
-    """Whether torch sees a GPU, asked of a child: this process holds no CUDA context."""
-    code = "import torch; print(torch.cuda.is_available())"
-    said = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=False)
-    return said.stdout.strip() == "True"
-
-
-def machine_line(device: str) -> str:
-    """GPU (or CPU), cores, torch and NVRx versions; asked of a child, so that this process
-    holds no CUDA context while the jobs run."""
-    gpu = "torch.cuda.get_device_name()" if device == "cuda" else "'CPU'"
-    code = f"import torch; print(torch.__version__); print({gpu})"
-    said = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=False)
-    found = said.stdout.split("\n") if said.returncode == 0 else []
-    torch_version, gpu = [*found, "?", "?"][:2]
-    try:
-        nvrx = importlib.metadata.version("nvidia-resiliency-ext")
-    except importlib.metadata.PackageNotFoundError:
-        nvrx = "not installed"
-    return f"{gpu}; {os.cpu_count()} cores; torch {torch_version}; NVRx {nvrx}"
 
 
 def write_json(path: Path, outcomes: Sequence[Outcome], machine: str, args: dict) -> None:

@@ -60,17 +60,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.common import OUT, WORKERS, smoke
+from bench.common.gpu_host import cuda_in_child, nvrx_importable
 from bench.common.jobs import TAG_ENV, kill_everything, take_charge
 from bench.common.report import Stats, pair_ratios, progress, ratio_cell, table
-from bench.restart.gpu_compare import (
-    CACHE_ENV,
-    NO_SHARE,
-    PY,
-    SMALL_MODEL,
-    _subset,
-    cuda_in_child,
-    nvrx_importable,
-)
+from bench.restart.gpu_compare import CACHE_ENV, NO_SHARE, PY, SMALL_MODEL, _subset
 
 WRAPPED = WORKERS / "gpu_inprocess_worker.py"
 PLAIN = WORKERS / "gpu_user_worker.py"
