@@ -55,7 +55,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
 from bench.common import OUT, WORKERS, smoke
-from bench.common.gpu_host import cuda_in_child, machine_line, nvrx_importable
+from bench.common.gpu_host import PY, cuda_in_child, machine_line, nvrx_importable
 from bench.common.harness import free_port
 from bench.common.jobs import SECTION_ARGS, TAG_ENV, Job, Launcher, kill_everything, take_charge
 from bench.common.layouts import Layout
@@ -63,7 +63,6 @@ from bench.common.report import Stats, pair_ratios, progress, ratio_cell, table
 from bench.restart.gpu_lives import MARKS, measures, read_lives
 
 WORKER = WORKERS / "gpu_user_worker.py"
-PY = sys.executable
 NVRX_MAIN = "from nvidia_resiliency_ext.fault_tolerance.launcher import main; main()"
 SMALL_MODEL = ("--d-model", "128", "--layers", "2", "--batch", "2", "--seq", "64")
 CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_FORCE_DISABLE_CACHES")

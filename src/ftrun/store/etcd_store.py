@@ -7,8 +7,9 @@ keeps TCPStore's semantics, which the rendezvous, job control and the subsystems
 that nothing above `store/connect.py` knows which backend it has:
 
 - `get`, `multi_get` and `wait` block until their keys exist, up to the store's timeout: one
-  read, then one etcd watch on the missing keys (no polling), then one read to return the
-  values (`wait` returns none, and reads nothing after the watch);
+  read, then one etcd watch on the missing keys (no polling); the values come from the watch's
+  events where every key was missing, else from one read after it (`wait` returns none, and
+  reads nothing after the watch; `get_within` is `get` with a timeout that says None);
 - `add`, `append` and `compare_set` are atomic: one transaction comparing the key's revision
   (or its value), retried when another writer got there first;
 - `compare_set` of an absent key with `expected == b""` creates it (TCPStore's rule).
@@ -242,9 +243,7 @@ class EtcdStore(Store):
                 # read at that moment returns (a read now could only be later).
                 return [wire.decoded(seen[k]) for k in full]
 
-    def _watch(
-        self, keys: list[str], start: int, deadline: float, seen: dict[bytes, Any] | None = None
-    ) -> bool:
+    def _watch(self, keys: list[str], start: int, deadline: float, seen: dict[bytes, Any]) -> bool:
         """Block until each key has been put at `start` or later (True) or `deadline` (False):
         one watch on the range from the lowest key to just past the highest, through `_call`'s
         failover (a member lost mid-watch: the next one, from `start` again). `seen`: each
@@ -255,8 +254,7 @@ class EtcdStore(Store):
         answered = [self._clock()]  # a watch answers as it goes: `_call`'s timeout runs from then
 
         def request(member: Etcd3Client) -> bool:
-            return wire.watch_on(member, create, pending, (self._clock, answered), deadline,
-                                 {} if seen is None else seen)  # fmt: skip
+            return wire.watch_on(member, create, pending, (self._clock, answered), deadline, seen)
 
         return self._call(request, lambda: answered[0])
 
