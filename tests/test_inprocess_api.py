@@ -452,14 +452,17 @@ def test_a_restarts_split_is_told_once_per_restart(tmp_path: Path) -> None:
     clock = PhaseClock()
     clock.mark("enter")  # the first call: no restart to tell
     assert clock.take() is None
+    clock.record("watcher_abort", 0.5)  # not in a restart: dropped
     clock.start()
+    clock.record("watcher_abort", 0.125)  # timed by the watcher thread: the clock stays
     for phase in ("abort", "barrier", "health_check"):
         clock.mark(phase)
+    assert clock.elapsed == pytest.approx(sum(clock.phases.values()) - 0.125, abs=1e-3)
     phases = clock.take()
-    assert list(phases or {}) == ["abort", "barrier", "health_check"]
+    assert list(phases or {}) == ["watcher_abort", "abort", "barrier", "health_check"]
     assert clock.take() is None
     writer = EventWriter.for_rank(1, {"FTRUN_IPC_DIR": str(tmp_path)})
-    writer.entered(1, {"abort": 0.5, "barrier": 0.25})
+    writer.entered(1, {"abort": 0.5, "barrier": 0.25}, 0.75)
     writer.close()
     lines = (tmp_path / "inprocess" / "rank1.jsonl").read_text().splitlines()
     [record] = [json.loads(line) for line in lines]

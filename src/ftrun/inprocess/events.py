@@ -26,10 +26,23 @@ class PhaseClock:
 
     def __init__(self) -> None:
         self._last: float | None = None
+        self._started = 0.0
         self.phases: dict[str, float] = {}
 
     def start(self) -> None:
         self._last, self.phases = time.monotonic(), {}
+        self._started = self._last
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds from `start` to the last mark."""
+        return 0.0 if self._last is None else self._last - self._started
+
+    def record(self, phase: str, seconds: float) -> None:
+        """A phase timed elsewhere (the watcher thread's abort, before this rank's main thread
+        stopped): kept beside the marked ones, the clock not moved."""
+        if self._last is not None:
+            self.phases[phase] = round(seconds, 4)
 
     def mark(self, phase: str) -> None:
         if self._last is not None:
@@ -80,11 +93,12 @@ class EventWriter:
         self._write({"event": "inprocess_recovered", "iteration": iteration,
                      "causes": causes_out, "seconds": round(seconds, 4)})  # fmt: skip
 
-    def entered(self, iteration: int, phases: dict[str, float]) -> None:
-        """This rank calls the function again: where its restart's time went."""
+    def entered(self, iteration: int, phases: dict[str, float], elapsed: float) -> None:
+        """This rank calls the function again, `elapsed` s after its main thread stopped:
+        where its restart's time went."""
         split = ", ".join(f"{name} {seconds:.3f}s" for name, seconds in phases.items())
         log.info("in-process restart: rank %d entered iteration %d after %.3fs: %s",
-                 self.rank, iteration, sum(phases.values()), split)  # fmt: skip
+                 self.rank, iteration, elapsed, split)  # fmt: skip
         self._write({"event": "inprocess_entered", "iteration": iteration, "phases": phases})
 
     def left(self, iteration: int, why: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from ftrun.inprocess.interrupt import Interrupter
@@ -34,6 +35,9 @@ class Watcher:
         self.aborted = threading.Event()
         """Set once this watcher aborted the process groups of the current iteration."""
         self.abort_error: BaseException | None = None
+        self.timings: dict[str, float] = {}
+        """When this watcher saw the iteration end (`seen`, wall clock), how long its abort took
+        (`abort_s`), and when it signalled the main thread (`signalled`, monotonic)."""
         self._thread = threading.Thread(target=self._run, name="ftrun-inprocess-watcher",
                                         daemon=True)  # fmt: skip
         self._thread.start()
@@ -43,6 +47,7 @@ class Watcher:
         with self._changed:
             self.aborted.clear()
             self.abort_error = None
+            self.timings = {}
             self._iteration = iteration
             self._changed.notify_all()
 
@@ -73,20 +78,24 @@ class Watcher:
                     if self._closed or self._iteration is not iteration:
                         break
                 else:
+                    seen = time.time()
                     if iteration.was_interrupted():
-                        self._stop_main_thread()
+                        self._stop_main_thread(seen)
             except Exception as error:  # the store is gone: the main thread finds out itself
                 log.debug("in-process watcher: %s", error)
                 if self._closed:
                     return
 
-    def _stop_main_thread(self) -> None:
+    def _stop_main_thread(self, seen: float) -> None:
         with self._interrupter.lock:  # never inside the main thread's atomic() section
             if not self._interrupter.armed:
                 return
+            started = time.monotonic()
             try:
                 self._abort()
             except BaseException as error:
                 self.abort_error = error
             self.aborted.set()
+            now = time.monotonic()
+            self.timings = {"seen": seen, "abort_s": now - started, "signalled": now}
             self._interrupter.interrupt()

@@ -167,6 +167,10 @@ class CallWrapper:
             self.progress.stop_iteration()
         self._interrupter.disarm()
         self._clock.start()
+        watched = self._watcher.timings
+        if watched:  # another rank's fault: this rank's watcher aborted, then signalled
+            self._clock.record("watcher_abort", watched["abort_s"])
+            self._clock.record("unwind", time.monotonic() - watched["signalled"])
         if fault is not None:
             log.warning("rank %s: restart iteration %d failed: %s", self.state.rank, it.number,
                         _describe(fault))  # fmt: skip
@@ -191,9 +195,10 @@ class CallWrapper:
             except Exception as error:
                 raise HealthCheckError(str(error)) from error
         self._clock.mark("health_check")
+        elapsed = self._clock.elapsed
         phases = self._clock.take()
         if phases is not None:
-            self._events.entered(it.number, phases)
+            self._events.entered(it.number, phases, elapsed)
         result = None
         if self.state.mode == Mode.ACTIVE:
             call_args, call_kwargs = substitute_call_wrapper(fn, args, kwargs, self)
@@ -227,7 +232,11 @@ class CallWrapper:
             raise RestartTimeoutError(f"not every rank reached restart iteration {it.number}'s "
                                       f"barrier within {self.options.barrier_timeout}")  # fmt: skip
         self._clock.mark("barrier")
-        self._events.recovered(it.number, it.interruptions(), time.monotonic() - started)
+        causes = it.interruptions()
+        self._events.recovered(it.number, causes, time.monotonic() - started)
+        seen = self._watcher.timings.get("seen")
+        if seen is not None and causes:  # from the first fault's record to the watcher seeing it
+            self._clock.record("detect", seen - min(c.at for c in causes))
 
     def _next_iteration(self, it: Iteration) -> None:
         terminated = it.terminated(range(it.world_size))
