@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from ftrun.store.etcd_store import spread_start
 from launch import Job, node_of, start_job
 from support import wait_for
 from test_spares import SPARE, lose, rounds, standby_nodes, wait_all
@@ -43,18 +44,20 @@ def test_a_job_on_etcd_restarts_after_a_crash_as_on_tcpstore(tmp_path: Path, etc
 
 
 def test_etcd_members_lost_while_training_and_while_meeting(tmp_path: Path, etcd_cluster: Any):
-    # Cycle 0 trains while member 0 dies; rank 1 raises at step 60, and member 1 dies as the
-    # nodes meet again (member 0 is back by then: two of three keep the quorum).
+    # Cycle 0 trains while the member launcher 0 uses dies; rank 1 raises at step 60, and the
+    # next member dies as the nodes meet again (the first is back by then: two of three keep
+    # the quorum). Each launcher starts on the member its pid picks (`spread_start`).
     job = start_job(
         tmp_path, 2, [*LIGHT, *on_etcd(etcd_cluster)],
         ["--steps", "80", "--step-time", "0.02", "--raise", "0:1:60"], script=FAULT, nproc=2,
     )  # fmt: skip
+    first = spread_start(len(etcd_cluster.members), job.nodes[0].proc.pid)
     wait_for(lambda: len(job.progress(0)) >= 10, 60, "training")
-    etcd_cluster.kill(0)
-    wait_for(lambda: len(job.progress(0)) >= 30, 60, "training without member 0")
-    etcd_cluster.start(0)
+    etcd_cluster.kill(first)
+    wait_for(lambda: len(job.progress(0)) >= 30, 60, "training without that member")
+    etcd_cluster.start(first)
     job.wait_event("failure")
-    etcd_cluster.kill(1)
+    etcd_cluster.kill((first + 1) % len(etcd_cluster.members))
     assert job.wait(90) == [0, 0]
     assert max(e["cycle"] for e in job.events("rendezvous_done")) == 1
     # A launcher says so once when the member it was using stops answering (it may have

@@ -25,7 +25,7 @@ from ftrun.errors import (
     RendezvousPrefixHeldError,
 )
 from ftrun.store.connect import connect_etcd
-from ftrun.store.etcd_store import EtcdStore
+from ftrun.store.etcd_store import EtcdStore, spread_start
 
 SHORT = datetime.timedelta(seconds=1)
 
@@ -319,6 +319,24 @@ def test_jobs_sharing_one_etcd_do_not_see_each_other(etcd_cluster: Any) -> None:
     one.set("cycle", "5")
     assert not two.check(["cycle"])
     assert two.compare_set("cycle", "", "0") == b"0" and one.get("cycle") == b"5"
+
+
+def test_launchers_start_on_different_members(
+    etcd_cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each launcher asks first the member its process id picks (`spread_start`), so the
+    members share the job's nodes; every client of one launcher picks the same one."""
+    assert [spread_start(3, pid) for pid in (300, 301, 302, 303)] == [0, 1, 2, 0]
+    assert spread_start(3) == spread_start(3)
+    addresses = endpoints(etcd_cluster)
+    counted = Requests(monkeypatch)
+    for first in range(len(addresses)):
+        store = EtcdStore(addresses, "spread", datetime.timedelta(seconds=10), first_member=first)
+        counted.urls.clear()
+        thread, _ = counted.run(lambda: store.set("k", "v"))  # noqa: B023 (joined at once)
+        thread.join(10)
+        [url] = counted.urls
+        assert f":{addresses[first][1]}/" in url
 
 
 def test_a_member_that_goes_away_costs_one_log_line(

@@ -10,7 +10,7 @@ import pytest
 
 from ftrun.agent import workers
 from ftrun.agent.output import FilteredCopy, filtered_log, matches
-from ftrun.agent.rank_env import rank_variables, visible_device
+from ftrun.agent.placement.rank_env import rank_variables, visible_device
 
 # --- --virtual-local-rank --------------------------------------------------------------------
 

@@ -188,6 +188,9 @@ class ProcSpec:
     run_id: str
     indices: tuple[int, ...]
     switch_interval: float
+    spread: bool = True
+    """etcd: agent i asks member i % 3 first, as launchers spread (`etcd_store.spread_start`);
+    False: every agent asks the first-listed member first."""
 
     def config(self) -> RendezvousConfig:
         return RendezvousConfig(
@@ -265,12 +268,13 @@ def build(spec: ProcSpec, store: CountingStore, mine: NodeDescriptor) -> Rendezv
     return DynamicRendezvous(spec.config(), store, lambda: mine)
 
 
-def open_store(spec: ProcSpec) -> CountingStore:
-    """One agent's client, counted: a TCPStore connection, or an EtcdStore that has made its
+def open_store(spec: ProcSpec, index: int) -> CountingStore:
+    """Agent `index`'s client, counted: a TCPStore connection, or an EtcdStore that has made its
     first request (as `connect_etcd` does before the agent uses it)."""
     if spec.backend == "etcd":
         members = [(h, int(p)) for h, p in (m.rsplit(":", 1) for m in spec.endpoint.split(","))]
-        store = request_counting_etcd()(members, spec.run_id, STORE_TIMEOUT)
+        first = index % len(members) if spec.spread else 0
+        store = request_counting_etcd()(members, spec.run_id, STORE_TIMEOUT, first_member=first)
         store.check([CONNECT_KEY])
         return CountingStore(store, lambda: store.requests)
     port = int(spec.endpoint.rsplit(":", 1)[1])
@@ -304,7 +308,7 @@ def request_counting_etcd() -> type:
 def agent_main(spec: ProcSpec, local: Local, agent: Agent) -> None:
     result = agent.result
     try:
-        store = agent.store = open_store(spec)
+        store = agent.store = open_store(spec, result.index)
         local.connected.wait()
         rdzv = agent.rdzv = build(spec, store, result.descriptor)
         agent.skip = len(store.log)
@@ -336,7 +340,7 @@ def proc_main(spec: ProcSpec, number: int, go: Any, stop: Any, out: Any) -> None
         threading.Thread(target=agent_main, args=(spec, local, a), daemon=True) for a in agents
     ]
     try:
-        raise_fd_limit(len(agents))
+        raise_fd_limit(len(agents), 2.0)
         connect_s = _proc_set_up(local, threads)
         out.put(("ready", number, connect_s, None))
         if not go.wait(SETUP_TIMEOUT_S):
@@ -475,9 +479,8 @@ def run_round(
     try:
         for number in range(procs):
             indices = tuple(range(number, nodes, procs))
-            spec = ProcSpec(
-                impl, nodes, backend, server.endpoint, run_id, indices, args.switch_interval
-            )
+            spec = ProcSpec(impl, nodes, backend, server.endpoint, run_id, indices,
+                            args.switch_interval, spread=args.etcd_spread == "node")  # fmt: skip
             proc_args = (spec, number, children.go, children.stop, children.out)
             children.procs.append(ctx.Process(target=proc_main, args=proc_args, daemon=True))
             children.procs[-1].start()
@@ -827,9 +830,12 @@ def report(results: Sequence[Result], cap: float) -> str:
 # ---- main ------------------------------------------------------------------------------------
 
 
-def raise_fd_limit(agents: int) -> None:
-    """An agent is one client socket here and one on the server side; plus slack."""
-    need = 4 * agents + 256
+def raise_fd_limit(agents: int, per_agent: float = 1.0) -> None:
+    """File descriptors for `agents` agents at `per_agent` each, plus slack. A child process
+    holds one client socket per agent thread; this process serves the TCPStore (one socket
+    per agent), and an etcd member, which inherits this limit, about two per agent that asks it
+    (a request and a watch): a third of them where the agents spread over the members."""
+    need = int(per_agent * agents) + 1024
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft >= need:
         return
@@ -929,11 +935,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--floor-blocks", type=int, default=5, help="floor blocks per backend")
     parser.add_argument(
+        "--etcd-spread",
+        choices=["node", "first"],
+        default="node",
+        help="which etcd member an agent asks first: node i member i %% 3, as launchers spread "
+        "over the members (the default), or the first-listed one for every agent (before)",
+    )
+    parser.add_argument(
         "--etcd-first",
         choices=["follower", "leader"],
         default="follower",
-        help="the first-listed etcd member, which every EtcdStore asks first: a follower (as "
-        "it is 2 times in 3) or the leader; the bench moves the leadership to make it so",
+        help="the first-listed etcd member (the floor's, and every agent's first with "
+        "--etcd-spread first): a follower (as it is 2 times in 3) or the leader; the bench "
+        "moves the leadership to make it so",
     )
     sizes = {"nodes": "8", "repeats": 1, "threads_per_proc": 8, "floor_calls": 10,
              "floor_blocks": 1, "cap": 60.0}  # fmt: skip
@@ -960,7 +974,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     floors: list[Floor] = []
     lead, changes = None, 0
     try:
-        raise_fd_limit(max(args.nodes))  # before etcd starts: its members inherit the limit
+        # Before etcd starts: its members inherit the limit.
+        raise_fd_limit(max(args.nodes), 1.0 if args.etcd_spread == "node" else 2.0)
         with contextlib.ExitStack() as stack:
             args.etcd = stack.enter_context(etcd_cluster()) if "etcd" in args.backend else None
             if args.etcd is not None:
@@ -981,8 +996,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(floor_report(floors, Plan(args.floor_calls, args.floor_blocks)))
     if args.etcd is not None:
         where = "the leader" if lead == 0 else f"a follower (member {lead} leads)"
-        print(f"etcd: 3 members on 127.0.0.1, etcd's defaults; the member every EtcdStore asks "
-              f"first: {args.etcd_first} at the start, {where} at the end; leader changes seen: "
+        spread = ("agent i asks member i % 3 first" if args.etcd_spread == "node"
+                  else "every agent asks the first-listed member first")  # fmt: skip
+        print(f"etcd: 3 members on 127.0.0.1, etcd's defaults; {spread}; the first-listed "
+              f"member: {args.etcd_first} at the start, {where} at the end; leader changes seen: "
               f"{changes} (the first election and the bench's move count)")  # fmt: skip
     print(
         f"machine: {os.cpu_count()} cores; 1-min load average {load:.1f} at start, "

@@ -6,10 +6,10 @@ A real job, as `common.jobs` starts one: 2 `ft_launcher`s x 2 ranks of
 bench/workers/user_worker.py (gloo, a tiny DDP model, 0.05 s of "work" a step), every option at
 its default (`--monitor-interval` 0.1 s included), on `--rdzv-backend=c10d` (the TCPStore served
 by the agent on the endpoint host) and on `--rdzv-backend=etcd` (a real 3-member etcd cluster on
-127.0.0.1, tests/etcd_cluster.py's, started by this bench; the first-listed member, which every
-agent asks first, a follower). The runs alternate between the two stores. Once every rank has
-logged `--warm` steps, the store traffic is counted over `--window` seconds of steady training
-(no restart, every rank stepping to the end of it), then the job is killed.
+127.0.0.1, tests/etcd_cluster.py's, started by this bench; the first-listed member a follower;
+each launcher asks first the member its pid picks). The runs alternate between the two stores.
+Once every rank has logged `--warm` steps, the store traffic is counted over `--window` seconds
+of steady training (no restart, every rank stepping to the end of it), then the job is killed.
 
 Counted, nothing in the launcher changed:
 

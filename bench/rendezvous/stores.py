@@ -132,7 +132,7 @@ def _post(member: Any, path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def place_leader(cluster: Any, first_leads: bool) -> None:
-    """Make the first-listed member (the one every EtcdStore asks first) the leader, or a
+    """Make the first-listed member (the one an EtcdStore asks first by default) the leader, or a
     follower: runs compare only with the same placement. etcd's own leadership transfer, asked
     of the leader; waits until the new leader says so."""
     current = leader(cluster)

@@ -85,7 +85,7 @@ class AgentConfig:
     """The same for stderr (filtered_stderr.log)."""
     virtual_local_rank: bool = False
     """torchrun's --virtual-local-rank: LOCAL_RANK=0 and one visible GPU per worker
-    (`ftrun.agent.rank_env.rank_variables`)."""
+    (`ftrun.agent.placement.rank_env.rank_variables`)."""
     numa_binding: NumaPlan | None = None
     """torchrun's --numa-binding: the mode and each local rank's CPUs and memory nodes, read from
     NVML once when the config is built (`agent.placement.numa`); None: workers are not bound."""

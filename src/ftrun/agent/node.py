@@ -4,8 +4,9 @@ Each state has a step that observes (runs the health checks, joins the round, st
 the workers, or takes the next inbox item) and turns what it saw into an event; the policy
 decides; `_apply` carries the action out (store writes, signals, the next state). The agent
 decides nothing itself. Everything that happens to a running cycle arrives on the inbox (see
-`inbox.py`), another node ending the cycle too (`RestartWatch` waits on its key); every
-`_RESTART_CHECK_S` the agent also asks the store itself, in case that watch lost its store.
+`inbox.py`; `inbox_events.py` says what each item means to the policy), another node ending
+the cycle too (`RestartWatch` waits on its key); every `_RESTART_CHECK_S` the agent also asks
+the store itself, in case that watch lost its store.
 """
 
 from __future__ import annotations
@@ -28,22 +29,20 @@ from ftrun.agent import policy as p
 from ftrun.agent.diagnosis.evidence import Evidence
 from ftrun.agent.diagnosis.reporting import CycleReport
 from ftrun.agent.facts import read_facts
-from ftrun.agent.inbox import SignalReceived, SignalRecorder, take_queued, take_until
+from ftrun.agent.inbox import SignalReceived, SignalRecorder, take_queued
+from ftrun.agent.inbox_events import InboxEvents
 from ftrun.agent.inprocess.effects import carry_out
-from ftrun.agent.node_services.health_watch import HealthFinding
-from ftrun.agent.node_services.restart_watch import CycleEndedElsewhere
 from ftrun.agent.policy import Action, AgentEvent, Outcome, Policy
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.state import AgentState, check_transition
 from ftrun.agent.termination import PROCESSES, Delivery, StopResult, Termination, become_subreaper
 from ftrun.agent.worker_env import worker_envs
-from ftrun.agent.workers import WorkerExited, WorkerGroup
+from ftrun.agent.workers import WorkerGroup
 from ftrun.errors import ExitCode, FtrunError, NodeUnhealthyError
-from ftrun.rank_monitor import FirstProgress, ProgressSnapshot, Verdict, WorkloadControl
+from ftrun.rank_monitor import ProgressSnapshot
 from ftrun.rendezvous.control import FailureRecord
 from ftrun.rendezvous.errors import JoinInterruptedError
 from ftrun.rendezvous.ranks import Round
-from ftrun.services import ServiceRequest
 from ftrun.store.reconnecting import StoreRestartedError
 
 log = logging.getLogger("ftrun.agent")
@@ -55,8 +54,6 @@ net only (`RestartWatch` waits on it and tells the inbox at once)."""
 # Peers need the store only to read why the job ends (they poll every monitor interval, or
 # every second while joining): a few seconds cover them, a dead peer must not hold us long.
 _STORE_LINGER_S = 5.0
-_VERDICT_WINDOW_S = 0.05
-"""How long after a hang verdict the agent takes the verdicts that follow it as one hang."""
 
 
 class NodeAgent:
@@ -72,6 +69,7 @@ class NodeAgent:
         self.events = runtime.events
         self.report = CycleReport(runtime)
         self.evidence = Evidence(runtime)
+        self._inbox_events = InboxEvents(runtime, self.report, self.evidence, runtime.inbox)
         self.policy = Policy(
             self.cfg.max_restarts, self.cfg.max_no_progress_cycles, self.cfg.max_same_failure,
             self.cfg.health_action,
@@ -255,11 +253,11 @@ class NodeAgent:
                 item = None
             event: AgentEvent | None = None
             if item is not None:
-                event = self._running_event(item, running)
+                event = self._inbox_events.while_running(item, rnd, group, running)
             elif time.monotonic() >= next_restart_check:  # the restart watch's safety net
                 next_restart_check = time.monotonic() + _RESTART_CHECK_S
                 if self.rt.control.restart_requested(rnd.number):
-                    event = self._ended_elsewhere(rnd.number)
+                    event = self._inbox_events.ended_elsewhere(rnd.number)
             elif time.monotonic() >= next_scale_check:
                 next_scale_check = time.monotonic() + _SCALE_CHECK_S
                 if len(rnd.nodes) < self.rt.config.rendezvous.max_nodes:
@@ -272,57 +270,6 @@ class NodeAgent:
             if action.next_state is not None:
                 return action
             self._apply(action)  # effects without a move (a scale-up vote)
-
-    def _ended_elsewhere(self, cycle: int) -> p.CycleEnded:
-        log.info("cycle %d ended elsewhere: %s", cycle, self.rt.control.cause_of(cycle))
-        return p.CycleEnded()
-
-    def _running_event(self, item: object, running: set[int]) -> AgentEvent | None:
-        """The event an inbox item means while workers run; None for stale or unrelated ones."""
-        if isinstance(item, CycleEndedElsewhere):
-            current = self._round is not None and item.cycle == self._round.number
-            return self._ended_elsewhere(item.cycle) if current else None
-        if isinstance(item, WorkerExited) and item.pid in running:
-            running.discard(item.pid)
-            self.report.worker_exit(item)
-            signature = self.evidence.of_exit(self._group, item)
-            return p.WorkerEnded(item.rank, item.returncode, len(running), signature)
-        if isinstance(item, Verdict) and item.worker_pid in running:
-            return self._hangs(item)
-        if isinstance(item, SignalReceived):
-            return self._signal_event(item)
-        if isinstance(item, WorkloadControl) and item.worker_pid in running:
-            return self._control_event(item)
-        if isinstance(item, HealthFinding):
-            return p.HealthFound(item.signature, item.fault)
-        if isinstance(item, ServiceRequest):
-            log.warning("the %s asks for %s: %s", item.service, item.action.name, item.reason)
-            return p.ControlRequested(-1, item.action, item.reason, by=f"the {item.service}")
-        if isinstance(item, FirstProgress):
-            self.report.first_progress(item)
-        return None
-
-    def _hangs(self, first: Verdict) -> p.HangsFound:
-        """Batch the verdicts of one hang: ranks blocked behind the hung one are judged ms
-        later, and every rank judged hung is killed at once and recorded. The window waits on
-        the inbox for them (what else arrives meanwhile stays queued, in order)."""
-        queued = take_until(self._inbox, Verdict, time.monotonic() + _VERDICT_WINDOW_S)
-        current = set(self._group.pids) if self._group else set()
-        verdicts = [first, *(v for v in queued if v.worker_pid in current)]
-        for verdict in verdicts:
-            self.report.hang(verdict, self._round)
-        signature = self.evidence.of_hang(verdicts, self._round, self._group)
-        return p.HangsFound(
-            tuple(v.rank for v in verdicts), tuple(v.worker_pid for v in verdicts),
-            first.kind.value, signature, any(v.stopped for v in verdicts),
-        )  # fmt: skip
-
-    def _control_event(self, item: WorkloadControl) -> p.ControlRequested:
-        action = item.action.name
-        self.events.emit("control_request", rank=item.rank, action=action,
-                         description=item.description)  # fmt: skip
-        log.warning("rank %d asked for %s: %s", item.rank, action, item.description)
-        return p.ControlRequested(item.rank, item.action, item.description)
 
     def _stop(self) -> Action:
         pids = self._group.pids if self._group else []
@@ -367,7 +314,7 @@ class NodeAgent:
             with contextlib.suppress(queue.Empty):
                 item = self._inbox.get(timeout=self.cfg.monitor_interval)
                 if isinstance(item, SignalReceived):
-                    return self._decide(self._signal_event(item))
+                    return self._decide(self._inbox_events.signalled(item))
         return self._decide(p.PeersFinished(all_finished=finished >= len(rnd.nodes)))
 
     # ---- helpers -------------------------------------------------------------------------
@@ -385,11 +332,7 @@ class NodeAgent:
 
     def _pending_signal(self) -> p.Signalled | None:
         received = take_queued(self._inbox, SignalReceived)
-        return self._signal_event(received[0]) if received else None
-
-    def _signal_event(self, item: SignalReceived) -> p.Signalled:
-        self.events.emit("signal", signal=signal.Signals(item.signum).name)
-        return p.Signalled(item.signum)
+        return self._inbox_events.signalled(received[0]) if received else None
 
     def _store_lost(self, error: DistError) -> Action:
         first_line = (str(error).strip().splitlines() or [repr(error)])[0]

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ftrun.agent.placement.binding import BIND_VARIABLES
-from ftrun.agent.rank_env import rank_variables
+from ftrun.agent.placement.rank_env import rank_variables
 from ftrun.client_lib.flight import BUFFER_VARS
 from ftrun.config import LaunchConfig
 from ftrun.rendezvous.ranks import Round

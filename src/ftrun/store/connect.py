@@ -145,11 +145,11 @@ def connect_etcd(
     first launcher also claims that prefix for its Slurm job: a launcher of another job with the
     same `--rdzv-id` stops with `RendezvousPrefixHeldError` rather than join a stranger's job.
     """
-    from ftrun.store.etcd_store import EtcdAuthError, EtcdStore  # etcd3gw: only for etcd
+    from ftrun.store.etcd_store import EtcdAuthError, EtcdStore, spread_start  # etcd3gw
 
     members = [parse_rendezvous_endpoint(m, default_port=2379) for m in endpoint.split(",")]
     launch = f"{run_id}/{environ.get('SLURM_RESTART_COUNT') or 0}"
-    store = EtcdStore(members, launch, timeout)
+    store = EtcdStore(members, launch, timeout, first_member=spread_start(len(members)))
     owner = environ.get("SLURM_JOB_ID")
     try:
         # Claims the prefix under Slurm; elsewhere only checks that etcd answers now.

@@ -20,11 +20,11 @@ same marker under a compare on the value, which no other increment changes (N no
 at once: N requests, not a compare-and-swap's O(N^2)). Every read turns the marker into the count.
 
 Every key goes under `/ftrun/<run id>/`, so several jobs share one etcd. Endpoints are tried in
-turn: a member that stops answering is left for the next one, with one log line, and a request
-fails only when no member has answered for the whole timeout. A request whose member stopped
-answering after applying it is sent again, so an `add` or `append` may count twice (TCPStore's
-reconnecting client alike): callers decide by a compare-and-set of a value of their own
-(`control.request_restart`), and treat counters as upper bounds.
+turn, from the one a launcher starts on (`spread_start`): a member that stops answering is left for
+the next one, with one log line, and a request fails only when no member has answered for the whole
+timeout. A request whose member stopped answering after applying it is sent again, so an `add` or
+`append` may count twice (TCPStore's reconnecting client alike): callers decide by a compare-and-set
+of a value of their own (`control.request_restart`), and treat counters as upper bounds.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from __future__ import annotations
 import base64
 import datetime
 import logging
+import os
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -74,12 +75,14 @@ class EtcdStore(Store):
         run_id: str,
         timeout: datetime.timedelta,
         clock: Callable[[], float] = time.monotonic,
+        first_member: int = 0,
     ) -> None:
+        """`first_member`: the index of the member asked first (see `spread_start`)."""
         super().__init__()
         self._members = [Etcd3Client(host, port, timeout=REQUEST_TIMEOUT_S, api_path="/v3/")
                          for host, port in endpoints]  # fmt: skip
         self._names = [f"{host}:{port}" for host, port in endpoints]
-        self._current = 0
+        self._current = first_member % len(self._members)
         self._down: set[int] = set()
         self._prefix = f"/ftrun/{run_id}/"
         self._markers: dict[str, bytes] = {}  # counter key -> its marker, last seen
@@ -332,6 +335,14 @@ class EtcdStore(Store):
         if index in self._down:
             self._down.discard(index)
             log.info("etcd member %s answers again", self._names[index])
+
+
+def spread_start(members: int, pid: int | None = None) -> int:
+    """The member a launcher asks first: its process id modulo the members. Each member then
+    serves about a third of the job's nodes (etcd's own client spreads its connections over
+    the endpoints alike): at 4,096 nodes on one member, that member's JSON gateway was what
+    timed out. Every client of one launcher starts on the same member."""
+    return (os.getpid() if pid is None else pid) % members
 
 
 def _typed(exc: Etcd3Exception, member: str) -> DistStoreError:

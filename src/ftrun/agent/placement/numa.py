@@ -33,7 +33,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ftrun.agent.placement.binding import CPU_BIND, MEM_BIND, format_cpulist, parse_cpulist
-from ftrun.agent.rank_env import visible_device
+from ftrun.agent.placement.rank_env import visible_device
 from ftrun.errors import ConfigError
 from ftrun.nvml import handle_of, nvml_session
 
