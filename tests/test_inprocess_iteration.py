@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import sys
+import threading
 import warnings
 
 import pytest
@@ -13,9 +14,18 @@ import torch.distributed as dist
 from torch.distributed import HashStore
 
 from ftrun.inprocess.abort import pin_gloo_groups
-from ftrun.inprocess.iteration import CURRENT_KEY, Interruption, Iteration, newest_iteration
+from ftrun.inprocess.assignment_base import RankAssignmentCtx, gather_keys
+from ftrun.inprocess.iteration import (
+    CURRENT_KEY,
+    Interruption,
+    Iteration,
+    assignment_phase,
+    forget_iteration,
+    newest_iteration,
+)
 from ftrun.inprocess.options import build_options
 from ftrun.inprocess.params import substitute_call_wrapper
+from ftrun.inprocess.state import State
 
 SHORT = datetime.timedelta(milliseconds=50)
 
@@ -56,6 +66,37 @@ def test_a_replacement_joins_the_newest_iteration_a_rank_entered():
     assert newest_iteration(store) == 0
     Iteration(store, 3, 2).enter()
     assert newest_iteration(store) == 3 and store.get(CURRENT_KEY) == b"3"
+
+
+def test_an_iterations_keys_are_forgotten_each_rank_its_own_and_rank_0_the_common_ones():
+    """A fault's keys (the interruption's record, the barrier, a gathering rank assignment's
+    keys) go once every rank is two iterations on: the store ends where it began."""
+    store = HashStore()
+    store.set(CURRENT_KEY, "0")
+    before = store.num_keys()
+    ranks = [Iteration(store, 3, world_size=2) for _ in range(2)]
+    ranks[1].interrupt(Interruption(1, "EXCEPTION", "RuntimeError: x", at=10.0))
+    for rank, it in enumerate(ranks):
+        it.arrive(rank)
+    phase = dist.PrefixStore(f"ra/{assignment_phase(3)}", store)
+
+    def assign(rank: int) -> None:  # two gathers, as a `Tree` assignment makes
+        ctx = RankAssignmentCtx(State(rank=rank, world_size=2), phase, set())
+        for value in ("a", "b"):
+            gather_keys(ctx, value, datetime.timedelta(seconds=10))
+
+    threads = [threading.Thread(target=assign, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert store.num_keys() > before
+    forget_iteration(store, 3, 1)
+    forget_iteration(store, 3, 0)
+    assert store.num_keys() == before
+    forget_iteration(store, 3, 0)  # again, or an iteration nobody interrupted: nothing to do
+    forget_iteration(store, 4, None)
+    assert store.num_keys() == before
 
 
 def test_nvrx_arguments_are_checked_as_nvrx_checks_them():

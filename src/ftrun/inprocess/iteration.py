@@ -14,6 +14,10 @@ keys (prefix `<iteration>/`); nobody polls:
   written `terminated/<rank>`; the last to arrive sets `go`.
 - `current` (unprefixed) is the newest iteration a rank entered: a replacement process (a rank
   re-forked by the agent after its process died) joins there.
+
+Keys do not pile up, one set per fault: once a rank runs iteration N, every rank is past N-2
+(each arrived at N-1's barrier), and `forget_iteration` deletes N-2's keys, each rank its own
+and N-2's rank 0 the common ones (the rank assignment's keys of N-2's end included).
 """
 
 from __future__ import annotations
@@ -124,6 +128,34 @@ class Iteration:
     def terminated(self, ranks: Iterable[int]) -> set[int]:
         """Which of `ranks` left at this iteration's barrier."""
         return {r for r in ranks if self.store.check([self.key(f"terminated/{r}")])}
+
+
+_COMMON = ("records", "interrupted", "end", "completed", "arrived", "go")
+
+
+def assignment_phase(number: int) -> str:
+    """The rank assignment at the end of iteration `number` (-1: before the first call)."""
+    return "start" if number < 0 else str(number)
+
+
+def forget_iteration(store: Store, number: int, rank: int | None) -> None:
+    """Delete iteration `number`'s keys that no rank reads any more: those of rank `rank` (this
+    process's rank in that iteration; None: it had none) and, from rank 0, the common ones.
+    Call it only once every rank is past the iteration (see the module's doc)."""
+    if rank is None:
+        return
+    assignment = f"ra/{assignment_phase(number)}/ra/"
+    seq = f"{assignment}seq/{rank}"
+    if store.check([seq]):
+        gathers = store.add(seq, 0)
+        for key in [f"{assignment}key/{n}/{rank}" for n in range(1, gathers + 1)] + [seq]:
+            store.delete_key(key)
+    if rank != 0 or number < 0:
+        return
+    prefix = f"{number}/"
+    records = store.add(prefix + "records", 0) if store.check([prefix + "records"]) else 0
+    for name in [f"record/{n}" for n in range(1, records + 1)] + list(_COMMON):
+        store.delete_key(prefix + name)
 
 
 def newest_iteration(store: Store) -> int:

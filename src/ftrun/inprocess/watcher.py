@@ -26,9 +26,17 @@ then, so that call returns at once unless the store is gone, when it fails about
 class Watcher:
     """Watches iteration after iteration, as `follow` hands them over."""
 
-    def __init__(self, interrupter: Interrupter, abort: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        interrupter: Interrupter,
+        abort: Callable[[], None],
+        entered: Callable[[int], None] | None = None,
+    ) -> None:
+        """`entered(number)`: called on this thread each time it starts watching iteration
+        `number`, while the main thread runs the function (the wrapper forgets old keys)."""
         self._interrupter = interrupter
         self._abort = abort
+        self._entered = entered
         self._changed = threading.Condition()
         self._iteration: Iteration | None = None
         self._closed = False
@@ -73,6 +81,7 @@ class Watcher:
     def _run(self) -> None:
         iteration: Iteration | None = None
         while (iteration := self._next(iteration)) is not None:
+            self._tidy(iteration.number)
             try:
                 while not iteration.wait_end():
                     if self._closed or self._iteration is not iteration:
@@ -85,6 +94,15 @@ class Watcher:
                 log.debug("in-process watcher: %s", error)
                 if self._closed:
                     return
+
+    def _tidy(self, number: int) -> None:
+        """`entered(number)`, never at the cost of the watch: a failure is logged and left."""
+        if self._entered is None:
+            return
+        try:
+            self._entered(number)
+        except Exception as error:  # the store is gone: the watch finds out and says so
+            log.debug("in-process watcher: forgetting old keys: %s", error)
 
     def _stop_main_thread(self, seen: float) -> None:
         with self._interrupter.lock:  # never inside the main thread's atomic() section

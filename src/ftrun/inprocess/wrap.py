@@ -32,7 +32,7 @@ from ftrun.inprocess.abort import Abort, AbortTorchDistributed, pin_gloo_groups
 from ftrun.inprocess.exception import HealthCheckError
 from ftrun.inprocess.exception import TimeoutError as RestartTimeoutError
 from ftrun.inprocess.interrupt import Interrupter, RankShouldRestart
-from ftrun.inprocess.iteration import Interruption, Iteration, newest_iteration
+from ftrun.inprocess.iteration import Interruption, Iteration, forget_iteration, newest_iteration
 from ftrun.inprocess.options import WrapperOptions, build_options
 from ftrun.inprocess.params import substitute_call_wrapper
 from ftrun.inprocess.progress import ProgressWatchdog
@@ -83,7 +83,9 @@ class CallWrapper:
                                                             opts.store_kwargs, environ)  # fmt: skip
         self.state.iteration = newest_iteration(self.store)  # a replacement joins the newest
         self._interrupter = Interrupter()
-        self._watcher = Watcher(self._interrupter, self._abort)
+        self._ranks: dict[int, int | None] = {-1: self.state.rank}
+        """This process's rank in each iteration not yet forgotten (-1: the first assignment)."""
+        self._watcher = Watcher(self._interrupter, self._abort, self._forget_old_keys)
         self._watcher_store = self._connect()
         self._timeout_store = self._connect()  # opened now: see `sockets`
         self._sockets = FunctionSockets()
@@ -148,6 +150,7 @@ class CallWrapper:
         it.enter()
         self._clock.mark("enter")
         self._iteration = it
+        self._ranks[it.number] = self.state.rank
         self._watcher.follow(Iteration(self._watcher_store, it.number, it.world_size))
         self.progress.start_iteration()
         fault: Exception | None = None
@@ -251,6 +254,13 @@ class CallWrapper:
         ctx = self.options.rank_assignment(RankAssignmentCtx(self.state, ctx_store, terminated))
         self.state = ctx.state
         self.state.set_distributed_vars()
+
+    def _forget_old_keys(self, entered: int) -> None:
+        """On the watcher thread, as this rank runs iteration `entered`: every rank is past
+        `entered - 2`, whose keys go (`iteration.forget_iteration`)."""
+        number = entered - 2
+        if number in self._ranks:
+            forget_iteration(self._watcher_store, number, self._ranks.pop(number))
 
     def _abort(self) -> None:
         """Abort the process groups, once per iteration (the watcher may have done it)."""
