@@ -98,7 +98,7 @@ def test_twenty_faults_leave_no_threads_descriptors_or_store_keys_behind(tmp_pat
         lines = (out / f"resources-rank{rank}.txt").read_text().splitlines()
         rows = [[int(v) for v in line.split()] for line in lines]
         assert [row[0] for row in rows] == list(range(21))
-        _, threads, fds, keys = zip(*rows[3:], strict=True)
+        _, threads, fds, keys, _, _ = zip(*rows[3:], strict=True)
         assert len(set(threads)) == 1 and len(set(fds)) == 1, rows
         # One iteration's keys may still be there as an iteration starts (its tidying runs
         # beside the function); 17 faults unforgotten would be over a hundred.

@@ -3,9 +3,14 @@
 Each iteration, rank `iteration % world` raises once every rank has entered it (no process
 group: gloo's aborted groups are pinned for good, see `ftrun.inprocess.abort.pin_gloo_groups`,
 and would be counted too); the iteration after the last fault returns. On entering each
-iteration every rank appends `iteration threads fds keys` to `<out>/resources-rank<R>.txt`: this
-process's threads and open descriptors, and the keys of the wrapper's coordination store
-(served by rank 0 at `MASTER_PORT + 1`, as under torchrun)."""
+iteration every rank appends `iteration threads fds keys tasks gpu_mb` to
+`<out>/resources-rank<R>.txt`: this process's Python threads, open descriptors, the keys of the
+wrapper's coordination store (served by rank 0 at `MASTER_PORT + 1`, as under torchrun), its OS
+threads (NCCL's included) and the memory in use on its GPU.
+
+`--device cuda`: each iteration also makes an NCCL group (on a prefix of its own, as NVRx's
+examples do) and its communicator (one all_reduce) before counting, and the ranks that do not
+fail wait in an all_reduce that the failing rank never joins, as peers of a real fault do."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from ftrun import inprocess
@@ -22,6 +28,7 @@ from ftrun import inprocess
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", type=Path, required=True)
 parser.add_argument("--faults", type=int, default=20)
+parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
 ARGS = parser.parse_args()
 PORT = int(os.environ["MASTER_PORT"]) + 1
 
@@ -32,18 +39,32 @@ kept: its descriptor is there from iteration 0 on."""
 
 
 @inprocess.Wrapper(store_kwargs={"port": PORT})
-def train(call_wrapper: inprocess.CallWrapper | None = None) -> None:
+def train(base: dist.Store | None, call_wrapper: inprocess.CallWrapper | None = None) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     iteration = call_wrapper.iteration
     if not STORE:
         STORE.append(dist.TCPStore(os.environ["MASTER_ADDR"], PORT, is_master=False))
-    keys = STORE[0]
-    fds = len(os.listdir("/proc/self/fd"))
+    gpu_mb, ones = 0, None
+    if base is not None:
+        dist.init_process_group("nccl", store=dist.PrefixStore(str(iteration), base),
+                                rank=rank, world_size=world)  # fmt: skip
+        ones = torch.ones(1 << 20, device="cuda")
+        dist.all_reduce(ones)
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        gpu_mb = (total - free) >> 20
+    counts = [threading.active_count(), len(os.listdir("/proc/self/fd")), STORE[0].num_keys(),
+              len(os.listdir("/proc/self/task")), gpu_mb]  # fmt: skip
     with (ARGS.out / f"resources-rank{rank}.txt").open("a") as out:
-        out.write(f"{iteration} {threading.active_count()} {fds} {keys.num_keys()}\n")
-    if iteration < ARGS.faults and rank == iteration % world:
+        out.write(" ".join(map(str, [iteration, *counts])) + "\n")
+    failing = iteration < ARGS.faults and rank == iteration % world
+    if failing:
         await_peers(iteration, world)
         raise RuntimeError(f"fault {iteration + 1} of {ARGS.faults}")
+    if ones is not None:
+        dist.all_reduce(ones)  # the peers of a fault wait here until the wrapper aborts NCCL
+        torch.cuda.synchronize()
+        dist.destroy_process_group()
 
 
 def await_peers(iteration: int, world: int, deadline_s: float = 30.0) -> None:
@@ -57,6 +78,16 @@ def await_peers(iteration: int, world: int, deadline_s: float = 30.0) -> None:
         time.sleep(0.005)
 
 
-if __name__ == "__main__":
+def main() -> None:
     ARGS.out.mkdir(parents=True, exist_ok=True)
-    train()
+    base = None
+    if ARGS.device == "cuda":
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        base = dist.TCPStore(os.environ["MASTER_ADDR"], PORT + 1, world, rank == 0,
+                             multi_tenant=True)  # fmt: skip
+    train(base)
+
+
+if __name__ == "__main__":
+    main()
