@@ -133,24 +133,20 @@ class Iteration:
 _COMMON = ("records", "interrupted", "end", "completed", "arrived", "go")
 
 
-def assignment_phase(number: int) -> str:
-    """The rank assignment at the end of iteration `number` (-1: before the first call)."""
-    return "start" if number < 0 else str(number)
-
-
 def forget_iteration(store: Store, number: int, rank: int | None) -> None:
     """Delete iteration `number`'s keys that no rank reads any more: those of rank `rank` (this
     process's rank in that iteration; None: it had none) and, from rank 0, the common ones.
-    Call it only once every rank is past the iteration (see the module's doc)."""
+    Call it only once every rank is past the iteration (see the module's doc). The first
+    assignment's keys (`ra/start/`) stay: a replacement process gathers with them."""
     if rank is None:
         return
-    assignment = f"ra/{assignment_phase(number)}/ra/"
+    assignment = f"ra/{number}/ra/"
     seq = f"{assignment}seq/{rank}"
     if store.check([seq]):
         gathers = store.add(seq, 0)
         for key in [f"{assignment}key/{n}/{rank}" for n in range(1, gathers + 1)] + [seq]:
             store.delete_key(key)
-    if rank != 0 or number < 0:
+    if rank != 0:
         return
     prefix = f"{number}/"
     records = store.add(prefix + "records", 0) if store.check([prefix + "records"]) else 0

@@ -83,8 +83,8 @@ class CallWrapper:
                                                             opts.store_kwargs, environ)  # fmt: skip
         self.state.iteration = newest_iteration(self.store)  # a replacement joins the newest
         self._interrupter = Interrupter()
-        self._ranks: dict[int, int | None] = {-1: self.state.rank}
-        """This process's rank in each iteration not yet forgotten (-1: the first assignment)."""
+        self._ranks: dict[int, int | None] = {}
+        """This process's rank in each iteration whose keys are not forgotten yet."""
         self._watcher = Watcher(self._interrupter, self._abort, self._forget_old_keys)
         self._watcher_store = self._connect()
         self._timeout_store = self._connect()  # opened now: see `sockets`
