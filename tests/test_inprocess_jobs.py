@@ -83,23 +83,35 @@ def test_under_torchrun_the_wrapper_recovers_on_its_own(tmp_path: Path):
     assert_recovered_in_place(out, 2)
 
 
-def test_twenty_faults_leave_no_threads_descriptors_or_store_keys_behind(tmp_path: Path):
-    """Under torchrun, 2 ranks, a function that raises 20 times in a row (no process group):
-    each iteration's threads and descriptors are the last one's, and the wrapper's store keeps
-    at most the last iterations' keys (it forgets each two iterations on)."""
+def run_twenty_faults(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> list[list[tuple[int, ...]]]:
+    """tests/workers/inprocess_faults_worker.py under torchrun, 2 ranks, 20 faults in a row:
+    each rank's counts from iteration 3 on, one tuple per column (threads, fds, keys, OS
+    threads, GPU MB), once every rank entered iterations 0-20 in turn."""
     out = tmp_path / "out"
     worker = WORKER.with_name("inprocess_faults_worker.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(worker),
-           "--out", str(out), "--faults", "20"]  # fmt: skip
-    run = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+           "--out", str(out), "--faults", "20", *args]  # fmt: skip
+    run = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout,
+                         env=env)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
+    ranks = []
     for rank in range(2):
         lines = (out / f"resources-rank{rank}.txt").read_text().splitlines()
         rows = [[int(v) for v in line.split()] for line in lines]
-        assert [row[0] for row in rows] == list(range(21))
-        _, threads, fds, keys, _, _ = zip(*rows[3:], strict=True)
-        assert len(set(threads)) == 1 and len(set(fds)) == 1, rows
+        assert [row[0] for row in rows] == list(range(21)), rows
+        ranks.append(list(zip(*rows[3:], strict=True))[1:])
+    return ranks
+
+
+def test_twenty_faults_leave_no_threads_descriptors_or_store_keys_behind(tmp_path: Path):
+    """Under torchrun, 2 ranks, a function that raises 20 times in a row (no process group):
+    each iteration's threads and descriptors are the last one's, and the wrapper's store keeps
+    at most the last iterations' keys (it forgets each two iterations on)."""
+    for threads, fds, keys, _, _ in run_twenty_faults(tmp_path):
+        assert len(set(threads)) == 1 and len(set(fds)) == 1, (threads, fds)
         # One iteration's keys may still be there as an iteration starts (its tidying runs
         # beside the function); 17 faults unforgotten would be over a hundred.
-        assert max(keys) - min(keys) <= 12, rows
+        assert max(keys) - min(keys) <= 12, keys

@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 
 from ftrun.errors import ExitCode, NodeUnhealthyError
-from launch import Job, free_port, node_of, start_job
+from launch import Job, node_of, start_job
 from support import wait_for
+from test_inprocess_jobs import run_twenty_faults
 from test_observe_jobs import endpoints, scrape
 from test_rerun_jobs import FLIP_STEP, STEPS, expected_w, progress
 from test_spares import SPARE, killable, lose, rounds, standby_nodes, wait_all
@@ -289,21 +290,11 @@ def test_j_twenty_in_process_faults_leave_gpu_memory_threads_and_keys_at_their_b
     communicator each iteration and fails 20 times in a row (the peer waits in an all_reduce):
     from iteration 3 on, each iteration starts with the same OS threads and descriptors, the
     GPU's memory within 1 %, and the wrapper's store no fuller than one iteration's keys."""
-    out = tmp_path / "out"
-    worker = Path(__file__).resolve().parents[1] / "workers" / "inprocess_faults_worker.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(worker),
-           "--out", str(out), "--faults", "20", "--device", "cuda"]  # fmt: skip
     env = {**os.environ, **NCCL_ENV, "CUDA_VISIBLE_DEVICES": "0,1"}
-    run = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=JOB_S, env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
-    for rank in range(2):
-        lines = (out / f"resources-rank{rank}.txt").read_text().splitlines()
-        rows = [[int(v) for v in line.split()] for line in lines]
-        assert [row[0] for row in rows] == list(range(21))
-        _, _, fds, keys, tasks, gpu_mb = zip(*rows[3:], strict=True)
-        assert len(set(fds)) == 1 and len(set(tasks)) == 1, rows
-        assert max(keys) - min(keys) <= 12, rows
-        assert max(gpu_mb) - min(gpu_mb) <= 0.01 * min(gpu_mb), rows
+    ranks = run_twenty_faults(tmp_path, "--device", "cuda", env=env, timeout=JOB_S)
+    for rank, (_, fds, keys, tasks, gpu_mb) in enumerate(ranks):
+        assert len(set(fds)) == 1 and len(set(tasks)) == 1, (fds, tasks)
+        assert max(keys) - min(keys) <= 12, keys
+        assert max(gpu_mb) - min(gpu_mb) <= 0.01 * min(gpu_mb), gpu_mb
         report(f"20 in-process faults, rank {rank}", gpu_mb=[min(gpu_mb), max(gpu_mb)],
                tasks=tasks[0], fds=fds[0])  # fmt: skip
