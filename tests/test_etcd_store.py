@@ -357,6 +357,29 @@ def test_a_member_that_goes_away_costs_one_log_line(
     assert len(lines) == 1 and "does not answer" in lines[0], lines
 
 
+def test_the_clients_of_one_launcher_say_a_member_went_away_once_and_then_avoid_it(
+    etcd_cluster: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The agent's client and the ones its threads make (the restart watch: one a cycle) share
+    # what they saw: one line a launcher, and a client made later starts on a member that is up.
+    lost = follower(etcd_cluster)
+    addresses = endpoints(etcd_cluster)
+    one = EtcdStore(addresses, "job", datetime.timedelta(seconds=10), first_member=lost)
+    other = EtcdStore(addresses, "job", one.timeout, first_member=lost, health=one.health)
+    one.set("k", "1")
+    etcd_cluster.kill(lost)
+    with caplog.at_level(logging.WARNING, logger="ftrun.rendezvous"):
+        assert one.add("k", 1) == 2 and other.add("k", 1) == 3
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "does not answer" in lines[0], lines
+    counted = Requests(monkeypatch)
+    later = EtcdStore(addresses, "job", one.timeout, first_member=lost, health=one.health)
+    thread, _ = counted.run(lambda: later.set("k", "v"))
+    thread.join(10)
+    [url] = counted.urls
+    assert f":{addresses[lost][1]}/" not in url
+
+
 def test_members_that_accept_but_never_answer_cost_the_timeout_not_more(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

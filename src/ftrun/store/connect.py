@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from torch.distributed import Store, TCPStore
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
@@ -16,6 +17,9 @@ from ftrun.errors import RendezvousAuthError, RendezvousFailedError, RendezvousP
 from ftrun.identity import is_local_host
 from ftrun.store.config import StoreConfig
 from ftrun.store.reconnecting import ReconnectingStore
+
+if TYPE_CHECKING:  # etcd3gw is an extra
+    from ftrun.store.etcd_store import MemberHealth
 
 log = logging.getLogger("ftrun.rendezvous")
 
@@ -83,8 +87,9 @@ def another_client(
     client's business: the thread's caller connects again). `timeout`: its requests' bound
     (default: the store's)."""
     timeout = timeout or config.timeout
-    if config.backend == "etcd":
-        return connect_etcd(config.endpoint, config.run_id, timeout, environ)
+    if config.backend == "etcd":  # sharing what the store's client saw of the members
+        health = getattr(store, "health", None)
+        return connect_etcd(config.endpoint, config.run_id, timeout, environ, health)
     if isinstance(store, TCPStore):
         host, port = store.host, store.port
     else:  # `ftrun store`'s, which the agent reaches through a ReconnectingStore
@@ -136,9 +141,14 @@ def _await_listening(
 
 
 def connect_etcd(
-    endpoint: str, run_id: str, timeout: datetime.timedelta, environ: Mapping[str, str]
+    endpoint: str,
+    run_id: str,
+    timeout: datetime.timedelta,
+    environ: Mapping[str, str],
+    health: MemberHealth | None = None,
 ) -> Store:
-    """The job's store on the etcd members `endpoint` names (`host:port,...`), answering now.
+    """The job's store on the etcd members `endpoint` names (`host:port,...`), answering now;
+    `health`: what the launcher's other clients saw of the members (see `MemberHealth`).
 
     etcd outlives jobs: its keys for this launch go under `<run id>/<Slurm restart count>`, so
     that a requeued job (same job id) does not find its previous run's rounds. Under Slurm the
@@ -149,7 +159,9 @@ def connect_etcd(
 
     members = [parse_rendezvous_endpoint(m, default_port=2379) for m in endpoint.split(",")]
     launch = f"{run_id}/{environ.get('SLURM_RESTART_COUNT') or 0}"
-    store = EtcdStore(members, launch, timeout, first_member=spread_start(len(members)))
+    store = EtcdStore(
+        members, launch, timeout, first_member=spread_start(len(members)), health=health
+    )
     owner = environ.get("SLURM_JOB_ID")
     try:
         # Claims the prefix under Slurm; elsewhere only checks that etcd answers now.

@@ -34,6 +34,7 @@ import datetime
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -66,6 +67,36 @@ class WaitTimeoutError(DistStoreError):
     """Keys still absent at the end of a wait (TCPStore's message: "wait timeout ...")."""
 
 
+class MemberHealth:
+    """Which members stopped answering, as the clients of one launcher saw it: shared by them
+    (`EtcdStore(health=...)`), so that a member going away costs one log line a launcher, not
+    one a client, and a client made afterwards (the restart watch makes one each cycle) starts
+    on a member that answers rather than on the one its pid picks."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._down: set[str] = set()
+
+    def is_down(self, member: str) -> bool:
+        with self._lock:
+            return member in self._down
+
+    def mark_down(self, member: str, exc: Exception) -> None:
+        with self._lock:
+            if member in self._down:
+                return
+            self._down.add(member)
+        log.warning("etcd member %s does not answer (%s); using the others",
+                    member, type(exc).__name__)  # fmt: skip
+
+    def mark_up(self, member: str) -> None:
+        with self._lock:
+            if member not in self._down:
+                return
+            self._down.discard(member)
+        log.info("etcd member %s answers again", member)
+
+
 class EtcdStore(Store):
     """A TCPStore stand-in on an etcd cluster, for one job (`run_id`)."""
 
@@ -76,14 +107,16 @@ class EtcdStore(Store):
         timeout: datetime.timedelta,
         clock: Callable[[], float] = time.monotonic,
         first_member: int = 0,
+        health: MemberHealth | None = None,
     ) -> None:
-        """`first_member`: the index of the member asked first (see `spread_start`)."""
+        """`first_member`: the index of the member asked first (see `spread_start`), unless
+        `health` (shared with the launcher's other clients) says it stopped answering."""
         super().__init__()
         self._members = [Etcd3Client(host, port, timeout=REQUEST_TIMEOUT_S, api_path="/v3/")
                          for host, port in endpoints]  # fmt: skip
         self._names = [f"{host}:{port}" for host, port in endpoints]
-        self._current = first_member % len(self._members)
-        self._down: set[int] = set()
+        self.health = health or MemberHealth()
+        self._current = self._answering_from(first_member % len(self._members))
         self._prefix = f"/ftrun/{run_id}/"
         self._markers: dict[str, bytes] = {}  # counter key -> its marker, last seen
         self._absent: tuple[tuple[str, ...], list[str], int] | None = None  # see `_until`
@@ -323,18 +356,22 @@ class EtcdStore(Store):
             time.sleep(min(pause, max(deadline - self._clock(), 0.0)))
             pause = min(pause * 2, 1.0)
 
+    def _answering_from(self, index: int) -> int:
+        """The first member from `index` on that no client of this launcher saw go away
+        (`index` itself when none answers: one of them may be back)."""
+        for step in range(len(self._members)):
+            candidate = (index + step) % len(self._members)
+            if not self.health.is_down(self._names[candidate]):
+                return candidate
+        return index
+
     def _member_down(self, index: int, exc: Exception) -> None:
-        if index not in self._down:
-            self._down.add(index)
-            log.warning("etcd member %s does not answer (%s); using the others",
-                        self._names[index], type(exc).__name__)  # fmt: skip
-        self._current = (index + 1) % len(self._members)
+        self.health.mark_down(self._names[index], exc)
+        self._current = self._answering_from((index + 1) % len(self._members))
 
     def _member_up(self, index: int) -> None:
         self._current = index
-        if index in self._down:
-            self._down.discard(index)
-            log.info("etcd member %s answers again", self._names[index])
+        self.health.mark_up(self._names[index])
 
 
 def spread_start(members: int, pid: int | None = None) -> int:
