@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from ftrun.store.etcd_store import spread_start
+from ftrun.store.etcd_members import spread_start
 from launch import Job, node_of, start_job
 from support import wait_for
 from test_spares import SPARE, lose, rounds, standby_nodes, wait_all

@@ -25,7 +25,8 @@ from ftrun.errors import (
     RendezvousPrefixHeldError,
 )
 from ftrun.store.connect import connect_etcd
-from ftrun.store.etcd_store import EtcdStore, spread_start
+from ftrun.store.etcd_members import spread_start
+from ftrun.store.etcd_store import EtcdStore
 
 SHORT = datetime.timedelta(seconds=1)
 
@@ -168,6 +169,28 @@ def test_a_value_handed_over_by_the_watch_is_what_a_read_returns(
     assert store.get_within("never", 0.2) is None
     other.set("empty", "")
     assert store.get_within("empty", 5) == b""
+
+
+def test_an_arrival_looks_at_the_close_so_that_its_wait_reads_nothing_first(
+    etcd_cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A barrier node's round: one read (shutdown and cycle), its arrival with a look at the
+    # close, and the watch that hands the close over. A close put between the arrival and the
+    # watch is replayed from the arrival's revision, not missed.
+    store, other = two_stores(etcd_cluster)
+    other.set("cycle", "3")
+    assert other.add_then_wait_on("arrivals", "closed") == 1  # the first arrival
+    counted = Requests(monkeypatch)
+    counted.thread = threading.current_thread()
+    assert store.read_now(["shutdown", "cycle"]) == [None, b"3"]
+    assert store.add_then_wait_on("arrivals", "closed") == 2
+    closer = threading.Thread(target=other.set, args=("closed", "round"))  # not counted
+    closer.start()
+    closer.join()
+    assert store.get_within("closed", 5) == b"round"
+    assert counted.calls() == ["txn", "txn", "watch"]
+    assert other.add_then_wait_on("arrivals", "closed") == 3  # closed already: the wait reads
+    assert other.get_within("closed", 5) == b"round"
 
 
 def test_waiting_again_after_a_timeout_replays_what_was_put_meanwhile(

@@ -86,7 +86,7 @@ from bench.rendezvous.stores import (
 )
 from ftrun.rendezvous.barrier import BarrierRendezvousHandler, JoinInterruptedError
 from ftrun.rendezvous.config import RendezvousConfig, RendezvousImpl
-from ftrun.rendezvous.control import get_within
+from ftrun.rendezvous.control import add_then_wait_on, get_within, read_now
 from ftrun.rendezvous.dynamic import DynamicRendezvous
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
 
@@ -96,8 +96,8 @@ GRACE_S = 30.0  # for agents to notice a stop request, and for processes to exit
 POLL_S = 0.1
 TARGET_1024_S = 5.0
 OPS = (
-    "check", "get", "set", "add", "add 0", "compare_set", "wait", "get_within", "multi_get",
-    "multi_set", "other",
+    "read_now", "check", "get", "set", "add", "add 0", "compare_set", "wait", "get_within",
+    "multi_get", "multi_set", "other",
 )  # fmt: skip
 BACKENDS = ("tcp", "etcd")
 CONNECT_KEY = "bench-connect"
@@ -141,6 +141,17 @@ class CountingStore(dist.Store):
 
     def add(self, key: str, value: int) -> int:
         return self._call("add" if value else "add 0", self._inner.add, key, value)
+
+    def add_then_wait_on(self, key: str, watched: str) -> int:
+        """The barrier's arrival (`control.add_then_wait_on`: on etcd, with a look at the round's
+        close in the same request)."""
+        return self._call("add", add_then_wait_on, self._inner, key, watched)
+
+    def read_now(self, keys: list[str]) -> list[bytes | None] | None:
+        """A round's first look (`control.read_now`: None on TCPStore, which reads otherwise)."""
+        if not hasattr(self._inner, "read_now"):
+            return None  # not an operation on this store: nothing to log
+        return self._call("read_now", read_now, self._inner, keys)
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
         return self._call("compare_set", self._inner.compare_set, key, expected, desired)

@@ -39,7 +39,13 @@ from torch.distributed.elastic.rendezvous import (
 
 from ftrun.errors import ExitCode, NodeExcludedError
 from ftrun.rendezvous.config import RendezvousConfig
-from ftrun.rendezvous.control import existing_keys, get_within, job_control, wait_for_keys
+from ftrun.rendezvous.control import (
+    add_then_wait_on,
+    existing_keys,
+    get_within,
+    job_control,
+    wait_for_keys,
+)
 from ftrun.rendezvous.errors import DescriptorVersionError, InfraRankError, JoinInterruptedError
 from ftrun.rendezvous.published import Progress, PublishedRound
 from ftrun.rendezvous.ranks import NodeDescriptor, Round, order_nodes, row_from_json
@@ -151,12 +157,14 @@ class BarrierRendezvousHandler(RendezvousHandler):
         shutdown."""
         deadline = time.monotonic() + self._config.join_timeout
         while True:
-            self._raise_if_shut_down()
-            cycle = self.control.cycle()
+            shutdown, cycle = self.control.shutdown_and_cycle()
+            if shutdown is not None:
+                raise RendezvousClosedError(shutdown.reason)
             # Built before arriving: a closer gives an arrival only a short grace to write it.
             mine = self._descriptor().to_json()
             self._arrived_at = time.monotonic()
-            index = self._store.add(self._key(cycle, "arrivals"), 1) - 1
+            arrivals, closed = self._key(cycle, "arrivals"), self._key(cycle, "closed")
+            index = add_then_wait_on(self._store, arrivals, closed) - 1
             self._store.set(self._key(cycle, f"node/{index}"), mine)
             planning = _Planning(cycle)
             if index + 1 >= self._config.max_nodes:  # the filler, or a spare after it

@@ -168,8 +168,23 @@ class JobControl:
     def shutdown_requested(self) -> Shutdown | None:
         if not self._store.check([self._key("shutdown")]):
             return None
-        self.known.shutdown = self._store.get(self._key("shutdown"))
-        raw = json.loads(self.known.shutdown)
+        return self._shutdown(self._store.get(self._key("shutdown")))
+
+    def shutdown_and_cycle(self) -> tuple[Shutdown | None, int]:
+        """`shutdown_requested()` and `cycle()`, in one request on a store that reads several
+        keys at once without waiting (`EtcdStore.read_now`: a barrier round's first look)."""
+        found = read_now(self._store, [self._key("shutdown"), self._key("cycle")])
+        if found is None:
+            return self.shutdown_requested(), self.cycle()
+        shutdown, cycle = found
+        if cycle is None:  # put when the job's first agent began: only a store that restarted
+            return self._shutdown(shutdown) if shutdown else None, self.cycle()
+        self.known.cycle = int(cycle)
+        return self._shutdown(shutdown) if shutdown else None, self.known.cycle
+
+    def _shutdown(self, blob: bytes) -> Shutdown:
+        self.known.shutdown = blob
+        raw = json.loads(blob)
         return Shutdown(ExitCode(raw["code"]), raw["reason"])
 
     def report_unhealthy(self, cycle: int, node: str, reason: str) -> None:
@@ -324,6 +339,20 @@ def get_within(store: Store, key: str, timeout: float) -> bytes | None:
     if native is not None:
         return native(key, timeout)
     return store.get(key) if wait_for_key(store, key, timeout) else None
+
+
+def read_now(store: Store, keys: list[str]) -> list[bytes | None] | None:
+    """The keys' values now (None: absent) in one request, on a store that reads so
+    (`EtcdStore.read_now`); None on any other (TCPStore's `multi_get` waits for absent keys)."""
+    native = getattr(store, "read_now", None)
+    return native(keys) if native is not None else None
+
+
+def add_then_wait_on(store: Store, key: str, watched: str) -> int:
+    """`store.add(key, 1)`; a store that can (`EtcdStore.add_then_wait_on`) looks at `watched`
+    in the same request, so that the wait on it that follows starts with no read."""
+    native = getattr(store, "add_then_wait_on", None)
+    return native(key, watched) if native is not None else store.add(key, 1)
 
 
 def existing_keys(store: Store, keys: list[str]) -> list[str]:

@@ -19,7 +19,7 @@ from ftrun.store.config import StoreConfig
 from ftrun.store.reconnecting import ReconnectingStore
 
 if TYPE_CHECKING:  # etcd3gw is an extra
-    from ftrun.store.etcd_store import MemberHealth
+    from ftrun.store.etcd_members import MemberHealth
 
 log = logging.getLogger("ftrun.rendezvous")
 
@@ -155,7 +155,8 @@ def connect_etcd(
     first launcher also claims that prefix for its Slurm job: a launcher of another job with the
     same `--rdzv-id` stops with `RendezvousPrefixHeldError` rather than join a stranger's job.
     """
-    from ftrun.store.etcd_store import EtcdAuthError, EtcdStore, spread_start  # etcd3gw
+    from ftrun.store.etcd_members import spread_start
+    from ftrun.store.etcd_store import EtcdAuthError, EtcdStore  # etcd3gw
 
     members = [parse_rendezvous_endpoint(m, default_port=2379) for m in endpoint.split(",")]
     launch = f"{run_id}/{environ.get('SLURM_RESTART_COUNT') or 0}"

@@ -32,9 +32,7 @@ from __future__ import annotations
 import base64
 import datetime
 import logging
-import os
 import random
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -44,6 +42,7 @@ from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Et
 from torch.distributed import DistStoreError, Store
 
 from ftrun.store import etcd_wire as wire
+from ftrun.store.etcd_members import MemberHealth
 
 log = logging.getLogger("ftrun.rendezvous")
 
@@ -65,36 +64,6 @@ class EtcdAuthError(DistStoreError):
 
 class WaitTimeoutError(DistStoreError):
     """Keys still absent at the end of a wait (TCPStore's message: "wait timeout ...")."""
-
-
-class MemberHealth:
-    """Which members stopped answering, as the clients of one launcher saw it: shared by them
-    (`EtcdStore(health=...)`), so that a member going away costs one log line a launcher, not
-    one a client, and a client made afterwards (the restart watch makes one each cycle) starts
-    on a member that answers rather than on the one its pid picks."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._down: set[str] = set()
-
-    def is_down(self, member: str) -> bool:
-        with self._lock:
-            return member in self._down
-
-    def mark_down(self, member: str, exc: Exception) -> None:
-        with self._lock:
-            if member in self._down:
-                return
-            self._down.add(member)
-        log.warning("etcd member %s does not answer (%s); using the others",
-                    member, type(exc).__name__)  # fmt: skip
-
-    def mark_up(self, member: str) -> None:
-        with self._lock:
-            if member not in self._down:
-                return
-            self._down.discard(member)
-        log.info("etcd member %s answers again", member)
 
 
 class EtcdStore(Store):
@@ -149,8 +118,19 @@ class EtcdStore(Store):
         except WaitTimeoutError:
             return None
 
-    def add(self, key: str, amount: int) -> int:
+    def read_now(self, keys: list[str]) -> list[bytes | None]:
+        """The keys' values now (None: absent), in one request, without waiting."""
+        return self._read(keys)[0]
+
+    def add_then_wait_on(self, key: str, watched: str) -> int:
+        """`add(key, 1)`, looking at `watched` in the same request: where it is absent then,
+        the next wait on it (`get_within`, `wait`) watches from that request's revision with
+        no read first. A barrier node's arrival, before it waits for the round's close."""
+        return self.add(key, 1, watched)
+
+    def add(self, key: str, amount: int, watched: str | None = None) -> int:
         full = self._key(key)
+        look = [wire.range_op(self._key(watched), keys_only=True)] if watched else []
         kv = None if amount == 1 else wire.first_kv(self._txn([], [wire.range_op(full)], []))
         marker = self._markers.get(full, wire.marker(0))
 
@@ -162,7 +142,11 @@ class EtcdStore(Store):
         while True:
             if amount == 1:  # the arrival counter: one put that no other increment can undo
                 once = wire.put_op(full, marker, prev_kv=True)
-                reply = self._txn([wire.value_is(full, marker)], [once], [wire.range_op(full)])
+                reply = self._txn(
+                    [wire.value_is(full, marker)], [once, *look], [wire.range_op(full), *look]
+                )
+                if watched and wire.value_of(reply["responses"][-1]) is None:
+                    self._absent = ((watched,), [watched], wire.revision(reply))
                 if reply.get("succeeded"):
                     self._markers[full] = marker
                     # One put later than the kv it replaced: the same marker, one version on.
@@ -372,14 +356,6 @@ class EtcdStore(Store):
     def _member_up(self, index: int) -> None:
         self._current = index
         self.health.mark_up(self._names[index])
-
-
-def spread_start(members: int, pid: int | None = None) -> int:
-    """The member a launcher asks first: its process id modulo the members. Each member then
-    serves about a third of the job's nodes (etcd's own client spreads its connections over
-    the endpoints alike): at 4,096 nodes on one member, that member's JSON gateway was what
-    timed out. Every client of one launcher starts on the same member."""
-    return (os.getpid() if pid is None else pid) % members
 
 
 def _typed(exc: Etcd3Exception, member: str) -> DistStoreError:
