@@ -27,6 +27,7 @@ from ftrun.errors import (
 from ftrun.store.connect import connect_etcd
 from ftrun.store.etcd_members import spread_start
 from ftrun.store.etcd_store import EtcdStore
+from ftrun.store.etcd_wire import WatchInterruptedError
 
 SHORT = datetime.timedelta(seconds=1)
 
@@ -487,3 +488,30 @@ def test_an_etcd_that_wants_a_password_is_a_usage_error(etcd_cluster: Any):
         connect_etcd(member, "job", SHORT, {"SLURM_JOB_ID": "1"})
     assert str(info.value).startswith(f"etcd at {member} refused: ")
     assert "\n" not in str(info.value) and info.value.exit_code == ExitCode.USAGE
+
+
+def test_an_interrupt_from_another_thread_ends_a_wait_at_once_and_blames_no_member(
+    etcd_cluster: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = EtcdStore(endpoints(etcd_cluster), "job", datetime.timedelta(seconds=30))
+    out: dict[str, Any] = {}
+
+    def wait() -> None:
+        try:
+            store.wait(["never"])
+        except DistStoreError as exc:
+            out["error"] = exc
+
+    waiter = threading.Thread(target=wait)
+    with caplog.at_level(logging.WARNING, logger="ftrun.rendezvous"):
+        waiter.start()
+        waiter.join(0.5)  # in its watch by now
+        started = time.monotonic()
+        store.interrupt()
+        waiter.join(5)
+    assert time.monotonic() - started < 0.5
+    assert isinstance(out["error"], WatchInterruptedError)
+    assert "timeout" not in str(out["error"])  # not a wait that ran out
+    assert not caplog.records  # no member "does not answer"
+    with pytest.raises(WatchInterruptedError):
+        store.set("k", "v")  # the client is done

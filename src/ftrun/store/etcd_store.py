@@ -89,6 +89,7 @@ class EtcdStore(Store):
         self._prefix = f"/ftrun/{run_id}/"
         self._markers: dict[str, bytes] = {}  # counter key -> its marker, last seen
         self._absent: tuple[tuple[str, ...], list[str], int] | None = None  # see `_until`
+        self._interrupt = wire.Interrupt()
         self.set_timeout(timeout)  # the base class keeps it: `self.timeout`, as on TCPStore
         self._clock = clock
 
@@ -127,6 +128,11 @@ class EtcdStore(Store):
         the next wait on it (`get_within`, `wait`) watches from that request's revision with
         no read first. A barrier node's arrival, before it waits for the round's close."""
         return self.add(key, 1, watched)
+
+    def interrupt(self) -> None:
+        """From another thread: the wait this client is in ends at once, raising
+        `WatchInterruptedError`, as does any later request; the client is done."""
+        self._interrupt.set()
 
     def add(self, key: str, amount: int, watched: str | None = None) -> int:
         full = self._key(key)
@@ -274,7 +280,8 @@ class EtcdStore(Store):
         answered = [self._clock()]  # a watch answers as it goes: `_call`'s timeout runs from then
 
         def request(member: Etcd3Client) -> bool:
-            return wire.watch_on(member, create, pending, (self._clock, answered), deadline, seen)
+            clocks = (self._clock, answered)
+            return wire.watch_on(member, create, pending, clocks, deadline, seen, self._interrupt)
 
         return self._call(request, lambda: answered[0])
 
@@ -322,6 +329,7 @@ class EtcdStore(Store):
                 index = (first + step) % len(self._members)
                 member = self._members[index]
                 member.timeout = min(REQUEST_TIMEOUT_S, left)
+                self._interrupt.check()
                 try:
                     result = request(member)
                 except _UNREACHABLE as exc:

@@ -9,18 +9,61 @@ keys and values.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import socket
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import requests
 from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
+from torch.distributed import DistStoreError
 
 COUNTER = b"\x00ftrun-count-is-version+"
 """A counter key's value is this and an offset: its count is the key's version + the offset."""
 BUSY = (408, 503, 504)
 """HTTP answers of a member saying "not now" (etcd3gw maps them to `_UNREACHABLE`)."""
+
+
+class WatchInterruptedError(DistStoreError):
+    """A wait ended by `Interrupt.set` from another thread (a message without "timeout": not
+    taken for a wait that ran out)."""
+
+
+class Interrupt:
+    """Ends a client's watch in progress from another thread: the watch's socket is shut down,
+    so that its blocked read returns at once, and no later request of the client is sent. A
+    thread that waits in long watches is then stopped without waiting out its watch."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sockets: set[socket.socket] = set()
+        self.is_set = False
+
+    def set(self) -> None:
+        with self._lock:
+            self.is_set = True
+            held = list(self._sockets)
+        for sock in held:
+            with contextlib.suppress(OSError):  # closed meanwhile: its read has returned
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def hold(self, sock: socket.socket) -> None:
+        """`sock` is read until `release`; raises if interrupted already."""
+        with self._lock:
+            if self.is_set:
+                raise WatchInterruptedError("the wait was interrupted")
+            self._sockets.add(sock)
+
+    def release(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.discard(sock)
+
+    def check(self) -> None:
+        if self.is_set:
+            raise WatchInterruptedError("the wait was interrupted")
 
 
 def b64(data: str | bytes) -> str:
@@ -119,12 +162,13 @@ def watch_on(
     clocks: tuple[Callable[[], float], list[float]],
     deadline: float,
     seen: dict[bytes, Any],
+    interrupt: Interrupt,
 ) -> bool:
     """One watch on one member (etcd's `/v3/watch`, a stream of JSON lines), read in this
     thread and closed before returning: True once every key of `pending` has been put (its kv
     in `seen`), False at `deadline`. A member that fails raises as etcd3gw would, for `_call`
     to go on; each message from it is written down in `clocks[1]` (`clocks[0]`: the store's
-    clock)."""
+    clock). `interrupt` set: raises WatchInterruptedError."""
     clock = clocks[0]
     left = min(member.timeout, deadline - clock())  # `_call` cut it to the time it has left
     if left <= 0:
@@ -143,7 +187,14 @@ def watch_on(
         if answer.status_code != 200:
             exc = ConnectionTimeoutError if answer.status_code in BUSY else Etcd3Exception
             raise exc(answer.text, answer.reason)
-        return watch_events(answer, pending, clocks, deadline, seen)
+        sock = getattr(answer.raw.connection, "sock", None)
+        if sock is None:  # the gateway answered and closed: read what it sent
+            return watch_events(answer, pending, clocks, deadline, seen, interrupt)
+        interrupt.hold(sock)
+        try:
+            return watch_events(answer, pending, clocks, deadline, seen, interrupt)
+        finally:
+            interrupt.release(sock)
 
 
 def watch_events(
@@ -152,6 +203,7 @@ def watch_events(
     clocks: tuple[Callable[[], float], list[float]],
     deadline: float,
     seen: dict[bytes, Any],
+    interrupt: Interrupt,
 ) -> bool:
     clock, answered = clocks
     buffer = b""
@@ -165,7 +217,8 @@ def watch_events(
             sock.settimeout(left)
         try:
             buffer += next(chunks)
-        except (requests.RequestException, StopIteration):
+        except (requests.RequestException, StopIteration, OSError):
+            interrupt.check()  # the socket was shut down on purpose: no member went away
             if clock() >= deadline:
                 return False
             answered[0] = clock()  # it held the watch until now: the next member's time from here

@@ -6,8 +6,9 @@ A node whose workers are fine learns that the job restarts from the cycle's rest
 load on it at 1,000 nodes and more; docs/store.md). This service waits on the key instead, in a
 thread with its own store client (a blocking wait holds its connection): on TCPStore the server
 answers the moment the key is set, on etcd one watch does. The wait runs in chunks of
-`CHUNK_S`, so that a stopped cycle's thread ends within one, and when the key appears it puts a
-`CycleEndedElsewhere` on the agent's inbox. The agent keeps a slow `check` (`agent.node`) for a
+`CHUNK_S`, so that a stopped cycle's thread ends within one (on etcd, whose watch a stop ends
+at once, `LONG_CHUNK_S`), and when the key appears it puts a `CycleEndedElsewhere` on the
+agent's inbox. The agent keeps a slow `check` (`agent.node`) for a
 thread that lost its store.
 """
 
@@ -29,6 +30,9 @@ log = logging.getLogger("ftrun.agent")
 CHUNK_S = 1.0
 """One wait on the key: a store request a second per agent while training, and how long a
 stopped cycle's thread may outlive it."""
+LONG_CHUNK_S = 30.0
+"""One wait on a store whose wait another thread can end (`EtcdStore.interrupt`): one watch
+request per agent per half minute; a stop ends it at once."""
 CONNECT_S = 2.0
 """The thread's own client's bound on a request (and on connecting): a store that is gone
 keeps it no longer than that, so that `close` can join it."""
@@ -54,15 +58,15 @@ class RestartWatch(NodeService):
         cycle (`JobControl.restart_key`). The thread only waits: it writes nothing (a store
         that restarted empty is the agent's to restore first)."""
         self._connect, self._restart_key, self._post = connect, restart_key, post
-        self._threads: list[tuple[threading.Thread, threading.Event]] = []
+        self._threads: list[tuple[threading.Thread, threading.Event, list[Store]]] = []
 
     def on_started(self, rnd: Round, pids: Iterable[int]) -> None:
         self._stop_all()
-        stop = threading.Event()
-        thread = threading.Thread(target=self._wait, args=(rnd.number, stop), daemon=True,
-                                  name=f"restart-watch-c{rnd.number}")  # fmt: skip
-        self._threads = [(t, s) for t, s in self._threads if t.is_alive()]
-        self._threads.append((thread, stop))
+        stop, clients = threading.Event(), []
+        thread = threading.Thread(target=self._wait, args=(rnd.number, stop, clients),
+                                  daemon=True, name=f"restart-watch-c{rnd.number}")  # fmt: skip
+        self._threads = [entry for entry in self._threads if entry[0].is_alive()]
+        self._threads.append((thread, stop, clients))
         thread.start()
 
     def on_stopped(self, rnd: Round | None, pids: Iterable[int]) -> None:
@@ -75,23 +79,29 @@ class RestartWatch(NodeService):
         """Stop and join every thread (bounded): none may sit in a store call while the
         interpreter shuts down."""
         self._stop_all()
-        for thread, _ in self._threads:
+        for thread, _, _ in self._threads:
             thread.join(CHUNK_S + CONNECT_S + 2.0)
         self._threads = []
 
     def _stop_all(self) -> None:
-        for _, stop in self._threads:
-            stop.set()
+        for _, stop, clients in self._threads:
+            stop.set()  # before the interrupt: a thread that connects after it sees the stop
+            for client in clients:
+                interrupt = getattr(client, "interrupt", None)
+                if interrupt is not None:
+                    interrupt()
 
-    def _wait(self, cycle: int, stop: threading.Event) -> None:
+    def _wait(self, cycle: int, stop: threading.Event, clients: list[Store]) -> None:
         """Wait on the key until it is set or `stop`; a store that fails (it restarts, or is
         lost: the agent's own client says so) is met again a chunk later, and meanwhile the
         agent's slow check still sees the key."""
         while not stop.is_set():
             try:
                 store, key = self._connect(), self._restart_key(cycle)
+                clients.append(store)
+                chunk = LONG_CHUNK_S if hasattr(store, "interrupt") else CHUNK_S
                 while not stop.is_set():
-                    if wait_for_key(store, key, CHUNK_S):
+                    if wait_for_key(store, key, chunk):
                         if not stop.is_set():
                             self._post(CycleEndedElsewhere(cycle))
                         return
