@@ -24,6 +24,7 @@ from ftrun.errors import (
     RendezvousFailedError,
     RendezvousPrefixHeldError,
 )
+from ftrun.rendezvous.control import job_control
 from ftrun.store.connect import connect_etcd
 from ftrun.store.etcd_members import spread_start
 from ftrun.store.etcd_store import EtcdStore
@@ -192,6 +193,28 @@ def test_an_arrival_looks_at_the_close_so_that_its_wait_reads_nothing_first(
     assert counted.calls() == ["txn", "txn", "watch"]
     assert other.add_then_wait_on("arrivals", "closed") == 3  # closed already: the wait reads
     assert other.get_within("closed", 5) == b"round"
+
+
+def test_a_waiting_node_looks_at_shutdown_and_the_counts_in_one_request(
+    stores: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every few seconds of a round that does not close: 1 request on etcd, the same answers as
+    # TCPStore's 4 (an absent counter counts 0).
+    store, other = stores
+    control, theirs = job_control(store, "job"), job_control(other, "job")
+    counters = [f"{control.prefix}/c0/{name}" for name in ("arrivals", "unhealthy", "beat")]
+    other.add(counters[0], 1)
+    other.add(counters[0], 1)
+    other.add(counters[2], 1)
+    if isinstance(store, EtcdStore):
+        counted = Requests(monkeypatch)
+        counted.thread = threading.current_thread()
+    assert control.shutdown_and_counts(counters) == (None, [2, 0, 1])
+    if isinstance(store, EtcdStore):
+        assert counted.calls() == ["txn"]
+    theirs.shutdown(ExitCode.SUCCESS, "done", 0)
+    shutdown, counts = control.shutdown_and_counts(counters)
+    assert shutdown is not None and shutdown.reason == "done" and counts == [2, 0, 1]
 
 
 def test_waiting_again_after_a_timeout_replays_what_was_put_meanwhile(

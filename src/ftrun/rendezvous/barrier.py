@@ -193,18 +193,25 @@ class BarrierRendezvousHandler(RendezvousHandler):
             if not is_planner and chunks % _POLL_EVERY:  # the close itself ends the wait
                 self._check_waiting(deadline, interrupted, ask_store=False)
                 continue
-            self._check_waiting(deadline, interrupted)
-            arrived = self._store.add(self._key(cycle, "arrivals"), 0)
-            self.control.healthy_capacity(
-                cycle, self._config.min_nodes, self._config.max_nodes, arrived
+            if interrupted():
+                raise JoinInterruptedError
+            # One request on etcd (`read_now`): shutdown, the counts, the planner's beat.
+            counters = ["arrivals", "unhealthy", *([] if is_planner else ["beat"])]
+            shutdown, counts = self.control.shutdown_and_counts(
+                [self._key(cycle, name) for name in counters]
             )
-            if is_planner or self._planner_gone(planning):
+            if shutdown is not None:
+                raise RendezvousClosedError(shutdown.reason)
+            self._check_waiting(deadline, interrupted, ask_store=False)
+            self.control.healthy_capacity(
+                cycle, self._config.min_nodes, self._config.max_nodes, counts[0], counts[1]
+            )
+            if is_planner or self._planner_gone(planning, counts[2]):
                 self._store.add(self._key(cycle, "beat"), 1)
                 self._plan_and_close(planning, 0.0, probe=True)
         return blob
 
-    def _planner_gone(self, planning: _Planning) -> bool:
-        beat = self._store.add(self._key(planning.cycle, "beat"), 0)
+    def _planner_gone(self, planning: _Planning, beat: int) -> bool:
         now = time.monotonic()
         if beat != planning.beat[0]:
             planning.beat = (beat, now)

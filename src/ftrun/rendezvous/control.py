@@ -182,6 +182,19 @@ class JobControl:
         self.known.cycle = int(cycle)
         return self._shutdown(shutdown) if shutdown else None, self.known.cycle
 
+    def shutdown_and_counts(self, counters: list[str]) -> tuple[Shutdown | None, list[int]]:
+        """`shutdown_requested()` and the counts of the counter keys `counters` (full keys;
+        absent: 0), in one request on a store that reads several keys at once (a node waiting
+        for a round looks so every few seconds: 1 request, not 4)."""
+        found = read_now(self._store, [self._key("shutdown"), *counters])
+        if found is None:
+            return self.shutdown_requested(), [self._store.add(key, 0) for key in counters]
+        shutdown, *counts = found
+        return (
+            self._shutdown(shutdown) if shutdown else None,
+            [0 if count is None else int(count) for count in counts],
+        )
+
     def _shutdown(self, blob: bytes) -> Shutdown:
         self.known.shutdown = blob
         raw = json.loads(blob)
@@ -192,13 +205,22 @@ class JobControl:
         self._store.set(self.unhealthy_key(cycle, node), reason)
         self._store.add(self._key(f"c{cycle}/unhealthy"), 1)
 
-    def healthy_capacity(self, cycle: int, min_nodes: int, max_nodes: int, arrived: int = 0) -> int:
+    def healthy_capacity(
+        self,
+        cycle: int,
+        min_nodes: int,
+        max_nodes: int,
+        arrived: int = 0,
+        unhealthy: int | None = None,
+    ) -> int:
         """How many nodes can still join `cycle`; raises once that is fewer than `min_nodes`.
 
         The healthy nodes are at least those that arrived (standby nodes beyond `max_nodes`
-        included), and at most `max_nodes` less the unhealthy when no more come.
+        included), and at most `max_nodes` less the unhealthy when no more come (`unhealthy`:
+        their count, read already; None: read it).
         """
-        unhealthy = self._store.add(self._key(f"c{cycle}/unhealthy"), 0)
+        if unhealthy is None:
+            unhealthy = self._store.add(self._key(f"c{cycle}/unhealthy"), 0)
         possible = max(max_nodes - unhealthy, arrived)
         if possible < min_nodes:
             raise RendezvousFailedError(
