@@ -8,8 +8,7 @@ thread with its own store client (a blocking wait holds its connection): on TCPS
 answers the moment the key is set, on etcd one watch does. The wait runs in chunks of
 `CHUNK_S`, so that a stopped cycle's thread ends within one (on etcd, whose watch a stop ends
 at once, `LONG_CHUNK_S`), and when the key appears it puts a `CycleEndedElsewhere` on the
-agent's inbox. The agent keeps a slow `check` (`agent.node`) for a
-thread that lost its store.
+agent's inbox. The agent keeps a slow `check` (`agent.node`) for a thread that lost its store.
 """
 
 from __future__ import annotations
