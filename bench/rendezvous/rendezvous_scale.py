@@ -86,9 +86,9 @@ from bench.rendezvous.stores import (
 )
 from ftrun.rendezvous.barrier import BarrierRendezvousHandler, JoinInterruptedError
 from ftrun.rendezvous.config import RendezvousConfig, RendezvousImpl
-from ftrun.rendezvous.control import add_then_wait_on, get_within, read_now
 from ftrun.rendezvous.dynamic import DynamicRendezvous
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
+from ftrun.store.ops import add_then_wait_on, get_within, read_now
 
 JOIN_TIMEOUT_S = 300.0
 SETUP_TIMEOUT_S = 180.0
@@ -143,12 +143,12 @@ class CountingStore(dist.Store):
         return self._call("add" if value else "add 0", self._inner.add, key, value)
 
     def add_then_wait_on(self, key: str, watched: str) -> int:
-        """The barrier's arrival (`control.add_then_wait_on`: on etcd, with a look at the round's
+        """The barrier's arrival (`ops.add_then_wait_on`: on etcd, with a look at the round's
         close in the same request)."""
         return self._call("add", add_then_wait_on, self._inner, key, watched)
 
     def read_now(self, keys: list[str]) -> list[bytes | None] | None:
-        """A round's first look (`control.read_now`: None on TCPStore, which reads otherwise)."""
+        """A round's first look (`ops.read_now`: None on TCPStore, which reads otherwise)."""
         if not hasattr(self._inner, "read_now"):
             return None  # not an operation on this store: nothing to log
         return self._call("read_now", read_now, self._inner, keys)
@@ -164,7 +164,7 @@ class CountingStore(dist.Store):
         self._call("wait", self._inner.wait, *args)
 
     def get_within(self, key: str, timeout_s: float) -> bytes | None:
-        """The barrier's wait for the round (`control.get_within`: on etcd, one watch that
+        """The barrier's wait for the round (`ops.get_within`: on etcd, one watch that
         hands the value over; on TCPStore, a wait and a get)."""
         return self._call("get_within", get_within, self._inner, key, timeout_s)
 

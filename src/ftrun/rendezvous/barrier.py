@@ -39,17 +39,12 @@ from torch.distributed.elastic.rendezvous import (
 
 from ftrun.errors import ExitCode, NodeExcludedError
 from ftrun.rendezvous.config import RendezvousConfig
-from ftrun.rendezvous.control import (
-    add_then_wait_on,
-    existing_keys,
-    get_within,
-    job_control,
-    wait_for_keys,
-)
+from ftrun.rendezvous.control import job_control
 from ftrun.rendezvous.errors import DescriptorVersionError, InfraRankError, JoinInterruptedError
 from ftrun.rendezvous.published import Progress, PublishedRound
 from ftrun.rendezvous.ranks import NodeDescriptor, Round, order_nodes, row_from_json
 from ftrun.rendezvous.slots import Arrival, RoundView, plan_round, standbys
+from ftrun.store.ops import add_then_wait_on, existing_keys, get_within, wait_for_keys
 
 log = logging.getLogger("ftrun.rendezvous")
 

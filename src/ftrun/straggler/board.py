@@ -14,7 +14,7 @@ from typing import Any
 
 from torch.distributed import Store
 
-from ftrun.rendezvous.control import existing_keys
+from ftrun.store.ops import existing_keys
 
 
 class Board:

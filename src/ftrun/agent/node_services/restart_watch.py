@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterable
 
 from torch.distributed import Store
 
-from ftrun.rendezvous.control import wait_for_key
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import NodeService
+from ftrun.store.ops import wait_for_key
 
 log = logging.getLogger("ftrun.agent")
 

@@ -50,8 +50,8 @@ from ftrun.checkpointing.keeper.settings import KeeperSettings
 from ftrun.checkpointing.keeper.transfer import fetch_part
 from ftrun.checkpointing.store import PartKey
 from ftrun.peer import PeerClient, PeerError
-from ftrun.rendezvous.control import existing_keys, wait_for_keys
 from ftrun.rendezvous.ranks import Round
+from ftrun.store.ops import existing_keys, wait_for_keys
 
 log = logging.getLogger("ftrun.agent")
 
