@@ -19,7 +19,9 @@ from ftrun.store.config import StoreConfig
 from ftrun.store.reconnecting import ReconnectingStore
 
 if TYPE_CHECKING:  # etcd3gw is an extra
+    from ftrun.store.etcd_lease import JobLease
     from ftrun.store.etcd_members import MemberHealth
+    from ftrun.store.etcd_store import EtcdStore
 
 log = logging.getLogger("ftrun.rendezvous")
 
@@ -87,9 +89,9 @@ def another_client(
     client's business: the thread's caller connects again). `timeout`: its requests' bound
     (default: the store's)."""
     timeout = timeout or config.timeout
-    if config.backend == "etcd":  # sharing what the store's client saw of the members
-        health = getattr(store, "health", None)
-        return connect_etcd(config.endpoint, config.run_id, timeout, environ, health)
+    if config.backend == "etcd":  # sharing what the store's client saw, and its lease
+        shared = (getattr(store, "health", None), getattr(store, "lease", None))
+        return connect_etcd(config.endpoint, config.run_id, timeout, environ, shared)
     if isinstance(store, TCPStore):
         host, port = store.host, store.port
     else:  # `ftrun store`'s, which the agent reaches through a ReconnectingStore
@@ -145,10 +147,12 @@ def connect_etcd(
     run_id: str,
     timeout: datetime.timedelta,
     environ: Mapping[str, str],
-    health: MemberHealth | None = None,
+    shared: tuple[MemberHealth | None, JobLease | None] = (None, None),
+    lease_ttl_s: float | None = None,
 ) -> Store:
     """The job's store on the etcd members `endpoint` names (`host:port,...`), answering now;
-    `health`: what the launcher's other clients saw of the members (see `MemberHealth`).
+    `shared`: what the launcher's first client saw of the members (`MemberHealth`) and the
+    launch's lease (`etcd_lease`; None: this client finds or grants it, of `lease_ttl_s`).
 
     etcd outlives jobs: its keys for this launch go under `<run id>/<Slurm restart count>`, so
     that a requeued job (same job id) does not find its previous run's rounds. Under Slurm the
@@ -160,11 +164,13 @@ def connect_etcd(
 
     members = [parse_rendezvous_endpoint(m, default_port=2379) for m in endpoint.split(",")]
     launch = f"{run_id}/{environ.get('SLURM_RESTART_COUNT') or 0}"
+    health, store_lease = shared
     store = EtcdStore(
         members, launch, timeout, first_member=spread_start(len(members)), health=health
     )
     owner = environ.get("SLURM_JOB_ID")
     try:
+        store.lease = store_lease or _launch_lease(store, lease_ttl_s)
         # Claims the prefix under Slurm; elsewhere only checks that etcd answers now.
         held = store.compare_set(OWNER_KEY, "", owner) if owner else store.check([OWNER_KEY])
     except EtcdAuthError as exc:
@@ -178,6 +184,22 @@ def connect_etcd(
         )
     log.info("the rendezvous store is etcd at %s (keys under /ftrun/%s/)", endpoint, launch)
     return store
+
+
+def _launch_lease(store: EtcdStore, ttl_s: float | None) -> JobLease:
+    """The launch's lease: the one its first launcher granted, or one granted now (a launcher
+    that loses the race to write it revokes its own)."""
+    from ftrun.store.etcd_lease import JOB_LEASE_TTL_S, LEASE_KEY, JobLease
+
+    ttl_s = ttl_s or JOB_LEASE_TTL_S
+    [held] = store.read_now([LEASE_KEY])
+    if held is None:
+        granted = store.grant_lease(ttl_s)
+        store.lease = JobLease(granted, ttl_s)  # the key that names it goes with it
+        held = store.compare_set(LEASE_KEY, "", str(granted))
+        if int(held) != granted:
+            store.revoke_lease(granted)
+    return JobLease(int(held), ttl_s)
 
 
 def _open_store(host: str, port: int, serve: bool, timeout: datetime.timedelta) -> TCPStore:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Sequence
 
 log = logging.getLogger("ftrun.rendezvous")
 
@@ -23,6 +24,17 @@ class MemberHealth:
     def is_down(self, member: str) -> bool:
         with self._lock:
             return member in self._down
+
+    def first_answering(self, members: Sequence[str], index: int) -> int:
+        """The index of the first of `members`, from `index` on (modulo their number), that no
+        client of this launcher saw go away; `index` itself when none answers (one may be
+        back)."""
+        index %= len(members)
+        for step in range(len(members)):
+            candidate = (index + step) % len(members)
+            if not self.is_down(members[candidate]):
+                return candidate
+        return index
 
     def mark_down(self, member: str, exc: Exception) -> None:
         with self._lock:

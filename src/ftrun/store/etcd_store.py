@@ -19,7 +19,8 @@ etcd `version` plus the offset: every put bumps the version, so `add(key, 1)` is
 same marker under a compare on the value, which no other increment changes (N nodes arriving
 at once: N requests, not a compare-and-swap's O(N^2)). Every read turns the marker into the count.
 
-Every key goes under `/ftrun/<run id>/`, so several jobs share one etcd. Endpoints are tried in
+Every key goes under `/ftrun/<run id>/`, so several jobs share one etcd, and is attached to the
+launch's lease (`etcd_lease`: the keys go when the job has gone). Endpoints are tried in
 turn, from the one a launcher starts on (`spread_start`): a member that stops answering is left for
 the next one, with one log line, and a request fails only when no member has answered for the whole
 timeout. A request whose member stopped answering after applying it is sent again, so an `add` or
@@ -39,9 +40,11 @@ from typing import Any, TypeVar
 
 from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
+from etcd3gw.lease import Lease
 from torch.distributed import DistStoreError, Store
 
 from ftrun.store import etcd_wire as wire
+from ftrun.store.etcd_lease import JobLease
 from ftrun.store.etcd_members import MemberHealth
 
 log = logging.getLogger("ftrun.rendezvous")
@@ -85,18 +88,21 @@ class EtcdStore(Store):
                          for host, port in endpoints]  # fmt: skip
         self._names = [f"{host}:{port}" for host, port in endpoints]
         self.health = health or MemberHealth()
-        self._current = self._answering_from(first_member % len(self._members))
+        self._current = self.health.first_answering(self._names, first_member)
         self._prefix = f"/ftrun/{run_id}/"
         self._markers: dict[str, bytes] = {}  # counter key -> its marker, last seen
         self._absent: tuple[tuple[str, ...], list[str], int] | None = None  # see `_until`
         self._interrupt = wire.Interrupt()
+        self.lease: JobLease | None = None
+        """The launch's lease, attached to every key this client puts (`etcd_lease`)."""
         self.set_timeout(timeout)  # the base class keeps it: `self.timeout`, as on TCPStore
         self._clock = clock
 
     # ---- the Store interface ------------------------------------------------------------------
 
     def set(self, key: str, value: str | bytes) -> None:
-        self._call(lambda c: c.put(self._key(key), wire.as_bytes(value)))
+        full, raw, lease = self._key(key), wire.as_bytes(value), self._lease_id
+        self._call(lambda c: c.put(full, raw, Lease(lease, c) if lease is not None else None))
 
     def get(self, key: str) -> bytes:
         return self.multi_get([key])[0]
@@ -147,7 +153,7 @@ class EtcdStore(Store):
 
         while True:
             if amount == 1:  # the arrival counter: one put that no other increment can undo
-                once = wire.put_op(full, marker, prev_kv=True)
+                once = wire.put_op(full, marker, prev_kv=True, lease=self._lease_id)
                 reply = self._txn(
                     [wire.value_is(full, marker)], [once, *look], [wire.range_op(full), *look]
                 )
@@ -178,7 +184,8 @@ class EtcdStore(Store):
         expected, desired = wire.as_bytes(expected), wire.as_bytes(desired)
         full = self._key(key)
         compare = wire.value_is(full, expected) if expected else wire.absent(full)
-        reply = self._txn([compare], [wire.put_op(full, desired)], [wire.range_op(full)])
+        put = wire.put_op(full, desired, lease=self._lease_id)
+        reply = self._txn([compare], [put], [wire.range_op(full)])
         while not reply.get("succeeded"):
             kv = wire.first_kv(reply)
             if kv is None:
@@ -188,9 +195,7 @@ class EtcdStore(Store):
                 return current
             # A counter whose count is `expected`: its value is the marker, so compare the
             # revision the count was read at instead.
-            reply = self._txn(
-                [wire.mod_is(full, kv)], [wire.put_op(full, desired)], [wire.range_op(full)]
-            )
+            reply = self._txn([wire.mod_is(full, kv)], [put], [wire.range_op(full)])
         return desired
 
     def delete_key(self, key: str) -> bool:
@@ -200,6 +205,30 @@ class EtcdStore(Store):
     def num_keys(self) -> int:
         reply = self._call(lambda c: c.get_prefix(self._prefix))
         return len(reply)
+
+    # ---- the launch's lease (`etcd_lease`) --------------------------------------------------
+
+    def grant_lease(self, ttl_s: float) -> int:
+        return self._call(lambda c: c.lease(int(ttl_s)).id)
+
+    def revoke_lease(self, lease_id: int) -> None:
+        self._call(lambda c: Lease(lease_id, c).revoke())
+
+    @property
+    def _lease_id(self) -> int | None:
+        return self.lease.id if self.lease else None
+
+    def _refresh_lease(self) -> None:
+        """Keep the launch's lease alive, if this client's turn has come (`JobLease`)."""
+        lease = self.lease
+        if lease is None or not lease.take_refresh():
+            return
+        left = self._call(lambda c: Lease(lease.id, c).refresh())
+        if left <= 0:  # no launcher refreshed it for a whole TTL: etcd deleted the job's keys
+            raise DistStoreError(
+                f"the job's etcd lease {lease.id} expired: its keys are gone (no launcher of "
+                f"the job used the store for {lease.ttl_s:g}s)"
+            )
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -298,7 +327,8 @@ class EtcdStore(Store):
         while (new := update(kv)) is not None:
             compare = wire.mod_is(full, kv) if kv is not None else wire.absent(full)
             # On a lost race the failure branch returns the key as it is now: no second read.
-            reply = self._txn([compare], [wire.put_op(full, new)], [wire.range_op(full)])
+            put = wire.put_op(full, new, lease=self._lease_id)
+            reply = self._txn([compare], [put], [wire.range_op(full)])
             if reply.get("succeeded"):
                 break
             kv = wire.first_kv(reply)
@@ -316,6 +346,7 @@ class EtcdStore(Store):
         """`request` on the current member, else on the next ones, until one answers or none
         has for the store's timeout (each request is cut to the time left); `answered`: when
         a long request (a watch) last heard from its member, the timeout running from there."""
+        self._refresh_lease()
         deadline = self._clock() + self.timeout.total_seconds()
         pause = _POLL_S[0]
         while True:
@@ -348,18 +379,9 @@ class EtcdStore(Store):
             time.sleep(min(pause, max(deadline - self._clock(), 0.0)))
             pause = min(pause * 2, 1.0)
 
-    def _answering_from(self, index: int) -> int:
-        """The first member from `index` on that no client of this launcher saw go away
-        (`index` itself when none answers: one of them may be back)."""
-        for step in range(len(self._members)):
-            candidate = (index + step) % len(self._members)
-            if not self.health.is_down(self._names[candidate]):
-                return candidate
-        return index
-
     def _member_down(self, index: int, exc: Exception) -> None:
         self.health.mark_down(self._names[index], exc)
-        self._current = self._answering_from((index + 1) % len(self._members))
+        self._current = self.health.first_answering(self._names, index + 1)
 
     def _member_up(self, index: int) -> None:
         self._current = index

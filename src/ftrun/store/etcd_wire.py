@@ -76,10 +76,14 @@ def as_bytes(value: str | bytes | int) -> bytes:
     return str(value).encode()
 
 
-def put_op(key: str, value: bytes, prev_kv: bool = False) -> dict[str, Any]:
+def put_op(
+    key: str, value: bytes, prev_kv: bool = False, lease: int | None = None
+) -> dict[str, Any]:
     put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
     if prev_kv:  # the key as it was: a counter's count is its version after this put
         put["prev_kv"] = True
+    if lease is not None:  # the key goes when the lease does (`etcd_lease`)
+        put["lease"] = lease
     return {"request_put": put}
 
 
