@@ -38,7 +38,7 @@ from ftrun.checkpointing.keeper.messages import (
     parse_part_request,
 )
 from ftrun.checkpointing.keeper.names import parse_iteration_dir, parse_part_name, valid_session
-from ftrun.checkpointing.keeper.node_tier import OWNER_LOCK, NodeTier, remove_abandoned
+from ftrun.checkpointing.keeper.node_tier import NodeTier, remove_abandoned
 from ftrun.checkpointing.keeper.transfer import PUSH, push_part
 from ftrun.checkpointing.manager import LocalCheckpointManager
 from ftrun.checkpointing.part_write import write_part
@@ -54,6 +54,7 @@ from ftrun.checkpointing.tier_files import (
     write_json_atomically,
 )
 from ftrun.eventlog.schema import problems
+from ftrun.owned_dir import OWNER_LOCK
 from ftrun.peer import PeerRemoteError
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
 from support import wait_for

@@ -13,18 +13,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import fcntl
 import functools
 import os
 import queue
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from torch.distributed import Store, TCPStore
 
+from ftrun import owned_dir
 from ftrun.agent.inprocess.records import InprocessRecords
 from ftrun.agent.node_services import restart_watch
 from ftrun.agent.node_services.cycle_info import CycleInfoService
@@ -149,7 +148,8 @@ def open_runtime(
         events = stack.enter_context(contextlib.closing(_open_events(log_dir, node)))
         # The per-job 0700 directory for IPC (mkdtemp's mode): removed after every service.
         job_dir, lock = make_job_dir()
-        stack.callback(os.close, lock)
+        if lock is not None:
+            stack.callback(os.close, lock)
         stack.callback(shutil.rmtree, job_dir, ignore_errors=True)
         services = NodeServices()
         stack.callback(services.close)
@@ -222,43 +222,20 @@ class _MonitorLink:
 
 
 JOB_DIR_PREFIX = "ftrun-job-"
-_JOB_DIR_LOCK = "owner.lock"
+_JOB_DIR = "job directory"
 _STALE_AFTER_S = 60.0
 """A job directory younger than this is never taken for a dead launcher's (it may be starting)."""
 
 
-def make_job_dir(parent: Path | None = None) -> tuple[Path, int]:
+def make_job_dir(parent: Path | None = None) -> tuple[Path, int | None]:
     """This launcher's 0700 IPC directory under the temporary directory, and the descriptor of
-    the lock it holds on it while it lives (keep it open; closing it gives the directory up).
-
-    First, the directories of this user's launchers that are gone are removed: a launcher
-    killed with SIGKILL cannot remove its own, and a node would gather one a lost launcher. A
-    lock, not a pid, tells them apart: the kernel drops it with its holder, also where /tmp is
-    shared by containers that do not see each other's processes."""
+    the lock it holds on it while it lives (`ftrun.owned_dir`; keep it open). First, this
+    user's job directories whose launcher is gone go: a launcher killed with SIGKILL cannot
+    remove its own, and a node would gather one a lost launcher."""
     parent = parent or Path(tempfile.gettempdir())
-    for stale in parent.glob(f"{JOB_DIR_PREFIX}*"):
-        with contextlib.suppress(OSError):  # not ours, or another launcher removes it too
-            if _abandoned(stale):
-                shutil.rmtree(stale)
+    owned_dir.remove_abandoned(parent, JOB_DIR_PREFIX, _JOB_DIR, min_age_s=_STALE_AFTER_S)
     job_dir = Path(tempfile.mkdtemp(prefix=JOB_DIR_PREFIX, dir=parent))
-    lock = os.open(job_dir / _JOB_DIR_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    return job_dir, lock
-
-
-def _abandoned(job_dir: Path) -> bool:
-    """Whether `job_dir` is this user's, old enough, and its lock is held by nobody."""
-    info = job_dir.stat()
-    if info.st_uid != os.getuid() or time.time() - info.st_mtime < _STALE_AFTER_S:
-        return False
-    lock = os.open(job_dir / _JOB_DIR_LOCK, os.O_RDWR | os.O_CLOEXEC)  # none: not ours to judge
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False  # its launcher lives
-    finally:
-        os.close(lock)
-    return True
+    return job_dir, owned_dir.hold_owner_lock(job_dir, _JOB_DIR)
 
 
 def _add_node_services(

@@ -6,8 +6,8 @@ and the agent's pid; if `/dev/shm` is absent or not writable, in the system's te
 (a disk, slower, but the keeper still works), and a log line says which. It lives as long as
 the agent (worker restarts keep it) and `close` removes it. An agent that was SIGKILLed cannot
 remove it, and node memory would stay taken until the node reboots; so the agent holds an
-exclusive `flock` on `<dir>/owner.lock` for its lifetime (the kernel drops it when the process
-dies), and every new keeper first removes its user's directories whose lock it can take.
+exclusive `flock` on `<dir>/owner.lock` for its lifetime, and every new keeper first removes its
+user's directories whose lock it can take (`ftrun.owned_dir`).
 
 Installing a part that came from a peer (a push or a restore fetch): a temp file next to its
 place, its full size reserved with `posix_fallocate` (no SIGBUS on a full tmpfs), filled through
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import itertools
 import logging
 import mmap
@@ -29,10 +28,10 @@ import shutil
 import stat
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+from ftrun import owned_dir
 from ftrun.checkpointing.errors import CheckpointError
 from ftrun.checkpointing.format import TMP_MARK, PartInfo, read_info, read_part
 from ftrun.checkpointing.keeper.errors import PartRejectedError
@@ -64,7 +63,7 @@ log = logging.getLogger("ftrun.agent")
 
 DEFAULT_BASES = (Path("/dev/shm"),)
 DIR_PREFIX = "ftrun-ckpt-"
-OWNER_LOCK = "owner.lock"
+_WHAT = "checkpoint keeper"
 # A directory without its lock file may be one another agent is creating right now.
 _UNLOCKED_GRACE_S = 600.0
 
@@ -77,7 +76,7 @@ class NodeTier:
         self.root = root
         self._seq = itertools.count()
         self._lock = threading.Lock()  # session creation only: files are renamed into place
-        self._owner_fd = _hold_owner_lock(root)
+        self._owner_fd = owned_dir.hold_owner_lock(root, _WHAT)
 
     @classmethod
     def create(cls, run_id: str, bases: Sequence[Path] = DEFAULT_BASES) -> NodeTier:
@@ -326,55 +325,9 @@ def _remove_empty(directory: Path) -> None:
             log.debug("checkpoint keeper: cannot remove %s: %s", directory, exc)
 
 
-def _hold_owner_lock(root: Path) -> int | None:
-    """Lock `root/owner.lock` for this process's lifetime (None if the filesystem refuses)."""
-    try:
-        fd = os.open(
-            root / OWNER_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-        )
-    except OSError as exc:
-        log.warning("checkpoint keeper: no owner lock in %s: %s", root, exc)
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        log.warning("checkpoint keeper: cannot lock %s: %s", root / OWNER_LOCK, exc)
-        return None
-    return fd
-
-
 def remove_abandoned(base: Path, now: float | None = None) -> list[Path]:
     """Remove this user's keeper directories in `base` whose agent is gone: its owner lock is
     free, or it has none and is older than a grace period. Returns what was removed."""
-    removed = []
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(base):
-            if entry.name.startswith(DIR_PREFIX) and _abandoned(entry, now):
-                shutil.rmtree(entry.path, ignore_errors=True)
-                log.warning("checkpoint keeper: removed %s, left by an agent that died", entry.path)
-                removed.append(Path(entry.path))
-    return removed
-
-
-def _abandoned(entry: os.DirEntry[str], now: float | None) -> bool:
-    try:
-        st = entry.stat(follow_symlinks=False)
-    except OSError:
-        return False
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        return False
-    try:
-        fd = os.open(Path(entry.path) / OWNER_LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        age = (now if now is not None else time.time()) - st.st_mtime
-        return age > _UNLOCKED_GRACE_S
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return False  # held: its agent is alive
-    finally:
-        os.close(fd)  # also releases the lock just taken
-    return True
+    return owned_dir.remove_abandoned(
+        base, DIR_PREFIX, _WHAT, now, unlocked_grace_s=_UNLOCKED_GRACE_S
+    )
