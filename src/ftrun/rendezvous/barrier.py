@@ -39,7 +39,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from ftrun.errors import ExitCode, NodeExcludedError
 from ftrun.rendezvous.config import RendezvousConfig
-from ftrun.rendezvous.control import job_control
+from ftrun.rendezvous.control import Shutdown, job_control
 from ftrun.rendezvous.errors import DescriptorVersionError, InfraRankError, JoinInterruptedError
 from ftrun.rendezvous.published import Progress, PublishedRound
 from ftrun.rendezvous.ranks import NodeDescriptor, Round, order_nodes, row_from_json
@@ -153,8 +153,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
         deadline = time.monotonic() + self._config.join_timeout
         while True:
             shutdown, cycle = self.control.shutdown_and_cycle()
-            if shutdown is not None:
-                raise RendezvousClosedError(shutdown.reason)
+            _raise_for(shutdown)
             # Built before arriving: a closer gives an arrival only a short grace to write it.
             mine = self._descriptor().to_json()
             self._arrived_at = time.monotonic()
@@ -195,8 +194,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
             shutdown, counts = self.control.shutdown_and_counts(
                 [self._key(cycle, name) for name in counters]
             )
-            if shutdown is not None:
-                raise RendezvousClosedError(shutdown.reason)
+            _raise_for(shutdown)
             self._check_waiting(deadline, interrupted, ask_store=False)
             self.control.healthy_capacity(
                 cycle, self._config.min_nodes, self._config.max_nodes, counts[0], counts[1]
@@ -364,12 +362,16 @@ class BarrierRendezvousHandler(RendezvousHandler):
             )
 
     def _raise_if_shut_down(self) -> None:
-        shutdown = self.control.shutdown_requested()
-        if shutdown is not None:
-            raise RendezvousClosedError(shutdown.reason)
+        _raise_for(self.control.shutdown_requested())
 
     def _key(self, cycle: int, name: str) -> str:
         return f"{self._prefix}/c{cycle}/{name}"
+
+
+def _raise_for(shutdown: Shutdown | None) -> None:
+    """The job is shut down (as the store said): this node leaves the rendezvous."""
+    if shutdown is not None:
+        raise RendezvousClosedError(shutdown.reason)
 
 
 def _arrival(index: int, row: list[object]) -> Arrival:

@@ -178,9 +178,9 @@ class JobControl:
             return self.shutdown_requested(), self.cycle()
         shutdown, cycle = found
         if cycle is None:  # put when the job's first agent began: only a store that restarted
-            return self._shutdown(shutdown) if shutdown else None, self.cycle()
+            return self._shutdown(shutdown), self.cycle()
         self.known.cycle = int(cycle)
-        return self._shutdown(shutdown) if shutdown else None, self.known.cycle
+        return self._shutdown(shutdown), self.known.cycle
 
     def shutdown_and_counts(self, counters: list[str]) -> tuple[Shutdown | None, list[int]]:
         """`shutdown_requested()` and the counts of the counter keys `counters` (full keys;
@@ -190,12 +190,12 @@ class JobControl:
         if found is None:
             return self.shutdown_requested(), [self._store.add(key, 0) for key in counters]
         shutdown, *counts = found
-        return (
-            self._shutdown(shutdown) if shutdown else None,
-            [0 if count is None else int(count) for count in counts],
-        )
+        return self._shutdown(shutdown), [0 if count is None else int(count) for count in counts]
 
-    def _shutdown(self, blob: bytes) -> Shutdown:
+    def _shutdown(self, blob: bytes | None) -> Shutdown | None:
+        """The shutdown request `blob` says (None: there is none)."""
+        if blob is None:
+            return None
         self.known.shutdown = blob
         raw = json.loads(blob)
         return Shutdown(ExitCode(raw["code"]), raw["reason"])

@@ -50,16 +50,18 @@ class Interrupt:
             with contextlib.suppress(OSError):  # closed meanwhile: its read has returned
                 sock.shutdown(socket.SHUT_RDWR)
 
-    def hold(self, sock: socket.socket) -> None:
-        """`sock` is read until `release`; raises if interrupted already."""
+    def hold(self, sock: socket.socket | None) -> None:
+        """`sock` is read until `release` (None: nothing to shut down); raises if interrupted
+        already."""
         with self._lock:
-            if self.is_set:
-                raise WatchInterruptedError("the wait was interrupted")
-            self._sockets.add(sock)
+            self.check()
+            if sock is not None:
+                self._sockets.add(sock)
 
-    def release(self, sock: socket.socket) -> None:
-        with self._lock:
-            self._sockets.discard(sock)
+    def release(self, sock: socket.socket | None) -> None:
+        if sock is not None:
+            with self._lock:
+                self._sockets.discard(sock)
 
     def check(self) -> None:
         if self.is_set:
@@ -191,9 +193,7 @@ def watch_on(
         if answer.status_code != 200:
             exc = ConnectionTimeoutError if answer.status_code in BUSY else Etcd3Exception
             raise exc(answer.text, answer.reason)
-        sock = getattr(answer.raw.connection, "sock", None)
-        if sock is None:  # the gateway answered and closed: read what it sent
-            return watch_events(answer, pending, clocks, deadline, seen, interrupt)
+        sock = getattr(answer.raw.connection, "sock", None)  # None: answered and closed
         interrupt.hold(sock)
         try:
             return watch_events(answer, pending, clocks, deadline, seen, interrupt)
