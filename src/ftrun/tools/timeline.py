@@ -23,16 +23,8 @@ from matplotlib.path import Path as MarkerPath
 from matplotlib.ticker import FuncFormatter, MultipleLocator
 
 from ftrun.eventlog.failures import CRASH, HANG, SIGNAL, Failure, ranks_text
-from ftrun.eventlog.report import (
-    FINISHED,
-    RENDEZVOUS,
-    RUNNING,
-    STALLED,
-    STARTING,
-    STOPPING,
-    Report,
-    duration_text,
-)
+from ftrun.eventlog.lanes import FINISHED, RENDEZVOUS, RUNNING, STALLED, STARTING, STOPPING
+from ftrun.eventlog.report import Report, duration_text
 from ftrun.tools.summary import clock_text
 
 STATE_STYLE = {  # (colour, legend label); colour-blind-safe hues, "bad" states warm
