@@ -16,11 +16,11 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from ftrun.errors import RendezvousAuthError, RendezvousFailedError, RendezvousPrefixHeldError
 from ftrun.identity import is_local_host
 from ftrun.store.config import StoreConfig
+from ftrun.store.etcd_lease import JOB_LEASE_TTL_S, LEASE_KEY, JobLease
+from ftrun.store.etcd_members import MemberHealth, spread_start
 from ftrun.store.reconnecting import ReconnectingStore
 
-if TYPE_CHECKING:  # etcd3gw is an extra
-    from ftrun.store.etcd_lease import JobLease
-    from ftrun.store.etcd_members import MemberHealth
+if TYPE_CHECKING:  # etcd3gw is an extra: imported where an etcd store is made
     from ftrun.store.etcd_store import EtcdStore
 
 log = logging.getLogger("ftrun.rendezvous")
@@ -159,7 +159,6 @@ def connect_etcd(
     first launcher also claims that prefix for its Slurm job: a launcher of another job with the
     same `--rdzv-id` stops with `RendezvousPrefixHeldError` rather than join a stranger's job.
     """
-    from ftrun.store.etcd_members import spread_start
     from ftrun.store.etcd_store import EtcdAuthError, EtcdStore  # etcd3gw
 
     members = [parse_rendezvous_endpoint(m, default_port=2379) for m in endpoint.split(",")]
@@ -189,8 +188,6 @@ def connect_etcd(
 def _launch_lease(store: EtcdStore, ttl_s: float | None) -> JobLease:
     """The launch's lease: the one its first launcher granted, or one granted now (a launcher
     that loses the race to write it revokes its own)."""
-    from ftrun.store.etcd_lease import JOB_LEASE_TTL_S, LEASE_KEY, JobLease
-
     ttl_s = ttl_s or JOB_LEASE_TTL_S
     [held] = store.read_now([LEASE_KEY])
     if held is None:

@@ -39,6 +39,8 @@ class JobLease:
     def take_refresh(self) -> bool:
         """True for the one caller that should refresh the lease now (the next is due a third
         of the TTL later)."""
+        if self._clock() < self._due:  # every request asks: no lock until one is due
+            return False
         with self._lock:
             now = self._clock()
             if now < self._due:
