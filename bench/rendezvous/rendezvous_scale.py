@@ -88,6 +88,7 @@ from ftrun.rendezvous.barrier import BarrierRendezvousHandler, JoinInterruptedEr
 from ftrun.rendezvous.config import RendezvousConfig, RendezvousImpl
 from ftrun.rendezvous.dynamic import DynamicRendezvous
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
+from ftrun.store.etcd_members import spread_start
 from ftrun.store.ops import add_then_wait_on, get_within, read_now
 
 JOIN_TIMEOUT_S = 300.0
@@ -200,7 +201,7 @@ class ProcSpec:
     indices: tuple[int, ...]
     switch_interval: float
     spread: bool = True
-    """etcd: agent i asks member i % 3 first, as launchers spread (`etcd_store.spread_start`);
+    """etcd: agent i asks member i % 3 first, as launchers spread (`etcd_members.spread_start`);
     False: every agent asks the first-listed member first."""
 
     def config(self) -> RendezvousConfig:
@@ -284,7 +285,8 @@ def open_store(spec: ProcSpec, index: int) -> CountingStore:
     first request (as `connect_etcd` does before the agent uses it)."""
     if spec.backend == "etcd":
         members = [(h, int(p)) for h, p in (m.rsplit(":", 1) for m in spec.endpoint.split(","))]
-        first = index % len(members) if spec.spread else 0
+        # The launchers' rule, with the agent's index for its pid (one process holds many).
+        first = spread_start(len(members), index) if spec.spread else 0
         store = request_counting_etcd()(members, spec.run_id, STORE_TIMEOUT, first_member=first)
         store.check([CONNECT_KEY])
         return CountingStore(store, lambda: store.requests)
