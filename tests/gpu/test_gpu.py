@@ -3,8 +3,8 @@ node replaced by a hot spare.
 
 Two launchers on one host as two nodes, each with its own GPUs (`CUDA_VISIBLE_DEVICES`): one GPU
 each (2 GPUs), and where 4 are present, two each. On one GPU the health check and the memory
-reclaim run with one launcher; a scenario the GPUs present cannot hold is skipped with its
-reason. Run on a GPU machine with
+reclaim run with one launcher; with two GPUs the spare takes the GPU of the node it replaces;
+a scenario the GPUs present cannot hold is skipped with its reason. Run on a GPU machine with
 `pytest tests/gpu -m gpu`; with FTRUN_GPU_REPORT=<file> each scenario appends its timings there
 as a JSON line.
 """
@@ -22,12 +22,13 @@ from pathlib import Path
 import pytest
 
 from ftrun.errors import ExitCode, NodeUnhealthyError
-from launch import Job, node_of, start_job
+from launch import EXAMPLE, Job, Node, node_of, start_job
+from store_process import StoreProcess
 from support import wait_for
 from test_inprocess_jobs import run_twenty_faults
 from test_observe_jobs import endpoints, scrape
 from test_rerun_jobs import FLIP_STEP, STEPS, expected_w, progress
-from test_spares import SPARE, killable, lose, rounds, standby_nodes, wait_all
+from test_spares import SPARE, lose, rounds, standby_nodes, wait_all
 
 torch = pytest.importorskip("torch")
 pytestmark = [
@@ -46,6 +47,9 @@ JOB_S = 150
 
 GPUS = torch.cuda.device_count()
 TWO_GPUS = pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs (two launchers)")
+SPARE_GPUS = ["0", "1", "2" if GPUS >= 3 else "0"]
+"""Launchers 0 and 1 train, launcher 2 stands by; on a 2-GPU host the spare has launcher 0's GPU,
+which is free once launcher 0 (the node a spare test loses) is gone."""
 PER_NODE = [
     pytest.param(1, id="2x1", marks=TWO_GPUS),
     pytest.param(2, id="2x2", marks=pytest.mark.skipif(GPUS < 4, reason="needs 4 CUDA GPUs")),
@@ -57,6 +61,28 @@ def node_envs(per_node: int = 1, nodes: int = 2) -> list[dict[str, str]]:
     """Launcher i's own GPUs: i * per_node onwards."""
     return [{**NCCL_ENV, "CUDA_VISIBLE_DEVICES": ",".join(
         str(i * per_node + g) for g in range(per_node))} for i in range(nodes)]  # fmt: skip
+
+
+@pytest.fixture
+def off_node_store(tmp_path: Path):
+    """The rendezvous store served off the nodes (`ftrun store`), so that the node a spare test
+    loses is always group rank 0, whichever launcher would have hosted the store."""
+    store = StoreProcess(tmp_path / "store.log")
+    yield store
+    store.stop()
+    assert store.proc.poll() is not None
+
+
+def spare_job(
+    tmp: Path, store: StoreProcess, script_args: list[str], script: Path = EXAMPLE
+) -> tuple[Job, Node]:
+    """Three launchers of one GPU each, ranked by GROUP_RANK (0 and 1 train, 2 stands by), and
+    the node to lose: group rank 0."""
+    envs = [{**NCCL_ENV, "GROUP_RANK": str(i), "CUDA_VISIBLE_DEVICES": gpu}
+            for i, gpu in enumerate(SPARE_GPUS)]  # fmt: skip
+    job = start_job(tmp, 3, [*SPARE, "--ft-use-infra-group-rank", *store.launcher_args],
+                    script_args, script=script, node_env=envs)  # fmt: skip
+    return job, job.nodes[0]
 
 
 def _tails(job: Job) -> str:
@@ -152,22 +178,23 @@ def test_d_restart_waits_for_gpu_memory_to_be_released(tmp_path: Path):
     )
 
 
-@pytest.mark.skipif(GPUS < 3, reason="needs 3 CUDA GPUs (2 nodes and a spare)")
-def test_e_a_lost_node_is_replaced_by_the_spare_and_nccl_spans_it(tmp_path: Path):
-    """Three launchers of one GPU each, two active: the one not holding the store dies with
-    its workers; the spare takes its slot and NCCL runs between the survivor and the spare."""
-    job = start_job(tmp_path, 3, [*SPARE], [*TRAIN, "--steps", "80"], node_env=node_envs(1, 3))
+@TWO_GPUS
+def test_e_a_lost_node_is_replaced_by_the_spare_and_nccl_spans_it(
+    tmp_path: Path, off_node_store: StoreProcess
+):
+    """Three launchers of one GPU each, two active: one dies with its workers; the spare takes
+    its slot and NCCL runs between the survivor and the spare."""
+    job, victim = spare_job(tmp_path, off_node_store, [*TRAIN, "--steps", "80"])
     progress = job.ckpt_dir / "progress-rank0.txt"
     deadline = time.monotonic() + START_S
     while not (progress.exists() and len(progress.read_text().splitlines()) >= 10):
         assert time.monotonic() < deadline, f"no training on 2 nodes: {_tails(job)}"
         time.sleep(0.2)
     first = rounds(job)[0]
-    victim = killable(job, 0)
     lose(victim)
     lost_at = time.time()
     codes = wait_all(job, JOB_S)
-    assert codes == {n.index: -9 if n is victim else 0 for n in job.nodes}, job.nodes[0].text()
+    assert codes == {n.index: -9 if n is victim else 0 for n in job.nodes}, _tails(job)
     spare = standby_nodes(job, 0).pop()
     final = rounds(job)[max(rounds(job))]
     assert spare in final and node_of(job, spare) is not victim and len(final) == len(first)
@@ -176,25 +203,23 @@ def test_e_a_lost_node_is_replaced_by_the_spare_and_nccl_spans_it(tmp_path: Path
     report("node lost, spare takes its slot (NCCL)", spare_started_s=round(again - lost_at, 3))
 
 
-@pytest.mark.skipif(GPUS < 3, reason="needs 3 CUDA GPUs (2 nodes and a spare)")
+@TWO_GPUS
 def test_f_a_lost_nodes_cuda_state_is_restored_on_the_spare_from_its_peer_replica(
-    tmp_path: Path,
+    tmp_path: Path, off_node_store: StoreProcess
 ):
     """Local checkpoints of GPU tensors (`LocalCheckpointManager`, replicated to the next node):
     the node not holding the store is lost; the spare fetches the lost rank's part from the
     survivor's replica and every rank resumes from the same iteration, on its GPU."""
     worker = Path(__file__).resolve().parents[1] / "workers" / "ckpt_worker.py"
-    job = start_job(tmp_path, 3, [*SPARE], ["--device", "cuda", "--steps", "80",
-                                            "--step-time", "0.05", "--mb", "64"],
-                    script=worker, node_env=node_envs(1, 3))  # fmt: skip
+    args = ["--device", "cuda", "--steps", "80", "--step-time", "0.05", "--mb", "64"]
+    job, victim = spare_job(tmp_path, off_node_store, args, script=worker)
     deadline = time.monotonic() + START_S
     while len(job.events("ckpt_replicated")) < 4:
         assert time.monotonic() < deadline, f"no replicated checkpoints: {_tails(job)}"
         time.sleep(0.2)
-    victim = killable(job, 0)
     lose(victim)
     codes = wait_all(job, JOB_S)
-    assert codes == {n.index: -9 if n is victim else 0 for n in job.nodes}, job.nodes[0].text()
+    assert codes == {n.index: -9 if n is victim else 0 for n in job.nodes}, _tails(job)
     after = [e for e in job.events("ckpt_restore") if e["cycle"] == 1]
     assert len({e["iteration"] for e in after}) == 1 and after[0]["iteration"] >= 5
     assert any(e.get("fetched") for e in after)  # the spare fetched the lost rank's part
@@ -229,18 +254,19 @@ def test_g_a_gpu_slowed_by_a_busy_neighbour_is_named_by_the_straggler_detector(
            first_seq=found[0]["seq"])  # fmt: skip
 
 
-@pytest.mark.skipif(GPUS < 3, reason="needs 3 CUDA GPUs (2 nodes and a spare)")
-def test_h_a_result_reproduced_on_one_node_is_re_run_on_the_spare_over_nccl(tmp_path: Path):
+@TWO_GPUS
+def test_h_a_result_reproduced_on_one_node_is_re_run_on_the_spare_over_nccl(
+    tmp_path: Path, off_node_store: StoreProcess
+):
     """The re-run state machine with NCCL: one rank's loss is wrong on its node's GPU (marked
     bad) and again when re-run there; it exits 16, the step is re-run on the spare, the verdict
     names the node, which is excluded, and every rank ends where a clean run ends."""
     worker = Path(__file__).resolve().parents[1] / "workers" / "rerun_worker.py"
-    job = start_job(tmp_path, 3, [*SPARE], ["--device", "cuda", "--flip", f"marked:{FLIP_STEP}",
-                                            "--steps", str(STEPS), "--step-time", "0.03"],
-                    script=worker, node_env=node_envs(1, 3))  # fmt: skip
+    args = ["--device", "cuda", "--flip", f"marked:{FLIP_STEP}", "--steps", str(STEPS),
+            "--step-time", "0.03"]  # fmt: skip
+    job, victim = spare_job(tmp_path, off_node_store, args, script=worker)
     job.wait_event("rendezvous_done", 2)
     first = rounds(job)[0]
-    victim = killable(job, 0)
     name = next(n for n in first if n.endswith(f"-{victim.proc.pid}"))
     job.ckpt_dir.mkdir(parents=True, exist_ok=True)
     (job.ckpt_dir / "flip-rank").write_text(str(first.index(name)))
