@@ -131,6 +131,18 @@ def test_cycle_ended_elsewhere_restarts_here() -> None:
     assert decide(S.RUNNING, p.CycleEnded()) == Action(S.STOPPING)
 
 
+def test_a_neighbour_gone_while_training_restarts_the_cycle_as_a_failure() -> None:
+    action = decide(S.RUNNING, p.NeighbourGone("n1"))
+    cause = "node n1 stopped answering while n0's workers ran (lost with its workers)"
+    assert action == Action(S.STOPPING, vote=RestartVote(cause))
+
+
+def test_a_neighbour_gone_after_a_node_finished_changes_nothing() -> None:
+    action = decide(S.RUNNING, p.NeighbourGone("n1"), finished_nodes=1)
+    assert action.next_state is None and action.vote is None
+    assert action.note and "finishing" in action.note
+
+
 def test_cycle_ended_by_a_shutdown_stops_then_exits_with_its_code() -> None:
     shutdown = Shutdown(ExitCode.FAILED, "restart budget spent")
     action = decide(S.RUNNING, p.CycleEnded(), shutdown=shutdown)

@@ -39,6 +39,8 @@ def read_facts(
         )
     if rnd is None:
         return facts
+    if isinstance(event, p.NeighbourGone):  # a node that finished may leave before this one
+        facts = dataclasses.replace(facts, finished_nodes=rt.control.count(rnd.number, "succeeded"))
     if isinstance(event, p.CycleEnded):  # a re-run's end lets the ranks finish their save
         rerun = rt.control.restarted_for_rerun(rnd.number)
         facts = dataclasses.replace(facts, ended_for_rerun=rerun)

@@ -19,6 +19,7 @@ from ftrun.agent.diagnosis.evidence import Evidence
 from ftrun.agent.diagnosis.reporting import CycleReport
 from ftrun.agent.inbox import SignalReceived, take_until
 from ftrun.agent.node_services.health_watch import HealthFinding
+from ftrun.agent.node_services.neighbour_watch import NeighbourLost
 from ftrun.agent.node_services.restart_watch import CycleEndedElsewhere
 from ftrun.agent.policy import AgentEvent
 from ftrun.agent.runtime import AgentRuntime
@@ -55,6 +56,8 @@ class InboxEvents:
         exit) run round `rnd`; None for stale or unrelated items."""
         if isinstance(item, CycleEndedElsewhere):
             return self.ended_elsewhere(item.cycle) if item.cycle == rnd.number else None
+        if isinstance(item, NeighbourLost):
+            return p.NeighbourGone(item.node) if item.cycle == rnd.number else None
         if isinstance(item, WorkerExited) and item.pid in running:
             running.discard(item.pid)
             self.report.worker_exit(item)

@@ -97,6 +97,14 @@ class CycleEnded:
 
 
 @dataclasses.dataclass(frozen=True)
+class NeighbourGone:
+    """The next node of the round stopped answering on its peer channel while the workers ran
+    (`node_services.neighbour_watch`): lost with its workers, or gone after it finished."""
+
+    node: str
+
+
+@dataclasses.dataclass(frozen=True)
 class NodesWaiting:
     count: int
     """Nodes that arrived after the round closed."""
@@ -149,6 +157,7 @@ AgentEvent = (
     | ControlRequested
     | Signalled
     | CycleEnded
+    | NeighbourGone
     | NodesWaiting
     | StoreLost
     | StoreRestarted
@@ -195,3 +204,5 @@ class Facts:
     """In-process restarts this node asked for within `agent.inprocess.ladder.WINDOW_S`."""
     ended_for_rerun: bool = False
     """The cycle ended with a restart for a re-run elsewhere (read when another node ended it)."""
+    finished_nodes: int = 0
+    """Nodes of the cycle whose workers all exited 0 (read when a neighbour is gone)."""

@@ -24,6 +24,9 @@ Rules worth knowing:
   the job with `ExitCode.REPEATED_FAILURE`, on one node or many; a node that failed the same
   way while holding other ranks, alone both times, leaves (if the job can go on without it);
   anything else restarts.
+- A node gone while training (its ring neighbour's probes fail: `NeighbourGone`) is a failure
+  that restarts the cycle, unless a node of the cycle already finished (then it may just have
+  left): over NCCL the survivors' collectives would otherwise wait out torch's timeout.
 - A health finding while training (`HealthFound`) does what `--ft-health-action` says: `log`,
   `restart` (a failure like any other), or `exclude` (the node leaves when the job can go on
   without it, else it is logged). Findings that are not faults (throttling) are only logged.
@@ -58,6 +61,7 @@ from ftrun.agent.observed import (
     Joined,
     JoinFailed,
     JoinReady,
+    NeighbourGone,
     NodesWaiting,
     Outcome,
     PeersFinished,
@@ -288,6 +292,12 @@ class Policy:
             return Action(AgentState.STOPPING, shutdown=Outcome(ExitCode.DO_NOT_RELAUNCH, why))
         return KEEP_WATCHING  # Continue: the executor logs it
 
+    def _neighbour_gone(self, event: NeighbourGone, facts: Facts) -> Action:
+        gone = f"node {event.node} stopped answering while {facts.node}'s workers ran"
+        if facts.finished_nodes:  # the job is finishing: a node done with it may leave
+            return Action(None, note=f"{gone}; the cycle's nodes are finishing, it stays")
+        return _restart(f"{gone} (lost with its workers)")
+
     def _cycle_ended(self, _event: CycleEnded, facts: Facts) -> Action:
         """Another node ended the cycle: follow it into a restart, or out with the shutdown.
         For a re-run, this node's ranks are leaving too, each once its checkpoint part is
@@ -420,6 +430,7 @@ _HANDLERS = {
     (_S.RUNNING, HealthFound): Policy._health_found,
     (_S.RUNNING, ControlRequested): Policy._control,
     (_S.RUNNING, CycleEnded): Policy._cycle_ended,
+    (_S.RUNNING, NeighbourGone): Policy._neighbour_gone,
     (_S.RUNNING, NodesWaiting): Policy._nodes_waiting,
     (_S.STOPPING, WorkersStopped): Policy._stopped,
     (_S.SUCCEEDED, PeersFinished): Policy._peers_finished,

@@ -31,6 +31,7 @@ from ftrun.agent.node_services.gpu_memory import GpuReclaimService
 from ftrun.agent.node_services.health import HealthService
 from ftrun.agent.node_services.health_watch import HealthWatch
 from ftrun.agent.node_services.monitoring import MonitorService
+from ftrun.agent.node_services.neighbour_watch import NeighbourWatch
 from ftrun.agent.node_services.peering import PeerService
 from ftrun.agent.prewarm.client import ForkServer
 from ftrun.agent.prewarm.service import PrewarmService, plain_reason, start_early
@@ -186,6 +187,7 @@ def open_runtime(
                                        bound)  # fmt: skip
         services.add(restart_watch.RestartWatch(own_client, runtime.control.restart_key,
                                                 inbox.put))  # fmt: skip
+        services.add(NeighbourWatch(peer.answers, inbox.put))
         yield runtime
 
 
