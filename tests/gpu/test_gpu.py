@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -227,8 +228,11 @@ def test_f_a_lost_nodes_cuda_state_is_restored_on_the_spare_from_its_peer_replic
            iteration=after[0]["iteration"])  # fmt: skip
 
 
-BUSY = "import torch\nwhile True:\n    torch.cuda._sleep(100_000_000)\n"
-"""A neighbour that keeps one GPU busy: the GPU time-slices it with the rank's kernels."""
+BUSY = ("import torch\ntorch.cuda._sleep(1000)\ntorch.cuda.synchronize()\n"
+        "print('busy', flush=True)\nwhile True:\n    torch.cuda._sleep(100_000_000)\n")  # fmt: skip
+"""A neighbour that keeps one GPU busy: the GPU time-slices it with the rank's kernels. It says
+`busy` once its kernels run (its CUDA start takes seconds: a job started before that could
+finish unslowed)."""
 
 
 @pytest.mark.parametrize("per_node", PER_NODE)
@@ -238,8 +242,10 @@ def test_g_a_gpu_slowed_by_a_busy_neighbour_is_named_by_the_straggler_detector(
     worker = Path(__file__).resolve().parents[1] / "workers" / "straggler_worker.py"
     last = 2 * per_node - 1  # its GPU: the second launcher's last
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(last)}
-    busy = subprocess.Popen([sys.executable, "-c", BUSY], env=env)
+    busy = subprocess.Popen([sys.executable, "-c", BUSY], env=env, stdout=subprocess.PIPE)
     try:
+        assert busy.stdout is not None and select.select([busy.stdout], [], [], START_S)[0]
+        assert busy.stdout.readline() == b"busy\n"
         job = start_job(tmp_path, 2, ["--ft-straggler-report-interval=0.5"],
                         ["--device", "cuda", "--steps", "300"], script=worker, nproc=per_node,
                         node_env=node_envs(per_node))  # fmt: skip
