@@ -228,11 +228,11 @@ def test_f_a_lost_nodes_cuda_state_is_restored_on_the_spare_from_its_peer_replic
            iteration=after[0]["iteration"])  # fmt: skip
 
 
-BUSY = ("import torch\ntorch.cuda._sleep(1000)\ntorch.cuda.synchronize()\n"
-        "print('busy', flush=True)\nwhile True:\n    torch.cuda._sleep(100_000_000)\n")  # fmt: skip
-"""A neighbour that keeps one GPU busy: the GPU time-slices it with the rank's kernels. It says
-`busy` once its kernels run (its CUDA start takes seconds: a job started before that could
-finish unslowed)."""
+BUSY = ("import torch\nm = torch.ones(8192, 8192, device='cuda')\ntorch.cuda.synchronize()\n"
+        "print('busy', flush=True)\nwhile True:\n    torch.mm(m, m)\n")  # fmt: skip
+"""A neighbour that keeps one GPU busy with large matrix products: the GPU shares its time
+with the rank's. It says `busy` once its kernels run (its CUDA start takes seconds: a job
+started before that could finish unslowed)."""
 
 
 @pytest.mark.parametrize("per_node", PER_NODE)

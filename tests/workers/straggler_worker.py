@@ -3,8 +3,9 @@
 Each step: the "step" section (a sleep of --step-time, longer on the slow rank), then one
 all_reduce outside it (where the fast ranks wait for the slow one, as in real training).
 --slow RANK:FACTOR slows global rank RANK's section by FACTOR in cycle 0 (the job's first).
-`--device cuda`: NCCL, and the section is a GPU kernel of `--gpu-cycles` clock cycles
-(`torch.cuda._sleep`) that the section waits for: a GPU shared with a busy neighbour is slower.
+`--device cuda`: NCCL, and the section is `--gpu-matmuls` products of two 4096 x 4096 matrices
+that the section waits for: a GPU shared with a busy neighbour is slower. (Not a kernel that
+spins on the clock, `torch.cuda._sleep`: it ends on time however the GPU is shared.)
 Rank 0 appends every report it gets to <ckpt-dir>/reports.jsonl, and writes
 <ckpt-dir>/FINISHED after --steps steps.
 """
@@ -33,7 +34,7 @@ def main() -> int:
     parser.add_argument("--step-time", type=float, default=0.02)
     parser.add_argument("--slow", default="", metavar="RANK:FACTOR")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--gpu-cycles", type=int, default=20_000_000)
+    parser.add_argument("--gpu-matmuls", type=int, default=4)
     args = parser.parse_args()
     args.ckpt_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device("cpu")
@@ -46,10 +47,12 @@ def main() -> int:
     if args.slow and CYCLE == 0 and int(args.slow.split(":")[0]) == rank:
         factor = float(args.slow.split(":")[1])
     Detector.initialize(report_time_interval=1)
+    matrix = torch.ones(4096, 4096, device=device) if device.type == "cuda" else None
     for _ in range(args.steps):
         with Detector.detection_section("step"):
-            if device.type == "cuda":
-                torch.cuda._sleep(int(args.gpu_cycles * factor))
+            if matrix is not None:
+                for _ in range(round(args.gpu_matmuls * factor)):
+                    torch.mm(matrix, matrix)
                 torch.cuda.synchronize()
             else:
                 time.sleep(args.step_time * factor)
