@@ -253,6 +253,8 @@ def test_g_a_gpu_slowed_by_a_busy_neighbour_is_named_by_the_straggler_detector(
     finally:
         busy.kill()
         busy.wait(10)
+        if busy.stdout is not None:
+            busy.stdout.close()
     found = job.events("straggler")
     assert found, "no straggler named"
     named = [(e["ranks"], e["findings"][:2]) for e in found]
