@@ -12,6 +12,7 @@ from pathlib import Path
 
 from agent_harness import FakeWorker, running_agent
 from ftrun.agent.inbox import take_until
+from ftrun.agent.node_services.neighbour_watch import NeighbourLost
 from ftrun.errors import ExitCode
 from ftrun.rank_monitor import HangKind, Verdict, WorkloadAction, WorkloadControl
 from ftrun.services import ServiceRequest
@@ -116,6 +117,21 @@ def test_a_service_asking_to_stop_the_job_stops_it(tmp_path: Path) -> None:
         assert node.result() == ExitCode.DO_NOT_RELAUNCH
     assert "shut the workload down" in node.events("exit")[0]["why"]
     # (end to end, the detector naming and excluding a slow node: test_straggler_launch)
+
+
+def test_a_neighbour_lost_while_training_restarts_the_cycle(tmp_path: Path) -> None:
+    """The neighbour watch's finding (its probes: test_neighbour_watch; over NCCL, where the
+    survivors' collectives never fail: tests/gpu test_e): a failure that restarts the cycle."""
+    with running_agent(tmp_path, ["--max-restarts=1"]) as node:
+        node.spawner.started(2)
+        node.post(NeighbourLost(0, "gone-node"))
+        again = node.spawner.started(4)[2:]
+        node.post(NeighbourLost(0, "gone-node"))  # cycle 0's, read in cycle 1: nothing
+        for worker in again:
+            worker.exit(0)
+        assert node.result() == ExitCode.SUCCESS
+        assert "gone-node stopped answering" in node.runtime.control.cause_of(0)
+    assert len(node.termination.stops) == 1
 
 
 def _verdict(worker: FakeWorker) -> Verdict:
