@@ -251,3 +251,53 @@ def test_every_agent_gets_the_same_round_in_infra_rank_order(server):
     assert {a.me.node: a.round.group_rank for a in agents if a.round} == {
         descriptor(i).node: infra[i] for i in range(32)
     }
+
+
+class WatchingStore(CountingStore):
+    """A store whose waits are requests of their own, as etcd's watches: it has `get_within`,
+    and logs each one's timeout."""
+
+    def get_within(self, key: str, timeout_s: float) -> bytes | None:
+        self.log.append(("get_within", f"{timeout_s:g}"))
+        try:
+            self._inner.wait([key], datetime.timedelta(seconds=timeout_s))
+        except RuntimeError:
+            return None
+        return self._inner.get(key)
+
+
+def test_on_a_store_whose_waits_are_requests_a_waiting_node_waits_once_a_look(server):
+    """The planner (the first arrival) waits 1 s at a time and looks each time; a node that
+    does not plan looks every 3 s, so on etcd it waits 3 s in one watch, not three."""
+    config = RendezvousConfig(endpoint=f"{HOST}:{server.port}", run_id=f"watch{next(_ids)}",
+                              min_nodes=3, max_nodes=3, join_timeout=JOIN_TIMEOUT_S,
+                              local_addr=HOST)  # fmt: skip
+    agents = [Agent(descriptor(i), WatchingStore(dist.TCPStore(HOST, server.port,
+                                                               timeout=STORE_TIMEOUT)))
+              for i in range(3)]  # fmt: skip
+    stop = threading.Event()
+
+    def main(agent: Agent) -> None:
+        try:
+            agent.handler = BarrierRendezvousHandler(config, agent.store, lambda: agent.me)
+            agent.round = agent.handler.join(stop.is_set)
+        except BaseException as exc:
+            agent.error = exc
+
+    def waits(agent: Agent) -> list[str]:
+        return [timeout for op, timeout in list(agent.store.log) if op == "get_within"]
+
+    threads = [threading.Thread(target=main, args=(a,), daemon=True) for a in agents]
+    try:
+        threads[0].start()
+        wait_for(lambda: waits(agents[0]), 10, "the planner waiting")
+        threads[1].start()
+        wait_for(lambda: waits(agents[1]), 10, "the other node waiting")
+        threads[2].start()
+        wait_for(lambda: not any(t.is_alive() for t in threads), DEADLINE_S, "every Round")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(5)
+    assert_one_round(agents)
+    assert set(waits(agents[0])) == {"1"} and set(waits(agents[1])) == {"3"}

@@ -44,12 +44,20 @@ from ftrun.rendezvous.errors import DescriptorVersionError, InfraRankError, Join
 from ftrun.rendezvous.published import Progress, PublishedRound
 from ftrun.rendezvous.ranks import NodeDescriptor, Round, order_nodes, row_from_json
 from ftrun.rendezvous.slots import Arrival, RoundView, plan_round, standbys
-from ftrun.store.ops import add_then_wait_on, existing_keys, get_within, wait_for_keys
+from ftrun.store.ops import (
+    add_then_wait_on,
+    existing_keys,
+    get_within,
+    wait_for_keys,
+    waits_are_requests,
+)
 
 log = logging.getLogger("ftrun.rendezvous")
 
 BACKEND = "ftrun-barrier"
-_WAIT_CHUNK_S = 1.0  # how often a waiting node looks at its signals (the store: `_POLL_EVERY`)
+_WAIT_CHUNK_S = 1.0
+"""How often a waiting node looks at its signals (the store: `_POLL_EVERY`); on a store whose
+waits are requests (etcd), a node that does not plan waits `_POLL_EVERY` of them in one."""
 DESCRIPTOR_GRACE_S = 5.0
 """How long the filling arrival waits for a descriptor of a node that arrived: a live node
 writes it one store round trip after arriving; seconds cover a loaded store and GIL stalls."""
@@ -181,9 +189,12 @@ class BarrierRendezvousHandler(RendezvousHandler):
         cycle = planning.cycle
         closed = self._key(cycle, "closed")
         is_planner = index == 0
+        # On etcd a wait is a watch: one per look, not one a second (signals are seen at the
+        # look, within 3 s; a rendezvous has no workers whose checkpoint they would delay).
+        per_wait = _POLL_EVERY if not is_planner and waits_are_requests(self._store) else 1
         chunks = 0
-        while (blob := get_within(self._store, closed, _WAIT_CHUNK_S)) is None:
-            chunks += 1
+        while (blob := get_within(self._store, closed, per_wait * _WAIT_CHUNK_S)) is None:
+            chunks += per_wait
             if not is_planner and chunks % _POLL_EVERY:  # the close itself ends the wait
                 self._check_waiting(deadline, interrupted, ask_store=False)
                 continue

@@ -41,6 +41,13 @@ def get_within(store: Store, key: str, timeout: float) -> bytes | None:
     return store.get(key) if wait_for_key(store, key, timeout) else None
 
 
+def waits_are_requests(store: Store) -> bool:
+    """Whether each wait on this store is a request of its own to it (`EtcdStore`: a watch), so
+    that a waiter that wakes up every second loads it; TCPStore's server answers a wait from
+    memory, and a 1 s chunk costs it nothing."""
+    return getattr(store, "get_within", None) is not None
+
+
 def read_now(store: Store, keys: list[str]) -> list[bytes | None] | None:
     """The keys' values now (None: absent) in one request, on a store that reads so
     (`EtcdStore.read_now`); None on any other (TCPStore's `multi_get` waits for absent keys)."""
