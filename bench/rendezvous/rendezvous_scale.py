@@ -203,6 +203,8 @@ class ProcSpec:
     spread: bool = True
     """etcd: agent i asks member i % 3 first, as launchers spread (`etcd_members.spread_start`);
     False: every agent asks the first-listed member first."""
+    late_node_s: float = 0.0
+    """The last agent joins this much after the common start (a node that starts late)."""
 
     def config(self) -> RendezvousConfig:
         return RendezvousConfig(
@@ -327,6 +329,8 @@ def agent_main(spec: ProcSpec, local: Local, agent: Agent) -> None:
         agent.skip = len(store.log)
         local.built.wait()
         local.start.wait()
+        if spec.late_node_s and result.index == spec.nodes - 1:
+            local.stop.wait(spec.late_node_s)  # the others wait for it meanwhile
         cpu = time.thread_time()
         try:
             result.round = rdzv.join(local.stop.is_set)
@@ -493,7 +497,8 @@ def run_round(
         for number in range(procs):
             indices = tuple(range(number, nodes, procs))
             spec = ProcSpec(impl, nodes, backend, server.endpoint, run_id, indices,
-                            args.switch_interval, spread=args.etcd_spread == "node")  # fmt: skip
+                            args.switch_interval, spread=args.etcd_spread == "node",
+                            late_node_s=args.late_node_s)  # fmt: skip
             proc_args = (spec, number, children.go, children.stop, children.out)
             children.procs.append(ctx.Process(target=proc_main, args=proc_args, daemon=True))
             children.procs[-1].start()
@@ -961,6 +966,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the first-listed etcd member (the floor's, and every agent's first with "
         "--etcd-spread first): a follower (as it is 2 times in 3) or the leader; the bench "
         "moves the leadership to make it so",
+    )
+    parser.add_argument(
+        "--late-node-s",
+        type=float,
+        default=0.0,
+        help="the last node joins this many seconds after the others, which wait for it (a node "
+        "that starts late): what waiting costs the store; the round's time includes it",
     )
     sizes = {"nodes": "8", "repeats": 1, "threads_per_proc": 8, "floor_calls": 10,
              "floor_blocks": 1, "cap": 60.0}  # fmt: skip
