@@ -25,6 +25,7 @@ pytestmark = pytest.mark.process
 
 ROOT = Path(__file__).resolve().parent
 CONTROL = ROOT / "workers" / "control_worker.py"
+FAULT = ROOT / "workers" / "fault_worker.py"
 PROMPT_EXIT_S = 15.0
 """Every launcher is gone this soon after the job ended (nobody waits for a rendezvous timeout)."""
 SPARE = ["--nnodes=2", "--max-restarts=3", "--rdzv-conf=last_call_timeout=5"]
@@ -113,6 +114,28 @@ def test_a_lost_node_is_replaced_by_the_spare_in_its_slot(tmp_path: Path):
     assert f"node {lost} lost" in job.report()
     ends = exit_times(job)
     assert max(ends) - min(ends) < PROMPT_EXIT_S
+
+
+def test_a_node_lost_while_the_ranks_never_talk_is_found_by_its_neighbour(tmp_path: Path):
+    """Ranks that never talk to each other: no collective fails when a node dies with its
+    workers (as over NCCL, where the survivors wait for the dead peer), so only the neighbour
+    watch finds the loss. The survivor restarts with the spare, which trains to the end."""
+    envs = [{"GROUP_RANK": str(i)} for i in range(3)]
+    job = start_job(
+        tmp_path, 3, [*SPARE, "--ft-use-infra-group-rank", "--workers-stop-timeout=1"],
+        ["--first-cycle-steps", "100000", "--steps", "20", "--step-time", "0.05"], script=FAULT,
+        node_env=envs,
+    )  # fmt: skip
+    wait_for(lambda: len(job.progress(0)) >= 5, 90, "training on 2 nodes")
+    victim = killable(job, 0)
+    lose(victim)
+    codes = wait_all(job, 90)
+    assert codes == {n.index: -signal.SIGKILL if n is victim else 0 for n in job.nodes}
+    spare = standby_nodes(job, 0).pop()
+    assert spare in rounds(job)[1]
+    survivor = next(n for n in job.nodes if n is not victim and node_of(job, spare) is not n)
+    text = survivor.text()
+    assert "did not answer 3 probes in a row" in text and "stopped answering while" in text, text
 
 
 def test_two_spares_replace_two_successive_losses(tmp_path: Path):
