@@ -257,6 +257,10 @@ class WatchingStore(CountingStore):
     """A store whose waits are requests of their own, as etcd's watches: it has `get_within`,
     and logs each one's timeout."""
 
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        seconds = (timeout or STORE_TIMEOUT).total_seconds()
+        self._call("wait", f"{seconds:g}", self._inner.wait, keys, timeout or STORE_TIMEOUT)
+
     def get_within(self, key: str, timeout_s: float) -> bytes | None:
         self.log.append(("get_within", f"{timeout_s:g}"))
         try:
@@ -268,13 +272,14 @@ class WatchingStore(CountingStore):
 
 def test_on_a_store_whose_waits_are_requests_a_waiting_node_waits_once_a_look(server):
     """The planner (the first arrival) waits 1 s at a time and looks each time; a node that
-    does not plan looks every 3 s, so on etcd it waits 3 s in one watch, not three."""
+    does not plan looks every 3 s, so on etcd it waits 3 s in one watch, not three; so does a
+    node standing by through the cycle."""
     config = RendezvousConfig(endpoint=f"{HOST}:{server.port}", run_id=f"watch{next(_ids)}",
                               min_nodes=3, max_nodes=3, join_timeout=JOIN_TIMEOUT_S,
                               local_addr=HOST)  # fmt: skip
     agents = [Agent(descriptor(i), WatchingStore(dist.TCPStore(HOST, server.port,
                                                                timeout=STORE_TIMEOUT)))
-              for i in range(3)]  # fmt: skip
+              for i in range(4)]  # fmt: skip
     stop = threading.Event()
 
     def main(agent: Agent) -> None:
@@ -287,6 +292,9 @@ def test_on_a_store_whose_waits_are_requests_a_waiting_node_waits_once_a_look(se
     def waits(agent: Agent) -> list[str]:
         return [timeout for op, timeout in list(agent.store.log) if op == "get_within"]
 
+    def standby_waits() -> list[str]:
+        return [timeout for op, timeout in list(agents[3].store.log) if op == "wait"]
+
     threads = [threading.Thread(target=main, args=(a,), daemon=True) for a in agents]
     try:
         threads[0].start()
@@ -294,10 +302,13 @@ def test_on_a_store_whose_waits_are_requests_a_waiting_node_waits_once_a_look(se
         threads[1].start()
         wait_for(lambda: waits(agents[1]), 10, "the other node waiting")
         threads[2].start()
-        wait_for(lambda: not any(t.is_alive() for t in threads), DEADLINE_S, "every Round")
+        wait_for(lambda: not any(t.is_alive() for t in threads[:3]), DEADLINE_S, "every Round")
+        threads[3].start()  # after the close: it stands by for the next cycle
+        wait_for(standby_waits, 10, "the standby node waiting")
     finally:
         stop.set()
         for thread in threads:
             thread.join(5)
-    assert_one_round(agents)
+    assert_one_round(agents[:3])
     assert set(waits(agents[0])) == {"1"} and set(waits(agents[1])) == {"3"}
+    assert set(standby_waits()) == {"3"} and agents[3].round is None

@@ -344,7 +344,10 @@ class BarrierRendezvousHandler(RendezvousHandler):
         return self._published(cycle)
 
     def _await_next(self, cycle: int, deadline: float, interrupted: Callable[[], bool]) -> None:
-        while not self.control.wait_restart(cycle, _WAIT_CHUNK_S):
+        """A standby node's wait through a cycle (hours): on etcd, a look every 3 s (a watch and
+        two reads), not every second."""
+        per_wait = _POLL_EVERY if waits_are_requests(self._store) else 1
+        while not self.control.wait_restart(cycle, per_wait * _WAIT_CHUNK_S):
             self._raise_if_excluded()
             self._check_waiting(deadline, interrupted)
         self._raise_if_excluded()  # before the shutdown that may have ended the wait
