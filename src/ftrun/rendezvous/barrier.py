@@ -23,7 +23,6 @@ and leave with the job's code when it ends (the job's last node to finish shuts 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -40,9 +39,9 @@ from torch.distributed.elastic.rendezvous import (
 from ftrun.errors import ExitCode, NodeExcludedError
 from ftrun.rendezvous.config import RendezvousConfig
 from ftrun.rendezvous.control import Shutdown, job_control
-from ftrun.rendezvous.errors import DescriptorVersionError, InfraRankError, JoinInterruptedError
-from ftrun.rendezvous.published import Progress, PublishedRound
-from ftrun.rendezvous.ranks import NodeDescriptor, Round, order_nodes, row_from_json
+from ftrun.rendezvous.errors import DescriptorVersionError, JoinInterruptedError
+from ftrun.rendezvous.published import Progress, PublishedRound, reported_iteration
+from ftrun.rendezvous.ranks import NodeDescriptor, Round, infra_rank_error, row_from_json
 from ftrun.rendezvous.slots import Arrival, RoundView, plan_round, standbys
 from ftrun.store.ops import (
     add_then_wait_on,
@@ -227,14 +226,14 @@ class BarrierRendezvousHandler(RendezvousHandler):
         if self._store.check([self._key(cycle, "closed")]):
             return
         self._read_arrivals(planning, grace)
-        arrivals = tuple(_arrival(i, row) for i, row in sorted(planning.rows.items()))
+        arrivals = tuple(Arrival.from_row(i, row) for i, row in sorted(planning.rows.items()))
         if len(arrivals) >= self._config.min_nodes and planning.min_since is None:
             planning.min_since = time.monotonic()
         if cycle > 0 and planning.previous is None:
             planning.previous = self._published_or_none(cycle - 1)
         view = self._view(planning, arrivals, probe)
-        first = planning.previous is None
-        error = _infra_error(planning, self._config.use_infra_group_rank) if first else None
+        use_infra = self._config.use_infra_group_rank and planning.previous is None
+        error = infra_rank_error(planning.rows.values(), use_infra)
         chosen = arrivals if error else plan_round(view)
         if chosen is None:
             return
@@ -319,7 +318,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
         keys = [self.control.progress_key(planning.cycle - 1, str(r[1])) for r in previous.rows]
         present = existing_keys(self._store, keys)
         raws = self._store.multi_get(present) if present else []
-        reports = [_iteration(raw) for raw in raws]
+        reports = [reported_iteration(raw) for raw in raws]
         return previous.progress.after(reports)
 
     def _published(self, cycle: int, blob: bytes | None = None) -> PublishedRound:
@@ -386,30 +385,3 @@ def _raise_for(shutdown: Shutdown | None) -> None:
     """The job is shut down (as the store said): this node leaves the rendezvous."""
     if shutdown is not None:
         raise RendezvousClosedError(shutdown.reason)
-
-
-def _arrival(index: int, row: list[object]) -> Arrival:
-    """A candidate from its row; a foreign-version stub has a name and no infra rank."""
-    infra = row[5] if len(row) > 5 and isinstance(row[5], int) else None
-    return Arrival(index, str(row[1]), infra)
-
-
-def _infra_error(planning: _Planning, use_infra: bool) -> str | None:
-    """With infra ranks, every arrival of the first round needs a unique one."""
-    if not use_infra:
-        return None
-    try:
-        order_nodes([NodeDescriptor.from_row(row) for row in planning.rows.values()], True)
-    except InfraRankError as exc:
-        return str(exc)
-    except DescriptorVersionError:
-        return None  # published as is: every participant refuses it alike
-    return None
-
-
-def _iteration(raw: bytes) -> int | None:
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        return None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -18,6 +18,15 @@ from ftrun.rendezvous.errors import DescriptorVersionError, InfraRankError
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
 
 
+def reported_iteration(raw: bytes) -> int | None:
+    """A rank's progress report (the iteration it reached, as JSON); None if it is not one."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Progress:
     """The job's progress record, carried from round to round."""

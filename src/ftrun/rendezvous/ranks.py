@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from ftrun.rendezvous.errors import DESCRIPTOR_VERSION, DescriptorVersionError, InfraRankError
@@ -175,3 +175,18 @@ def order_nodes(
             )
         seen[d.infra_rank] = d.node
     return tuple(sorted(arrivals, key=lambda d: d.infra_rank or 0))
+
+
+def infra_rank_error(rows: Iterable[list[object]], use_infra: bool) -> str | None:
+    """With infra ranks, every arrival of the first round needs a unique one: what is wrong
+    with the arrivals' descriptor rows, or None (a foreign-version row is published as is:
+    every participant refuses it alike)."""
+    if not use_infra:
+        return None
+    try:
+        order_nodes([NodeDescriptor.from_row(row) for row in rows], True)
+    except InfraRankError as exc:
+        return str(exc)
+    except DescriptorVersionError:
+        return None
+    return None

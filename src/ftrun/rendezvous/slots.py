@@ -32,6 +32,13 @@ class Arrival:
     node: str
     infra_rank: int | None = None
 
+    @classmethod
+    def from_row(cls, index: int, row: list[object]) -> Arrival:
+        """A candidate from its descriptor row; a foreign-version stub has a name and no infra
+        rank."""
+        infra = row[5] if len(row) > 5 and isinstance(row[5], int) else None
+        return cls(index, str(row[1]), infra)
+
 
 @dataclasses.dataclass(frozen=True)
 class RoundView:
