@@ -209,8 +209,8 @@ def test_f_a_lost_nodes_cuda_state_is_restored_on_the_spare_from_its_peer_replic
     tmp_path: Path, off_node_store: StoreProcess
 ):
     """Local checkpoints of GPU tensors (`LocalCheckpointManager`, replicated to the next node):
-    the node not holding the store is lost; the spare fetches the lost rank's part from the
-    survivor's replica and every rank resumes from the same iteration, on its GPU."""
+    a node is lost; the spare fetches the lost rank's part from the survivor's replica and
+    every rank resumes from the same iteration, on its GPU."""
     worker = Path(__file__).resolve().parents[1] / "workers" / "ckpt_worker.py"
     args = ["--device", "cuda", "--steps", "80", "--step-time", "0.05", "--mb", "64"]
     job, victim = spare_job(tmp_path, off_node_store, args, script=worker)
