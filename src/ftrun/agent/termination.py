@@ -112,12 +112,14 @@ def terminate(
     stopped = _kill_stopped(leaders, targets) if delivery.first != signal.SIGKILL else 0
     alive = wait_gone(targets, delivery.grace)
     later, more_orphans = _targets(leaders, keep)
-    alive += [p for p in later if p.pid not in {t.pid for t in targets}]
+    late = [p for p in later if p.pid not in {t.pid for t in targets}]
+    alive += late
     orphans |= more_orphans
     killed = len(alive)
     if alive:
         if delivery.first != signal.SIGKILL:
-            log.warning("%d process(es) ignored %s; sending SIGKILL", killed, delivery.first.name)
+            log.warning("%d process(es) ignored %s; sending SIGKILL: %s", killed,
+                        delivery.first.name, _describe(alive, late))  # fmt: skip
         _signal_all(leaders, alive, signal.SIGKILL)
         alive = wait_gone(alive, KILL_WAIT_S)
     _reap(orphans)
@@ -206,6 +208,18 @@ def _targets(leaders: list[int], keep: frozenset[int]) -> tuple[list[psutil.Proc
                 found[proc.pid] = proc
     targets = [proc for pid, proc in found.items() if pid not in keep and pid != os.getpid()]
     return targets, orphans
+
+
+def _describe(procs: list[psutil.Process], late: list[psutil.Process]) -> str:
+    """'pid name, ...'; a process first seen after the signal (not sent it) says so."""
+    found = []
+    for proc in procs:
+        try:
+            name = proc.name()
+        except psutil.Error:
+            name = "gone"
+        found.append(f"{proc.pid} {name}{' (appeared after the signal)' if proc in late else ''}")
+    return ", ".join(found)
 
 
 def _reap(orphans: set[int]) -> None:
