@@ -1,6 +1,7 @@
 """Suite-wide fixtures: every process a test starts must be gone when it ends (and, where a
 module asks, `no_leftover_threads`, every thread); rank monitor servers and in-process clients
-registered with them (rank monitor and workload control tests)."""
+registered with them (rank monitor and workload control tests); `ftrun store` as a process of
+the test's own (`store_process`: the store off the nodes)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 
 from ftrun.client_lib import RankMonitorClient
 from ftrun.rank_monitor import RankMonitorConfig, RankMonitorServer
+from store_process import StoreProcess
 from support import become_subreaper, live_descendants, reap_zombies, wait_for
 
 become_subreaper()
@@ -25,6 +27,15 @@ become_subreaper()
 # lookup in this process, and inherited by the launchers and workers the tests start (as
 # bench/rendezvous/rendezvous_scale.py does for itself).
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+
+
+@pytest.fixture
+def store_process(tmp_path: Path) -> Iterator[StoreProcess]:
+    """`ftrun store` for one test (tests/faults/conftest.py has its own, per matrix module)."""
+    store = StoreProcess(tmp_path / "store.log")
+    yield store
+    store.stop()
+    assert store.proc.poll() is not None
 
 
 @pytest.fixture(autouse=True)

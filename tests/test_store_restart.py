@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from launch import node_of, start_job
-from store_process import RECONNECT_ARG, StoreProcess
+from store_process import RECONNECT_ARG
 from support import wait_for
 from test_spares import SPARE, lose, rounds, standby_nodes, wait_all
 
@@ -20,14 +20,6 @@ pytestmark = pytest.mark.process
 LIVE = ["--ft-metrics-port=0", "--ft-status-port=0"]
 FAULT = Path(__file__).resolve().parent / "workers" / "fault_worker.py"
 LIGHT = ["--max-restarts=3", "--workers-stop-timeout=1", "--ft-prewarm-modules=ftrun.client_lib"]
-
-
-@pytest.fixture
-def store_process(tmp_path: Path):
-    store = StoreProcess(tmp_path / "store.log")
-    yield store
-    store.stop()
-    assert store.proc.poll() is not None
 
 
 def test_a_lost_node_and_a_restarted_store_leave_the_job_running(tmp_path, store_process):

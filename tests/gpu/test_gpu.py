@@ -64,21 +64,12 @@ def node_envs(per_node: int = 1, nodes: int = 2) -> list[dict[str, str]]:
         str(i * per_node + g) for g in range(per_node))} for i in range(nodes)]  # fmt: skip
 
 
-@pytest.fixture
-def off_node_store(tmp_path: Path):
-    """The rendezvous store served off the nodes (`ftrun store`), so that the node a spare test
-    loses is always group rank 0, whichever launcher would have hosted the store."""
-    store = StoreProcess(tmp_path / "store.log")
-    yield store
-    store.stop()
-    assert store.proc.poll() is not None
-
-
 def spare_job(
     tmp: Path, store: StoreProcess, script_args: list[str], script: Path = EXAMPLE
 ) -> tuple[Job, Node]:
     """Three launchers of one GPU each, ranked by GROUP_RANK (0 and 1 train, 2 stands by), and
-    the node to lose: group rank 0."""
+    the node to lose: group rank 0 (`store` serves the rendezvous off the nodes, so that no
+    launcher holds it, whichever would have)."""
     envs = [{**NCCL_ENV, "GROUP_RANK": str(i), "CUDA_VISIBLE_DEVICES": gpu}
             for i, gpu in enumerate(SPARE_GPUS)]  # fmt: skip
     job = start_job(tmp, 3, [*SPARE, "--ft-use-infra-group-rank", *store.launcher_args],
@@ -181,11 +172,11 @@ def test_d_restart_waits_for_gpu_memory_to_be_released(tmp_path: Path):
 
 @TWO_GPUS
 def test_e_a_lost_node_is_replaced_by_the_spare_and_nccl_spans_it(
-    tmp_path: Path, off_node_store: StoreProcess
+    tmp_path: Path, store_process: StoreProcess
 ):
     """Three launchers of one GPU each, two active: one dies with its workers; the spare takes
     its slot and NCCL runs between the survivor and the spare."""
-    job, victim = spare_job(tmp_path, off_node_store, [*TRAIN, "--steps", "80"])
+    job, victim = spare_job(tmp_path, store_process, [*TRAIN, "--steps", "80"])
     progress = job.ckpt_dir / "progress-rank0.txt"
     deadline = time.monotonic() + START_S
     while not (progress.exists() and len(progress.read_text().splitlines()) >= 10):
@@ -206,14 +197,14 @@ def test_e_a_lost_node_is_replaced_by_the_spare_and_nccl_spans_it(
 
 @TWO_GPUS
 def test_f_a_lost_nodes_cuda_state_is_restored_on_the_spare_from_its_peer_replica(
-    tmp_path: Path, off_node_store: StoreProcess
+    tmp_path: Path, store_process: StoreProcess
 ):
     """Local checkpoints of GPU tensors (`LocalCheckpointManager`, replicated to the next node):
     a node is lost; the spare fetches the lost rank's part from the survivor's replica and
     every rank resumes from the same iteration, on its GPU."""
     worker = Path(__file__).resolve().parents[1] / "workers" / "ckpt_worker.py"
     args = ["--device", "cuda", "--steps", "80", "--step-time", "0.05", "--mb", "64"]
-    job, victim = spare_job(tmp_path, off_node_store, args, script=worker)
+    job, victim = spare_job(tmp_path, store_process, args, script=worker)
     deadline = time.monotonic() + START_S
     while len(job.events("ckpt_replicated")) < 4:
         assert time.monotonic() < deadline, f"no replicated checkpoints: {_tails(job)}"
@@ -265,7 +256,7 @@ def test_g_a_gpu_slowed_by_a_busy_neighbour_is_named_by_the_straggler_detector(
 
 @TWO_GPUS
 def test_h_a_result_reproduced_on_one_node_is_re_run_on_the_spare_over_nccl(
-    tmp_path: Path, off_node_store: StoreProcess
+    tmp_path: Path, store_process: StoreProcess
 ):
     """The re-run state machine with NCCL: one rank's loss is wrong on its node's GPU (marked
     bad) and again when re-run there; it exits 16, the step is re-run on the spare, the verdict
@@ -273,7 +264,7 @@ def test_h_a_result_reproduced_on_one_node_is_re_run_on_the_spare_over_nccl(
     worker = Path(__file__).resolve().parents[1] / "workers" / "rerun_worker.py"
     args = ["--device", "cuda", "--flip", f"marked:{FLIP_STEP}", "--steps", str(STEPS),
             "--step-time", "0.03"]  # fmt: skip
-    job, victim = spare_job(tmp_path, off_node_store, args, script=worker)
+    job, victim = spare_job(tmp_path, store_process, args, script=worker)
     job.wait_event("rendezvous_done", 2)
     first = rounds(job)[0]
     name = next(n for n in first if n.endswith(f"-{victim.proc.pid}"))
