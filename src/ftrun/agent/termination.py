@@ -112,7 +112,8 @@ def terminate(
     stopped = _kill_stopped(leaders, targets) if delivery.first != signal.SIGKILL else 0
     alive = wait_gone(targets, delivery.grace)
     later, more_orphans = _targets(leaders, keep)
-    late = [p for p in later if p.pid not in {t.pid for t in targets}]
+    signalled = {t.pid for t in targets}
+    late = [p for p in later if p.pid not in signalled]
     alive += late
     orphans |= more_orphans
     killed = len(alive)
