@@ -448,6 +448,34 @@ def test_members_that_accept_but_never_answer_cost_the_timeout_not_more(
             listener.close()
 
 
+def test_a_request_refused_as_too_many_is_sent_again_and_applied_once(
+    etcd_cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """etcd's backpressure (16,384 nodes arriving at once): the refusal comes before the
+    proposal, so the store sends the request again after its back-off, and an add counts once."""
+    store = EtcdStore(endpoints(etcd_cluster), "job", datetime.timedelta(seconds=10))
+    store.set("warm", "1")  # the store's first look at its members, not refused
+    refusals = {"left": 4}
+    request = requests.Session.request
+
+    def overloaded(session: requests.Session, method: str, url: str, **kwargs: Any) -> Any:
+        if url.endswith("/kv/txn") and refusals["left"] > 0:
+            refusals["left"] -= 1
+            answer = requests.Response()
+            answer.status_code, answer.reason = 500, "Internal Server Error"
+            answer._content = json.dumps({"error": "etcdserver: too many requests",
+                                          "message": "etcdserver: too many requests",
+                                          "code": 2}).encode()  # fmt: skip
+            return answer
+        return request(session, method, url, **kwargs)
+
+    monkeypatch.setattr(requests.Session, "request", overloaded)
+    assert store.add("arrivals", 1) == 1
+    assert refusals["left"] == 0
+    monkeypatch.setattr(requests.Session, "request", request)
+    assert store.add("arrivals", 0) == 1
+
+
 def test_no_member_answering_is_a_one_line_error(etcd_cluster: Any) -> None:
     store = EtcdStore(endpoints(etcd_cluster), "job", datetime.timedelta(seconds=0.5))
     etcd_cluster.stop()

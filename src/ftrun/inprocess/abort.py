@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ftrun.inprocess import exception
+from ftrun.inprocess.nccl_wake import UdsWaker
 from ftrun.inprocess.state import FrozenState
 
 log = logging.getLogger("ftrun.inprocess")
@@ -77,15 +78,16 @@ class AbortTorchDistributed(Abort):
             if dump:
                 log.warning("abort: %s; aborting the process groups anyway", dump[0])
         started = time.monotonic()
-        late = _bounded(_backend_aborts(), deadline)
+        with UdsWaker() as waker:  # NCCL's UDS threads would sleep up to 0.5 s first
+            late = _bounded(_backend_aborts(), deadline)
         if late:
             raise exception.TimeoutError(f"abort: {', '.join(late)}")
         aborted = time.monotonic()
         late = _bounded({"destroy_process_group": dist.destroy_process_group}, deadline)
         if late:
             raise exception.TimeoutError(f"abort: {', '.join(late)}")
-        log.info("abort: backends %.3fs, destroy_process_group %.3fs", aborted - started,
-                 time.monotonic() - aborted)  # fmt: skip
+        log.info("abort: backends %.3fs (%d wake-ups to NCCL), destroy_process_group %.3fs",
+                 aborted - started, waker.pokes, time.monotonic() - aborted)  # fmt: skip
         return state
 
 

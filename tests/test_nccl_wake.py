@@ -1,0 +1,105 @@
+"""The abort's wake-ups to NCCL's UDS threads: found by name among this process's sockets only,
+and a thread that sleeps as NCCL's does (poll 500 ms, then look at the abort flag) leaves within
+milliseconds of the flag instead of at the end of its half second."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+from ftrun.inprocess.nccl_wake import UdsWaker, own_uds_addresses
+
+
+def bound(abstract: bool) -> tuple[socket.socket, str]:
+    """A datagram socket named as NCCL names its own: abstract, NCCL puts a NUL over the
+    path's leading "/"."""
+    name = f"/tmp/nccl-socket-1-{uuid.uuid4().hex[:12]}"
+    address = "\0" + name[1:] if abstract else name
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(address)
+    return sock, address
+
+
+class NcclUdsThread:
+    """NCCL's `ncclProxyServiceUDS` loop: poll 500 ms; if the abort flag is set, close and
+    leave without reading; else read what came."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.abort_flag = threading.Event()
+        self.left_at: float | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        while True:
+            events = poller.poll(500)
+            if self.abort_flag.is_set():
+                break
+            if events:
+                self.sock.recv(64)
+        self.sock.close()
+        self.left_at = time.monotonic()
+
+
+def test_only_this_processes_nccl_sockets_are_found_abstract_or_not() -> None:
+    abstract, abstract_address = bound(abstract=True)
+    named, named_address = bound(abstract=False)
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    other.bind(f"\0/tmp/not-nccl-{uuid.uuid4().hex[:8]}")
+    theirs_name = f"/tmp/nccl-socket-2-{uuid.uuid4().hex[:12]}"
+    script = (
+        "import socket, sys; s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); "
+        f"s.bind('\\0{theirs_name[1:]}'); print('up', flush=True); sys.stdin.read()"
+    )
+    theirs = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert theirs.stdout is not None and theirs.stdout.readline().strip() == "up"
+        found = own_uds_addresses()
+        assert abstract_address in found and named_address in found
+        assert not any(theirs_name[1:] in a for a in found)  # another process's: never written to
+        assert len([a for a in found if "nccl-socket-" in a]) == len(found)
+    finally:
+        theirs.communicate("", timeout=10)
+        for sock in (abstract, named, other):
+            sock.close()
+        os.unlink(named_address)
+    assert theirs.returncode == 0
+
+
+def test_a_sleeping_uds_thread_leaves_within_milliseconds_of_the_flag() -> None:
+    sock, _ = bound(abstract=True)
+    uds = NcclUdsThread(sock)
+    time.sleep(0.05)  # let it enter its half-second poll (the case the waker is for)
+    with UdsWaker() as waker:
+        flagged = time.monotonic()
+        uds.abort_flag.set()  # ncclCommAbort's first step
+        uds.thread.join(1.0)
+    assert uds.left_at is not None
+    assert uds.left_at - flagged < 0.1, uds.left_at - flagged  # not up to 0.5 s
+    assert waker.pokes >= 1
+
+
+def test_the_waker_stops_once_the_socket_is_gone_and_does_nothing_without_one() -> None:
+    with UdsWaker() as idle:
+        time.sleep(0.02)
+    assert idle.pokes == 0  # no NCCL socket in this process: no thread, nothing sent
+    sock, _ = bound(abstract=True)
+    uds = NcclUdsThread(sock)
+    with UdsWaker(every_s=0.002) as waker:
+        uds.abort_flag.set()
+        uds.thread.join(1.0)
+        time.sleep(0.05)
+        after_close = waker.pokes
+        time.sleep(0.05)
+        assert waker.pokes == after_close  # gone: no more wake-ups
+    assert not any(t.name == "ftrun-abort nccl-wake" for t in threading.enumerate())
