@@ -1,0 +1,85 @@
+"""The floor of an in-process restart's abort: `ProcessGroupNCCL.abort()` with and without the
+wake-ups to NCCL's UDS threads (`ftrun.inprocess.nccl_wake`), alternating in one job.
+
+Run under torchrun, one process per GPU (the device):
+
+    torchrun --standalone --nproc-per-node 4 -m bench.restart.nccl_abort --rounds 8
+
+Each round makes a fresh NCCL group (its own store prefix), runs one all_reduce, lines the ranks
+up on the store, aborts the group's backend (timed on each rank) and destroys the group. Rank 0
+prints each round's slowest rank, then the medians with and without the wake-ups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ftrun.inprocess.nccl_wake import UdsWaker, own_uds_addresses
+
+
+def one_round(number: int, wake: bool, base: dist.Store) -> float:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.PrefixStore(f"round{number}", base)
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=device)
+    value = torch.ones(1, device=device)
+    dist.all_reduce(value)
+    torch.cuda.synchronize()
+    if number == 0 and rank == 0:
+        print(f"NCCL UDS sockets of rank 0: {len(own_uds_addresses())}", flush=True)
+    store.add("lined-up", 1)
+    store.wait(["go"]) if rank else _release(store, world)
+    backend = dist.group.WORLD._get_backend(device)
+    started = time.monotonic()
+    if wake:
+        with UdsWaker():
+            backend.abort()
+    else:
+        backend.abort()
+    took = time.monotonic() - started
+    dist.destroy_process_group()
+    return took
+
+
+def _release(store: dist.Store, world: int) -> None:
+    while store.add("lined-up", 0) < world:
+        time.sleep(0.001)
+    store.set("go", "1")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=8, help="rounds, alternating (even)")
+    args = parser.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    # torchrun's agent serves the store at MASTER_PORT; the workers are its clients.
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = datetime.timedelta(seconds=60)
+    agent_store = dist.TCPStore(address, port, is_master=False, timeout=timeout)
+    base = dist.PrefixStore(f"nccl-abort-{os.environ.get('TORCHELASTIC_RUN_ID', '')}", agent_store)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for number in range(args.rounds):
+        wake = number % 2 == 1
+        took = one_round(number, wake, base)
+        base.set(f"took/{number}/{rank}", f"{took:.4f}")
+        if rank == 0:
+            slowest = max(float(base.get(f"took/{number}/{r}")) for r in range(world))
+            times[wake].append(slowest)
+            print(f"round {number} ({'woken' if wake else 'plain'}): slowest rank's abort "
+                  f"{slowest:.3f} s", flush=True)  # fmt: skip
+    if rank == 0:
+        for wake, label in ((False, "plain"), (True, "woken")):
+            print(f"{label}: median {statistics.median(times[wake]):.3f} s "
+                  f"({', '.join(f'{t:.3f}' for t in times[wake])})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
