@@ -4,6 +4,8 @@ milliseconds of the flag instead of at the end of its half second."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import select
 import socket
@@ -13,7 +15,14 @@ import threading
 import time
 import uuid
 
-from ftrun.inprocess.nccl_wake import UdsWaker, own_uds_addresses
+import pytest
+
+from ftrun.inprocess.nccl_wake import (
+    ProxyWaker,
+    nccl_service_threads,
+    own_tcp_listeners,
+    own_uds_addresses,
+)
 
 
 def bound(abstract: bool) -> tuple[socket.socket, str]:
@@ -80,7 +89,7 @@ def test_a_sleeping_uds_thread_leaves_within_milliseconds_of_the_flag() -> None:
     sock, _ = bound(abstract=True)
     uds = NcclUdsThread(sock)
     time.sleep(0.05)  # let it enter its half-second poll (the case the waker is for)
-    with UdsWaker() as waker:
+    with ProxyWaker() as waker:
         flagged = time.monotonic()
         uds.abort_flag.set()  # ncclCommAbort's first step
         uds.thread.join(1.0)
@@ -90,12 +99,12 @@ def test_a_sleeping_uds_thread_leaves_within_milliseconds_of_the_flag() -> None:
 
 
 def test_the_waker_stops_once_the_socket_is_gone_and_does_nothing_without_one() -> None:
-    with UdsWaker() as idle:
+    with ProxyWaker() as idle:
         time.sleep(0.02)
     assert idle.pokes == 0  # no NCCL socket in this process: no thread, nothing sent
     sock, _ = bound(abstract=True)
     uds = NcclUdsThread(sock)
-    with UdsWaker(every_s=0.002) as waker:
+    with ProxyWaker(every_s=0.002) as waker:
         uds.abort_flag.set()
         uds.thread.join(1.0)
         time.sleep(0.05)
@@ -103,3 +112,74 @@ def test_the_waker_stops_once_the_socket_is_gone_and_does_nothing_without_one() 
         time.sleep(0.05)
         assert waker.pokes == after_close  # gone: no more wake-ups
     assert not any(t.name == "ftrun-abort nccl-wake" for t in threading.enumerate())
+
+
+def named_thread(name: bytes) -> None:
+    """This OS thread's name, as NCCL names its own (`pthread_setname_np`)."""
+    libc = ctypes.CDLL(None)
+    libc.prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
+
+
+class NcclServiceThread:
+    """NCCL's `ncclProxyService` loop under an abort: poll 500 ms on its listening socket;
+    leave once the proxy's `stop` is set (after the peers' closes had woken it); a connection
+    without NCCL's magic is dropped."""
+
+    def __init__(self, family: int) -> None:
+        self.listener = socket.socket(family, socket.SOCK_STREAM)
+        self.listener.bind(("::1" if family == socket.AF_INET6 else "127.0.0.1", 0))
+        self.listener.listen()
+        self.stop = threading.Event()
+        self.left_at: float | None = None
+        self.accepted = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        named_thread(b"NCCL Service  0")
+        poller = select.poll()
+        poller.register(self.listener, select.POLLIN)
+        while not self.stop.is_set():
+            if poller.poll(500):
+                with contextlib.suppress(OSError):
+                    self.listener.accept()[0].close()
+                    self.accepted += 1
+        self.listener.close()
+        self.left_at = time.monotonic()
+
+
+@pytest.mark.parametrize("family", [socket.AF_INET, socket.AF_INET6])
+def test_a_service_thread_waiting_for_stop_is_woken_once_the_uds_threads_are_gone(
+    family: int,
+) -> None:
+    uds_sock, _ = bound(abstract=True)
+    uds = NcclUdsThread(uds_sock)
+    service = NcclServiceThread(family)
+    port = service.listener.getsockname()[1]
+    assert any(p == port and f == family for f, _, p in own_tcp_listeners())
+    assert nccl_service_threads() == 1
+    time.sleep(0.05)
+    with ProxyWaker() as waker:
+        uds.abort_flag.set()
+        time.sleep(0.05)  # ncclProxyStop's work, then its last step
+        stopped = time.monotonic()
+        service.stop.set()
+        service.thread.join(1.0)
+        uds.thread.join(1.0)
+    assert service.left_at is not None and service.left_at - stopped < 0.1
+    assert waker.pokes >= 2 and service.accepted >= 1
+    assert nccl_service_threads() == 0
+
+
+def test_the_service_thread_is_never_woken_while_a_uds_socket_is_left() -> None:
+    """A UDS socket still bound: some communicator's abort flag may not be set, and an NCCL
+    socket accepting without its flag waits for a real peer."""
+    uds_sock, _ = bound(abstract=True)
+    service = NcclServiceThread(socket.AF_INET)
+    with ProxyWaker(every_s=0.002) as waker:
+        time.sleep(0.1)
+    service.stop.set()
+    service.thread.join(1.0)
+    uds_sock.close()
+    assert waker.pokes >= 10  # the UDS socket, again and again
+    assert service.accepted == 0

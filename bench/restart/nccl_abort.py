@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ftrun.inprocess.nccl_wake import UdsWaker, own_uds_addresses
+from ftrun.inprocess.nccl_wake import ProxyWaker, own_uds_addresses
 
 
 def one_round(number: int, wake: bool, base: dist.Store) -> float:
@@ -39,7 +39,7 @@ def one_round(number: int, wake: bool, base: dist.Store) -> float:
     backend = dist.group.WORLD._get_backend(device)
     started = time.monotonic()
     if wake:
-        with UdsWaker():
+        with ProxyWaker():
             backend.abort()
     else:
         backend.abort()

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ftrun.inprocess import exception
-from ftrun.inprocess.nccl_wake import UdsWaker
+from ftrun.inprocess.nccl_wake import ProxyWaker
 from ftrun.inprocess.state import FrozenState
 
 log = logging.getLogger("ftrun.inprocess")
@@ -56,14 +56,21 @@ class AbortTorchDistributed(Abort):
     `ProcessGroupGloo.abort()` does not return a blocked collective and leaves its threads
     joinable, so the process aborts ("terminate called without an active exception") when the
     group is freed at exit. The wrapper stops gloo collectives by shutting down the sockets the
-    function opened (`ftrun.inprocess.sockets`).
+    function opened (`ftrun.inprocess.sockets`). `wake_nccl` (ftrun): wake NCCL's proxy threads
+    while the aborts run (`ftrun.inprocess.nccl_wake`; each would otherwise sleep up to 0.5 s
+    before it sees the abort); `wake_nccl=False` leaves them to their own polls.
     """
 
     def __init__(
-        self, torch_fr_trace_path: str | None = None, *, timeout: float = DEFAULT_ABORT_TIMEOUT_S
+        self,
+        torch_fr_trace_path: str | None = None,
+        *,
+        timeout: float = DEFAULT_ABORT_TIMEOUT_S,
+        wake_nccl: bool = True,
     ) -> None:
         self.torch_fr_trace_path = torch_fr_trace_path or _first_env(TRACE_PATH_ENV)
         self.timeout = timeout
+        self.wake_nccl = wake_nccl
 
     def __call__(self, state: FrozenState) -> FrozenState:
         if not (dist.is_available() and dist.is_initialized()):
@@ -78,7 +85,8 @@ class AbortTorchDistributed(Abort):
             if dump:
                 log.warning("abort: %s; aborting the process groups anyway", dump[0])
         started = time.monotonic()
-        with UdsWaker() as waker:  # NCCL's UDS threads would sleep up to 0.5 s first
+        # NCCL's proxy threads would each sleep up to 0.5 s before they see the abort.
+        with ProxyWaker(enabled=self.wake_nccl) as waker:
             late = _bounded(_backend_aborts(), deadline)
         if late:
             raise exception.TimeoutError(f"abort: {', '.join(late)}")

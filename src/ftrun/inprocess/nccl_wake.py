@@ -1,21 +1,28 @@
-"""Waking NCCL's UDS service threads while an abort runs, so that it ends in milliseconds.
+"""Waking NCCL's proxy threads while an abort runs, so that it ends in milliseconds.
 
-`ncclCommAbort` sets the communicator's abort flag, then joins the proxy's threads. The proxy's
-UDS thread (the one that passes cuMem file descriptors between local ranks) sleeps in
-`poll(..., 500)` on its datagram socket and looks at the flag only when it wakes, and nothing
-wakes it on an abort: the join waits for the end of its current half second. Measured on 4 x
-H200 (torch 2.11, NCCL 2.27): `ProcessGroupNCCL.abort()` took 0.09-0.52 s, the same on every
-rank of a job (their threads were started together at the communicator's creation), about half
-of a raise's whole in-process restart.
+`ncclCommAbort` sets the communicator's abort flag, then joins the proxy's two threads, which
+sleep in `poll(..., 500)` and look at their flags only when they wake:
+- the UDS thread (it passes cuMem file descriptors between local ranks) leaves on the abort
+  flag, but nothing wakes it;
+- the service thread leaves once the proxy's `stop` is set (at the end of `ncclProxyStop`,
+  after the peers' connections were closed: their closes woke it before `stop` was set), so it
+  sleeps one more half second.
+Measured on 4 x H200 (torch 2.11, NCCL 2.28.9): `ProcessGroupNCCL.abort()` took 0.52-0.55 s on
+an idle communicator (`bench/restart/nccl_abort.py`), and 0.09-0.52 s inside a restart: about
+half of a raise's whole in-process restart.
 
-While the backends' aborts run, `UdsWaker` sends an empty datagram every few milliseconds to
-each NCCL UDS socket *this process* bound (found in `/proc/net/unix` by its name,
-`/tmp/nccl-socket-<rank>-<hash>`, abstract or not, and by the inode of one of this process's
-descriptors), until the socket is gone (the thread closes it on its way out) or the aborts end.
-A woken thread that sees the flag leaves without reading the datagram. One that wakes before
-the flag is set reads an empty request, which NCCL refuses (an error it logs and ignores, or a
-wait for the flag); either way the communicator is the one being aborted. Other processes'
-sockets are never written to: each rank wakes its own.
+While the backends' aborts run, `ProxyWaker` wakes them, every few milliseconds, only in this
+process (each rank wakes its own):
+- an empty datagram to each NCCL UDS socket this process bound (found in `/proc/net/unix` by
+  its name, `/tmp/nccl-socket-<rank>-<hash>`, abstract or not, and by the inode of one of this
+  process's descriptors), until the socket is gone (the thread closes it on its way out);
+- then, once every UDS socket is gone (so every abort flag is set: an NCCL socket accepting
+  without its flag set would wait for a real peer), a connection reset at once to each TCP
+  socket this process listens on, while a thread named "NCCL Service" lives. NCCL drops a
+  connection without its magic and looks at its flags; gloo ignores one without a sequence
+  number; a store server sees a client that went away.
+A thread woken before its flag is set reads an empty request, which NCCL refuses (an error it
+logs and ignores); either way its communicator is one being aborted.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import threading
 from pathlib import Path
 
@@ -32,6 +40,7 @@ POKE_EVERY_S = 0.005
 """How often a socket still bound is woken (the flag is set within a millisecond or so of the
 abort's start; a few wake-ups before it cost NCCL nothing)."""
 _NAME = "nccl-socket-"
+_LISTEN = "0A"
 _UNIX_TABLE = "/proc/self/net/unix"
 
 
@@ -66,18 +75,56 @@ def _own_socket_inodes() -> set[int]:
     return inodes
 
 
-class UdsWaker:
-    """`with UdsWaker():` around the backends' aborts: wakes this process's NCCL UDS threads
-    until they are gone or the block ends. Does nothing where there are none (gloo, CPU)."""
+def own_tcp_listeners() -> list[tuple[int, str, int]]:
+    """(family, host, port) of each TCP socket this process listens on; a wildcard address as
+    its loopback."""
+    mine = _own_socket_inodes()
+    listeners = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        try:
+            lines = Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == _LISTEN and int(fields[9]) in mine:
+                host, port = fields[1].rsplit(":", 1)
+                listeners.append((family, _host(family, host), int(port, 16)))
+    return listeners
 
-    def __init__(self, every_s: float = POKE_EVERY_S) -> None:
+
+def _host(family: int, hex_address: str) -> str:
+    """/proc's address: 32-bit words in host (little-endian) order."""
+    words = (hex_address[i : i + 8] for i in range(0, len(hex_address), 8))
+    raw = b"".join(bytes.fromhex(word)[::-1] for word in words)
+    text = socket.inet_ntop(family, raw)
+    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(text, text)
+
+
+def nccl_service_threads() -> int:
+    """How many of this process's threads NCCL named "NCCL Service <device>"."""
+    count = 0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            count += (task / "comm").read_text().startswith("NCCL Service")
+        except OSError:
+            continue
+    return count
+
+
+class ProxyWaker:
+    """`with ProxyWaker():` around the backends' aborts: wakes this process's NCCL proxy
+    threads until they are gone or the block ends. Does nothing without NCCL (gloo, CPU)."""
+
+    def __init__(self, every_s: float = POKE_EVERY_S, *, enabled: bool = True) -> None:
         self._every_s = every_s
+        self._enabled = enabled
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self.pokes = 0
 
-    def __enter__(self) -> UdsWaker:
-        addresses = own_uds_addresses()
+    def __enter__(self) -> ProxyWaker:
+        addresses = own_uds_addresses() if self._enabled else []
         if addresses:
             self._thread = threading.Thread(target=self._run, args=(addresses,),
                                             name="ftrun-abort nccl-wake", daemon=True)  # fmt: skip
@@ -94,7 +141,11 @@ class UdsWaker:
             sender.setblocking(False)
             while addresses and not self._done.wait(self._every_s):
                 addresses = [a for a in addresses if self._poke(sender, a)]
-        log.debug("abort: %d wake-ups sent to NCCL's UDS threads", self.pokes)
+        listeners = own_tcp_listeners()
+        while listeners and nccl_service_threads() and not self._done.wait(self._every_s):
+            for family, host, port in listeners:
+                self._reset_connection(family, host, port)
+        log.debug("abort: %d wake-ups sent to NCCL's proxy threads", self.pokes)
 
     def _poke(self, sender: socket.socket, address: str) -> bool:
         """Whether the socket is still there to wake."""
@@ -106,3 +157,13 @@ class UdsWaker:
             return False
         self.pokes += 1
         return True
+
+    def _reset_connection(self, family: int, host: str, port: int) -> None:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.settimeout(0.05)
+            try:
+                sock.connect((host, port))
+            except OSError:
+                return
+            self.pokes += 1
