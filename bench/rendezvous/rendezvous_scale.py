@@ -52,6 +52,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import hashlib
 import math
 import multiprocessing
 import queue
@@ -219,13 +220,33 @@ class ProcSpec:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class RoundSummary:
+    """What the parent checks of an agent's Round. Small: every agent's whole Round sent back
+    is N x N descriptors to pickle (268 million at 16,384 nodes), the bench's own limit, not
+    the rendezvous's."""
+
+    number: int
+    group_rank: int
+    size: int
+    nodes_digest: str
+    """Of the nodes' names in group-rank order: equal digests, the same order."""
+    me: NodeDescriptor
+
+    @classmethod
+    def of(cls, rnd: Round) -> RoundSummary:
+        names = "\n".join(node.node for node in rnd.nodes).encode()
+        digest = hashlib.blake2b(names, digest_size=16).hexdigest()
+        return cls(rnd.number, rnd.group_rank, len(rnd.nodes), digest, rnd.me)
+
+
 @dataclasses.dataclass
 class AgentResult:
     """One agent's outcome, sent back to the parent."""
 
     index: int
     descriptor: NodeDescriptor
-    round: Round | None = None
+    round: RoundSummary | None = None
     end: float = 0.0
     cpu_s: float = 0.0
     """CPU time of this agent's thread in `join`."""
@@ -333,11 +354,12 @@ def agent_main(spec: ProcSpec, local: Local, agent: Agent) -> None:
             local.stop.wait(spec.late_node_s)  # the others wait for it meanwhile
         cpu = time.thread_time()
         try:
-            result.round = rdzv.join(local.stop.is_set)
+            joined = rdzv.join(local.stop.is_set)
         finally:
             result.end = time.perf_counter()
             result.cpu_s = time.thread_time() - cpu
             result.log = store.log[agent.skip :]
+        result.round = RoundSummary.of(joined)
     except BaseException as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         result.interrupted = isinstance(exc, JoinInterruptedError) or local.stop.is_set()
@@ -604,15 +626,16 @@ def _raise_agent_errors(agents: Sequence[AgentResult], nodes: int, capped: bool)
 
 
 def verify(agents: Sequence[AgentResult]) -> None:
-    """Every agent holds the same Round: same number and order, ranks 0..N-1 exactly once."""
+    """Every agent holds the same Round: same number and order, ranks 0..N-1 exactly once (N
+    nodes, each agent itself at its own rank: the round holds every agent once)."""
     rounds = [a.round for a in agents if a.round is not None]
     first = rounds[0]
-    if len(first.nodes) != len(agents) or set(first.nodes) != {a.descriptor for a in agents}:
-        raise BenchError(f"the round has {len(first.nodes)} nodes, not the {len(agents)} agents")
+    if first.size != len(agents):
+        raise BenchError(f"the round has {first.size} nodes, not the {len(agents)} agents")
     for agent in agents:
         rnd = agent.round
         assert rnd is not None
-        if rnd.number != first.number or rnd.nodes != first.nodes:
+        if rnd.number != first.number or rnd.nodes_digest != first.nodes_digest:
             raise BenchError(f"agent {agent.index} disagrees on the round")
         if rnd.me != agent.descriptor:
             raise BenchError(f"agent {agent.index} is not at its group rank {rnd.group_rank}")
