@@ -72,6 +72,7 @@ bench-gpu:
 	case ",$$LAYOUTS," in *,4,*) python3 -m bench.restart.inprocess_compare --nproc 4 \
 	    --runs $(or $(BENCH_RUNS),3);; esac
 	python3 -m bench.restart.inprocess_compare --nproc 1 --cases raise:plain,raise:compile --runs $(or $(BENCH_RUNS),3)
+	python3 -m bench.restart.nccl_abort
 	python3 -m bench.checkpoint.checkpoint_gpu
 	python3 -m bench.monitor.straggler_gpu
 	python3 -m bench.monitor.health_watch

@@ -59,6 +59,7 @@ SMOKES = [
     Smoke("checkpoint.peer_throughput", r"memcpy \(one core\)\s+best"),
     Smoke("checkpoint.checkpoint_gpu", rf"checkpoint_gpu: {NO_CUDA}|x D2H pinned",
           ("--json", "{tmp}/g.json")),
+    Smoke("restart.nccl_abort", rf"nccl_abort: {NO_CUDA}|woken: median"),
     Smoke("placement.numa_check", rf"numa_check: {NO_CUDA}(.|\n)*core-complex: exit 2"),
     Smoke("restart.forkserver", r"server ready after start", slow=OVER.format("8-9")),
     Smoke("rendezvous.rendezvous_scale", r"\| impl \| store \| N \|(.|\n)*\| barrier \| etcd \| 8 ",

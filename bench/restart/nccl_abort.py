@@ -1,9 +1,9 @@
 """The floor of an in-process restart's abort: `ProcessGroupNCCL.abort()` with and without the
 wake-ups to NCCL's UDS threads (`ftrun.inprocess.nccl_wake`), alternating in one job.
 
-Run under torchrun, one process per GPU (the device):
+On the device, from the repository root (it starts itself under torchrun, a process a GPU):
 
-    torchrun --standalone --nproc-per-node 4 -m bench.restart.nccl_abort --rounds 8
+    python3 -m bench.restart.nccl_abort --rounds 8
 
 Each round makes a fresh NCCL group (its own store prefix), runs one all_reduce, lines the ranks
 up on the store, aborts the group's backend (timed on each rank) and destroys the group. Rank 0
@@ -16,11 +16,14 @@ import argparse
 import datetime
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
+from bench.common import smoke
 from ftrun.inprocess.nccl_wake import ProxyWaker, own_uds_addresses
 
 
@@ -57,7 +60,15 @@ def _release(store: dist.Store, world: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8, help="rounds, alternating (even)")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, {"rounds": 2})
+    if not torch.cuda.is_available():
+        smoke.skip_gpu("nccl_abort", "the NCCL aborts")
+        return
+    if "RANK" not in os.environ:  # the user's command: the ranks, one a GPU, under torchrun
+        run = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={torch.cuda.device_count()}", "-m", "bench.restart.nccl_abort",
+               f"--rounds={args.rounds}"]  # fmt: skip
+        sys.exit(subprocess.run(run, check=False).returncode)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     # torchrun's agent serves the store at MASTER_PORT; the workers are its clients.

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The open issues' device measurements, one step a call (a call may run 10 minutes; the
+# session's device time is 30): `bash bench/device_runs.sh STEP...` on the device, from the
+# repository root, with `.whl` carried (and `.etcd-bin` for `scale`). Each step prints as it
+# goes and leaves its raw results under $OUT. Steps, roughly in seconds on 4 x H200:
+#   abort        (30)  NCCL's abort with and without the wake-ups (bench/restart/nccl_abort.py)
+#   inprocess    (400) raise / SIGKILL / compiled raise, ftrun's wrapper beside NVRx's, 3 runs
+#   gpu-tests    (310) tests/gpu on every GPU, then on one
+#   compare-1-4  (500) gpu_compare, 1 and 4 GPUs a launcher, beside torchrun and NVRx
+#   compare-2x2  (400) gpu_compare, two launchers x 2 GPUs
+#   scale        (350) rendezvous rounds at 1,024 and 4,096 nodes, then 16,384, both stores
+set -u
+. bench/device_setup.sh >/dev/null || exit 1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+GPUS=$(nvidia-smi -L | wc -l)
+echo "device: $GPUS GPUs, $(nproc) cores; tree: $(git log --oneline -1 2>/dev/null)"
+
+for step in "$@"; do
+    echo "=== $step ($(date +%T))"
+    case "$step" in
+    abort)
+        timeout 90 python3 -m bench.restart.nccl_abort --rounds 8 2>&1 \
+            | grep -E "round|median|sockets"
+        ;;
+    inprocess)
+        timeout 560 python3 -m bench.restart.inprocess_compare --nproc "$GPUS" \
+            --cases raise:plain,kill:plain,raise:compile \
+            --contenders ftrun-inprocess-peer-dev,nvrx-inprocess-peer-dev --runs 3 \
+            --budget-s 480 --json "$OUT/inprocess.json" --markdown 2>&1 | grep -E "run [0-9]|\|"
+        ;;
+    gpu-tests)
+        FTRUN_GPU_REPORT="$OUT/gpu-all.json" timeout 420 python3 -m pytest tests/gpu -m gpu \
+            --timeout 200 -p no:cacheprovider -rA 2>&1 | grep -E "^(PASSED|FAILED|ERROR)|^E |passed|failed"
+        FTRUN_GPU_REPORT="$OUT/gpu-one.json" CUDA_VISIBLE_DEVICES=0 timeout 140 python3 -m pytest \
+            tests/gpu -m gpu --timeout 120 -p no:cacheprovider 2>&1 | tail -1
+        ;;
+    compare-1-4)
+        timeout 560 python3 -m bench.restart.gpu_compare --runs 1 --settings omp1 \
+            --variants plain --layouts 1,4 --json "$OUT/compare-1-4.json" --markdown --check
+        ;;
+    compare-2x2)
+        timeout 560 python3 -m bench.restart.gpu_compare --runs 1 --settings omp1 \
+            --variants plain --layouts 2,2x2 --json "$OUT/compare-2x2.json" --markdown --check
+        ;;
+    scale)
+        export FTRUN_ETCD=$PWD/.etcd-bin/etcd
+        ulimit -n "$(ulimit -Hn)"
+        timeout 330 python3 -m bench.rendezvous.rendezvous_scale --nodes 1024,4096 \
+            --impl barrier --backend both --repeats 1 --cap 60 --threads-per-proc 64 \
+            --keep-going --floor-calls 50 --floor-blocks 2 2>&1 | grep -v "does not answer"
+        timeout 240 python3 -m bench.rendezvous.rendezvous_scale --nodes 16384 --impl barrier \
+            --backend both --repeats 1 --cap 150 --threads-per-proc 128 --keep-going \
+            --floor-calls 0 2>&1 | grep -v "does not answer" | tail -40
+        ;;
+    *)
+        echo "unknown step: $step" >&2
+        exit 2
+        ;;
+    esac
+done
