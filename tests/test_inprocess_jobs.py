@@ -4,13 +4,13 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from launch import Job, free_port, start_job
+from support import run_dumping_stacks
 
 pytestmark = pytest.mark.process
 
@@ -78,7 +78,7 @@ def test_under_torchrun_the_wrapper_recovers_on_its_own(tmp_path: Path):
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(WORKER),
            "--ckpt-dir", str(out), "--steps", str(STEPS), "--fault-step", str(FAULT_STEP),
            "--fault", "raise", "--fault-rank", "0"]  # fmt: skip
-    run = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+    run = run_dumping_stacks(cmd, 120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert_recovered_in_place(out, 2)
 
@@ -94,8 +94,7 @@ def run_twenty_faults(
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(worker),
            "--out", str(out), "--faults", "20", *args]  # fmt: skip
-    run = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout,
-                         env=env)  # fmt: skip
+    run = run_dumping_stacks(cmd, timeout, env)
     assert run.returncode == 0, run.stderr[-3000:]
     ranks = []
     for rank in range(2):

@@ -15,7 +15,9 @@ fail wait in an all_reduce that the failing rank never joins, as peers of a real
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -25,6 +27,8 @@ import torch.distributed as dist
 
 from ftrun import inprocess
 
+# A test that times out asks for every thread's stack (tests/support.run_dumping_stacks).
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", type=Path, required=True)
 parser.add_argument("--faults", type=int, default=20)

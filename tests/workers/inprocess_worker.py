@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import os
 import signal
 import time
@@ -23,6 +24,9 @@ import torch.distributed as dist
 
 from ftrun import inprocess
 from ftrun.client_lib import RankMonitorClient
+
+# A test that times out asks for every thread's stack (tests/support.run_dumping_stacks).
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def parse() -> argparse.Namespace:
