@@ -1,5 +1,5 @@
 """The floor of an in-process restart's abort: `ProcessGroupNCCL.abort()` with and without the
-wake-ups to NCCL's UDS threads (`ftrun.inprocess.nccl_wake`), alternating in one job.
+wake-ups to NCCL's proxy threads (`ftrun.inprocess.nccl_wake`), alternating in one job.
 
 On the device, from the repository root (it starts itself under torchrun, a process a GPU):
 
@@ -38,7 +38,10 @@ def one_round(number: int, wake: bool, base: dist.Store) -> float:
     if number == 0 and rank == 0:
         print(f"NCCL UDS sockets of rank 0: {len(own_uds_addresses())}", flush=True)
     store.add("lined-up", 1)
-    store.wait(["go"]) if rank else _release(store, world)
+    if rank:
+        store.wait(["go"])
+    else:
+        _release(store, world)
     backend = dist.group.WORLD._get_backend(device)
     started = time.monotonic()
     if wake:

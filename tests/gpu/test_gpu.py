@@ -249,7 +249,7 @@ def test_g_a_gpu_slowed_by_a_busy_neighbour_is_named_by_the_straggler_detector(
     found = job.events("straggler")
     assert found, "no straggler named"
     # The busy GPU is the second launcher's last; its rank follows that launcher's group rank,
-    # which the rendezvous chose, not the launchers' order (2x2 on 4 GPUs: rank 1, group rank 0).
+    # which the rendezvous chose, not the launchers' order.
     busy_node = next(n for n in rounds(job)[0] if n.endswith(f"-{job.nodes[1].proc.pid}"))
     slowed = rounds(job)[0].index(busy_node) * per_node + per_node - 1
     named = [(e["ranks"], e["findings"][:2]) for e in found]
