@@ -4,7 +4,8 @@
 # repository root, with `.whl` carried (and `.etcd-bin` for `scale`). Each step prints as it
 # goes and leaves its raw results under $OUT. Steps, roughly in seconds on 4 x H200:
 #   abort        (30)  NCCL's abort with and without the wake-ups (bench/restart/nccl_abort.py)
-#   inprocess    (400) raise / SIGKILL / compiled raise, ftrun's wrapper beside NVRx's, 3 runs
+#   inprocess    (380) a raise and a SIGKILL, ftrun's wrapper beside NVRx's, 3 runs
+#   inprocess-compile (350) a raise in a compiled model, the same, 3 runs
 #   gpu-tests    (310) tests/gpu on every GPU, then on one
 #   compare-1-4  (500) gpu_compare, 1 and 4 GPUs a launcher, beside torchrun and NVRx
 #   compare-2x2  (400) gpu_compare, two launchers x 2 GPUs
@@ -23,11 +24,12 @@ for step in "$@"; do
         timeout 90 python3 -m bench.restart.nccl_abort --rounds 8 2>&1 \
             | grep -E "round|median|sockets"
         ;;
-    inprocess)
-        timeout 560 python3 -m bench.restart.inprocess_compare --nproc "$GPUS" \
-            --cases raise:plain,kill:plain,raise:compile \
+    inprocess | inprocess-compile)
+        cases=raise:plain,kill:plain
+        [[ $step == inprocess ]] || cases=raise:compile
+        timeout 560 python3 -m bench.restart.inprocess_compare --nproc "$GPUS" --cases "$cases" \
             --contenders ftrun-inprocess-peer-dev,nvrx-inprocess-peer-dev --runs 3 \
-            --budget-s 480 --json "$OUT/inprocess.json" --markdown 2>&1 | grep -E "run [0-9]|\|"
+            --budget-s 480 --json "$OUT/$step.json" --markdown 2>&1 | grep -E "run [0-9]|\|"
         ;;
     gpu-tests)
         FTRUN_GPU_REPORT="$OUT/gpu-all.json" timeout 420 python3 -m pytest tests/gpu -m gpu \
