@@ -26,14 +26,13 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from ftrun.agent import policy as p
-from ftrun.agent.actions import Action
 from ftrun.agent.diagnosis.evidence import Evidence
 from ftrun.agent.diagnosis.reporting import CycleReport
 from ftrun.agent.facts import read_facts
 from ftrun.agent.inbox import SignalReceived, SignalRecorder, take_queued
 from ftrun.agent.inbox_events import InboxEvents
 from ftrun.agent.inprocess.effects import carry_out
-from ftrun.agent.policy import AgentEvent, Outcome, Policy
+from ftrun.agent.policy import Action, AgentEvent, Outcome, Policy
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.state import AgentState, check_transition
 from ftrun.agent.termination import PROCESSES, Delivery, StopResult, Termination, become_subreaper

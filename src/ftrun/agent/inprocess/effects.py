@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from ftrun.agent.actions import Action
 from ftrun.agent.inprocess.link import Coordination
+from ftrun.agent.policy import Action
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.worker_env import worker_envs
 from ftrun.agent.workers import WorkerGroup
