@@ -76,8 +76,8 @@ def run_dumping_stacks(
     cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """`subprocess.run(cmd, capture_output=True, text=True)` in a session of its own, bounded.
-    Past `timeout`, the processes of the session that have no children (the workers, which
-    register `faulthandler` on SIGUSR1) dump their stacks, then the whole session is killed and
+    Past `timeout`, its descendants that have no children (the workers, which register
+    `faulthandler` on SIGUSR1) dump their stacks, then it and every descendant are killed and
     the test fails with the output's tail: a hang says where it hung."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)  # fmt: skip
@@ -85,28 +85,33 @@ def run_dumping_stacks(
         out, _ = proc.communicate(timeout=timeout)
         return subprocess.CompletedProcess(cmd, proc.returncode, out, out)
     except subprocess.TimeoutExpired:
-        for leaf in _leaves(proc.pid):
+        tree = _tree(proc.pid)
+        for leaf in tree:
             with contextlib.suppress(psutil.Error):
-                leaf.send_signal(signal.SIGUSR1)
+                if not leaf.children():
+                    leaf.send_signal(signal.SIGUSR1)
         time.sleep(1.0)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        # All of them by pid: torchrun's workers have sessions of their own.
+        for member in (p for p in (proc_of(proc.pid), *tree) if p is not None):
+            with contextlib.suppress(psutil.Error):
+                member.kill()
         out, _ = proc.communicate(timeout=30)
         stacks = out[-6000:]
         raise AssertionError(f"still running after {timeout}s; its stacks:\n{stacks}") from None
 
 
-def _leaves(pid: int) -> list[psutil.Process]:
+def _tree(pid: int) -> list[psutil.Process]:
     try:
-        tree = psutil.Process(pid).children(recursive=True)
+        return psutil.Process(pid).children(recursive=True)
     except psutil.Error:
         return []
-    leaves = []
-    for proc in tree:
-        with contextlib.suppress(psutil.Error):
-            if not proc.children():
-                leaves.append(proc)
-    return leaves
+
+
+def proc_of(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None
 
 
 def run_gloo_ranks(script: str, args: Sequence[str], timeout: float, ranks: int = 2) -> list[str]:
