@@ -25,6 +25,8 @@ from ftrun.inprocess.iteration import (
 from ftrun.inprocess.options import build_options
 from ftrun.inprocess.params import substitute_call_wrapper
 from ftrun.inprocess.state import State
+from ftrun.inprocess.watcher import Watcher
+from support import wait_for
 
 SHORT = datetime.timedelta(milliseconds=50)
 
@@ -143,3 +145,56 @@ def test_a_gloo_group_is_pinned_for_good_and_its_connections_shut_down_at_a_rest
     finally:
         dist.destroy_process_group()
     assert not pin_gloo_groups()
+
+
+class _GatedIteration:
+    """An iteration whose end the watcher sees only when the test says so (a watcher thread
+    that the scheduler left behind, under load)."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.gate = threading.Event()
+        self.watched = threading.Event()
+
+    def wait_end(self) -> bool:
+        self.watched.set()
+        return self.gate.wait(10)
+
+    def was_interrupted(self) -> bool:
+        return True
+
+
+class _FakeInterrupter:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.armed = False
+        self.interrupts = 0
+
+    def interrupt(self) -> bool:
+        self.interrupts += 1
+        self.armed = False
+        return True
+
+
+def test_a_watcher_that_sees_an_iteration_end_late_leaves_the_next_one_alone():
+    """Seen under `make test`'s load: a watcher saw iteration 11's end only after the main
+    thread had moved on to 12 and armed, and interrupted 12 (its rank never ran 12; the peer
+    waited 30 s for it). The end of an iteration the main thread has left stops nothing."""
+    interrupter, aborts = _FakeInterrupter(), []
+    watcher = Watcher(interrupter, abort=lambda: aborts.append(1))  # type: ignore[arg-type]
+    try:
+        old, new = _GatedIteration(11), _GatedIteration(12)
+        watcher.follow(old)  # type: ignore[arg-type]
+        assert old.watched.wait(10)
+        watcher.follow(new)  # type: ignore[arg-type]  # the main thread follows 12, then arms
+        interrupter.armed = True
+        old.gate.set()  # and only now does the watcher see 11's end
+        assert new.watched.wait(10)
+        assert (interrupter.interrupts, aborts, watcher.aborted.is_set()) == (0, [], False)
+        new.gate.set()  # 12's own end still stops the main thread
+        wait_for(lambda: interrupter.interrupts == 1, 10, "the interrupt for iteration 12")
+        assert aborts == [1] and watcher.aborted.is_set()
+    finally:
+        old.gate.set()
+        new.gate.set()
+        watcher.close()

@@ -100,7 +100,7 @@ def run_twenty_faults(
     for rank in range(2):
         lines = (out / f"resources-rank{rank}.txt").read_text().splitlines()
         rows = [[int(v) for v in line.split()] for line in lines]
-        assert [row[0] for row in rows] == list(range(21)), rows
+        assert [row[0] for row in rows] == list(range(21)), (rows, run.stdout[-6000:])
         ranks.append(list(zip(*rows[3:], strict=True))[1:])
     return ranks
 

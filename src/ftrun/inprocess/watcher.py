@@ -89,7 +89,7 @@ class Watcher:
                 else:
                     seen = time.time()
                     if iteration.was_interrupted():
-                        self._stop_main_thread(seen)
+                        self._stop_main_thread(iteration, seen)
             except Exception as error:  # the store is gone: the main thread finds out itself
                 log.debug("in-process watcher: %s", error)
                 if self._closed:
@@ -104,9 +104,12 @@ class Watcher:
         except Exception as error:  # the store is gone: the watch finds out and says so
             log.debug("in-process watcher: forgetting old keys: %s", error)
 
-    def _stop_main_thread(self, seen: float) -> None:
+    def _stop_main_thread(self, ended: Iteration, seen: float) -> None:
         with self._interrupter.lock:  # never inside the main thread's atomic() section
-            if not self._interrupter.armed:
+            # `ended` may be one the main thread has left already (this thread saw its end
+            # late, under load): the main thread follows the next one before it arms, so an
+            # armed interrupter with another iteration followed is the next one's, running.
+            if not self._interrupter.armed or self._iteration is not ended:
                 return
             started = time.monotonic()
             try:
