@@ -73,11 +73,11 @@ def test_a_sigkilled_rank_alone_is_started_again_and_joins_the_others(tmp_path: 
 
 
 def test_under_torchrun_the_wrapper_recovers_on_its_own(tmp_path: Path):
-    out = tmp_path / "out"
+    out, port = tmp_path / "out", free_port()  # it and the two after it: the stores' ports
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(WORKER),
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", str(WORKER),
            "--ckpt-dir", str(out), "--steps", str(STEPS), "--fault-step", str(FAULT_STEP),
-           "--fault", "raise", "--fault-rank", "0"]  # fmt: skip
+           "--fault", "raise", "--fault-rank", "0", "--store-port", str(port + 1)]  # fmt: skip
     run = run_dumping_stacks(cmd, 120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert_recovered_in_place(out, 2)
@@ -89,11 +89,13 @@ def run_twenty_faults(
     """tests/workers/inprocess_faults_worker.py under torchrun, 2 ranks, 20 faults in a row:
     each rank's counts from iteration 3 on, one tuple per column (threads, fds, keys, OS
     threads, GPU MB), once every rank entered iterations 0-20 in turn."""
-    out = tmp_path / "out"
+    out, port = tmp_path / "out", free_port()  # it and the one after it: the stores' ports
     worker = WORKER.with_name("inprocess_faults_worker.py")
+    # The wrapper's store on a port free_port() chose, not torchrun's MASTER_PORT + 1: under the
+    # suite's load that one was once another test's listener, and both ranks hung validating.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(worker),
-           "--out", str(out), "--faults", "20", *args]  # fmt: skip
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", str(worker),
+           "--out", str(out), "--faults", "20", "--store-port", str(port + 1), *args]  # fmt: skip
     run = run_dumping_stacks(cmd, timeout, env)
     assert run.returncode == 0, run.stderr[-3000:]
     ranks = []

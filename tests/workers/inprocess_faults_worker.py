@@ -5,8 +5,8 @@ group: gloo's aborted groups are pinned for good, see `ftrun.inprocess.abort.pin
 and would be counted too); the iteration after the last fault returns. On entering each
 iteration every rank appends `iteration threads fds keys tasks gpu_mb` to
 `<out>/resources-rank<R>.txt`: this process's Python threads, open descriptors, the keys of the
-wrapper's coordination store (served by rank 0 at `MASTER_PORT + 1`, as under torchrun), its OS
-threads (NCCL's included) and the memory in use on its GPU.
+wrapper's coordination store (served by rank 0 at `--store-port`, by default `MASTER_PORT + 1`
+as in NVRx's examples), its OS threads (NCCL's included) and the memory in use on its GPU.
 
 `--device cuda`: each iteration also makes an NCCL group (on a prefix of its own, as NVRx's
 examples do) and its communicator (one all_reduce) before counting, and the ranks that do not
@@ -33,8 +33,9 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--out", type=Path, required=True)
 parser.add_argument("--faults", type=int, default=20)
 parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+parser.add_argument("--store-port", type=int, help="the wrapper's store (default MASTER_PORT + 1)")
 ARGS = parser.parse_args()
-PORT = int(os.environ["MASTER_PORT"]) + 1
+PORT = ARGS.store_port or int(os.environ["MASTER_PORT"]) + 1
 
 
 STORE: list[dist.Store] = []

@@ -40,10 +40,17 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--fault-step", type=int, default=20)
     parser.add_argument("--soft-timeout", type=float, default=60.0)
     parser.add_argument("--heartbeats", action="store_true", help="send ft_launcher heartbeats")
+    parser.add_argument(
+        "--store-port",
+        type=int,
+        help="standalone: the wrapper's store (default MASTER_PORT + 1, as NVRx's examples); "
+        "the function's store the next",
+    )
     return parser.parse_args()
 
 
 ARGS = parse()
+STORE_PORT = ARGS.store_port or int(os.environ["MASTER_PORT"]) + 1
 
 
 def fault_once(rank: int, step: int) -> None:
@@ -94,7 +101,7 @@ class _FaultyFinalize(inprocess.finalize.Finalize):
 
 
 @inprocess.Wrapper(
-    store_kwargs={"port": int(os.environ["MASTER_PORT"]) + 1},
+    store_kwargs={"port": STORE_PORT},
     abort=inprocess.Compose(inprocess.abort.AbortTorchDistributed(), _FaultyAbort()),
     finalize=_FaultyFinalize(),
     soft_timeout=datetime.timedelta(seconds=ARGS.soft_timeout),
@@ -103,7 +110,7 @@ class _FaultyFinalize(inprocess.finalize.Finalize):
 )
 def train(model: torch.nn.Module, call_wrapper: inprocess.CallWrapper | None = None) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 2,
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], STORE_PORT + 1,
                           world, rank == 0, multi_tenant=True)  # fmt: skip
     prefix = dist.PrefixStore(f"it{call_wrapper.iteration}", store)
     dist.init_process_group("gloo", store=prefix, rank=rank, world_size=world,
