@@ -91,8 +91,9 @@ def run_twenty_faults(
     threads, GPU MB), once every rank entered iterations 0-20 in turn."""
     out, port = tmp_path / "out", free_port()  # it and the one after it: the stores' ports
     worker = WORKER.with_name("inprocess_faults_worker.py")
-    # The wrapper's store on a port free_port() chose, not torchrun's MASTER_PORT + 1: under the
-    # suite's load that one was once another test's listener, and both ranks hung validating.
+    # The wrapper's store on a port free_port() chose, not torchrun's MASTER_PORT + 1 (in the
+    # ephemeral range: under the suite's load something else once held it, and both ranks hung
+    # validating against it).
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", str(worker),
            "--out", str(out), "--faults", "20", "--store-port", str(port + 1), *args]  # fmt: skip
