@@ -378,7 +378,8 @@ class EtcdStore(Store):
                     f"no etcd member answered for {self.timeout.total_seconds():g}s "
                     f"({', '.join(self._names)})"
                 )
-            time.sleep(min(pause, max(deadline - self._clock(), 0.0)))
+            # Jittered: the nodes an overloaded etcd refused at once must not come back at once.
+            time.sleep(min(random.uniform(pause / 2, pause), max(deadline - self._clock(), 0.0)))
             pause = min(pause * 2, 1.0)
 
     def _member_down(self, index: int, exc: Exception) -> None:
