@@ -125,6 +125,11 @@ class Chain:
             with contextlib.suppress(LookupError, RuntimeError):
                 lines.append(f"job {job_id}: {self.state(job_id)}")
             lines += [f"  | {ln}" for ln in self.output(job_id).splitlines()[-25:]]
+        # Each launcher's last events: a launcher that was killed has no `exit` among them.
+        for path in sorted(self.job_dir.glob("runs/*/logs/events-*.jsonl")):
+            tail = [json.loads(ln) for ln in path.read_text().splitlines()[-4:] if ln.strip()]
+            names = ", ".join(f"{e.get('event')}@{e.get('ts', 0):.1f}" for e in tail)
+            lines.append(f"{path.relative_to(self.job_dir)}: ... {names}")
         return "\n".join(lines)
 
     def events(self, name: str) -> list[dict]:
