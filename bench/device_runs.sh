@@ -22,7 +22,7 @@ for step in "$@"; do
     case "$step" in
     abort)
         timeout 90 python3 -m bench.restart.nccl_abort --rounds 8 2>&1 \
-            | grep -E "round|median|sockets"
+            | grep -E "round|median|before its first"
         ;;
     inprocess | inprocess-compile)
         cases=raise:plain,kill:plain

@@ -24,7 +24,12 @@ import torch
 import torch.distributed as dist
 
 from bench.common import smoke
-from ftrun.inprocess.nccl_wake import ProxyWaker, own_uds_addresses
+from ftrun.inprocess.nccl_wake import (
+    ProxyWaker,
+    nccl_service_threads,
+    own_tcp_listeners,
+    own_uds_addresses,
+)
 
 
 def one_round(number: int, wake: bool, base: dist.Store) -> float:
@@ -36,7 +41,9 @@ def one_round(number: int, wake: bool, base: dist.Store) -> float:
     dist.all_reduce(value)
     torch.cuda.synchronize()
     if number == 0 and rank == 0:
-        print(f"NCCL UDS sockets of rank 0: {len(own_uds_addresses())}", flush=True)
+        print(f"rank 0 before its first abort: {len(own_uds_addresses())} NCCL UDS socket(s), "
+              f"{nccl_service_threads()} 'NCCL Service' thread(s), "
+              f"{len(own_tcp_listeners())} TCP listener(s)", flush=True)  # fmt: skip
     store.add("lined-up", 1)
     if rank:
         store.wait(["go"])
@@ -44,12 +51,12 @@ def one_round(number: int, wake: bool, base: dist.Store) -> float:
         _release(store, world)
     backend = dist.group.WORLD._get_backend(device)
     started = time.monotonic()
-    if wake:
-        with ProxyWaker():
-            backend.abort()
-    else:
+    waker = ProxyWaker(enabled=wake)
+    with waker:
         backend.abort()
     took = time.monotonic() - started
+    if wake and rank == 0:
+        print(f"round {number}: rank 0 sent {waker.pokes} wake-up(s)", flush=True)
     dist.destroy_process_group()
     return took
 
