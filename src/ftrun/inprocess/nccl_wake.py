@@ -28,11 +28,12 @@ it logs and ignores, or a wait for the flag); either way its communicator is one
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import struct
 import threading
 from pathlib import Path
+
+from ftrun.inprocess.sockets import LISTEN, own_socket_fds, tcp_table
 
 log = logging.getLogger("ftrun.inprocess")
 
@@ -40,14 +41,13 @@ POKE_EVERY_S = 0.005
 """How often a socket still bound is woken (the flag is set within a millisecond or so of the
 abort's start; a few wake-ups before it cost NCCL nothing)."""
 _NAME = "nccl-socket-"
-_LISTEN = "0A"
 _UNIX_TABLE = "/proc/self/net/unix"
 
 
 def own_uds_addresses() -> list[str]:
     """The addresses (abstract ones starting with NUL) of the NCCL UDS sockets this process
     has bound."""
-    mine = _own_socket_inodes()
+    mine = own_socket_fds()
     addresses = []
     try:
         lines = Path(_UNIX_TABLE).read_text().splitlines()[1:]
@@ -63,42 +63,12 @@ def own_uds_addresses() -> list[str]:
     return addresses
 
 
-def _own_socket_inodes() -> set[int]:
-    inodes = set()
-    for entry in Path("/proc/self/fd").iterdir():
-        try:
-            target = os.readlink(entry)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(int(target[8:-1]))
-    return inodes
-
-
 def own_tcp_listeners() -> list[tuple[int, str, int]]:
     """(family, host, port) of each TCP socket this process listens on; a wildcard address as
     its loopback."""
-    mine = _own_socket_inodes()
-    listeners = []
-    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        try:
-            lines = Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) > 9 and fields[3] == _LISTEN and int(fields[9]) in mine:
-                host, port = fields[1].rsplit(":", 1)
-                listeners.append((family, _host(family, host), int(port, 16)))
-    return listeners
-
-
-def _host(family: int, hex_address: str) -> str:
-    """/proc's address: 32-bit words in host (little-endian) order."""
-    words = (hex_address[i : i + 8] for i in range(0, len(hex_address), 8))
-    raw = b"".join(bytes.fromhex(word)[::-1] for word in words)
-    text = socket.inet_ntop(family, raw)
-    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(text, text)
+    mine = own_socket_fds()
+    return [(row.family, row.host(), row.port) for row in tcp_table()
+            if row.state == LISTEN and row.inode in mine]  # fmt: skip
 
 
 def nccl_service_threads() -> int:

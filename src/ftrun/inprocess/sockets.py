@@ -15,8 +15,28 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import NamedTuple
 
-_ESTABLISHED, _LISTEN = "01", "0A"
+ESTABLISHED, LISTEN = "01", "0A"
+
+
+class TcpSocket(NamedTuple):
+    """A row of /proc/self/net/tcp or tcp6 (this process's network namespace)."""
+
+    inode: int
+    state: str
+    port: int
+    """The local port."""
+    family: int
+    local: str
+    """The local address as /proc writes it (hex, 32-bit words in host order): `host()`."""
+
+    def host(self) -> str:
+        """The local address; a wildcard one as its loopback (where a connection reaches it)."""
+        words = (self.local[i : i + 8] for i in range(0, len(self.local), 8))
+        raw = b"".join(bytes.fromhex(word)[::-1] for word in words)
+        text = socket.inet_ntop(self.family, raw)
+        return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(text, text)
 
 
 class FunctionSockets:
@@ -29,17 +49,18 @@ class FunctionSockets:
 
     def mark(self) -> None:
         """The function starts: what is open now is not its to lose."""
-        table = _tcp_table()
-        self._before = {inode for inode, state, _ in table if state == _ESTABLISHED}
-        self._servers = {port for _, state, port in table if state == _LISTEN}
+        table = tcp_table()
+        self._before = {row.inode for row in table if row.state == ESTABLISHED}
+        self._servers = {row.port for row in table if row.state == LISTEN}
 
     def shut_down_new(self) -> int:
         """Shut down (both ways) every connection the function opened; how many."""
-        mine = {inode for inode, state, port in _tcp_table()
-                if state == _ESTABLISHED and inode not in self._before
-                and port not in self._servers}  # fmt: skip
+        mine = {row.inode for row in tcp_table()
+                if row.state == ESTABLISHED and row.inode not in self._before
+                and row.port not in self._servers}  # fmt: skip
+        fds = own_socket_fds()
         count = 0
-        for fd in _fds_of(mine):
+        for fd in (fds[inode] for inode in mine if inode in fds):
             try:
                 with socket.socket(fileno=os.dup(fd)) as sock:
                     sock.shutdown(socket.SHUT_RDWR)
@@ -49,30 +70,31 @@ class FunctionSockets:
         return count
 
 
-def _fds_of(inodes: set[int]) -> list[int]:
-    fds = []
+def own_socket_fds() -> dict[int, int]:
+    """This process's sockets: inode -> descriptor."""
+    fds = {}
     for entry in Path("/proc/self/fd").iterdir():
         try:
             target = os.readlink(entry)
         except OSError:
             continue
-        if target.startswith("socket:[") and int(target[8:-1]) in inodes:
-            fds.append(int(entry.name))
+        if target.startswith("socket:["):
+            fds[int(target[8:-1])] = int(entry.name)
     return fds
 
 
-def _tcp_table() -> list[tuple[int, str, int]]:
-    """(inode, state, local port) of every TCP socket this process's network namespace has
-    (the inodes tell this process's own apart)."""
+def tcp_table() -> list[TcpSocket]:
+    """Every TCP socket this process's network namespace has (the inodes tell this process's
+    own apart: `own_socket_fds`)."""
     rows = []
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         try:
-            lines = Path(table).read_text().splitlines()[1:]
+            lines = Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
             fields = line.split()
             if len(fields) > 9:
-                port = int(fields[1].rsplit(":", 1)[1], 16)
-                rows.append((int(fields[9]), fields[3], port))
+                local, port = fields[1].rsplit(":", 1)
+                rows.append(TcpSocket(int(fields[9]), fields[3], int(port, 16), family, local))
     return rows
