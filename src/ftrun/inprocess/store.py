@@ -52,15 +52,11 @@ class TCPStore(dist.TCPStore, StoreMixin):
             except (RuntimeError, OSError) as error:  # the port is served already
                 # torchrun's own store on MASTER_PORT is the usual one; another port in use is
                 # worth a line: a listener that is not a store leaves every rank validating.
-                level = logging.DEBUG if port == _master_port() else logging.WARNING
+                usual = str(port) == os.environ.get("MASTER_PORT")
+                level = logging.DEBUG if usual else logging.WARNING
                 log.log(level, "in-process store: %s:%d is in use (%s); joining whoever serves "
                         "it", host, port, error)  # fmt: skip
         super().__init__(host, port, world, False, **common)
-
-
-def _master_port() -> int | None:
-    port = os.environ.get("MASTER_PORT", "")
-    return int(port) if port.isdigit() else None
 
 
 class PrefixStore(dist.PrefixStore, StoreMixin):

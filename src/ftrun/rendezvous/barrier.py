@@ -107,6 +107,9 @@ class BarrierRendezvousHandler(RendezvousHandler):
         self._probe = probe
         self._on_standby = on_standby
         self._grace = descriptor_grace
+        self._long_wait = _POLL_EVERY if waits_are_requests(store) else 1
+        """Wait chunks in one wait for a node that does not plan: on etcd, where a wait is a
+        watch request, one per look, not one a second."""
         self._closed_size = (-1, 0)
         """(cycle, size) of the last closed round `num_nodes_waiting` looked at."""
         self._arrived_at = 0.0
@@ -188,9 +191,9 @@ class BarrierRendezvousHandler(RendezvousHandler):
         cycle = planning.cycle
         closed = self._key(cycle, "closed")
         is_planner = index == 0
-        # On etcd a wait is a watch: one per look, not one a second (signals are seen at the
-        # look, within 3 s; a rendezvous has no workers whose checkpoint they would delay).
-        per_wait = _POLL_EVERY if not is_planner and waits_are_requests(self._store) else 1
+        # Signals are then seen at the look, within 3 s: a rendezvous has no workers whose
+        # checkpoint they would delay.
+        per_wait = 1 if is_planner else self._long_wait
         chunks = 0
         while (blob := get_within(self._store, closed, per_wait * _WAIT_CHUNK_S)) is None:
             chunks += per_wait
@@ -345,8 +348,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
     def _await_next(self, cycle: int, deadline: float, interrupted: Callable[[], bool]) -> None:
         """A standby node's wait through a cycle (hours): on etcd, a look every 3 s (a watch and
         two reads), not every second."""
-        per_wait = _POLL_EVERY if waits_are_requests(self._store) else 1
-        while not self.control.wait_restart(cycle, per_wait * _WAIT_CHUNK_S):
+        while not self.control.wait_restart(cycle, self._long_wait * _WAIT_CHUNK_S):
             self._raise_if_excluded()
             self._check_waiting(deadline, interrupted)
         self._raise_if_excluded()  # before the shutdown that may have ended the wait

@@ -368,7 +368,7 @@ class EtcdStore(Store):
                         self._member_down(index, exc)
                     continue
                 except Etcd3Exception as exc:
-                    if not overloaded(exc):
+                    if not wire.overloaded(exc):
                         raise _typed(exc, self._names[index]) from None
                     continue  # refused before it was proposed: safe to send again, later
                 self._member_up(index)
@@ -389,14 +389,6 @@ class EtcdStore(Store):
     def _member_up(self, index: int) -> None:
         self._current = index
         self.health.mark_up(self._names[index])
-
-
-def overloaded(exc: Etcd3Exception) -> bool:
-    """etcd's backpressure: a member whose applied index lags its committed one by more than
-    5,000 entries refuses new proposals ("etcdserver: too many requests", before proposing
-    them, so a retry cannot apply one twice). Seen with 16,384 nodes arriving at once; the
-    request is sent again after the back-off, as a busy member's is."""
-    return "too many requests" in f"{exc.detail_text or ''} {exc}".lower()
 
 
 def _typed(exc: Etcd3Exception, member: str) -> DistStoreError:

@@ -27,6 +27,14 @@ BUSY = (408, 503, 504)
 """HTTP answers of a member saying "not now" (etcd3gw maps them to `_UNREACHABLE`)."""
 
 
+def overloaded(exc: Etcd3Exception) -> bool:
+    """etcd's backpressure: a member whose applied index lags its committed one by more than
+    5,000 entries refuses new proposals ("etcdserver: too many requests", before proposing
+    them, so a retry cannot apply one twice). Seen with 16,384 nodes arriving at once; the
+    store sends the request again after its back-off, as a busy member's."""
+    return "too many requests" in f"{exc.detail_text or ''} {exc}".lower()
+
+
 class WatchInterruptedError(DistStoreError):
     """A wait ended by `Interrupt.set` from another thread (a message without "timeout": not
     taken for a wait that ran out)."""
