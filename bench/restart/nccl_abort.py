@@ -26,7 +26,6 @@ import torch.distributed as dist
 from bench.common import smoke
 from ftrun.inprocess.nccl_wake import (
     ProxyWaker,
-    nccl_service_threads,
     own_tcp_listeners,
     own_uds_addresses,
 )
@@ -42,7 +41,6 @@ def one_round(number: int, wake: bool, base: dist.Store) -> float:
     torch.cuda.synchronize()
     if number == 0 and rank == 0:
         print(f"rank 0 before its first abort: {len(own_uds_addresses())} NCCL UDS socket(s), "
-              f"{nccl_service_threads()} 'NCCL Service' thread(s), "
               f"{len(own_tcp_listeners())} TCP listener(s)", flush=True)  # fmt: skip
     store.add("lined-up", 1)
     if rank:

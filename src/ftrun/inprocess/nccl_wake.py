@@ -18,9 +18,10 @@ process (each rank wakes its own):
   process's descriptors), until the socket is gone (the thread closes it on its way out);
 - then, once every UDS socket is gone (so every abort flag is set: an NCCL socket accepting
   without its flag set would wait for a real peer), a connection reset at once to each TCP
-  socket this process listens on, while a thread named "NCCL Service" lives. NCCL drops a
-  connection without its magic and looks at its flags; gloo ignores one without a sequence
-  number; a store server sees a client that went away.
+  socket this process listens on, until the aborts end. NCCL drops a connection without its
+  magic and looks at its flags; gloo ignores one without a sequence number; a store server
+  sees a client that went away. (NCCL names its threads only under NCCL_SET_THREAD_NAME=1,
+  so the service thread cannot be told apart from the others: the aborts' end is the bound.)
 A UDS thread woken before its flag is set reads an empty request, which NCCL refuses (an error
 it logs and ignores, or a wait for the flag); either way its communicator is one being aborted.
 """
@@ -59,7 +60,9 @@ def own_uds_addresses() -> list[str]:
             continue
         if int(fields[6]) in mine:
             path = fields[7]
-            addresses.append("\0" + path[1:] if path.startswith("@") else path)
+            # The table writes each NUL of an abstract name as "@"; NCCL binds the whole
+            # sun_path (its name, then NULs to 108 bytes), and all of those bytes are the name.
+            addresses.append("\0" + path[1:].replace("@", "\0") if path.startswith("@") else path)
     return addresses
 
 
@@ -69,17 +72,6 @@ def own_tcp_listeners() -> list[tuple[int, str, int]]:
     mine = own_socket_fds()
     return [(row.family, row.host(), row.port) for row in tcp_table()
             if row.state == LISTEN and row.inode in mine]  # fmt: skip
-
-
-def nccl_service_threads() -> int:
-    """How many of this process's threads NCCL named "NCCL Service <device>"."""
-    count = 0
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            count += (task / "comm").read_text().startswith("NCCL Service")
-        except OSError:
-            continue
-    return count
 
 
 class ProxyWaker:
@@ -112,7 +104,7 @@ class ProxyWaker:
             while addresses and not self._done.wait(self._every_s):
                 addresses = [a for a in addresses if self._poke(sender, a)]
         listeners = own_tcp_listeners()
-        while listeners and nccl_service_threads() and not self._done.wait(self._every_s):
+        while listeners and not self._done.wait(self._every_s):
             for family, host, port in listeners:
                 self._reset_connection(family, host, port)
         log.debug("abort: %d wake-ups sent to NCCL's proxy threads", self.pokes)
