@@ -9,7 +9,7 @@ sleep in `poll(..., 500)` and look at their flags only when they wake:
   sleeps one more half second.
 Measured on 4 x H200 (torch 2.11, NCCL 2.28.9): `ProcessGroupNCCL.abort()` took 0.52-0.55 s on
 an idle communicator (`bench/restart/nccl_abort.py`), and 0.09-0.52 s inside a restart: about
-half of a raise's whole in-process restart.
+half of a raise's whole in-process restart. Woken, 0.04 s.
 
 While the backends' aborts run, `ProxyWaker` wakes them, every few milliseconds, only in this
 process (each rank wakes its own):
