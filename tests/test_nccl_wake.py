@@ -5,7 +5,6 @@ milliseconds of the flag instead of at the end of its half second."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import select
 import socket
@@ -113,12 +112,6 @@ def test_the_waker_stops_once_the_socket_is_gone_and_does_nothing_without_one() 
     assert not any(t.name == "ftrun-abort nccl-wake" for t in threading.enumerate())
 
 
-def named_thread(name: bytes) -> None:
-    """This OS thread's name, as NCCL names its own (`pthread_setname_np`)."""
-    libc = ctypes.CDLL(None)
-    libc.prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
-
-
 class NcclServiceThread:
     """NCCL's `ncclProxyService` loop under an abort: poll 500 ms on its listening socket;
     leave once the proxy's `stop` is set (after the peers' closes had woken it); a connection
@@ -135,7 +128,6 @@ class NcclServiceThread:
         self.thread.start()
 
     def _run(self) -> None:
-        named_thread(b"NCCL Service  0")
         poller = select.poll()
         poller.register(self.listener, select.POLLIN)
         while not self.stop.is_set():
