@@ -8,6 +8,7 @@ skips the test saying so.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -52,6 +53,14 @@ class Member:
         except OSError:
             return False
 
+    def leads(self) -> bool:
+        """Whether this member is the cluster's leader (its own status says so)."""
+        url = f"http://{self.endpoint}/v3/maintenance/status"
+        request = urllib.request.Request(url, data=b"{}", method="POST")
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            status = json.loads(answer.read())
+        return status["leader"] == status["header"]["member_id"]
+
 
 class EtcdCluster:
     """`members` etcd processes forming one cluster; `kill(i)` and `start(i)` one of them."""
@@ -87,6 +96,12 @@ class EtcdCluster:
         with m.log.open("ab") as out:
             m.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                       start_new_session=True)  # fmt: skip
+
+    def leader(self) -> int:
+        """The index of the member that leads now."""
+        found = [i for i, m in enumerate(self.members) if m.proc is not None and m.leads()]
+        assert len(found) == 1, f"leaders: {found}"
+        return found[0]
 
     def kill(self, index: int) -> None:
         m = self.members[index]

@@ -39,12 +39,7 @@ def endpoints(cluster: Any) -> list[tuple[str, int]]:
 
 def follower(cluster: Any) -> int:
     """The index of a member that is not the leader."""
-    for index, member in enumerate(cluster.members):
-        url = f"http://{member.endpoint}/v3/maintenance/status"
-        status = requests.post(url, json={}, timeout=10).json()
-        if status["leader"] != status["header"]["member_id"]:
-            return index
-    raise AssertionError("every member leads")
+    return next(i for i, member in enumerate(cluster.members) if not member.leads())
 
 
 @pytest.fixture(params=["tcp", "etcd"])
