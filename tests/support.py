@@ -81,37 +81,24 @@ def run_dumping_stacks(
     the test fails with the output's tail: a hang says where it hung."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)  # fmt: skip
+    root = psutil.Process(proc.pid)  # our child: its pid stays its own until we reap it
     try:
         out, _ = proc.communicate(timeout=timeout)
         return subprocess.CompletedProcess(cmd, proc.returncode, out, out)
     except subprocess.TimeoutExpired:
-        tree = _tree(proc.pid)
+        tree = root.children(recursive=True)
         for leaf in tree:
             with contextlib.suppress(psutil.Error):
                 if not leaf.children():
                     leaf.send_signal(signal.SIGUSR1)
         time.sleep(1.0)
         # All of them by pid: torchrun's workers have sessions of their own.
-        for member in (p for p in (proc_of(proc.pid), *tree) if p is not None):
+        for member in (root, *tree):
             with contextlib.suppress(psutil.Error):
                 member.kill()
         out, _ = proc.communicate(timeout=30)
         stacks = out[-6000:]
         raise AssertionError(f"still running after {timeout}s; its stacks:\n{stacks}") from None
-
-
-def _tree(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return []
-
-
-def proc_of(pid: int) -> psutil.Process | None:
-    try:
-        return psutil.Process(pid)
-    except psutil.Error:
-        return None
 
 
 def run_gloo_ranks(script: str, args: Sequence[str], timeout: float, ranks: int = 2) -> list[str]:

@@ -48,18 +48,19 @@ _UNIX_TABLE = "/proc/self/net/unix"
 def own_uds_addresses() -> list[str]:
     """The addresses (abstract ones starting with NUL) of the NCCL UDS sockets this process
     has bound."""
-    mine = own_socket_fds()
-    addresses = []
     try:
         lines = Path(_UNIX_TABLE).read_text().splitlines()[1:]
     except OSError:
         return []
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 8 or not fields[7].rpartition("/")[2].startswith(_NAME):
-            continue
-        if int(fields[6]) in mine:
-            path = fields[7]
+    named = [fields for fields in map(str.split, lines)
+             if len(fields) >= 8 and fields[7].rpartition("/")[2].startswith(_NAME)]  # fmt: skip
+    if not named:  # no NCCL socket in this network namespace (a gloo job): no fds to read
+        return []
+    mine = own_socket_fds()
+    addresses = []
+    for fields in named:
+        inode, path = int(fields[6]), fields[7]
+        if inode in mine:
             # The table writes each NUL of an abstract name as "@"; NCCL binds the whole
             # sun_path (its name, then NULs to 108 bytes), and all of those bytes are the name.
             addresses.append("\0" + path[1:].replace("@", "\0") if path.startswith("@") else path)
