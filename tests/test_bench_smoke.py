@@ -60,6 +60,7 @@ SMOKES = [
     Smoke("checkpoint.checkpoint_gpu", rf"checkpoint_gpu: {NO_CUDA}|x D2H pinned",
           ("--json", "{tmp}/g.json")),
     Smoke("restart.nccl_abort", rf"nccl_abort: {NO_CUDA}|woken: median"),
+    Smoke("restart.cuda_standby_probe", rf"cuda_standby_probe: {NO_CUDA}|MEDIAN ranks=1"),
     Smoke("placement.numa_check", rf"numa_check: {NO_CUDA}(.|\n)*core-complex: exit 2"),
     Smoke("restart.forkserver", r"server ready after start", slow=OVER.format("8-9")),
     Smoke("rendezvous.rendezvous_scale", r"\| impl \| store \| N \|(.|\n)*\| barrier \| etcd \| 8 ",

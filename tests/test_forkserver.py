@@ -24,7 +24,9 @@ import pytest
 
 from ftrun.agent.exits import ExitWaiter
 from ftrun.agent.prewarm import wire as proto
+from ftrun.agent.prewarm.child import CHILD_BROKEN
 from ftrun.agent.prewarm.client import ForkedWorker, ForkServer, ForkServerError
+from ftrun.agent.prewarm.prestart import HeldWorker
 from ftrun.agent.prewarm.target import PythonTarget
 from ftrun.errors import FtrunError
 from support import WORKERS, wait_for
@@ -429,7 +431,15 @@ def test_server_rejects_malformed_messages_and_goes_on(
         json.dumps({"v": 1, "op": "fork_bomb"}).encode(),
         json.dumps({"v": 1, "op": "spawn", "id": 1}).encode(),
         proto.encode(
-            "spawn", id=1, module=False, target=PROBE, args=[1], env={}, cwd="/", gate=False
+            "spawn",
+            id=1,
+            module=False,
+            target=PROBE,
+            args=[1],
+            env={},
+            cwd="/",
+            gate=False,
+            cuda_device=None,
         )[4:],
     ]
     with caplog.at_level("WARNING", logger="ftrun.agent"):
@@ -503,10 +513,60 @@ def test_decode_accepts_what_encode_makes() -> None:
     assert proto.decode(frame[4:], proto.TO_AGENT) == {"v": 1, "op": "error", "id": None,
                                                        "error": "e"}  # fmt: skip
     frame = proto.encode("spawn", id=3, module=True, target="m", args=["a"], env={"A": "b"},
-                         cwd="/", gate=True)  # fmt: skip
+                         cwd="/", gate=True, cuda_device=None)  # fmt: skip
     assert proto.decode(frame[4:], proto.TO_SERVER)["env"] == {"A": "b"}
     with pytest.raises(proto.ProtocolViolation):
         proto.decode(frame[4:], proto.TO_AGENT)  # a request is no reply
+
+
+# ---- prestarted workers (prewarm/prestart.py) -------------------------------------------------
+
+
+def test_a_prestarted_worker_runs_with_the_environment_of_its_go(server: ForkServer) -> None:
+    """Made with one cycle's environment, it runs the script with the next one's; the script
+    sees only what a worker forked at that moment would (fds, stdio, signals, cwd)."""
+    made_with = {**BASE_ENV, "FTRUN_CYCLE": "0", "LOCAL_RANK": "0"}
+    worker, gate = server.prestart(probe("report"), made_with, "/", cuda_device=0)
+    held = HeldWorker(worker, gate, made_with)
+    assert held.fits({**made_with, "FTRUN_CYCLE": "1", "RANK": "4"}) is None
+    assert "USER_VAR" in (held.fits({**made_with, "USER_VAR": "x"}) or "")
+    spawned = run_report(server, env=made_with, cwd="/")
+    assert worker.poll() is None  # it waits for the go
+    held.release({**made_with, "FTRUN_CYCLE": "1"})
+    code, out, err = finish(worker)
+    assert (code, err) == (0, "")
+    seen = json.loads(out)
+    assert seen["env"]["FTRUN_CYCLE"] == "1" and seen["cwd"] == "/"
+    same = ("fds", "stdin", "handlers", "threads", "modules", "path0", "write_through")
+    assert {k: seen[k] for k in same} == {k: spawned[k] for k in same}
+    assert seen["pgid"] == seen["sid"] == worker.pid
+
+
+def test_a_withdrawn_prestarted_worker_leaves_no_process(server: ForkServer) -> None:
+    worker, gate = server.prestart(probe("report"), BASE_ENV, "/", cuda_device=0)
+    HeldWorker(worker, gate, BASE_ENV).discard()
+    assert worker.wait(DEADLINE) in (-signal.SIGKILL, CHILD_BROKEN)
+    wait_for(lambda: gone(worker.pid), DEADLINE, "the withdrawn worker to go")
+    # The gate closed without a "go" before the kill lands: the child leaves by itself.
+    worker, gate = server.prestart(probe("report"), BASE_ENV, "/", cuda_device=0)
+    os.close(gate)
+    assert worker.wait(DEADLINE) == CHILD_BROKEN
+    worker.stdout.close()
+    worker.stderr.close()
+
+
+def test_a_prestart_without_a_start_gate_is_refused(
+    server: ForkServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    frame = proto.encode("spawn", id=99, module=False, target=PROBE, args=[], env={}, cwd="/",
+                         gate=False, cuda_device=0)  # fmt: skip
+    with caplog.at_level("WARNING", logger="ftrun.agent"):
+        _send_raw(server, frame)
+        wait_for(
+            lambda: any("needs a start gate" in r.getMessage() for r in caplog.records),
+            DEADLINE, "the server to refuse the prestart",
+        )  # fmt: skip
+    assert run_report(server, env=BASE_ENV, cwd="/")["pid"] > 0
 
 
 # ---- with torch, as the agent will use it ----------------------------------------------------

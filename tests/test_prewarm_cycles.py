@@ -116,3 +116,20 @@ def test_workers_of_every_cycle_get_the_private_cache_when_torchs_is_unsafe(
     assert private.stat().st_mode & 0o777 == 0o700
     assert seen[0]["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
     assert "others can write to" in job.nodes[0].text()
+
+
+def test_a_restarted_rank_starts_in_its_prestarted_worker(tmp_path: Path) -> None:
+    """--ft-prestart-workers=on (auto where a GPU is): while cycle 0 runs, the fork server holds
+    cycle 1's worker; the crash's restart runs the script there, with cycle 1's environment."""
+    job = start_job(tmp_path, 1, ["--max-restarts=1", "--ft-prewarm-modules=psutil",
+                                  "--ft-prestart-workers=on"],
+                    script=ROOT / "tests" / "workers" / "prestart_probe.py")  # fmt: skip
+    try:
+        assert job.wait(TIMEOUT) == [0], job.nodes[0].text()
+    finally:
+        job.kill()
+    crashed, restarted = cycle_record(job.ckpt_dir, 0), cycle_record(job.ckpt_dir, 1)
+    assert restarted["created"] < crashed["crashed"], "the restarted worker was forked after"
+    assert restarted["cycle_env"] == "1" and restarted["pid"] != crashed["pid"]
+    paths = [e["path"] for e in job.events("workers_started")]
+    assert paths == ["forked", "forked"], job.nodes[0].text()

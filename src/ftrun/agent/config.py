@@ -76,6 +76,10 @@ class AgentConfig:
     first cycle should not wait for modules that a script may never use. Not
     torch._inductor.compile_fx: its import starts a CUDA driver thread (measured on the device),
     after which the server cannot fork and is replaced without its deep imports."""
+    prestart_workers: bool = False
+    """Keep one worker per local rank forked, its CUDA context made, for the next start of that
+    rank (`prewarm.prestart`); decided once per launch from `--ft-prestart-workers` (auto: where
+    NVML sees a GPU)."""
     extra_env: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     """Added to every worker's environment (e.g. OMP_NUM_THREADS)."""
     duplicate_stdout_filters: tuple[str, ...] = ()

@@ -33,6 +33,7 @@ from ftrun.agent.node_services.health_watch import HealthWatch
 from ftrun.agent.node_services.monitoring import MonitorService
 from ftrun.agent.node_services.neighbour_watch import NeighbourWatch
 from ftrun.agent.node_services.peering import PeerService
+from ftrun.agent.node_services.worker_store import WorkerStoreService
 from ftrun.agent.prewarm.client import ForkServer
 from ftrun.agent.prewarm.service import PrewarmService, plain_reason, start_early
 from ftrun.agent.prewarm.target import python_target
@@ -249,8 +250,9 @@ def _add_node_services(
     link: _MonitorLink,
 ) -> MonitorService:
     """The agent's own services that follow the subsystems': the rank monitor (returned),
-    the health watch and the GPU memory reclaim."""
+    the workers' store, the health watch and the GPU memory reclaim."""
     agent = config.agent
+    services.add(WorkerStoreService())
     link.monitor = services.add(
         MonitorService(config.monitor, job_dir, inbox.put, link.on_timings())
     )
@@ -288,8 +290,11 @@ def _spawner(
         return plain
     start_env = shared_env(config, environ, {}, None, node)
     return services.add(
-        PrewarmService(server, target, config.agent.prewarm_deep_modules, start_env, plain)
-    )
+        PrewarmService(
+            server, target, config.agent.prewarm_deep_modules, start_env, plain,
+            prestart=config.agent.prestart_workers,
+        )
+    )  # fmt: skip
 
 
 def _open_events(log_dir: Path, node: str) -> EventLog:

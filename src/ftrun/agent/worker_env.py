@@ -12,6 +12,15 @@ from ftrun.client_lib.flight import BUFFER_VARS
 from ftrun.config import LaunchConfig
 from ftrun.rendezvous.ranks import Round
 
+PER_CYCLE = frozenset({
+    "RANK", "ROLE_RANK", "GROUP_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
+    "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "FTRUN_CYCLE",
+    "TORCHELASTIC_ERROR_FILE", "FTRUN_INPROCESS_PREFIX", "TORCHELASTIC_USE_AGENT_STORE",
+})  # fmt: skip
+"""The variables that may change from one cycle's worker of a local rank to the next's; a
+prestarted worker, made with the cycle's before, runs only where nothing else differs
+(`prewarm.prestart`). No process reads them before the script does."""
+
 FLIGHT_RECORDER_ENTRIES = 2000
 """Collectives each worker's flight recorder keeps (torch's own suggestion for NCCL jobs)."""
 
@@ -67,7 +76,8 @@ def shared_env(
         ROLE_NAME=agent.role,
         TORCHELASTIC_MAX_RESTARTS=str(agent.max_restarts),
         TORCHELASTIC_RUN_ID=rdzv.run_id,
-        TORCHELASTIC_USE_AGENT_STORE="False",
+        # True where this node's agent hosts the workers' store (`worker_store`).
+        TORCHELASTIC_USE_AGENT_STORE=services_env.get("TORCHELASTIC_USE_AGENT_STORE", "False"),
         FTRUN_NODE=node,
     )
     if rnd is not None:
@@ -83,4 +93,3 @@ def shared_env(
             FTRUN_CYCLE=str(rnd.number),
         )
     return env
-

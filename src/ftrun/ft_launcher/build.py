@@ -196,6 +196,7 @@ def _agent(
         gpu_memory_tolerance_mb=opts["gpu_memory_tolerance_mb"],
         prewarm_modules=opts["prewarm_modules"],
         prewarm_deep_modules=opts["prewarm_deep_modules"],
+        prestart_workers=_prestart_workers(opts["prestart_workers"], environ),
         extra_env=MappingProxyType(extra_env),
         duplicate_stdout_filters=opts["duplicate_stdout_filters"],
         duplicate_stderr_filters=opts["duplicate_stderr_filters"],
@@ -216,6 +217,21 @@ def _termination_signal(opts: Resolved, notes: list[str]) -> signal.Signals:
             "SIGTERM to the others, as ftrun's default SIGTERM does"
         )
     return value
+
+
+def _prestart_workers(mode: str, environ: Mapping[str, str]) -> bool:
+    """--ft-prestart-workers, decided once here: auto is on where NVML sees a visible GPU."""
+    if mode != "auto":
+        return mode == "on"
+    from ftrun.nvml import nvml_session, visible_gpus
+
+    with nvml_session() as nvml:
+        if nvml is None:
+            return False
+        try:
+            return bool(visible_gpus(nvml, environ.get("CUDA_VISIBLE_DEVICES")))
+        except Exception:  # an entry NVML cannot name: the workers will say what is wrong
+            return False
 
 
 def _numa_plan(opts: Resolved, nproc: int, environ: Mapping[str, str]) -> NumaPlan | None:

@@ -2,7 +2,9 @@
 
 Everything the server changed is undone (signals, fds, environment, cwd, native thread pools,
 random seeds), the worker takes its --numa-binding, the start-up marks are armed (`marks.py`),
-then runpy or exec runs the target, and the process ends as the interpreter would. Standard
+then runpy or exec runs the target, and the process ends as the interpreter would. A prestarted
+child (`cuda_device` set: `prestart.py`) makes its CUDA context first and then waits for the
+agent's "go", which brings the environment of the cycle it runs in. Standard
 library only, like the server.
 """
 
@@ -19,6 +21,7 @@ from typing import Any, Protocol
 from ftrun.agent.placement.binding import apply_binding
 from ftrun.agent.prewarm import marks
 from ftrun.agent.prewarm.pools import restore_thread_pools
+from ftrun.agent.prewarm.wire import read_go
 
 _PR_SET_PDEATHSIG = 1
 CHILD_BROKEN = 70
@@ -76,22 +79,54 @@ def become_worker(server: ServerState, msg: dict[str, Any], fds: list[int]) -> N
     for stream in (sys.stdout, sys.stderr):  # as `python -u` makes them
         with contextlib.suppress(AttributeError, ValueError):
             stream.reconfigure(line_buffering=False, write_through=True)  # type: ignore[union-attr]
-    if gate and os.read(gate[0], 1) != b"g":
-        os._exit(CHILD_BROKEN)  # the agent withdrew the start (or died)
-    for fd in gate:
-        os.close(fd)
-    os.environ.clear()
-    os.environ.update(msg["env"])
-    try:
-        os.chdir(msg["cwd"])
-    except OSError as exc:
-        print(f"ftrun fork server: cannot chdir to {msg['cwd']!r}: {exc}", file=sys.stderr)
-        _finish(1)
-    apply_binding(os.environ)  # first: the thread pools are sized from the bound CPUs
-    restore_thread_pools(os.environ)
+    if msg["cuda_device"] is not None:  # prestarted: made ready now, run on the agent's "go"
+        _settle(msg["env"], msg["cwd"])
+        make_cuda_context(msg["cuda_device"])
+        env = read_go(gate[0])
+        if env is None:
+            os._exit(CHILD_BROKEN)  # the agent withdrew the start (or died)
+        os.close(gate[0])
+        os.environ.clear()
+        os.environ.update(env)  # the binding's and the pools' variables are the same (agent)
+    else:
+        if gate and os.read(gate[0], 1) != b"g":
+            os._exit(CHILD_BROKEN)  # the agent withdrew the start (or died)
+        for fd in gate:
+            os.close(fd)
+        _settle(msg["env"], msg["cwd"])
     _forget_server_state()
     marks.install(os.environ)
     _finish(_run(msg["module"], msg["target"], msg["args"]))
+
+
+def _settle(env: dict[str, str], cwd: str) -> None:
+    """The worker's environment, cwd, --numa-binding and thread pools."""
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        os.chdir(cwd)
+    except OSError as exc:
+        print(f"ftrun fork server: cannot chdir to {cwd!r}: {exc}", file=sys.stderr)
+        _finish(1)
+    apply_binding(os.environ)  # first: the thread pools are sized from the bound CPUs
+    restore_thread_pools(os.environ)
+
+
+def make_cuda_context(device: int) -> None:
+    """Create the CUDA context on `device` (1.1-1.3 s on an H200 host, paid before the restart
+    rather than in it), leaving torch's current device where a fresh process has it: no
+    context is made on device 0 for it, and the script's `set_device` finds this one. A node
+    without CUDA, or without that device, makes none; the script then fails or not as it
+    would have."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    with contextlib.suppress(Exception):
+        if device < torch.cuda.device_count():
+            # cudaSetDevice makes the primary context (CUDA >= 12); leaving the guard puts back
+            # device 0 without making a context there (torch's MaybeExchangeDevice).
+            with torch.cuda.device(device):
+                pass
 
 
 def _forget_server_state() -> None:

@@ -21,6 +21,7 @@ the *thread* that spawned the server ends.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import logging
 import os
@@ -166,18 +167,10 @@ class ForkServer:
         killed and the exception propagates. Raises ForkServerError when the caller should spawn
         the worker plainly.
         """
-        self._await_forkable(env)
-        args = [sys.executable, "-u", *(["-m"] if target.module else []), target.target]
-        args += target.args
-        req = self._send_spawn(target, env, cwd, args, gated=announce is not None)
+        req = self._fork(target, env, cwd, gated=announce is not None, cuda_device=None)
         try:
-            if not req.done.wait(REPLY_TIMEOUT):
-                self._break(f"the fork server did not answer a spawn in {REPLY_TIMEOUT:g}s")
-                req.done.wait(GONE_TIMEOUT + 1.0)
             worker = req.worker
-            if worker is None or self._gone.is_set():
-                req.discard()
-                raise ForkServerError(req.error or self._error or "the fork server is gone")
+            assert worker is not None
             if announce is not None:
                 try:
                     announce(worker.pid)
@@ -191,6 +184,36 @@ class ForkServer:
         finally:
             if req.gate_fd is not None:
                 close_fds(req.gate_fd)
+
+    def prestart(
+        self, target: PythonTarget, env: Mapping[str, str], cwd: str, cuda_device: int
+    ) -> tuple[ForkedWorker, int]:
+        """Fork a worker that settles in `env` and `cwd`, makes its CUDA context on
+        `cuda_device` (none without CUDA) and then waits on its start gate: the worker and the
+        gate's write end, on which `prestart.HeldWorker.release` sends the "go". Raises
+        ForkServerError as `spawn` does."""
+        req = self._fork(target, env, cwd, gated=True, cuda_device=cuda_device)
+        assert req.worker is not None and req.gate_fd is not None
+        return req.worker, req.gate_fd
+
+    def _fork(
+        self, target: PythonTarget, env: Mapping[str, str], cwd: str, gated: bool,
+        cuda_device: int | None,
+    ) -> SpawnRequest:  # fmt: skip
+        """Send one spawn and wait for the server's answer: the request, its worker made."""
+        self._await_forkable(env)
+        args = [sys.executable, "-u", *(["-m"] if target.module else []), target.target]
+        args += target.args
+        req = self._send_spawn(target, env, cwd, args, gated, cuda_device)
+        if not req.done.wait(REPLY_TIMEOUT):
+            self._break(f"the fork server did not answer a spawn in {REPLY_TIMEOUT:g}s")
+            req.done.wait(GONE_TIMEOUT + 1.0)
+        if req.worker is None or self._gone.is_set():
+            req.discard()
+            if req.gate_fd is not None:
+                close_fds(req.gate_fd)
+            raise ForkServerError(req.error or self._error or "the fork server is gone")
+        return req
 
     def deepen(self, modules: Sequence[str]) -> bool:
         """Ask the server to import `modules` now; returns at once (False: nothing was sent,
@@ -265,11 +288,12 @@ class ForkServer:
             raise ForkServerError(self._error)
 
     def _send_spawn(
-        self, target: PythonTarget, env: Mapping[str, str], cwd: str, args: list[str], gated: bool
-    ) -> SpawnRequest:
+        self, target: PythonTarget, env: Mapping[str, str], cwd: str, args: list[str],
+        gated: bool, cuda_device: int | None,
+    ) -> SpawnRequest:  # fmt: skip
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        gate_r, gate_w = os.pipe() if gated else (None, None)
+        gate_r, gate_w = _gate_pipe() if gated else (None, None)
         req = SpawnRequest(out_r, err_r, gate_w, args)
         fds = [out_w, err_w] + ([gate_r] if gate_r is not None else [])
         rid = None
@@ -289,6 +313,7 @@ class ForkServer:
                     env=dict(env),
                     cwd=str(cwd),
                     gate=gated,
+                    cuda_device=cuda_device,
                 )
                 proto.send_frame(self._sock, frame, fds)
         except BaseException as exc:
@@ -409,3 +434,12 @@ class ForkServer:
             self._proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._proc.wait(CLOSE_TIMEOUT)
+
+
+def _gate_pipe() -> tuple[int, int]:
+    """A start gate: big enough for a prestarted worker's "go" (its environment) to be written
+    at once while the child still makes its CUDA context."""
+    read_end, write_end = os.pipe()
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 1 << 20)
+    return read_end, write_end

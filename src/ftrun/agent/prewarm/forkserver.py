@@ -161,11 +161,12 @@ class _Server:
 
     def _spawn(self, msg: dict[str, Any], fds: list[int]) -> None:
         want = 3 if msg["gate"] else 2
-        problem = (
-            f"expected {want} file descriptors, got {len(fds)}"
-            if len(fds) != want
-            else self.unforkable or fork_blocker()
-        )
+        if msg["cuda_device"] is not None and not msg["gate"]:
+            problem: str | None = "a prestarted worker (cuda_device) needs a start gate"
+        elif len(fds) != want:
+            problem = f"expected {want} file descriptors, got {len(fds)}"
+        else:
+            problem = self.unforkable or fork_blocker()
         if problem is None and not os.path.isdir(msg["cwd"]):
             problem = f"cwd {msg['cwd']!r} is not a directory"
         bad_names = [k for k in msg["env"] if not k or "=" in k or "\0" in k + msg["env"][k]]

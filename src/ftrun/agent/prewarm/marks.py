@@ -6,7 +6,7 @@ directory, CLOCK_MONOTONIC being the same for every process of the host):
 
 - `script`: the script starts (the fork and the worker's set-up are done);
 - `cuda`: torch finished initialising CUDA in this process (torch's own lazy-init queue, which
-  runs once the context exists);
+  runs once the context exists; at `script` for a prestarted worker, which made it earlier);
 - `pg`: `torch.distributed.init_process_group` returned (the store rendezvous; NCCL creates
   its communicators later, at the first collective).
 
@@ -48,6 +48,8 @@ def install(env: Mapping[str, str]) -> None:
     if lazy_call is not None and not cuda.is_initialized():  # type: ignore[union-attr]
         with contextlib.suppress(Exception):
             lazy_call(functools.partial(mark, "cuda"))
+    elif lazy_call is not None:  # prestarted: the context was made before the script
+        mark("cuda")
     _wrap_init_process_group(functools.partial(mark, "pg"))
 
 

@@ -9,6 +9,10 @@ these alone), and once the first cycle's workers have started it imports
 `--ft-prewarm-deep-modules` too (torch._dynamo, which brings triton and inductor: DDP imports it
 in each worker).
 
+With `--ft-prestart-workers` (on where the node has a GPU) it also keeps, between restarts, one
+worker per local rank forked with its CUDA context made (`prestart.py`): a restarted rank
+starts there.
+
 Where it cannot serve (a non-Python entrypoint, a worker environment that differs in what is
 read at interpreter start, a dead or unsafe server) workers are spawned plainly. Each cycle
 says once which way its workers started, and why (`cycle_path`). A server that a deep import
@@ -26,6 +30,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from ftrun.agent.prewarm import launch
 from ftrun.agent.prewarm.client import ForkServer, ForkServerError
 from ftrun.agent.prewarm.pools import SERVER_ONLY_ENV
+from ftrun.agent.prewarm.prestart import HeldWorker, PrestartPool
 from ftrun.agent.prewarm.start_env import path0
 from ftrun.agent.prewarm.target import PythonTarget, python_target
 from ftrun.agent.worker_env import shared_env
@@ -105,12 +110,14 @@ class PrewarmService(NodeService):
         deep_modules: Sequence[str],
         env: Mapping[str, str],
         plain: PlainSpawner,
+        prestart: bool = False,
     ) -> None:
         self._server = server
         self._target = target
         self._deep = tuple(deep_modules)
         self._env = dict(env)
         self._plain = plain
+        self._prestarted = PrestartPool(self._hold) if prestart else None
         self._replacements = 0
         self._paths: dict[int, str] = {}  # pid -> "forked" | "spawned", this cycle
         self._why: str | None = None  # why this cycle spawned plainly
@@ -124,8 +131,30 @@ class PrewarmService(NodeService):
         """Deepen once the cycle's workers run: the import overlaps their start-up."""
         if self._deep and self._server.deepen(self._deep):
             log.info("fork server: importing %s between cycles", ",".join(self._deep))
+        if self._prestarted is not None:
+            self._prestarted.refill_later()
 
     def spawn(self, env: Mapping[str, str], announce: Callable[[int], None]) -> WorkerProcess:
+        if self._prestarted is None:
+            return self._fork(env, announce)
+        held = self._prestarted.take(env)
+        self._prestarted.remember(env)
+        if held is None:
+            return self._fork(env, announce)
+        try:
+            announce(held.worker.pid)
+        except BaseException:
+            held.discard()
+            raise
+        held.release(env)
+        self._paths[held.worker.pid] = "forked"
+        return held.worker
+
+    def _hold(self, env: Mapping[str, str], cuda_device: int) -> HeldWorker:
+        worker, gate = self._server.prestart(self._target, env, os.getcwd(), cuda_device)
+        return HeldWorker(worker, gate, env)
+
+    def _fork(self, env: Mapping[str, str], announce: Callable[[int], None]) -> WorkerProcess:
         try:
             worker: WorkerProcess = self._server.spawn(
                 self._target, env, os.getcwd(), announce=announce
@@ -144,9 +173,12 @@ class PrewarmService(NodeService):
         return SpawnPath(path, self._why)
 
     def kept_pids(self) -> frozenset[int]:
-        return frozenset({self._server.pid})
+        held = self._prestarted.pids() if self._prestarted is not None else frozenset()
+        return held | {self._server.pid}
 
     def close(self) -> None:
+        if self._prestarted is not None:
+            self._prestarted.close()
         self._server.close()
 
     def _replace(self) -> None:

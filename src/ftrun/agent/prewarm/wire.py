@@ -5,8 +5,9 @@ Wire format, both directions: a 4-byte big-endian length, then that many bytes o
 with "v" (PROTOCOL_VERSION) and "op"; no pickle. Agent -> server: "spawn" (with the child's
 stdout/stderr write ends, and optionally a start gate's read end, as SCM_RIGHTS on the same
 sendmsg), and "deepen" (import more modules now, between cycles). Server -> agent: "hello",
-"ready", "spawned", "error", "exit", "deepened". `decode` validates every
-field on both sides. A frame longer than MAX_FRAME breaks the framing: the server then stops;
+"ready", "spawned", "error", "exit", "deepened". Agent -> a prestarted child, on its start
+gate (a pipe): "go", with the environment it runs with (`read_go`). `decode` validates every
+field on all sides. A frame longer than MAX_FRAME breaks the framing: the server then stops;
 a well-framed but invalid message gets an "error" reply and the server carries on.
 
 Standard library only: the server imports it before anything else.
@@ -50,6 +51,7 @@ TO_SERVER: dict[str, dict[str, object]] = {
         "env": _STR_MAP,
         "cwd": str,
         "gate": bool,
+        "cuda_device": _OPT_INT,
     },
     "deepen": {"modules": _STR_LIST},
 }
@@ -61,6 +63,10 @@ TO_AGENT: dict[str, dict[str, object]] = {
     "exit": {"pid": int, "code": int},
     "deepened": {"imported": _STR_LIST, "failed": _STR_LIST, "unforkable": _OPT_STR},
 }
+
+
+TO_CHILD: dict[str, dict[str, object]] = {"go": {"env": _STR_MAP}}
+"""What a prestarted child reads on its start gate (`spawn` with `cuda_device`)."""
 
 
 def encode(op: str, **fields: Any) -> bytes:
@@ -156,6 +162,23 @@ def _recv_exact(
             raise ProtocolViolation(f"EOF inside a frame ({len(data)} of {size} bytes)")
         data += chunk
     return bytes(data)
+
+
+def read_go(fd: int) -> dict[str, str] | None:
+    """A prestarted child's "go" from its start gate: the environment to run with; None when
+    the agent closed the gate without one (it withdrew the start, or died)."""
+    data = bytearray()
+    size = None
+    while size is None or len(data) < HEADER.size + size:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return None
+        data += chunk
+        if size is None and len(data) >= HEADER.size:
+            (size,) = HEADER.unpack_from(data)
+            if size > MAX_FRAME:
+                raise ProtocolViolation(f"frame of {size} bytes exceeds {MAX_FRAME}")
+    return decode(bytes(data[HEADER.size : HEADER.size + size]), TO_CHILD)["env"]
 
 
 def send_frame(sock: socket.socket, frame: bytes, fds: Sequence[int] = ()) -> None:
