@@ -73,6 +73,8 @@ bench-gpu:
 	    --runs $(or $(BENCH_RUNS),3);; esac
 	python3 -m bench.restart.inprocess_compare --nproc 1 --cases raise:plain,raise:compile --runs $(or $(BENCH_RUNS),3)
 	python3 -m bench.restart.nccl_abort
+	python3 -m bench.restart.cuda_standby_probe --guard
+	python3 -m bench.restart.cuda_standby_probe --ranks 1,$$(nvidia-smi -L | wc -l)
 	python3 -m bench.checkpoint.checkpoint_gpu
 	python3 -m bench.monitor.straggler_gpu
 	python3 -m bench.monitor.health_watch

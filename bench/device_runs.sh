@@ -4,6 +4,8 @@
 # repository root, with `.whl` carried (and `.etcd-bin` for `scale`). Each step prints as it
 # goes and leaves its raw results under $OUT. Steps, roughly in seconds on 4 x H200:
 #   abort        (30)  NCCL's abort with and without the wake-ups (bench/restart/nccl_abort.py)
+#   probe        (200) a restarted worker's phases, cold and prestarted; the store's race
+#                      (bench/restart/cuda_standby_probe.py)
 #   inprocess    (380) a raise and a SIGKILL, ftrun's wrapper beside NVRx's, 3 runs
 #   inprocess-compile (350) a raise in a compiled model, the same, 3 runs
 #   gpu-tests    (310) tests/gpu on every GPU, then on one
@@ -23,6 +25,15 @@ for step in "$@"; do
     abort)
         timeout 90 python3 -m bench.restart.nccl_abort --rounds 8 2>&1 \
             | grep -E "round|median|before its first"
+        ;;
+    probe)
+        timeout 30 python3 -m bench.restart.cuda_standby_probe --guard
+        timeout 150 python3 -m bench.restart.cuda_standby_probe --ranks 1,4 --rounds 3 \
+            | grep MEDIAN
+        for store in rank0 hosted rank0 hosted; do
+            timeout 60 python3 -m bench.restart.cuda_standby_probe --modes warm --ranks 4 \
+                --rounds 2 --store "$store" | grep "ranks="
+        done
         ;;
     inprocess | inprocess-compile)
         cases=raise:plain,kill:plain

@@ -259,11 +259,11 @@ def _add_node_services(
     if config.health.watch_interval > 0 and (config.health.gpu or config.health.nic):
         link.health = services.add(HealthWatch(config.health, events.emit, inbox.put))
     if agent.gpu_memory_reclaim_timeout > 0:
-        services.add(
-            GpuReclaimService(
-                agent.gpu_memory_reclaim_timeout, agent.gpu_memory_tolerance_mb, events.emit
-            )
-        )
+        reclaim = GpuReclaimService(
+            agent.gpu_memory_reclaim_timeout, agent.gpu_memory_tolerance_mb, events.emit,
+            services.kept_pids,
+        )  # fmt: skip
+        services.add(reclaim)
     return link.monitor
 
 

@@ -3,7 +3,9 @@
 A CUDA context outlives its process by a moment (the driver tears it down), and a new worker
 that allocates before that may run out of memory or share a GPU with a zombie context. The
 agent records each GPU's memory in use before the first workers start; after a stop it waits
-until no stopped pid holds a GPU and each GPU is back within a tolerance of that baseline.
+until no stopped pid holds a GPU and each GPU is back within a tolerance of that baseline, not
+counting what the agent's own kept processes hold (prestarted workers' contexts, about
+0.5 GiB a GPU: more than the default tolerance).
 """
 
 from __future__ import annotations
@@ -43,15 +45,21 @@ def memory_baseline() -> dict[int, int] | None:
 
 
 def wait_until_released(
-    baseline: dict[int, int], pids: Collection[int], timeout: float, tolerance_mb: float
+    baseline: dict[int, int],
+    pids: Collection[int],
+    timeout: float,
+    tolerance_mb: float,
+    kept: Collection[int] = (),
 ) -> Reclaim:
+    """`kept`: the agent's own processes that hold GPU memory on purpose (prestarted workers):
+    theirs does not count against the baseline."""
     nvml = load_nvml()
     started = time.monotonic()
     if nvml is None:
         return Reclaim(0.0, True, 0.0)
     try:
         while True:
-            holders, excess = _still_held(nvml, baseline, set(pids))
+            holders, excess = still_held(nvml, baseline, set(pids), set(kept))
             released = not holders and excess <= tolerance_mb
             elapsed = time.monotonic() - started
             if released or elapsed >= timeout:
@@ -61,17 +69,23 @@ def wait_until_released(
         nvml.nvmlShutdown()
 
 
-def _still_held(nvml: Any, baseline: dict[int, int], pids: set[int]) -> tuple[set[int], float]:
+def still_held(
+    nvml: Any, baseline: dict[int, int], pids: set[int], kept: set[int]
+) -> tuple[set[int], float]:
+    """The stopped `pids` that still hold a GPU, and the largest excess (MB) over a GPU's
+    baseline, less what the `kept` processes hold."""
     holders: set[int] = set()
     excess = 0.0
     for index, before in baseline.items():
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        kept_bytes = 0
         try:
             running = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
             holders |= {p.pid for p in running} & pids
+            kept_bytes = sum(p.usedGpuMemory or 0 for p in running if p.pid in kept)
         except nvml.NVMLError:
             pass  # some containers hide processes: the memory figure still tells
-        excess = max(excess, (_used(nvml, index) - before) / _MB)
+        excess = max(excess, (_used(nvml, index) - kept_bytes - before) / _MB)
     return holders, excess
 
 
@@ -84,16 +98,22 @@ class GpuReclaimService(NodeService):
 
     name = "GPU memory reclaim"
 
-    def __init__(self, timeout: float, tolerance_mb: float, emit: Callable[..., None]) -> None:
+    def __init__(
+        self, timeout: float, tolerance_mb: float, emit: Callable[..., None],
+        kept: Callable[[], Collection[int]] = tuple,
+    ) -> None:  # fmt: skip
         self._timeout = timeout
         self._tolerance_mb = tolerance_mb
         self._emit = emit
+        self._kept = kept
         self._baseline = memory_baseline()
 
     def on_stopped(self, rnd: Round | None, pids: Iterable[int]) -> None:
         if self._baseline is None:
             return
-        reclaim = wait_until_released(self._baseline, list(pids), self._timeout, self._tolerance_mb)
+        reclaim = wait_until_released(
+            self._baseline, list(pids), self._timeout, self._tolerance_mb, self._kept()
+        )
         self._emit(
             "gpu_memory_reclaimed",
             duration=round(reclaim.duration, 6),

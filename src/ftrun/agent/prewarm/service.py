@@ -148,6 +148,8 @@ class PrewarmService(NodeService):
             raise
         held.release(env)
         self._paths[held.worker.pid] = "forked"
+        # For a replacement of one rank (the in-process tier) no cycle starts: make its next.
+        self._prestarted.refill_later()
         return held.worker
 
     def _hold(self, env: Mapping[str, str], cuda_device: int) -> HeldWorker:
