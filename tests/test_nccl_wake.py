@@ -16,6 +16,7 @@ import uuid
 
 import pytest
 
+from ftrun.inprocess import nccl_wake
 from ftrun.inprocess.nccl_wake import (
     ProxyWaker,
     own_tcp_listeners,
@@ -105,7 +106,13 @@ def quiet(waker: ProxyWaker) -> bool:
     return waker.pokes == before
 
 
-def test_the_waker_stops_once_the_socket_is_gone_and_does_nothing_without_one() -> None:
+def test_the_waker_stops_once_the_socket_is_gone_and_does_nothing_without_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Its second phase resets this process's TCP listeners until the block ends: a pytest
+    # worker may hold some from earlier tests (the suite's runs 50-51 did); this test is the
+    # UDS phase's.
+    monkeypatch.setattr(nccl_wake, "own_tcp_listeners", list)
     with ProxyWaker() as idle:
         time.sleep(0.02)
     assert idle.pokes == 0  # no NCCL socket in this process: no thread, nothing sent
