@@ -4,11 +4,13 @@ context before the restart would save (issue 40: restart cost flat in GPUs per n
 A torch-imported parent (as the fork server is) forks `--ranks` children at once; each waits on
 a pipe, then, on "go", does what `bench/workers/gpu_user_worker.py`'s set-up does, timing each
 phase from the go: `torch.cuda.set_device`, the 151M model built on the CPU, moved to the GPU,
-`init_process_group("nccl")` (FileStore), DDP's construction (its first NCCL use), one step.
-Modes: `cold` (nothing before the go, a restarted worker today), `warm` (the child made its
-CUDA context before the go: `set_device` on its GPU), `warm-nccl` (and ran NCCL's one-time
-initialisation: `torch.cuda.nccl.unique_id()`). Modes interleave round by round; each line is
-the slowest rank's time to each phase, then medians.
+`init_process_group("nccl")` (on `--store`: a FileStore; a TCPStore that rank 0 hosts, as
+`env://` without the agent's store; or one listening before the ranks start), DDP's
+construction (its first NCCL use), one step. Modes: `cold` (nothing before the go: a restarted
+worker without prestarting), `warm` (the child made its CUDA context before the go:
+`set_device` on its GPU), `warm-nccl` (and ran NCCL's one-time initialisation:
+`torch.cuda.nccl.unique_id()`). Modes interleave round by round; each line is the slowest
+rank's time to each phase, then medians.
 
     python3 -m bench.restart.cuda_standby_probe --ranks 1,4 --rounds 3
     python3 -m bench.restart.cuda_standby_probe --guard   # what a prestarted worker leaves
