@@ -96,7 +96,10 @@ def test_a_result_that_reproduces_everywhere_is_correct_and_fatal_stops_with_17(
     job = start(tmp_path, "always", "--fatal")
     flip_on(job)
     codes = wait_all(job, 120)
-    assert set(codes.values()) == {ExitCode.FAILED_ON_RESULT_VALIDATION}
+    # Seen once under the suite's load (run 51): every agent exited 1; the nodes' ends say why.
+    assert set(codes.values()) == {ExitCode.FAILED_ON_RESULT_VALIDATION}, "\n".join(
+        n.text()[-2500:] for n in job.nodes
+    )
     [verdict] = job.events("rerun_verdict")
     assert verdict["diagnostic"] == "correct_result"
     assert len(rounds(job)) == 2  # the re-run elsewhere, then the stop
