@@ -4,6 +4,7 @@ tests/test_forkserver.py and tests/test_prewarm_cycles.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Mapping
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ftrun.agent.prewarm.prestart import PrestartPool
+from ftrun.agent.prewarm.prestart import HeldWorker, PrestartPool
 from ftrun.agent.worker_env import PER_CYCLE, worker_envs
 from ftrun.ft_launcher.build import build_config
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
@@ -20,21 +21,24 @@ from support import wait_for
 BASE = {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "0,1", "FTRUN_CYCLE": "0"}
 
 
-class FakeHeld:
-    """A held worker as the pool sees it: `fits` by the environment alone."""
+@dataclasses.dataclass
+class FakeWorker:
+    """A held worker's process as `HeldWorker.fits` asks it: alive or exited."""
 
-    def __init__(self, env: Mapping[str, str], pid: int, alive: bool = True) -> None:
-        self.env = dict(env)
-        self.worker = type("W", (), {"pid": pid})()
-        self.alive = alive
-        self.discarded = False
+    pid: int
+    alive: bool = True
+    returncode: int | None = None
 
-    def fits(self, env: Mapping[str, str]) -> str | None:
-        if not self.alive:
-            return "it exited (1)"
-        differ = [k for k in self.env.keys() | env.keys()
-                  if k not in PER_CYCLE and self.env.get(k) != env.get(k)]  # fmt: skip
-        return f"differs in {differ}" if differ else None
+    def poll(self) -> int | None:
+        self.returncode = None if self.alive else 1
+        return self.returncode
+
+
+@dataclasses.dataclass
+class FakeHeld(HeldWorker):
+    """The real rule (`fits`); `discard` only notes it (no process to kill)."""
+
+    discarded: bool = False
 
     def discard(self) -> None:
         self.discarded = True
@@ -49,7 +53,7 @@ class Forks:
         if self.fail:
             raise OSError("the fork server is gone")
         self.made.append((dict(env), device))
-        return FakeHeld(env, 1000 + len(self.made))
+        return FakeHeld(FakeWorker(1000 + len(self.made)), -1, dict(env))
 
 
 def env_of(local_rank: int, **more: str) -> dict[str, str]:
@@ -84,7 +88,7 @@ def test_a_held_worker_that_cannot_run_the_new_environment_is_discarded() -> Non
     assert pool.take(env_of(0, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")) is None
     assert first.discarded
     second = pool._held["1"]  # type: ignore[attr-defined]
-    second.alive = False
+    second.worker.alive = False
     assert pool.take(env_of(1)) is None and second.discarded
     pool.close()
 

@@ -10,8 +10,8 @@ import pytest
 from torch.distributed import TCPStore
 
 from ftrun.agent.node_services.worker_store import AGENT_STORE_ENV, WorkerStoreService
-from ftrun.identity import free_port
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
+from support import free_port
 
 
 def round_of(number: int, group_rank: int, port: int) -> Round:

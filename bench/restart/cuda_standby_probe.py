@@ -29,6 +29,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bench.common import smoke
 from bench.common.gpu_host import cuda_in_child
+from bench.common.harness import free_port
 
 PHASES = ("device", "cpu_model", "gpu_model", "pg", "ddp", "step")
 MODES = ("cold", "warm", "warm-nccl")
@@ -98,15 +100,10 @@ def child(rank: int, world: int, mode: str, store_at: str, ready_w: int, go_r: i
 
 def one_round(world: int, mode: str, store: str) -> dict[str, float]:
     """The slowest rank's time to each phase, from the go."""
-    import socket
-    import subprocess
-
     store_path = tempfile.mktemp(prefix="probe-store-")
     host = None
     if store != "file":
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         store_path = f"tcp:{port}"
     if store == "hosted":
         code = (
@@ -151,8 +148,6 @@ def one_round(world: int, mode: str, store: str) -> dict[str, float]:
 
 def guard(device: int) -> None:
     """A prestarted worker's context, as `make_cuda_context` leaves it."""
-    import subprocess
-
     from ftrun.agent.prewarm.child import make_cuda_context
 
     done_r, done_w = os.pipe()

@@ -40,7 +40,6 @@ class WorkerStoreService(NodeService):
 
     def __init__(self) -> None:
         self._server: TCPStore | None = None
-        self._cycle: int | None = None
 
     def on_round(self, rnd: Round) -> None:
         self._close()
@@ -56,12 +55,10 @@ class WorkerStoreService(NodeService):
         except (RuntimeError, OSError) as exc:
             log.warning("the workers' store on port %d: %s; rank 0 hosts it",
                         rnd.master.master_port, exc)  # fmt: skip
-            return
-        self._cycle = rnd.number
 
     def worker_env(self, rnd: Round) -> Mapping[str, str]:
-        hosted = self._server is not None and self._cycle == rnd.number
-        return {AGENT_STORE_ENV: str(hosted)}
+        # on_round ran first: the server, if any, is this round's.
+        return {AGENT_STORE_ENV: str(self._server is not None)}
 
     def on_stopped(self, rnd: Round | None, pids: Iterable[int]) -> None:
         self._close()
@@ -70,4 +67,4 @@ class WorkerStoreService(NodeService):
         self._close()
 
     def _close(self) -> None:
-        self._server, self._cycle = None, None  # its destructor stops the listener
+        self._server = None  # its destructor stops the listener
