@@ -6,6 +6,10 @@
 #   abort        (30)  NCCL's abort with and without the wake-ups (bench/restart/nccl_abort.py)
 #   probe        (200) a restarted worker's phases, cold and prestarted; the store's race
 #                      (bench/restart/cuda_standby_probe.py)
+#   compile-probe (300) a compiled model's restart with warm caches: fresh, prestarted, with
+#                      inductor preloaded (bench/restart/compile_restart_probe.py)
+#   nccl-topo    (90)  NCCL's init timings, and NCCL's topology and graphs kept from a first
+#                      round (cuda_standby_probe --modes warm,warm-topo) on every GPU
 #   inprocess    (380) a raise and a SIGKILL, ftrun's wrapper beside NVRx's, 3 runs
 #   inprocess-compile (350) a raise in a compiled model, the same, 3 runs
 #   gpu-tests    (310) tests/gpu on every GPU, then on one
@@ -34,6 +38,15 @@ for step in "$@"; do
             timeout 60 python3 -m bench.restart.cuda_standby_probe --modes warm --ranks 4 \
                 --rounds 2 --store "$store" | grep "ranks="
         done
+        ;;
+    compile-probe)
+        timeout 400 python3 -m bench.restart.compile_restart_probe --rounds 3 --profile 2>&1 \
+            | grep -vE "^[0-9.]+ rank=" | head -150
+        ;;
+    nccl-topo)
+        NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT timeout 150 python3 -m \
+            bench.restart.cuda_standby_probe --ranks "$GPUS" --rounds 4 --modes warm,warm-topo \
+            2>&1 | grep -E "MEDIAN|ranks=|Init timings" | head -60
         ;;
     inprocess | inprocess-compile)
         cases=raise:plain,kill:plain

@@ -61,6 +61,7 @@ SMOKES = [
           ("--json", "{tmp}/g.json")),
     Smoke("restart.nccl_abort", rf"nccl_abort: {NO_CUDA}|woken: median"),
     Smoke("restart.cuda_standby_probe", rf"cuda_standby_probe: {NO_CUDA}|MEDIAN ranks=1"),
+    Smoke("restart.compile_restart_probe", rf"compile_restart_probe: {NO_CUDA}|MEDIAN fresh"),
     Smoke("placement.numa_check", rf"numa_check: {NO_CUDA}(.|\n)*core-complex: exit 2"),
     Smoke("restart.forkserver", r"server ready after start", slow=OVER.format("8-9")),
     Smoke("rendezvous.rendezvous_scale", r"\| impl \| store \| N \|(.|\n)*\| barrier \| etcd \| 8 ",

@@ -9,8 +9,10 @@ phase from the go: `torch.cuda.set_device`, the 151M model built on the CPU, mov
 construction (its first NCCL use), one step. Modes: `cold` (nothing before the go: a restarted
 worker without prestarting), `warm` (the child made its CUDA context before the go:
 `set_device` on its GPU), `warm-nccl` (and ran NCCL's one-time initialisation:
-`torch.cuda.nccl.unique_id()`). Modes interleave round by round; each line is the slowest
-rank's time to each phase, then medians.
+`torch.cuda.nccl.unique_id()`), `warm-topo` (NCCL's topology and graphs read from files that the
+mode's first round had NCCL dump: `NCCL_TOPO_FILE`, `NCCL_GRAPH_FILE`). Modes interleave round
+by round; each line is the slowest rank's time to each phase, then medians. With
+`NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT` NCCL prints its own "Init timings" per rank.
 
     python3 -m bench.restart.cuda_standby_probe --ranks 1,4 --rounds 3
     python3 -m bench.restart.cuda_standby_probe --guard   # what a prestarted worker leaves
@@ -28,6 +30,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,7 +48,10 @@ from bench.common.gpu_host import cuda_in_child
 from bench.common.harness import free_port
 
 PHASES = ("device", "cpu_model", "gpu_model", "pg", "ddp", "step")
-MODES = ("cold", "warm", "warm-nccl")
+MODES = ("cold", "warm", "warm-nccl", "warm-topo")
+TOPO_FILES: dict[str, str] = {}
+"""Where `warm-topo`'s first round has NCCL dump its topology and graphs, for later rounds to
+read instead of detecting and searching them again (set in `main`; the children inherit it)."""
 
 
 def build_model() -> nn.Module:
@@ -60,6 +66,10 @@ def child(rank: int, world: int, mode: str, store_at: str, ready_w: int, go_r: i
         torch.cuda.set_device(rank)
     if mode == "warm-nccl":
         torch.cuda.nccl.unique_id()
+    if mode == "warm-topo":  # the first round dumps them (one more topology write)
+        dumped = all(os.path.exists(path) for path in TOPO_FILES.values())
+        for name, path in TOPO_FILES.items():
+            os.environ[name if dumped else name.replace("_FILE", "_DUMP_FILE")] = path
     os.write(ready_w, b"r")
     os.read(go_r, 1)
     times = {}
@@ -195,7 +205,17 @@ def main() -> None:
         return
     modes = args.modes.split(",")
     print(f"torch {torch.__version__}", flush=True)  # no CUDA call here: the children fork
+    topo_dir = tempfile.mkdtemp(prefix="probe-nccl-topo-")
+    try:
+        measure(args, modes, topo_dir)
+    finally:
+        shutil.rmtree(topo_dir, ignore_errors=True)
+
+
+def measure(args: argparse.Namespace, modes: list[str], topo_dir: str) -> None:
     for world in (int(n) for n in args.ranks.split(",")):
+        TOPO_FILES.update(NCCL_TOPO_FILE=f"{topo_dir}/topo-{world}.xml",
+                          NCCL_GRAPH_FILE=f"{topo_dir}/graph-{world}.xml")  # fmt: skip
         seen: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
         for round_ in range(args.rounds):
             for mode in modes:
