@@ -14,6 +14,8 @@
 #   inprocess-compile (350) a raise in a compiled model, the same, 3 runs
 #   gpu-tests    (310) tests/gpu on every GPU, then on one
 #   compare-1-4  (500) gpu_compare, 1 and 4 GPUs a launcher, beside torchrun and NVRx
+#   compare-1-2  (450) gpu_compare, 1 and 2 GPUs a launcher (the 2-GPU kind's widths)
+#   compile-warm (500) gpu_compare, a compiled model's second job on one GPU, ftrun and torchrun
 #   compare-2x2  (400) gpu_compare, two launchers x 2 GPUs
 #   scale        (350) rendezvous rounds at 1,024 and 4,096 nodes, then 16,384, both stores
 set -u
@@ -64,6 +66,15 @@ for step in "$@"; do
     compare-1-4)
         timeout 560 python3 -m bench.restart.gpu_compare --runs 1 --settings omp1 \
             --variants plain --layouts 1,4 --json "$OUT/compare-1-4.json" --markdown --check
+        ;;
+    compare-1-2)
+        timeout 560 python3 -m bench.restart.gpu_compare --runs 1 --settings omp1 \
+            --variants plain --layouts 1,2 --json "$OUT/compare-1-2.json" --markdown --check
+        ;;
+    compile-warm)
+        timeout 560 python3 -m bench.restart.gpu_compare --runs 1 --settings omp1 \
+            --variants compile-warm --launchers ftrun,torchrun --layouts 1 \
+            --json "$OUT/compile-warm.json" --markdown --check
         ;;
     compare-2x2)
         timeout 560 python3 -m bench.restart.gpu_compare --runs 1 --settings omp1 \

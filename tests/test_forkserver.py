@@ -542,6 +542,20 @@ def test_a_prestarted_worker_runs_with_the_environment_of_its_go(server: ForkSer
     assert seen["pgid"] == seen["sid"] == worker.pid
 
 
+def test_a_prestarted_worker_imports_what_its_preload_names_before_the_go(
+    server: ForkServer,
+) -> None:
+    """A module that does not import is left for the script (no error, no output)."""
+    worker, gate = server.prestart(probe("report"), BASE_ENV, "/", cuda_device=0)
+    held = HeldWorker(worker, gate, BASE_ENV)
+    held.preload(("no_such_module_for_ftrun", "colorsys"))
+    held.release(BASE_ENV)
+    code, out, err = finish(worker)
+    assert (code, err) == (0, "")
+    assert json.loads(out)["colorsys"] is True
+    assert run_report(server, env=BASE_ENV, cwd="/")["colorsys"] is False
+
+
 def test_a_withdrawn_prestarted_worker_leaves_no_process(server: ForkServer) -> None:
     worker, gate = server.prestart(probe("report"), BASE_ENV, "/", cuda_device=0)
     HeldWorker(worker, gate, BASE_ENV).discard()

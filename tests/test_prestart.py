@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import sys
 import threading
+import types
 from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 
-from ftrun.agent.prewarm.prestart import HeldWorker, PrestartPool
+from ftrun.agent.prewarm import marks
+from ftrun.agent.prewarm.prestart import PRELOAD_ON_COMPILE, HeldWorker, PrestartPool
+from ftrun.agent.prewarm.wire import HEADER, PROTOCOL_VERSION, TO_CHILD, decode
 from ftrun.agent.worker_env import PER_CYCLE, worker_envs
 from ftrun.ft_launcher.build import build_config
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
@@ -36,24 +41,29 @@ class FakeWorker:
 
 @dataclasses.dataclass
 class FakeHeld(HeldWorker):
-    """The real rule (`fits`); `discard` only notes it (no process to kill)."""
+    """The real rule (`fits`) and gate writes; `discard` only notes it (no process to kill,
+    and the gate is the test's to close)."""
 
     discarded: bool = False
 
     def discard(self) -> None:
         self.discarded = True
 
+    def _close_gate(self) -> None:
+        self._gate_open = False
+
 
 class Forks:
     def __init__(self) -> None:
         self.made: list[tuple[dict[str, str], int]] = []
         self.fail = False
+        self.gate = -1  # the held workers' gate (a real pipe's write end where a test reads it)
 
     def __call__(self, env: Mapping[str, str], device: int) -> FakeHeld:
         if self.fail:
             raise OSError("the fork server is gone")
         self.made.append((dict(env), device))
-        return FakeHeld(FakeWorker(1000 + len(self.made)), -1, dict(env))
+        return FakeHeld(FakeWorker(1000 + len(self.made)), self.gate, dict(env))
 
 
 def env_of(local_rank: int, **more: str) -> dict[str, str]:
@@ -151,3 +161,77 @@ def test_auto_is_on_where_nvml_sees_a_visible_gpu(
     environ = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
     assert build_config(["x"], environ).agent.prestart_workers is on
     assert not build_config(["--ft-prestart-workers=off", "x"], environ).agent.prestart_workers
+
+
+def test_held_workers_preload_inductor_once_the_job_compiles() -> None:
+    """Watched from the refill on: before the job's first torch.compile nothing is preloaded;
+    once seen, every held worker gets one "preload" frame, and later prestarts get it at once."""
+    compiling = threading.Event()
+    forks = Forks()
+    pool = PrestartPool(forks, delay=0.0, compiles=lambda env: compiling.is_set(),
+                        watch_period=0.01)  # fmt: skip
+    reader, gate = os.pipe()
+    forks.gate = gate
+    for local_rank in range(2):
+        pool.remember(env_of(local_rank))
+    pool.refill_later()
+    wait_for(lambda: len(pool.pids()) == 2, 10, "the pool to fill")
+    held = dict(pool._held)  # type: ignore[attr-defined]
+    assert not any(h.preloaded for h in held.values())
+    compiling.set()
+    wait_for(lambda: all(h.preloaded for h in held.values()), 10, "the preloads")
+    frames = os.read(reader, 65536)  # both held workers' (the fakes share one gate)
+    (size,) = HEADER.unpack_from(frames)
+    assert len(frames) == 2 * (HEADER.size + size)
+    assert decode(frames[HEADER.size : HEADER.size + size], TO_CHILD) == {
+        "v": PROTOCOL_VERSION, "op": "preload", "modules": list(PRELOAD_ON_COMPILE),
+    }  # fmt: skip
+    held["0"].preload(PRELOAD_ON_COMPILE)  # once
+    pool.take(env_of(0, FTRUN_CYCLE="1"))
+    pool.refill_later()
+    wait_for(lambda: len(forks.made) == 3, 10, "the successor")
+    assert pool._held["0"].preloaded  # type: ignore[attr-defined]
+    pool.close()
+    os.close(reader)
+    os.close(gate)
+
+
+def test_no_preload_for_a_job_that_does_not_compile_and_the_watch_ends_with_the_pool() -> None:
+    looked = threading.Event()
+
+    def compiles(env: Mapping[str, str]) -> bool:
+        looked.set()
+        return False
+
+    forks = Forks()
+    pool = PrestartPool(forks, delay=0.0, compiles=compiles, watch_period=0.01)  # type: ignore[arg-type]
+    before = threading.active_count()
+    pool.remember(env_of(0))
+    pool.refill_later()
+    wait_for(looked.is_set, 10, "the watch")
+    assert not pool._held["0"].preloaded  # type: ignore[attr-defined]
+    pool.close()
+    wait_for(lambda: threading.active_count() <= before, 10, "the watch to end")
+
+
+def test_a_workers_first_torch_compile_flags_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`marks.install` wraps torch.compile: its first call creates the job's flag, returns what
+    torch's returns, and puts torch's function back."""
+    calls: list[object] = []
+
+    def compile_(model: object = None, **kwargs: object) -> object:
+        calls.append(model)
+        return ("compiled", model)
+
+    torch = types.ModuleType("torch")
+    torch.compile = compile_  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    env = {"FTRUN_IPC_DIR": str(tmp_path)}
+    marks.install(env)
+    assert not marks.compiles_seen(env)
+    assert torch.compile("m") == ("compiled", "m")  # type: ignore[attr-defined]
+    assert marks.compiles_seen(env) and torch.compile is compile_  # type: ignore[attr-defined]
+    assert calls == ["m"]
+    assert not marks.compiles_seen({})

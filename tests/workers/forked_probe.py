@@ -56,6 +56,7 @@ def report(code: int) -> None:
                 "faulthandler": faulthandler.is_enabled(),
                 "ftrun_modules": sorted(m for m in sys.modules if m.startswith("ftrun")),
                 "modules": sorted(m for m in PREWARMED if m in sys.modules),
+                "colorsys": "colorsys" in sys.modules,  # imported by no one but a preload
                 "random": random.random(),
                 "numpy_random": numpy_random.random() if numpy_random else None,
                 "torch_seed": torch.initial_seed() if torch else None,

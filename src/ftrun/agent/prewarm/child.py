@@ -4,7 +4,8 @@ Everything the server changed is undone (signals, fds, environment, cwd, native 
 random seeds), the worker takes its --numa-binding, the start-up marks are armed (`marks.py`),
 then runpy or exec runs the target, and the process ends as the interpreter would. A prestarted
 child (`cuda_device` set: `prestart.py`) makes its CUDA context first and then waits for the
-agent's "go", which brings the environment of the cycle it runs in. Standard
+agent's "go", which brings the environment of the cycle it runs in (and imports, meanwhile,
+what the agent's "preload" names). Standard
 library only, like the server.
 """
 
@@ -21,7 +22,7 @@ from typing import Any, Protocol
 from ftrun.agent.placement.binding import apply_binding
 from ftrun.agent.prewarm import marks
 from ftrun.agent.prewarm.pools import restore_thread_pools
-from ftrun.agent.prewarm.wire import read_go
+from ftrun.agent.prewarm.wire import read_gate
 
 _PR_SET_PDEATHSIG = 1
 CHILD_BROKEN = 70
@@ -82,7 +83,7 @@ def become_worker(server: ServerState, msg: dict[str, Any], fds: list[int]) -> N
     if msg["cuda_device"] is not None:  # prestarted: made ready now, run on the agent's "go"
         _settle(msg["env"], msg["cwd"])
         make_cuda_context(msg["cuda_device"])
-        env = read_go(gate[0])
+        env = read_gate(gate[0], preload=_import_quietly)
         if env is None:
             os._exit(CHILD_BROKEN)  # the agent withdrew the start (or died)
         os.close(gate[0])
@@ -127,6 +128,16 @@ def make_cuda_context(device: int) -> None:
             # device 0 without making a context there (torch's MaybeExchangeDevice).
             with torch.cuda.device(device):
                 pass
+
+
+def _import_quietly(modules: list[str]) -> None:
+    """Import what the agent expects the script to import (a prestarted worker, while it waits).
+    A module that fails is left for the script to import, and fail on, itself."""
+    import importlib
+
+    for name in modules:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
 
 
 def _forget_server_state() -> None:

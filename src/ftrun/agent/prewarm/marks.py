@@ -11,9 +11,12 @@ directory, CLOCK_MONOTONIC being the same for every process of the host):
   its communicators later, at the first collective).
 
 The agent reads them (`read_marks`) when the rank first shows progress and writes a
-`rank_startup` event. A plainly spawned worker runs no code of ours before its script, so it has
-no marks: its split is only spawn -> first step. Standard library only (the fork server imports
-this module); nothing here may raise into the worker's script.
+`rank_startup` event. Beside them, the first call of `torch.compile` in any worker of the job
+creates `<FTRUN_IPC_DIR>/compiles` (`compiles_seen`): the node's prestarted workers then import
+inductor's compiler before their go (`prestart.PRELOAD_ON_COMPILE`). A plainly spawned worker
+runs no code of ours before its script, so it has no marks: its split is only spawn -> first
+step. Standard library only (the fork server imports this module); nothing here may raise into
+the worker's script.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 
 MARK_NAMES = ("script", "cuda", "pg")
 _IPC_DIR_ENV = "FTRUN_IPC_DIR"
+COMPILES_FLAG = "compiles"
 
 
 def marks_path(job_dir: str | Path, pid: int) -> Path:
@@ -51,6 +55,13 @@ def install(env: Mapping[str, str]) -> None:
     elif lazy_call is not None:  # prestarted: the context was made before the script
         mark("cuda")
     _wrap_init_process_group(functools.partial(mark, "pg"))
+    _wrap_torch_compile(Path(job_dir) / COMPILES_FLAG)
+
+
+def compiles_seen(env: Mapping[str, str]) -> bool:
+    """Whether a worker of this job (`env`'s) called `torch.compile`."""
+    job_dir = env.get(_IPC_DIR_ENV)
+    return bool(job_dir) and (Path(job_dir) / COMPILES_FLAG).exists()
 
 
 def _wrap_init_process_group(mark: Callable[[], None]) -> None:
@@ -70,6 +81,24 @@ def _wrap_init_process_group(mark: Callable[[], None]) -> None:
     for module in (c10d, dist):
         if getattr(module, "init_process_group", None) is original:
             module.init_process_group = init_process_group  # type: ignore[attr-defined]
+
+
+def _wrap_torch_compile(flag: Path) -> None:
+    """Create `flag` at the first call of `torch.compile` (as a call or a decorator)."""
+    torch = sys.modules.get("torch")
+    original = getattr(torch, "compile", None)
+    if original is None:
+        return
+
+    @functools.wraps(original)
+    def compile_marked(*args: Any, **kwargs: Any) -> Any:
+        if torch.compile is compile_marked:  # type: ignore[union-attr]
+            torch.compile = original  # type: ignore[union-attr]
+            with contextlib.suppress(OSError):
+                flag.touch(mode=0o600)
+        return original(*args, **kwargs)
+
+    torch.compile = compile_marked  # type: ignore[union-attr]
 
 
 def _append(path: Path, name: str) -> None:

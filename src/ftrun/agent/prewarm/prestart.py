@@ -19,6 +19,11 @@ that GPU's memory, and some host memory); `--ft-prestart-workers=off` turns it o
 `PRESTART_DELAY` after a cycle's workers started, so that its context is not made while theirs
 are (the first cycle's also waits for the fork server's deep imports, which the held workers
 then have).
+
+A job whose workers call `torch.compile` (`marks.compiles_seen`, watched every WATCH_PERIOD
+until seen) has its held workers import inductor's compiler while they wait
+(`PRELOAD_ON_COMPILE`): 1.7 s of a compiled model's restart on an H200 host
+(`bench/restart/compile_restart_probe.py`), that a non-compiling job does not pay in memory.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from collections.abc import Callable, Mapping
 
 from ftrun.agent.prewarm import wire as proto
 from ftrun.agent.prewarm.forked import ForkedWorker
+from ftrun.agent.prewarm.marks import compiles_seen
 from ftrun.agent.prewarm.spawn_request import close_fds
 from ftrun.agent.termination import kill_group_now
 from ftrun.agent.worker_env import PER_CYCLE
@@ -40,6 +46,15 @@ log = logging.getLogger("ftrun.agent")
 
 PRESTART_DELAY = 3.0
 """Seconds after a cycle's workers started before their successors are prestarted."""
+WATCH_PERIOD = 1.0
+"""Seconds between looks for a job's first `torch.compile`, until seen."""
+PRELOAD_ON_COMPILE = (
+    "torch._inductor.compile_fx",
+    "torch._functorch.aot_autograd",
+    "torch._inductor.codecache",
+    "torch._inductor.runtime.triton_heuristics",
+)
+"""What a compiled model's new process imports before it compiles (3 s on an H200 host)."""
 
 
 @dataclasses.dataclass
@@ -61,21 +76,42 @@ class HeldWorker:
         )  # fmt: skip
         return f"the environment differs in {differ[:5]}" if differ else None
 
+    def __post_init__(self) -> None:
+        self._gate_lock = threading.Lock()  # the gate fd is written, and closed, under it
+        self._gate_open = True
+        self.preloaded = False
+
+    def preload(self, modules: tuple[str, ...]) -> None:
+        """Have it import `modules` while it waits (once; not after its go)."""
+        with self._gate_lock:
+            if not self._gate_open or self.preloaded:
+                return
+            self.preloaded = True
+            with contextlib.suppress(OSError):  # it died: its exit says so
+                os.write(self.gate_fd, proto.encode("preload", modules=list(modules)))
+
     def release(self, env: Mapping[str, str]) -> None:
         """Let it run the script with `env`."""
-        try:
-            os.write(self.gate_fd, proto.encode("go", env=dict(env)))
-        except OSError:
-            pass  # it died meanwhile: its exit says so, as a forked worker's would
-        finally:
-            close_fds(self.gate_fd)
+        with self._gate_lock:
+            try:
+                os.write(self.gate_fd, proto.encode("go", env=dict(env)))
+            except OSError:
+                pass  # it died meanwhile: its exit says so, as a forked worker's would
+            finally:
+                self._close_gate()
 
     def discard(self) -> None:
-        close_fds(self.gate_fd)  # the child reads EOF and leaves, should the kill miss it
+        with self._gate_lock:
+            self._close_gate()  # the child reads EOF and leaves, should the kill miss it
         kill_group_now(self.worker.pid)
         with contextlib.suppress(OSError, ValueError):
             self.worker.stdout.close()
             self.worker.stderr.close()
+
+    def _close_gate(self) -> None:
+        if self._gate_open:
+            self._gate_open = False
+            close_fds(self.gate_fd)
 
 
 class PrestartPool:
@@ -83,15 +119,23 @@ class PrestartPool:
 
     `fork(env, cuda_device)` forks one (the fork server's `prestart`); `remember` records the
     environment each local rank's worker got; `refill_later` prestarts, after PRESTART_DELAY
-    and in a thread of its own, a worker for every remembered rank that holds none; `take`
-    hands one over for a start.
+    and in a thread of its own, a worker for every remembered rank that holds none, then
+    watches for the job's first `torch.compile` (`compiles(env)`); `take` hands one over for a
+    start.
     """
 
     def __init__(
-        self, fork: Callable[[Mapping[str, str], int], HeldWorker], delay: float = PRESTART_DELAY
+        self,
+        fork: Callable[[Mapping[str, str], int], HeldWorker],
+        delay: float = PRESTART_DELAY,
+        compiles: Callable[[Mapping[str, str]], bool] = compiles_seen,
+        watch_period: float = WATCH_PERIOD,
     ) -> None:
         self._fork = fork
         self._delay = delay
+        self._compiles = compiles
+        self._watch_period = watch_period
+        self._compiling = False  # a worker of the job called torch.compile
         self._lock = threading.Lock()
         self._held: dict[str, HeldWorker] = {}  # by LOCAL_RANK
         self._wanted: dict[str, Mapping[str, str]] = {}  # by LOCAL_RANK: the last env
@@ -156,6 +200,28 @@ class PrestartPool:
                     self._held[local_rank] = held
             if not keep:
                 held.discard()
+            elif self._compiling:
+                held.preload(PRELOAD_ON_COMPILE)
+        self._watch_compiles(generation)
+
+    def _watch_compiles(self, generation: int) -> None:
+        """Until the job is seen compiling (then every held worker preloads inductor's
+        compiler), the pool closes, or a newer refill takes over the watch."""
+        while not self._compiling:
+            with self._lock:
+                if generation != self._generation:
+                    return
+                env = next(iter(self._wanted.values()), None)
+            if env is not None and self._compiles(env):
+                with self._lock:
+                    self._compiling = True
+                    held = list(self._held.values())
+                log.info("the job compiles: its prestarted workers import inductor's compiler")
+                for worker in held:
+                    worker.preload(PRELOAD_ON_COMPILE)
+                return
+            if self._closed.wait(self._watch_period):
+                return
 
 
 def _cuda_device(env: Mapping[str, str]) -> int:

@@ -6,7 +6,8 @@ with "v" (PROTOCOL_VERSION) and "op"; no pickle. Agent -> server: "spawn" (with 
 stdout/stderr write ends, and optionally a start gate's read end, as SCM_RIGHTS on the same
 sendmsg), and "deepen" (import more modules now, between cycles). Server -> agent: "hello",
 "ready", "spawned", "error", "exit", "deepened". Agent -> a prestarted child, on its start
-gate (a pipe): "go", with the environment it runs with (`read_go`). `decode` validates every
+gate (a pipe): "preload" (modules to import while it waits), then "go", with the environment
+it runs with (`read_gate`). `decode` validates every
 field on all sides. A frame longer than MAX_FRAME breaks the framing: the server then stops;
 a well-framed but invalid message gets an "error" reply and the server carries on.
 
@@ -20,7 +21,7 @@ import json
 import os
 import socket
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 PROTOCOL_VERSION = 1
@@ -65,7 +66,10 @@ TO_AGENT: dict[str, dict[str, object]] = {
 }
 
 
-TO_CHILD: dict[str, dict[str, object]] = {"go": {"env": _STR_MAP}}
+TO_CHILD: dict[str, dict[str, object]] = {
+    "preload": {"modules": _STR_LIST},
+    "go": {"env": _STR_MAP},
+}
 """What a prestarted child reads on its start gate (`spawn` with `cuda_device`)."""
 
 
@@ -164,21 +168,36 @@ def _recv_exact(
     return bytes(data)
 
 
-def read_go(fd: int) -> dict[str, str] | None:
+def read_gate(fd: int, preload: Callable[[list[str]], None]) -> dict[str, str] | None:
     """A prestarted child's "go" from its start gate: the environment to run with; None when
-    the agent closed the gate without one (it withdrew the start, or died)."""
+    the agent closed the gate without one (it withdrew the start, or died). "preload" frames
+    before it (modules the script will import: `prestart.PRELOAD_ON_COMPILE`) go to `preload`.
+    """
+    while True:
+        header = _read_exact(fd, HEADER.size)
+        if header is None:
+            return None
+        (size,) = HEADER.unpack(header)
+        if size > MAX_FRAME:
+            raise ProtocolViolation(f"frame of {size} bytes exceeds {MAX_FRAME}")
+        payload = _read_exact(fd, size)
+        if payload is None:
+            return None
+        msg = decode(payload, TO_CHILD)
+        if msg["op"] == "go":
+            return msg["env"]
+        preload(msg["modules"])
+
+
+def _read_exact(fd: int, size: int) -> bytes | None:
+    """`size` bytes from a pipe (never into the next frame); None at EOF."""
     data = bytearray()
-    size = None
-    while size is None or len(data) < HEADER.size + size:
-        chunk = os.read(fd, 65536)
+    while len(data) < size:
+        chunk = os.read(fd, size - len(data))
         if not chunk:
             return None
         data += chunk
-        if size is None and len(data) >= HEADER.size:
-            (size,) = HEADER.unpack_from(data)
-            if size > MAX_FRAME:
-                raise ProtocolViolation(f"frame of {size} bytes exceeds {MAX_FRAME}")
-    return decode(bytes(data[HEADER.size : HEADER.size + size]), TO_CHILD)["env"]
+    return bytes(data)
 
 
 def send_frame(sock: socket.socket, frame: bytes, fds: Sequence[int] = ()) -> None:
