@@ -82,14 +82,6 @@ def test_broken_gpu_node_never_runs_workers_and_the_rest_finish(tmp_path: Path):
     assert (job.ckpt_dir / "FINISHED").exists()
 
 
-def test_without_room_every_launcher_exits_with_a_clear_message(tmp_path: Path):
-    job = start_job(tmp_path, 2, [], TRAIN, node_env=nvml_env([HEALTHY, BROKEN]))
-    assert job.wait(60) == [1, 3]
-    assert "at most 1 healthy node(s) can join, 2 needed" in job.nodes[0].text()
-    assert "node unhealthy: GPU 1: retired pages pending" in job.nodes[1].text()
-    assert not job.events("workers_started")
-
-
 def test_when_every_node_is_unhealthy_each_exits_do_not_relaunch(tmp_path: Path):
     """Nobody may host the store, so nobody can be told: each leaves on its own health."""
     conf = ["--rdzv-conf=read_timeout=3"]

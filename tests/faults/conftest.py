@@ -20,7 +20,8 @@ test id), `backend`, `outcome` (passed, failed, error, xfailed, skipped), `expec
 documented outcome, e.g. "recovered" or "exit 1"; for a skipped case, why), `seconds` (see
 `Fault.time`), `what` (what `seconds` measures), `stepping` (recovered cases: detection ->
 every rank stepping again) and `wall` (the whole case). `run_matrix.py` aggregates these over
-repeated runs.
+repeated runs. Cases marked `matrix_only` run only then (`make faults`); `make test` skips them
+and names the tests that check the same there.
 """
 
 from __future__ import annotations
@@ -57,6 +58,14 @@ BACKEND_ENV = "FTRUN_FAULTS_BACKEND"
 BACKENDS = ("c10d", "etcd", "store")
 BACKEND = os.environ.get(BACKEND_ENV) or "c10d"
 """The rendezvous backend of this session's launchers (checked in `pytest_configure`)."""
+
+
+def matrix_only(covered_by: str) -> pytest.MarkDecorator:
+    """A case that only the matrix (`make faults`) runs, which also measures it: in `make test`
+    what it would check is `covered_by` already (2 cores: each job is minutes of the suite)."""
+    return pytest.mark.skipif(
+        not os.environ.get(REPORT_ENV), reason=f"make faults runs it ({covered_by})"
+    )
 
 
 @dataclasses.dataclass

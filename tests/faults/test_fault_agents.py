@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from conftest import matrix_only
 from launch import Job, Node, node_of
 from store_process import StoreProcess
 from support import wait_for
@@ -143,6 +144,7 @@ def test_agent_sigkill_on_the_store_host(fault: Fault):
     ]
 
 
+@matrix_only("on c10d, test_agent_sigkill_on_the_store_host; a lost store: test_policy.py")
 def test_agent_sigkill_on_the_first_node_with_a_standby(fault: Fault):
     """2 nodes of gloo workers and a standby (a third launcher, started once the two met); the
     agent of the first node is SIGKILLed: on c10d the node that serves the store, on etcd
@@ -229,6 +231,7 @@ def test_the_store_process_restarted(fault: Fault):
     fault.back_to_work(job, killed_at, "store killed to all workers running again")
 
 
+@matrix_only("test_launcher.py: a SIGTERM to one launcher preempts the whole job")
 def test_sigterm_to_every_launcher_preempts(fault: Fault):
     job = fault.light([], steps=FOREVER)
     training(job)

@@ -10,12 +10,12 @@ The measured time: the fault -> every rank stepping again.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
+from conftest import matrix_only as matrix_only_covered_by
 from test_inprocess_jobs import FAULT_STEP, STEPS, WORKER, assert_recovered_in_place, steps
 
 if TYPE_CHECKING:
@@ -25,9 +25,7 @@ pytestmark = pytest.mark.faults
 
 # tests/test_inprocess_jobs.py covers these four in `make test` already: there they run only as
 # part of the matrix (`make faults`), which measures them; the escalations run in both.
-matrix_only = pytest.mark.skipif(
-    not os.environ.get("FTRUN_FAULTS_REPORT"), reason="make faults runs it (test_inprocess_jobs)"
-)
+matrix_only = matrix_only_covered_by("test_inprocess_jobs")
 
 JOB = ["--max-restarts=1", "--workers-stop-timeout=2"]
 

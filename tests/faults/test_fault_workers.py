@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from conftest import first_step
+from conftest import first_step, matrix_only
 
 if TYPE_CHECKING:
     from conftest import Fault
@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 COLLECTIVE = Path(__file__).resolve().parent.parent / "workers" / "collective_worker.py"
 
 pytestmark = pytest.mark.faults
+# The agent does the same for every crash and every hang kind (stop, restart); what differs is
+# decided and worded where test_policy.py and test_rank_monitor.py test it without processes.
+SAME_AS_EXIT_CODE = matrix_only("test_worker_crash[exit_code]; the signals: test_policy.py")
+SAME_AS_HEARTBEAT_HANG = matrix_only("test_heartbeat_hang; each hang kind: test_rank_monitor.py")
 
 
 def hang_case(fault: Fault, launcher_args: list[str], script_args: list[str]) -> dict:
@@ -46,8 +50,10 @@ def hang_case(fault: Fault, launcher_args: list[str], script_args: list[str]) ->
     ("spec", "code", "signal"),
     [
         pytest.param(["--exit", "0:1:5:7"], 7, None, id="exit_code"),
-        pytest.param(["--signal", "0:1:5:SIGKILL"], -9, "SIGKILL", id="sigkill"),
-        pytest.param(["--segv", "0:1:5"], -11, "SIGSEGV", id="sigsegv"),
+        pytest.param(
+            ["--signal", "0:1:5:SIGKILL"], -9, "SIGKILL", id="sigkill", marks=SAME_AS_EXIT_CODE
+        ),
+        pytest.param(["--segv", "0:1:5"], -11, "SIGSEGV", id="sigsegv", marks=SAME_AS_EXIT_CODE),
     ],
 )
 def test_worker_crash(fault: Fault, spec: list[str], code: int, signal: str | None):
@@ -64,6 +70,7 @@ def test_worker_crash(fault: Fault, spec: list[str], code: int, signal: str | No
 # ---- hangs -----------------------------------------------------------------------------------
 
 
+@SAME_AS_HEARTBEAT_HANG
 def test_hang_before_first_heartbeat(fault: Fault):
     hang = hang_case(fault, ["--ft-initial-rank-heartbeat-timeout=1"], ["--hang-first-hb", "0:1"])
     assert (hang["rank"], hang["kind"]) == (1, "no first heartbeat")
@@ -76,6 +83,7 @@ def test_heartbeat_hang(fault: Fault):
     assert "hang_in_step" in Path(hang["stack_file"]).read_text()
 
 
+@SAME_AS_HEARTBEAT_HANG
 def test_section_overrun(fault: Fault):
     args = ["--ft-rank-heartbeat-timeout=10", "--ft-rank-section-timeouts=step:1"]
     hang = hang_case(fault, args, ["--hang", "0:1:5"])
@@ -83,6 +91,7 @@ def test_section_overrun(fault: Fault):
     assert "hang_in_step" in Path(hang["stack_file"]).read_text()
 
 
+@SAME_AS_HEARTBEAT_HANG
 def test_out_of_section_overrun(fault: Fault):
     args = ["--ft-rank-heartbeat-timeout=10", "--ft-rank-out-of-section-timeout=1"]
     hang = hang_case(fault, args, ["--hang-outside", "0:1:5"])

@@ -5,8 +5,7 @@ random seeds), the worker takes its --numa-binding, the start-up marks are armed
 then runpy or exec runs the target, and the process ends as the interpreter would. A prestarted
 child (`cuda_device` set: `prestart.py`) makes its CUDA context first and then waits for the
 agent's "go", which brings the environment of the cycle it runs in (and imports, meanwhile,
-what the agent's "preload" names). Standard
-library only, like the server.
+what the agent's "preload" names). Standard library only, like the server.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ stdout/stderr write ends, and optionally a start gate's read end, as SCM_RIGHTS 
 sendmsg), and "deepen" (import more modules now, between cycles). Server -> agent: "hello",
 "ready", "spawned", "error", "exit", "deepened". Agent -> a prestarted child, on its start
 gate (a pipe): "preload" (modules to import while it waits), then "go", with the environment
-it runs with (`read_gate`). `decode` validates every
-field on all sides. A frame longer than MAX_FRAME breaks the framing: the server then stops;
-a well-framed but invalid message gets an "error" reply and the server carries on.
+it runs with (`read_gate`). `decode` validates every field on all sides. A frame longer than
+MAX_FRAME breaks the framing: the server then stops; a well-framed but invalid message gets an
+"error" reply and the server carries on.
 
 Standard library only: the server imports it before anything else.
 """
