@@ -86,9 +86,9 @@ class HeldWorker:
         with self._gate_lock:
             if not self._gate_open or self.preloaded:
                 return
-            self.preloaded = True
             with contextlib.suppress(OSError):  # it died: its exit says so
                 os.write(self.gate_fd, proto.encode("preload", modules=list(modules)))
+            self.preloaded = True  # after the write: whoever sees it finds the frame there
 
     def release(self, env: Mapping[str, str]) -> None:
         """Let it run the script with `env`."""
