@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
@@ -51,7 +52,7 @@ class NeighbourWatch(NodeService):
         """`answers`: whether a node's agent answers on its peer channel; `post`: the inbox."""
         self._answers, self._post, self._interval_s = answers, post, interval_s
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []  # every cycle's: an old one may be ending
 
     @staticmethod
     def neighbour(rnd: Round) -> NodeDescriptor | None:
@@ -67,11 +68,12 @@ class NeighbourWatch(NodeService):
         if watched is None:
             return
         self._stop = threading.Event()
-        self._thread = threading.Thread(
+        thread = threading.Thread(
             target=self._watch, args=(rnd.number, watched, self._stop), daemon=True,
             name=f"neighbour-watch-c{rnd.number}",
         )  # fmt: skip
-        self._thread.start()
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
 
     def on_stopped(self, rnd: Round | None, pids: Iterable[int]) -> None:
         self._stop_thread()
@@ -80,10 +82,10 @@ class NeighbourWatch(NodeService):
         self._stop_thread()
 
     def close(self) -> None:
-        thread = self._thread
         self._stop_thread()
-        if thread is not None:
-            thread.join(self._interval_s + 5.0)  # a probe's own timeout bounds it
+        deadline = time.monotonic() + self._interval_s + 5.0  # a probe's own timeout bounds it
+        for thread in self._threads:  # a stopped cycle's too: it may still be in its probe
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _stop_thread(self) -> None:
         self._stop.set()
