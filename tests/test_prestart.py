@@ -190,7 +190,7 @@ def test_held_workers_preload_inductor_once_the_job_compiles() -> None:
     pool.take(env_of(0, FTRUN_CYCLE="1"))
     pool.refill_later()
     wait_for(lambda: len(forks.made) == 3, 10, "the successor")
-    assert pool._held["0"].preloaded  # type: ignore[attr-defined]
+    wait_for(lambda: pool._held["0"].preloaded, 10, "the successor's preload")  # type: ignore[attr-defined]
     pool.close()
     os.close(reader)
     os.close(gate)
