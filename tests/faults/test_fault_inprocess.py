@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from conftest import matrix_only as matrix_only_covered_by
+from conftest import matrix_only
 from test_inprocess_jobs import FAULT_STEP, STEPS, WORKER, assert_recovered_in_place, steps
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.faults
 
 # tests/test_inprocess_jobs.py covers these four in `make test` already: there they run only as
 # part of the matrix (`make faults`), which measures them; the escalations run in both.
-matrix_only = matrix_only_covered_by("test_inprocess_jobs")
+IN_INPROCESS_JOBS = matrix_only("test_inprocess_jobs")
 
 JOB = ["--max-restarts=1", "--workers-stop-timeout=2"]
 
@@ -59,20 +59,20 @@ def recovered_in_process(fault: Fault, job, cycles: int = 1, replaced: int | Non
     fault.time(stepping_again(job.ckpt_dir), "fault to every rank stepping again")
 
 
-@matrix_only
+@IN_INPROCESS_JOBS
 @pytest.mark.parametrize("case", ["raise", "raise-late"])
 def test_inprocess_raise(fault: Fault, case: str):
     recovered_in_process(fault, run(fault, case))
 
 
-@matrix_only
+@IN_INPROCESS_JOBS
 def test_inprocess_hang_judged_by_the_monitor(fault: Fault):
     job = run(fault, "hang", "--ft-rank-heartbeat-timeout=2")
     recovered_in_process(fault, job)
     assert "the wrapped ranks restart iteration 0" in "".join(n.text() for n in job.nodes)
 
 
-@matrix_only
+@IN_INPROCESS_JOBS
 def test_inprocess_sigkilled_rank(fault: Fault):
     job = run(fault, "kill")
     recovered_in_process(fault, job, replaced=1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from ftrun.agent.node_services.worker_store import AGENT_STORE_ENV
 from ftrun.agent.placement.binding import BIND_VARIABLES
 from ftrun.agent.placement.rank_env import rank_variables
 from ftrun.client_lib.flight import BUFFER_VARS
@@ -15,7 +16,7 @@ from ftrun.rendezvous.ranks import Round
 PER_CYCLE = frozenset({
     "RANK", "ROLE_RANK", "GROUP_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
     "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "FTRUN_CYCLE",
-    "TORCHELASTIC_ERROR_FILE", "FTRUN_INPROCESS_PREFIX", "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE", "FTRUN_INPROCESS_PREFIX", AGENT_STORE_ENV,
 })  # fmt: skip
 """The variables that may change from one cycle's worker of a local rank to the next's; a
 prestarted worker, made with the cycle's before, runs only where nothing else differs
@@ -77,7 +78,7 @@ def shared_env(
         TORCHELASTIC_MAX_RESTARTS=str(agent.max_restarts),
         TORCHELASTIC_RUN_ID=rdzv.run_id,
         # True where this node's agent hosts the workers' store (`worker_store`).
-        TORCHELASTIC_USE_AGENT_STORE=services_env.get("TORCHELASTIC_USE_AGENT_STORE", "False"),
+        TORCHELASTIC_USE_AGENT_STORE=services_env.get(AGENT_STORE_ENV, "False"),
         FTRUN_NODE=node,
     )
     if rnd is not None:
