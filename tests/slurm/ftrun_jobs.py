@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,37 +145,31 @@ class Chain:
         """The ft_launcher process this chain's first job runs on Slurm node `node`."""
         marks = {f"SLURMD_NODENAME={node}".encode(), f"SLURM_JOB_ID={self.first_job}".encode()}
 
-        def find() -> psutil.Process | None:
-            for proc in psutil.process_iter(["cmdline", "name"]):
-                argv = proc.info["cmdline"] or []
-                # srun and the template's per-task wrapper name the launcher too: not them.
-                wrapper = proc.info["name"] in ("srun", "bash", "sh") or "--ft-run-task" in argv
-                named = any(part.endswith("ft_launcher") for part in argv[:2])
-                if wrapper or not (named or "ftrun.ft_launcher.cli" in argv):
-                    continue
-                with contextlib.suppress(OSError):
-                    env = set(Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0"))
-                    if marks <= env:
-                        return proc
-            return None
+        def is_launcher(proc: psutil.Process) -> bool:
+            argv = proc.info["cmdline"] or []
+            # srun and the template's per-task wrapper name the launcher too: not them.
+            wrapper = proc.info["name"] in ("srun", "bash", "sh") or "--ft-run-task" in argv
+            named = any(part.endswith("ft_launcher") for part in argv[:2])
+            return not wrapper and (named or "ftrun.ft_launcher.cli" in argv)
 
-        return wait_for(find, 30, f"the launcher of job {self.first_job} on {node}", POLL_S)
+        return wait_for(
+            lambda: _topmost(is_launcher, marks),
+            30,
+            f"the launcher of job {self.first_job} on {node}",
+            POLL_S,
+        )
 
     def store_process(self) -> psutil.Process:
         """The `ftrun store` of this chain's first job (its own step on the batch host)."""
-        mark = f"SLURM_JOB_ID={self.first_job}".encode()
 
-        def find() -> psutil.Process | None:
-            for proc in psutil.process_iter(["cmdline"]):
-                argv = proc.info["cmdline"] or []
-                if argv[2:4] != ["store", "--port"] or not argv[1].endswith("ftrun"):
-                    continue
-                with contextlib.suppress(OSError):
-                    if mark in Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0"):
-                        return proc
-            return None
+        def is_store(proc: psutil.Process) -> bool:
+            argv = proc.info["cmdline"] or []
+            return argv[2:4] == ["store", "--port"] and argv[1].endswith("ftrun")
 
-        return wait_for(find, 30, f"ftrun store of job {self.first_job}", POLL_S)
+        marks = {f"SLURM_JOB_ID={self.first_job}".encode()}
+        return wait_for(
+            lambda: _topmost(is_store, marks), 30, f"ftrun store of job {self.first_job}", POLL_S
+        )
 
     def leftover_processes(self) -> list[str]:
         """Live processes of any job of the chain, on any node (they all live on this host).
@@ -264,3 +259,20 @@ def train_args(job_dir: Path, *args: str) -> list[str]:
 
 def elapsed(since: float) -> float:
     return round(time.monotonic() - since, 1)
+
+
+def _topmost(
+    matches: Callable[[psutil.Process], bool], env_marks: set[bytes]
+) -> psutil.Process | None:
+    """The one process that `matches` and whose environment holds `env_marks`, but whose parent
+    does not: a child the launcher forked (its fork server) has the launcher's command line and
+    environment, and once PIDs wrap around it can come before its parent in the process list."""
+    found: dict[int, psutil.Process] = {}
+    for proc in psutil.process_iter(["cmdline", "name", "ppid"]):
+        if not matches(proc):
+            continue
+        with contextlib.suppress(OSError):
+            if env_marks <= set(Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")):
+                found[proc.pid] = proc
+    tops = [proc for proc in found.values() if proc.info["ppid"] not in found]
+    return tops[0] if len(tops) == 1 else None
