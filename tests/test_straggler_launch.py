@@ -61,7 +61,10 @@ def test_exclude_continues_without_the_slow_node(tmp_path):
     # excluded node is known gone.
     args = [*INTERVAL, "--nnodes=1:2", "--max-restarts=1", "--rdzv-conf=last_call_timeout=5",
             "--ft-straggler-action=exclude"]  # fmt: skip
-    job = start_job(tmp_path, 2, args, ["--steps", "70", "--slow", "1:1.6"], WORKER, nproc=1)
+    # Cycle 0 runs until the exclusion cuts it short, however loaded the host (its 1,000 steps
+    # would take 30 s); cycle 1, without the slow node, 70 steps.
+    train = ["--steps", "70", "--first-cycle-steps", "1000", "--slow", "1:1.6"]
+    job = start_job(tmp_path, 2, args, train, WORKER, nproc=1)
     codes = job.wait(90)
     slow = node_of(job, node_of_rank(job, 1))
     assert codes == [ExitCode.EXCLUDED if n is slow else 0 for n in job.nodes]
