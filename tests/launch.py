@@ -148,8 +148,9 @@ def prewarm_args(launcher_args: Sequence[str], script: Path) -> list[str]:
     under test, so the fork server imports what its workers will, once a node, and no more:
     - no deep warm-up after the first cycle (torch._dynamo, about 1.3 s of CPU a node):
       tests/test_prewarm_cycles.py and the demo test it;
-    - a script that builds DistributedDataParallel (which imports torch._dynamo) gets it before
-      the first fork, instead of in every worker of every cycle;
+    - a script that builds DistributedDataParallel or an optimizer (each imports torch._dynamo,
+      about 1.4 s of CPU) gets it before the first fork, instead of in every worker of every
+      cycle;
     - a script that never imports torch gets a server that does not either (about 1.6 s a node).
     The fork-server path is the same; only the modules it imports change."""
     def given(flag: str) -> bool:
@@ -161,7 +162,7 @@ def prewarm_args(launcher_args: Sequence[str], script: Path) -> list[str]:
     text = script.read_text()
     if re.search(r"^\s*(import|from) torch\b", text, re.MULTILINE) is None:
         return [*extra, "--ft-prewarm-modules=ftrun.client_lib"]
-    if "DistributedDataParallel" in text:
+    if "DistributedDataParallel" in text or "torch.optim." in text:
         return [*extra, "--ft-prewarm-modules=torch,torch.distributed,torch._dynamo"]
     return extra
 
