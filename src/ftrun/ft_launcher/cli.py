@@ -34,6 +34,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             sys.stdout.write(help_text())
             sys.exit(ExitCode.SUCCESS)
         config = config_from(line, os.environ)
+        _make_log_dir(config)
     except ConfigError as err:
         _usage_error(str(err))
     # Handlers only record (into the agent's inbox); preemption during torch's import is seen
@@ -66,6 +67,20 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         if fork_server is not None:
             fork_server.close()  # the runtime closed it already, unless it never got that far
     _leave(code)
+
+
+def _make_log_dir(config: LaunchConfig) -> None:
+    """Create --log-dir now: one that cannot be is a usage error before torch's import (2 s),
+    not after it. The agent creates its node's directory under it later."""
+    log_dir = config.agent.log_dir
+    if log_dir is None:
+        return
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # a file there (mkdir's exist_ok covers only a directory)
+        raise ConfigError(f"--log-dir {log_dir}: Not a directory") from None
+    except OSError as exc:
+        raise ConfigError(f"--log-dir {log_dir}: {exc.strerror or exc}") from None
 
 
 def _leave(code: int) -> NoReturn:
