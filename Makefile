@@ -5,6 +5,7 @@ VPY       := $(VENV)/bin/python
 STAMP     := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 FAULT_REPEATS ?= 3
+COMPILED_EARLY := torch sympy networkx mpmath
 
 .PHONY: install test check lint demo bench bench-more bench-smoke bench-gpu faults clean
 
@@ -12,9 +13,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch resolves to a multi-GB CUDA build.
 	$(VPY) -m pip install -q --no-compile $(TORCH_PIN)
-	$(VPY) -m pip install -q --no-compile -e '.[test,lightning,etcd]'
-	# Byte-compiled on every core (pip compiles one file at a time: ~22 s here, this ~10 s). A few
-	# of torch's test helpers are for newer Pythons and fail to compile: harmless, hence the '-'.
+	# Byte-compiled on every core, not by pip one file at a time (PYTHONDONTWRITEBYTECODE=1 would
+	# leave every process compiling torch again): torch and the big packages only it needs while
+	# pip installs the rest (pip keeps one core busy and never touches them again), then what is
+	# left. A few of torch's test helpers are for newer Pythons and fail to compile: harmless,
+	# hence the '-' and the background compile's status left unread.
+	$(VPY) -m compileall -q -j 0 $(patsubst %,$(VENV)/lib/python3*/site-packages/%,$(COMPILED_EARLY)) >/dev/null 2>&1 & \
+	  $(VPY) -m pip install -q --no-compile -e '.[test,lightning,etcd]'; \
+	  status=$$?; wait; exit $$status
 	-$(VPY) -m compileall -q -j 0 $(VENV)/lib >/dev/null 2>&1
 	touch $(STAMP)
 
