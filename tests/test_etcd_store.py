@@ -555,7 +555,7 @@ def test_an_interrupt_from_another_thread_ends_a_wait_at_once_and_blames_no_memb
         started = time.monotonic()
         store.interrupt()
         waiter.join(5)
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < 2.0  # the interrupt, not the store's 30 s timeout
     assert isinstance(out["error"], WatchInterruptedError)
     assert "timeout" not in str(out["error"])  # not a wait that ran out
     assert not caplog.records  # no member "does not answer"

@@ -54,7 +54,7 @@ def test_a_rank_with_no_listener_is_not_waited_for(tmp_path: Path) -> None:
     recorder = FlightRecorder(tmp_path, tmp_path / "logs", "n0", lambda *a, **k: None)
     started = time.monotonic()
     recorder._dump(0, [(0, 999_999)])
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < DUMP_TIMEOUT_S / 2  # not its wait for an answer
 
 
 def test_a_stopped_rank_is_not_asked_and_a_rank_that_dies_is_not_waited_for(
