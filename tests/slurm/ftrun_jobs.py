@@ -224,6 +224,8 @@ def submit_chain(
     job_dir = tmp_path / "job"
     (job_dir / "ckpt").mkdir(parents=True, exist_ok=True)
     script = next((Path(arg) for arg in launcher_args if arg.endswith(".py")), None)
+    if script == TRAIN_FIRST_RUN_FAULTS:  # it runs the example: its workers import what that does
+        script = EXAMPLE
     if script is not None:  # the fork server's imports as in tests/launch.py's jobs
         launcher_args = [*prewarm_args(launcher_args, script), *launcher_args]
     argv = [
