@@ -40,8 +40,8 @@ from ftrun.agent.prewarm.target import python_target
 from ftrun.agent.worker_env import shared_env
 from ftrun.agent.workers import PlainSpawner, Spawner
 from ftrun.config import LaunchConfig
-from ftrun.errors import ConfigError, NodeUnhealthyError, RendezvousFailedError
-from ftrun.eventlog.writer import EventLog
+from ftrun.errors import NodeUnhealthyError, RendezvousFailedError
+from ftrun.eventlog.writer import EventLog, log_dir_error
 from ftrun.identity import free_port
 from ftrun.nvml import GpuSnapshot
 from ftrun.rank_monitor import ProgressSnapshot, RankMonitorServer
@@ -302,7 +302,7 @@ def _open_events(log_dir: Path, node: str) -> EventLog:
         (log_dir / node).mkdir(parents=True, exist_ok=True)
         return EventLog(log_dir, node)
     except OSError as exc:
-        raise ConfigError(f"--log-dir {log_dir}: {exc.strerror or exc}") from None
+        raise log_dir_error(log_dir, exc) from None
 
 
 def _connect(

@@ -10,9 +10,17 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ftrun.errors import ConfigError
 from ftrun.eventlog.schema import problems
 
 log = logging.getLogger("ftrun.agent")
+
+
+def log_dir_error(log_dir: Path, exc: OSError) -> ConfigError:
+    """The one-line error for a --log-dir that events cannot be written under."""
+    # mkdir's exist_ok covers only a directory: a file in the way raises FileExistsError.
+    reason = "Not a directory" if isinstance(exc, FileExistsError) else exc.strerror or exc
+    return ConfigError(f"--log-dir {log_dir}: {reason}")
 
 
 class EventLog:

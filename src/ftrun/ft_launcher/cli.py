@@ -18,6 +18,7 @@ from ftrun.agent.node_services.compile_cache import prepare_compile_caches
 from ftrun.agent.prewarm.service import start_with_torch
 from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError, ExitCode, FtrunError
+from ftrun.eventlog.writer import log_dir_error
 from ftrun.ft_launcher.build import config_from
 from ftrun.ft_launcher.command_line import help_text, parse_argv
 from ftrun.ft_launcher.options import PROG
@@ -77,10 +78,8 @@ def _make_log_dir(config: LaunchConfig) -> None:
         return
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:  # a file there (mkdir's exist_ok covers only a directory)
-        raise ConfigError(f"--log-dir {log_dir}: Not a directory") from None
     except OSError as exc:
-        raise ConfigError(f"--log-dir {log_dir}: {exc.strerror or exc}") from None
+        raise log_dir_error(log_dir, exc) from None
 
 
 def _leave(code: int) -> NoReturn:
