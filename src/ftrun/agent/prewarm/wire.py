@@ -137,15 +137,20 @@ def recv_frame(sock: socket.socket, max_fds: int = 0) -> tuple[bytes, list[int]]
         header = _recv_exact(sock, HEADER.size, fds, max_fds, eof_ok=True)
         if header is None:
             return None
-        (size,) = HEADER.unpack(header)
-        if size > MAX_FRAME:
-            raise ProtocolViolation(f"frame of {size} bytes exceeds {MAX_FRAME}")
-        payload = _recv_exact(sock, size, fds, max_fds, eof_ok=False)
+        payload = _recv_exact(sock, _frame_size(header), fds, max_fds, eof_ok=False)
         assert payload is not None
     except BaseException:
         close_all(fds)
         raise
     return payload, fds
+
+
+def _frame_size(header: bytes) -> int:
+    """The payload size a frame's header gives; one over MAX_FRAME breaks the framing."""
+    (size,) = HEADER.unpack(header)
+    if size > MAX_FRAME:
+        raise ProtocolViolation(f"frame of {size} bytes exceeds {MAX_FRAME}")
+    return size
 
 
 def _recv_exact(
@@ -177,10 +182,7 @@ def read_gate(fd: int, preload: Callable[[list[str]], None]) -> dict[str, str] |
         header = _read_exact(fd, HEADER.size)
         if header is None:
             return None
-        (size,) = HEADER.unpack(header)
-        if size > MAX_FRAME:
-            raise ProtocolViolation(f"frame of {size} bytes exceeds {MAX_FRAME}")
-        payload = _read_exact(fd, size)
+        payload = _read_exact(fd, _frame_size(header))
         if payload is None:
             return None
         msg = decode(payload, TO_CHILD)
