@@ -65,6 +65,13 @@ class HeldWorker:
     gate_fd: int
     env: Mapping[str, str]
     """The environment it settled in (the cycle's before: `LOCAL_RANK` says which rank)."""
+    preloaded: bool = dataclasses.field(default=False, init=False)
+    """A "preload" frame was written to its gate."""
+    _gate_open: bool = dataclasses.field(default=True, init=False, repr=False)
+    _gate_lock: threading.Lock = dataclasses.field(
+        default_factory=threading.Lock, init=False, repr=False
+    )
+    """The gate fd is written, and closed, under it."""
 
     def fits(self, env: Mapping[str, str]) -> str | None:
         """Why this worker cannot run with `env`; None if it can."""
@@ -75,11 +82,6 @@ class HeldWorker:
             if key not in PER_CYCLE and self.env.get(key) != env.get(key)
         )  # fmt: skip
         return f"the environment differs in {differ[:5]}" if differ else None
-
-    def __post_init__(self) -> None:
-        self._gate_lock = threading.Lock()  # the gate fd is written, and closed, under it
-        self._gate_open = True
-        self.preloaded = False
 
     def preload(self, modules: tuple[str, ...]) -> None:
         """Have it import `modules` while it waits (once; not after its go)."""
