@@ -25,6 +25,7 @@ from pathlib import Path
 from torch.distributed import HashStore, Store
 
 from ftrun.agent.inbox import SignalRecorder
+from ftrun.agent.inprocess.link import InprocessLink
 from ftrun.agent.node import NodeAgent
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.termination import Delivery, StopResult
@@ -190,6 +191,7 @@ def running_agent(
         events=events, inbox=queue.SimpleQueue(), store=store, is_store_host=True,
         infra_rank=None, services=node_services, monitor=monitor, spawner=spawner, peer_port=0,
         job_dir=tmp / "job", restore_peer=lambda: None, answers=lambda _d: True,
+        inprocess=InprocessLink(store, config.agent, "fake", events.emit),
     )  # fmt: skip
     node = RunningAgent(runtime, spawner)
     try:

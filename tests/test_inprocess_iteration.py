@@ -1,4 +1,4 @@
-"""The restart iteration's protocol on a store (`ftrun.inprocess.iteration`), without processes:
+"""The restart iteration's protocol on a store (`ftrun.inprocess_protocol`), without processes:
 how an iteration ends (every rank completed, or somebody interrupted it), the barrier, and the
 ranks that left; and the options `Wrapper` checks as NVRx does."""
 
@@ -15,17 +15,17 @@ from torch.distributed import HashStore
 
 from ftrun.inprocess.abort import pin_gloo_groups
 from ftrun.inprocess.assignment_base import RankAssignmentCtx, gather_keys
-from ftrun.inprocess.iteration import (
+from ftrun.inprocess.options import build_options
+from ftrun.inprocess.params import substitute_call_wrapper
+from ftrun.inprocess.state import State
+from ftrun.inprocess.watcher import Watcher
+from ftrun.inprocess_protocol import (
     CURRENT_KEY,
     Interruption,
     Iteration,
     forget_iteration,
     newest_iteration,
 )
-from ftrun.inprocess.options import build_options
-from ftrun.inprocess.params import substitute_call_wrapper
-from ftrun.inprocess.state import State
-from ftrun.inprocess.watcher import Watcher
 from support import wait_for
 
 SHORT = datetime.timedelta(milliseconds=50)

@@ -117,3 +117,35 @@ def test_twenty_faults_leave_no_threads_descriptors_or_store_keys_behind(tmp_pat
         # One iteration's keys may still be there as an iteration starts (its tidying runs
         # beside the function); 17 faults unforgotten would be over a hundred.
         assert max(keys) - min(keys) <= 12, keys
+
+
+MISTAKES = WORKER.with_name("inprocess_mistakes_worker.py")
+
+
+def test_an_unannotated_call_wrapper_is_one_warning_and_the_job_runs(tmp_path: Path):
+    """NVRx passes it nothing, and every entry failed: 7,874 restarts in 3 minutes."""
+    job = start_job(tmp_path, 1, [], ["--mistake", "unannotated"], script=MISTAKES, nproc=2)
+    assert job.wait(60) == [0]
+    assert (job.ckpt_dir / "done").exists()
+    text = job.nodes[0].text()
+    assert text.count("is not annotated CallWrapper") == 2, text  # one line a rank
+    assert not job.events("inprocess_recovered")
+
+
+def test_a_function_that_fails_at_every_entry_takes_the_next_rungs_then_the_jobs_exit(
+    tmp_path: Path,
+):
+    """The same fault ending 3 iterations in a row (--ft-max-same-failure) leaves the
+    in-process tier at once, naming it; the in-job restarts then stop at the same failure
+    (exit 6, REPEATED_FAILURE): a bounded, short log."""
+    job = start_job(tmp_path, 1, ["--max-restarts=5"], ["--mistake", "raise-always"],
+                    script=MISTAKES, nproc=2)  # fmt: skip
+    assert job.wait(60) == [6]
+    text = job.nodes[0].text()
+    assert len(text.splitlines()) < 100, text
+    cycles = len(job.events("rendezvous_done"))
+    recovered = job.events("inprocess_recovered")
+    assert len(recovered) == 2 * cycles, recovered  # two restarts a cycle, the third fault ends it
+    assert "the same fault ended 3 iterations in a row: EXCEPTION: ValueError: the data path " \
+           "is wrong" in text  # fmt: skip
+    assert {e["why"][:25] for e in job.events("inprocess_gave_up")} == {"the same fault ended 3 it"}

@@ -88,6 +88,9 @@ def test_dependencies_point_one_way() -> None:
     assert "ftrun.ft_launcher" not in graph["ftrun.agent"]
     assert "ftrun.agent" not in graph["ftrun.rendezvous"]
     assert "ftrun.agent" not in graph["ftrun.rank_monitor"]
+    # The in-process tier: the agent and the ranks' library share only the protocol module.
+    assert "ftrun.inprocess" not in graph["ftrun.agent"]
+    assert graph["ftrun.inprocess_protocol"] <= {"ftrun.environment"}
     # The tools read event logs; `ftrun straggler` also writes the agents' control file, whose
     # format lives in the straggler package's config (data only, no agent code).
     tools = graph["ftrun.tools"]

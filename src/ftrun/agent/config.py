@@ -9,6 +9,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from ftrun.inprocess_protocol import RestartBudget
+
 if TYPE_CHECKING:
     from ftrun.agent.placement.numa import NumaPlan
 
@@ -38,6 +40,14 @@ class AgentConfig:
     max_same_failure: int = 3
     """Stop the job (exit `ExitCode.REPEATED_FAILURE`) once the same failure signature has
     ended this many cycles in a row, on any nodes; <= 0: never (`agent.diagnosis.repeats`)."""
+    inprocess_max_restarts: int = 3
+    """In-process restarts (`ftrun.inprocess`) a cycle allows within `inprocess_restart_window`,
+    whoever started them, before the in-job restart; 0: no limit. With `max_same_failure`, the
+    tier's one budget (`inprocess_protocol.RestartBudget`), handed to the wrapped ranks."""
+    inprocess_restart_window: float = 120.0
+    inprocess_abort_timeout: float = 30.0
+    """Seconds a wrapped rank's abort of its process groups may take before it gives up on
+    in-process restart (its process ends: the in-job restart)."""
     health_action: str = "exclude"
     """What a fault the health watch finds while training does: 'log', 'restart' or
     'exclude' (the node leaves if a standby node or the minimum size allows; else logged)."""
@@ -93,6 +103,11 @@ class AgentConfig:
     numa_binding: NumaPlan | None = None
     """torchrun's --numa-binding: the mode and each local rank's CPUs and memory nodes, read from
     NVML once when the config is built (`agent.placement.numa`); None: workers are not bound."""
+
+    @property
+    def inprocess_budget(self) -> RestartBudget:
+        return RestartBudget(self.inprocess_max_restarts, self.inprocess_restart_window,
+                             max(self.max_same_failure, 0))  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

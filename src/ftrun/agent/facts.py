@@ -7,8 +7,6 @@ from __future__ import annotations
 import dataclasses
 
 from ftrun.agent import policy as p
-from ftrun.agent.inprocess import ladder
-from ftrun.agent.inprocess.link import Coordination
 from ftrun.agent.observed import Outcome
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.rendezvous.config import RendezvousImpl
@@ -46,11 +44,9 @@ def read_facts(
         facts = dataclasses.replace(facts, ended_for_rerun=rerun)
     lost = isinstance(event, p.WorkerEnded) and event.returncode != 0
     if lost or isinstance(event, p.HangsFound):  # may the wrapped ranks recover it?
-        link = Coordination(rt.job_dir)
-        facts = dataclasses.replace(
-            facts, inprocess_wrapped=link.current(rnd.number) is not None,
-            inprocess_attempts=link.recent_attempts(ladder.WINDOW_S),
-        )  # fmt: skip
+        link = rt.inprocess
+        facts = dataclasses.replace(facts, inprocess_wrapped=link.wrapped(),
+                                    inprocess_spent=link.spent())  # fmt: skip
     if isinstance(event, p.WorkerEnded) and event.returncode in p.RERUN_CODES:
         facts = _rerun_facts(rt, rnd, facts)
     named = getattr(event, "signature", None) is not None  # a failure, not an exit 0

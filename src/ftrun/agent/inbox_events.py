@@ -25,6 +25,7 @@ from ftrun.agent.policy import AgentEvent
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.workers import WorkerExited, WorkerGroup
 from ftrun.rank_monitor import FirstProgress, Verdict, WorkloadControl
+from ftrun.rank_monitor.protocol import InprocessNote
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import ServiceRequest
 
@@ -76,6 +77,8 @@ class InboxEvents:
             return p.ControlRequested(-1, item.action, item.reason, by=f"the {item.service}")
         if isinstance(item, FirstProgress):
             self.report.first_progress(item)
+        if isinstance(item, InprocessNote):
+            self.rt.inprocess.take(item, rnd.number)
         return None
 
     def ended_elsewhere(self, cycle: int) -> p.CycleEnded:

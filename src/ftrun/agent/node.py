@@ -12,7 +12,6 @@ the store itself, in case that watch lost its store.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import queue
 import signal
@@ -32,6 +31,7 @@ from ftrun.agent.facts import read_facts
 from ftrun.agent.inbox import SignalReceived, SignalRecorder, take_queued
 from ftrun.agent.inbox_events import InboxEvents
 from ftrun.agent.inprocess.effects import carry_out
+from ftrun.agent.observed import RungFailed
 from ftrun.agent.policy import Action, AgentEvent, Outcome, Policy
 from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.state import AgentState, check_transition
@@ -115,14 +115,7 @@ class NodeAgent:
 
     def _decide(self, event: AgentEvent) -> Action:
         facts = read_facts(self.rt, event, self._round, self._after_stop)
-        action = self.policy.decide(self.state, event, facts)
-        # The ladder's in-process rungs are effects that can fail (unreachable ranks, a worker
-        # that cannot start): then the next rung, as if the ranks did not wrap.
-        in_process = action.interrupt is not None or action.replace is not None
-        if in_process and not carry_out(action, self._round, self._group, self.rt):
-            unwrapped = dataclasses.replace(facts, inprocess_wrapped=False)
-            action = self.policy.decide(self.state, event, unwrapped)
-        return action
+        return self.policy.decide(self.state, event, facts)
 
     def _apply(self, action: Action) -> None:
         control, outcome = self.rt.control, action.outcome
@@ -265,8 +258,16 @@ class NodeAgent:
             if event is None:
                 continue
             action = self._decide(event)
-            if action.replace is not None:  # a lost rank's process started again
-                running.add(group.workers[action.replace.rank - rnd.first_global_rank].proc.pid)
+            if action.interrupt is not None or action.replace is not None:
+                # The ladder's in-process rungs are effects that can fail (unreachable ranks,
+                # a worker that cannot start): the failure is an event, decided again.
+                failed = carry_out(action, rnd, group, self.rt)
+                if failed is not None:
+                    assert isinstance(event, (p.WorkerEnded, p.HangsFound))
+                    action = self._decide(RungFailed(event, failed))
+                elif action.replace is not None:  # a lost rank's process started again
+                    index = action.replace.rank - rnd.first_global_rank
+                    running.add(group.workers[index].proc.pid)
             if action.next_state is not None:
                 return action
             self._apply(action)  # effects without a move (a scale-up vote)

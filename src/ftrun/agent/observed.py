@@ -144,6 +144,16 @@ class PeersFinished:
     """False: the exit barrier timed out before every node reported."""
 
 
+@dataclasses.dataclass(frozen=True)
+class RungFailed:
+    """The in-process rung the policy chose for `event` could not be carried out (the ranks'
+    store unreachable, a lost rank's process that would not start): decide it again without
+    it."""
+
+    event: WorkerEnded | HangsFound
+    why: str
+
+
 AgentEvent = (
     HealthChecked
     | JoinReady
@@ -163,6 +173,7 @@ AgentEvent = (
     | StoreRestarted
     | WorkersStopped
     | PeersFinished
+    | RungFailed
 )
 
 
@@ -199,9 +210,11 @@ class Facts:
     """Re-run restarts in a row just before this cycle's request that no verdict settled (read
     with `standby_waiting`)."""
     inprocess_wrapped: bool = False
-    """This node's ranks run `ftrun.inprocess.Wrapper` in this cycle (hang verdicts only)."""
-    inprocess_attempts: int = 0
-    """In-process restarts this node asked for within `agent.inprocess.ladder.WINDOW_S`."""
+    """This node's ranks run `ftrun.inprocess.Wrapper` in this cycle (read for a lost rank or a
+    hang)."""
+    inprocess_spent: str | None = None
+    """Why the in-process restart budget allows no further restart this cycle (read with
+    `inprocess_wrapped`); None: it allows one."""
     ended_for_rerun: bool = False
     """The cycle ended with a restart for a re-run elsewhere (read when another node ended it)."""
     finished_nodes: int = 0

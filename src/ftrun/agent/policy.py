@@ -65,6 +65,7 @@ from ftrun.agent.observed import (
     NodesWaiting,
     Outcome,
     PeersFinished,
+    RungFailed,
     Signalled,
     SpawnFailed,
     StoreLost,
@@ -99,7 +100,8 @@ class InprocessInterrupt:
 
 @dataclasses.dataclass(frozen=True)
 class RankReplacement:
-    """Start a lost wrapped rank's process again, alone (`NodeAgent._replace_rank`)."""
+    """Start a lost wrapped rank's process again, alone, and interrupt the others' iteration
+    (`agent.inprocess.effects`)."""
 
     rank: int
     cause: str
@@ -125,11 +127,11 @@ class Action:
     """The signal that stops the workers; None: the configured termination signal."""
     interrupt: InprocessInterrupt | None = None
     """The ladder's first rung: the wrapped ranks recover in-process (no stop, no vote). If
-    their store cannot be reached, the executor asks again as if they did not wrap."""
+    their store cannot be reached, the executor asks again (`RungFailed`)."""
     replace: RankReplacement | None = None
     """The ladder's second rung: the survivors restart in-process, the lost rank's process is
-    started again and joins them; if that cannot be done, the executor asks again as if the
-    ranks did not wrap."""
+    started again and joins them; if that cannot be done, the executor asks again
+    (`RungFailed`)."""
     drain: bool = False
     """The workers leave on their own (a re-run's exit: every rank exits once its part of the
     checkpoint is saved): the stop waits for them, bounded, before it signals them."""
@@ -224,7 +226,7 @@ class Policy:
         if event.returncode != 0:
             cause = f"rank {event.rank} on {facts.node} {exit_text(event.returncode)}"
             rung = ladder.for_lost_rank(facts.inprocess_wrapped, event.returncode,
-                                        facts.inprocess_attempts)  # fmt: skip
+                                        facts.inprocess_spent)  # fmt: skip
             if rung.rung is ladder.Rung.REPLACE_RANK:
                 return Action(None, replace=RankReplacement(event.rank, cause))
             failure = self._failure(cause, event.signature, facts)
@@ -235,12 +237,20 @@ class Policy:
     def _hangs(self, event: HangsFound, facts: Facts) -> Action:
         ranks = ", ".join(str(r) for r in event.ranks)
         cause = f"rank(s) {ranks} on {facts.node} hung ({event.kind})"
-        rung = ladder.for_hang(facts.inprocess_wrapped, event.stopped, facts.inprocess_attempts)
+        rung = ladder.for_hang(facts.inprocess_wrapped, event.stopped, facts.inprocess_spent)
         if rung.rung is ladder.Rung.IN_PROCESS:
             return Action(None, interrupt=InprocessInterrupt(event.ranks, cause))
         failure = self._failure(cause, event.signature, facts)
         note = f"{rung.why}: in-job restart" if facts.inprocess_wrapped else failure.note
         return dataclasses.replace(failure, kill=event.pids, note=note)
+
+    def _rung_failed(self, event: RungFailed, facts: Facts) -> Action:
+        """The in-process rung could not be taken: the in-job restart, as if the ranks did not
+        wrap."""
+        unwrapped = dataclasses.replace(facts, inprocess_wrapped=False)
+        action = self.decide(AgentState.RUNNING, event.event, unwrapped)
+        note = f"in-process: {event.why}: in-job restart"
+        return dataclasses.replace(action, note=f"{note}; {action.note}" if action.note else note)
 
     def _health_found(self, event: HealthFound, facts: Facts) -> Action:
         found = f"health on {facts.node}: {event.signature.describe()}"
@@ -427,6 +437,7 @@ _HANDLERS = {
     (_S.STARTING, SpawnFailed): Policy._spawn_failed,
     (_S.RUNNING, WorkerEnded): Policy._worker_ended,
     (_S.RUNNING, HangsFound): Policy._hangs,
+    (_S.RUNNING, RungFailed): Policy._rung_failed,
     (_S.RUNNING, HealthFound): Policy._health_found,
     (_S.RUNNING, ControlRequested): Policy._control,
     (_S.RUNNING, CycleEnded): Policy._cycle_ended,

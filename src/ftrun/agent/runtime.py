@@ -21,10 +21,10 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from torch.distributed import Store, TCPStore
+from torch.distributed import Store
 
 from ftrun import owned_dir
-from ftrun.agent.inprocess.records import InprocessRecords
+from ftrun.agent.inprocess.link import InprocessLink
 from ftrun.agent.node_services import restart_watch
 from ftrun.agent.node_services.cycle_info import CycleInfoService
 from ftrun.agent.node_services.gpu_memory import GpuReclaimService
@@ -76,6 +76,8 @@ class AgentRuntime:
     peer_port: int
     job_dir: Path
     """The per-job 0700 directory for IPC (the workers' FTRUN_IPC_DIR)."""
+    inprocess: InprocessLink
+    """The wrapped ranks' view and the way to interrupt them (`agent.inprocess.link`)."""
     restore_peer: Callable[[], None]
     """Writes the job's peer secret back into a store that restarted (`PeerService.restore`)."""
     answers: dataclasses.InitVar[Callable[[NodeDescriptor], bool]]
@@ -167,16 +169,16 @@ def open_runtime(
         )  # fmt: skip
         for factory in subsystems:
             services.add(factory(context))
-        monitor = _add_node_services(config, services, job_dir, events, inbox, link)
-        services.add(InprocessRecords(job_dir, events.emit, _tcp_address(store),
-                                      config.rendezvous.run_id))  # fmt: skip
+        monitor, inprocess = _add_node_services(config, services, (job_dir, store), events,
+                                                inbox, link)  # fmt: skip
         spawner = _spawner(config, environ, node, fork_server, services)
         runtime = AgentRuntime(
             config=config, environ=environ, host=host, node=node, node_log_dir=log_dir / node,
             events=events, inbox=inbox, store=store, is_store_host=is_store_host,
             infra_rank=infra_rank_from_env(environ, config.rendezvous.node_rank),
             services=services, monitor=monitor.server, spawner=spawner, job_dir=job_dir,
-            peer_port=peer.port, restore_peer=peer.restore, answers=peer.answers,
+            inprocess=inprocess, peer_port=peer.port, restore_peer=peer.restore,
+            answers=peer.answers,
         )  # fmt: skip
         services.add(
             CycleInfoService(
@@ -244,14 +246,15 @@ def make_job_dir(parent: Path | None = None) -> tuple[Path, int | None]:
 def _add_node_services(
     config: LaunchConfig,
     services: NodeServices,
-    job_dir: Path,
+    where: tuple[Path, Store],
     events: EventLog,
     inbox: queue.SimpleQueue[object],
     link: _MonitorLink,
-) -> MonitorService:
-    """The agent's own services that follow the subsystems': the rank monitor (returned),
-    the workers' store, the health watch and the GPU memory reclaim."""
-    agent = config.agent
+) -> tuple[MonitorService, InprocessLink]:
+    """The agent's own services that follow the subsystems': the rank monitor and the link to
+    wrapped ranks (returned), the workers' store, the health watch and the GPU memory
+    reclaim. `where`: the job directory and the job's store."""
+    (job_dir, store), agent = where, config.agent
     services.add(WorkerStoreService())
     link.monitor = services.add(
         MonitorService(config.monitor, job_dir, inbox.put, link.on_timings())
@@ -264,14 +267,8 @@ def _add_node_services(
             services.kept_pids,
         )  # fmt: skip
         services.add(reclaim)
-    return link.monitor
-
-
-def _tcp_address(store: Store) -> str | None:
-    """`host:port` of the job's store where it is a c10d TCPStore that wrapped ranks can share
-    (`agent.inprocess.records`); None on etcd and for a store that `ftrun store` serves (its
-    restarts would take the ranks' keys with them)."""
-    return f"{store.host}:{store.port}" if isinstance(store, TCPStore) else None
+    inprocess = InprocessLink(store, agent, config.rendezvous.run_id, events.emit)
+    return link.monitor, services.add(inprocess)
 
 
 def _spawner(

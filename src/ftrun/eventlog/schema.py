@@ -216,6 +216,10 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
     "inprocess_left": (
         _req("rank", INT), _req("iteration", INT), _opt("why", STR, "why the rank left"),
     ),
+    "inprocess_gave_up": (
+        _req("rank", INT), _req("iteration", INT),
+        _opt("why", STR, "why in-process restart cannot cure it (the in-job restart follows)"),
+    ),
     "rank_replaced": (
         _req("rank", INT, "a wrapped rank (ftrun.inprocess) whose process was lost"),
         _req("pid", INT, "its new process, which joins the others' next restart iteration"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ftrun.agent.config import AgentConfig, HealthCheckConfig
+from ftrun.environment import Env
 from ftrun.ft_launcher import values as v
 from ftrun.ft_launcher.declare import Option
 from ftrun.ft_launcher.declare import default_of as _default
@@ -159,6 +160,17 @@ FT_OPTIONS: tuple[Option, ...] = (
         "in a row, on one node or many (restarting does not cure it); a node leaves only when "
         "it failed the same way holding other ranks, alone both times, and the job can go on "
         "without it; <= 0: off.", metavar="N"),
+    _ft("inprocess_max_restarts", _default(_AGENT, "inprocess_max_restarts"), v.non_negative_int,
+        "In-process restarts (ftrun.inprocess) a cycle allows within "
+        "--ft-inprocess-restart-window, whoever started them, before the in-job restart; the "
+        "same fault ending --ft-max-same-failure iterations in a row goes there at once; "
+        "0: no limit.", metavar="N"),
+    _ft("inprocess_restart_window", _default(_AGENT, "inprocess_restart_window"),
+        v.positive_number, "The window of --ft-inprocess-max-restarts.", metavar="SECONDS"),
+    _ft("inprocess_abort_timeout", _default(_AGENT, "inprocess_abort_timeout"),
+        v.positive_number, "Seconds a wrapped rank's abort of its process groups may take "
+        "before the rank gives up on in-process restart (the in-job restart follows).",
+        metavar="SECONDS", env=Env.INPROCESS_ABORT_TIMEOUT.value),
     _ft("health_interval", _default(_HEALTH, "watch_interval"), v.non_negative_number,
         "While training, read GPU health from NVML (Xid events, uncorrected ECC, pending page "
         "retirement or row remapping, thermal and power-brake throttling) and, with the NIC "
@@ -186,7 +198,7 @@ FT_OPTIONS: tuple[Option, ...] = (
     _ft("nic_sysfs_root", _default(_HEALTH, "nic_sysfs_root"), v.text,
         "Directory the NIC check reads: DIR/<device>/ports/<port>/{state,phys_state,"
         "counters/link_downed} (also FTRUN_NIC_SYSFS_ROOT: one node's fake tree in tests).",
-        metavar="DIR", env="FTRUN_NIC_SYSFS_ROOT"),
+        metavar="DIR", env=Env.NIC_SYSFS_ROOT.value),
     _ft("gpu_memory_reclaim_timeout", _default(_AGENT, "gpu_memory_reclaim_timeout"),
         v.non_negative_number, "Seconds to wait for dead workers' GPU memory before a restart "
         "(0: off).", metavar="SECONDS"),

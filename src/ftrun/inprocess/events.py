@@ -1,24 +1,22 @@
-"""What a wrapped rank tells about its restarts: a log line, and under `ft_launcher` a JSON line
-in `<FTRUN_IPC_DIR>/inprocess/rank<N>.jsonl` (the job's 0700 directory) for its agent, which
-turns them into events (`ftrun report`, metrics, the status page)."""
+"""What a wrapped rank tells about its restarts: a log line, and under `ft_launcher` a report to
+its node's agent (`inprocess_protocol.Report`, on the rank monitor's connection), which turns
+them into events (`ftrun report`, metrics, the status page) and into its ladder's decisions."""
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import os
 import time
-from pathlib import Path
-from typing import IO
+from collections.abc import Mapping
 
-from ftrun.inprocess.iteration import Interruption, root_cause
+import zmq
+
+from ftrun.environment import Env
+from ftrun.inprocess_protocol import Interruption, Report, ReportKind, root_cause
+from ftrun.rank_monitor import protocol as wire
 
 log = logging.getLogger("ftrun.inprocess")
-
-IPC_DIR_ENV = "FTRUN_IPC_DIR"
-SUBDIR = "inprocess"
-COORDINATION_FILE = "coordination.json"
-
 
 class PhaseClock:
     """Where one restart's time goes on this rank: the seconds of each phase, from the fault
@@ -57,31 +55,28 @@ class PhaseClock:
         return taken
 
 
-class EventWriter:
-    """One rank's in-process restart records."""
+class AgentReports:
+    """One rank's reports to its agent: fire-and-forget frames on a DEALER socket of the
+    process-wide ZeroMQ context (shared with the rank's other ftrun clients: no thread of its
+    own); without a launcher, log lines only."""
 
-    def __init__(self, rank: int, out: IO[str] | None) -> None:
-        self.rank, self._out = rank, out
+    def __init__(self, rank: int, cycle: int | None, address: str | None) -> None:
+        self.rank, self._cycle = rank, cycle
+        self._sock: zmq.Socket | None = None
+        if address:
+            self._sock = zmq.Context.instance().socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 500)  # a last report at exit gets half a second
+            self._sock.connect(address)
 
     @classmethod
-    def for_rank(cls, rank: int, environ: dict[str, str] | None = None) -> EventWriter:
-        ipc_dir = (os.environ if environ is None else environ).get(IPC_DIR_ENV)
-        if not ipc_dir:
-            return cls(rank, None)
-        folder = Path(ipc_dir) / SUBDIR
-        folder.mkdir(mode=0o700, exist_ok=True)
-        return cls(rank, (folder / f"rank{rank}.jsonl").open("a", encoding="utf-8"))
+    def for_rank(cls, rank: int, environ: Mapping[str, str] = os.environ) -> AgentReports:
+        cycle = environ.get(Env.CYCLE, "")
+        return cls(rank, int(cycle) if cycle.isdigit() else None, environ.get(Env.MONITOR_ADDR))
 
-    def announce(self, address: str, prefix: str, cycle: str | None) -> None:
-        """Tell this node's agent where the ranks coordinate (`coordination.json`): a hang its
-        rank monitor judges is then interrupted in-process, through the same store."""
-        if self._out is None or not address:
-            return
-        target = Path(self._out.name).with_name(COORDINATION_FILE)
-        record = {"address": address, "prefix": prefix, "cycle": cycle, "time": time.time()}
-        partial = target.with_suffix(f".{self.rank}.tmp")
-        partial.write_text(json.dumps(record))
-        partial.replace(target)  # atomic: the agent never reads half a file
+    def wrapped(self, address: str, prefix: str) -> None:
+        """This rank runs the wrapper; its ranks coordinate at `address` under `prefix`: a hang
+        the rank monitor judges is then interrupted in-process, through the same store."""
+        self._send(Report(ReportKind.WRAPPED, self._cycle, address=address, prefix=prefix))
 
     def recovered(self, iteration: int, causes: list[Interruption], seconds: float) -> None:
         first = root_cause(causes)
@@ -89,30 +84,36 @@ class EventWriter:
         if (first is not None and first.rank == self.rank) or self.rank == 0:
             log.warning("in-process restart: iteration %d -> %d after %s (ready in %.3fs)",
                         iteration, iteration + 1, cause, seconds)  # fmt: skip
-        causes_out = [c.__dict__ for c in causes]
-        self._write({"event": "inprocess_recovered", "iteration": iteration,
-                     "causes": causes_out, "seconds": round(seconds, 4)})  # fmt: skip
+        # The report's seconds: from the fault (its record's time) to every rank ready.
+        ready = round(max(0.0, time.time() - min(c.at for c in causes)), 4) if causes else None
+        self._send(Report(ReportKind.RECOVERED, self._cycle, iteration, cause=first,
+                          seconds=ready))  # fmt: skip
 
     def entered(self, iteration: int, phases: dict[str, float], elapsed: float) -> None:
         """This rank calls the function again, `elapsed` s after its main thread stopped:
-        where its restart's time went."""
+        where its restart's time went (a log line)."""
         split = ", ".join(f"{name} {seconds:.3f}s" for name, seconds in phases.items())
         log.info("in-process restart: rank %d entered iteration %d after %.3fs: %s",
                  self.rank, iteration, elapsed, split)  # fmt: skip
-        self._write({"event": "inprocess_entered", "iteration": iteration, "phases": phases})
 
     def left(self, iteration: int, why: str) -> None:
         log.error("in-process restart: rank %d leaves at iteration %d: %s",
                   self.rank, iteration, why)  # fmt: skip
-        self._write({"event": "inprocess_left", "iteration": iteration, "why": why})
+        self._send(Report(ReportKind.LEFT, self._cycle, iteration, why=why))
+
+    def gave_up(self, iteration: int, why: str) -> None:
+        """In-process restart cannot cure it: the caller ends the process next."""
+        self._send(Report(ReportKind.GAVE_UP, self._cycle, iteration, why=why))
 
     def close(self) -> None:
-        if self._out is not None:
-            self._out.close()
-            self._out = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
-    def _write(self, record: dict[str, object]) -> None:
-        if self._out is None:
+    def _send(self, report: Report) -> None:
+        if self._sock is None:
             return
-        self._out.write(json.dumps({"time": time.time(), "rank": self.rank, **record}) + "\n")
-        self._out.flush()
+        frame = wire.encode(wire.InprocessNote(self.rank, os.getpid(), report))
+        # The agent gone, or its queue full: the report is lost, the log line stays.
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.send(frame, zmq.NOBLOCK)

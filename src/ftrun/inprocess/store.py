@@ -1,7 +1,7 @@
 """The coordination store of the wrapped ranks: where it lives, and NVRx's store names.
 
-Under `ft_launcher` the agents serve it (`FTRUN_INPROCESS_STORE`, `host:port`, and
-`FTRUN_INPROCESS_PREFIX`, this cycle's keys): it outlives any rank's process, so even rank 0 can
+Under `ft_launcher` the agents serve it (`Env.INPROCESS_STORE`, `host:port`, and
+`Env.INPROCESS_PREFIX`, this cycle's keys): it outlives any rank's process, so even rank 0 can
 be lost and replaced in-process, and the agents write their own interruptions into it (a hang
 verdict, a lost process). Standalone (`torchrun`, or no launcher) it is NVRx's arrangement: a
 `TCPStore` on `MASTER_ADDR` that rank 0 serves at `store_kwargs["port"]` (NVRx's examples pass
@@ -20,10 +20,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ftrun.environment import Env
+
 log = logging.getLogger("ftrun.inprocess")
 
-STORE_ENV = "FTRUN_INPROCESS_STORE"
-PREFIX_ENV = "FTRUN_INPROCESS_PREFIX"
 STANDALONE_PREFIX = "ftrun-inprocess"
 _TIMEOUT = datetime.timedelta(seconds=300)
 
@@ -65,7 +65,12 @@ class PrefixStore(dist.PrefixStore, StoreMixin):
 
 def launcher_store_address(environ: os._Environ[str] | dict[str, str] = os.environ) -> str | None:
     """`host:port` of the agents' coordination store, when `ft_launcher` runs this rank."""
-    return environ.get(STORE_ENV) or None
+    return environ.get(Env.INPROCESS_STORE) or None
+
+
+def prefix(environ: dict[str, str]) -> str:
+    """The key prefix of this cycle's coordination (the launcher's, else the standalone one)."""
+    return environ.get(Env.INPROCESS_PREFIX, STANDALONE_PREFIX)
 
 
 def connect(
@@ -84,10 +89,10 @@ def connect(
                       "ft_launcher: the ranks coordinate through the job's store",
                       stacklevel=4)  # fmt: skip
     host, _, port = address.rpartition(":")
-    prefix = environ.get(PREFIX_ENV, STANDALONE_PREFIX)
+    keys = prefix(environ)
 
     def client() -> dist.Store:
         store = dist.TCPStore(host, int(port), is_master=False, timeout=_TIMEOUT, use_libuv=True)
-        return dist.PrefixStore(prefix, store)
+        return dist.PrefixStore(keys, store)
 
     return client(), client, address

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from ftrun.inprocess.interrupt import Interrupter
-from ftrun.inprocess.iteration import Iteration
+from ftrun.inprocess_protocol import Iteration
 
 log = logging.getLogger("ftrun.inprocess")
 

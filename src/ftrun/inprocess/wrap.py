@@ -9,7 +9,10 @@ ends, and the launcher restarts the job's workers: the next rung of the ladder):
 
 - an abort that does not finish within its bound (an NCCL abort can hang),
 - a failed health check (this rank leaves; the others go on without it),
-- a barrier that not every rank reaches within `barrier_timeout`.
+- a barrier that not every rank reaches within `barrier_timeout`,
+- a spent restart budget (`inprocess_protocol.RestartBudget`: under `ft_launcher` the launch
+  config's; alone, only the same fault ending iterations in a row): restarting again would
+  fail again.
 """
 
 from __future__ import annotations
@@ -32,14 +35,21 @@ from ftrun.inprocess.abort import Abort, AbortTorchDistributed, pin_gloo_groups
 from ftrun.inprocess.exception import HealthCheckError
 from ftrun.inprocess.exception import TimeoutError as RestartTimeoutError
 from ftrun.inprocess.interrupt import Interrupter, RankShouldRestart
-from ftrun.inprocess.iteration import Interruption, Iteration, forget_iteration, newest_iteration
 from ftrun.inprocess.options import WrapperOptions, build_options
-from ftrun.inprocess.params import substitute_call_wrapper
+from ftrun.inprocess.params import check_call_wrapper_parameters, substitute_call_wrapper
 from ftrun.inprocess.progress import ProgressWatchdog
 from ftrun.inprocess.rank_assignment import RankAssignmentCtx
 from ftrun.inprocess.sockets import FunctionSockets
 from ftrun.inprocess.state import Mode, State
 from ftrun.inprocess.watcher import Watcher
+from ftrun.inprocess_protocol import (
+    Interruption,
+    Iteration,
+    RestartBudget,
+    forget_iteration,
+    newest_iteration,
+    root_cause,
+)
 
 log = logging.getLogger("ftrun.inprocess")
 
@@ -57,6 +67,7 @@ class Wrapper:
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         if not self.options.enabled:
             return fn
+        check_call_wrapper_parameters(fn)
 
         @functools.wraps(fn)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -92,10 +103,12 @@ class CallWrapper:
         self._sockets.mark()  # a replacement process aborts before it ever calls the function
         self.progress = ProgressWatchdog(opts, self._on_progress_timeout)
         self._iteration: Iteration | None = None
-        self._events = events.EventWriter.for_rank(self.state.rank)
+        self._events = events.AgentReports.for_rank(self.state.rank, environ)
         self._clock = events.PhaseClock()
-        prefix = environ.get(stores.PREFIX_ENV, stores.STANDALONE_PREFIX)
-        self._events.announce(address, prefix, environ.get("FTRUN_CYCLE"))
+        self._events.wrapped(address, stores.prefix(environ))
+        self._budget = RestartBudget.from_env(environ) or _ALONE
+        self._restarts: list[float] = []  # when each restart of this call was made
+        self._causes: list[str] = []  # what ended each iteration, oldest first
         # What exists before the first call (imports, a model built outside the function) stays:
         # frozen, a restart's collection scans only what the function allocated (about 0.1-0.3 s
         # less per restart with torch loaded).
@@ -236,10 +249,27 @@ class CallWrapper:
                                       f"barrier within {self.options.barrier_timeout}")  # fmt: skip
         self._clock.mark("barrier")
         causes = it.interruptions()
+        self._within_budget(it, root_cause(causes))
         self._events.recovered(it.number, causes, time.monotonic() - started)
         seen = self._watcher.timings.get("seen")
         if seen is not None and causes:  # from the first fault's record to the watcher seeing it
             self._clock.record("detect", seen - min(c.at for c in causes))
+
+    def _within_budget(self, it: Iteration, cause: Interruption | None) -> None:
+        """Go on to the next iteration only if the budget allows another restart; else leave
+        the wrapper (every rank decides alike: they read the same causes): the process ends
+        with 1, and the launcher takes the next rung, the in-job restart."""
+        self._causes.append(f"{cause.kind}: {cause.why}" if cause else "unknown")
+        now = time.monotonic()
+        why = self._budget.exceeded(self._restarts, self._causes, now)
+        if why is None:
+            self._restarts.append(now)
+            return
+        self._events.gave_up(it.number, why)
+        if cause is None or cause.rank in (None, self.state.rank) or self.state.rank == 0:
+            log.critical("in-process restart gives up: %s; the launcher restarts the workers",
+                         why)  # fmt: skip
+        raise SystemExit(1)
 
     def _next_iteration(self, it: Iteration) -> None:
         terminated = it.terminated(range(it.world_size))
@@ -263,11 +293,17 @@ class CallWrapper:
             forget_iteration(self._watcher_store, number, self._ranks.pop(number))
 
     def _abort(self) -> None:
-        """Abort the process groups, once per iteration (the watcher may have done it)."""
+        """Abort the process groups, once per iteration (the watcher may have done it), and
+        again for a default group made after the watcher's abort: the function was still in
+        `init_process_group` when the iteration ended, and its next call would otherwise fail
+        with "trying to initialize the default process group twice"."""
+        import torch.distributed as dist
+
         if self._watcher.aborted.is_set():
             if self._watcher.abort_error is not None:
                 _give_up(f"aborting the process groups failed: {self._watcher.abort_error}")
-            return
+            if not dist.is_initialized():
+                return
         self._watcher.aborted.set()
         abort: Abort | None = self.options.abort
         bound = self.options.abort_timeout.total_seconds()
@@ -336,7 +372,6 @@ def _release(stopped: BaseException | None, bound_s: float) -> None:
     go first (a few milliseconds drain them), and faulthandler's watchdog, a C thread that needs
     no GIL, ends the process if the release still deadlocks (the launcher then restarts it)."""
     time.sleep(_DRAIN_S)
-    time.sleep(_DRAIN_S)
     faulthandler.dump_traceback_later(bound_s, exit=True)
     try:
         seen: set[int] = set()
@@ -349,7 +384,10 @@ def _release(stopped: BaseException | None, bound_s: float) -> None:
         faulthandler.cancel_dump_traceback_later()
 
 
-_DRAIN_S = 0.005
+_DRAIN_S = 0.01
+_ALONE = RestartBudget(max_restarts=0, same_in_a_row=3)
+"""Without a launcher's budget: NVRx's unbounded restarts, except a fault that ends three
+iterations in a row the same way (a function that fails on entry would loop forever)."""
 
 
 def _give_up(why: str) -> None:

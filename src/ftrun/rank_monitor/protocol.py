@@ -13,8 +13,9 @@ straggler detector's settings to TIMINGS (`DetectorSettings`, sent once by `Dete
 in a frame without durations); TIMINGS frames without them are version-1 frames.
 
 Fire-and-forget (client -> server, no reply): HEARTBEAT, SECTION_START, SECTION_END,
-END_ALL_SECTIONS, GOODBYE, and TIMINGS (a straggler detector's batch of section durations; it
-names its rank and pid itself, so it needs no HELLO on its connection: see `timings`).
+END_ALL_SECTIONS, GOODBYE, TIMINGS (a straggler detector's batch of section durations) and
+INPROCESS (a wrapped rank's `inprocess_protocol.Report`). The last two name their rank and pid
+themselves, so they need no HELLO on their connection (see `timings`).
 Request/reply (the reply echoes `seq`): HELLO, CALC_TIMEOUTS, SET_TIMEOUTS, CONTROL (a workload
 control request). The server answers a request with REPLY
 (`ok`, `error`, `data`). A new message type needs no new version: a server that predates it
@@ -33,6 +34,7 @@ from typing import Any, TypeAlias
 import msgpack
 
 from ftrun.errors import ProtocolError
+from ftrun.inprocess_protocol import Report
 from ftrun.rank_monitor.timings import (
     DetectorSettings,
     SectionTimes,
@@ -159,6 +161,15 @@ class Timings:
 
 
 @dataclasses.dataclass(frozen=True)
+class InprocessNote:
+    """Rank `rank` (process `pid`), wrapped by `ftrun.inprocess`, tells its agent `report`."""
+
+    rank: int
+    pid: int
+    report: Report
+
+
+@dataclasses.dataclass(frozen=True)
 class Goodbye:
     """The rank stops being monitored (clean shutdown)."""
 
@@ -183,6 +194,7 @@ Message: TypeAlias = (
     | SetTimeouts
     | Control
     | Timings
+    | InprocessNote
     | Goodbye
     | Reply
 )
@@ -197,6 +209,7 @@ _TAGS: dict[type, str] = {
     SetTimeouts: "set",
     Control: "ctl",
     Timings: "tm",
+    InprocessNote: "ip",
     Goodbye: "bye",
     Reply: "reply",
 }
@@ -208,7 +221,7 @@ def encode(message: Message) -> bytes:
     fields: list[Any] = []
     for field in dataclasses.fields(message):
         value = getattr(message, field.name)
-        if isinstance(value, (Timeouts, DetectorSettings)):
+        if isinstance(value, (Timeouts, DetectorSettings, Report)):
             value = value.to_wire()
         elif field.name == "sections" and isinstance(message, Timings):
             value = [[s.name, s.gpu, list(s.durations)] for s in value]
@@ -349,6 +362,11 @@ def _parse_timings(fields: list[Any]) -> Timings:
     )
 
 
+def _parse_inprocess(fields: list[Any]) -> InprocessNote:
+    rank, pid, report = fields
+    return InprocessNote(_int(rank, "rank", high=2**31), _int(pid, "pid"), Report.from_wire(report))
+
+
 def _bare(message: Message, tag: str):
     def parse(fields: list[Any]) -> Message:
         _arity(fields, 0, tag)
@@ -367,6 +385,7 @@ _PARSERS = {
     "set": _parse_set,
     "ctl": _parse_control,
     "tm": lambda fields: _parse_timings(_arity(fields, 3, "tm")),
+    "ip": lambda fields: _parse_inprocess(_arity(fields, 3, "ip")),
     "bye": _bare(Goodbye(), "bye"),
     "reply": _parse_reply,
 }

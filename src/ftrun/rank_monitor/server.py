@@ -12,8 +12,9 @@ owner (the agent, or a test) talks to it through `expect_rank`/`forget_rank` (ke
 It also notes training progress for reports: each registration's first progress (heartbeat or
 section end) goes to the `on_progress` callback as a `FirstProgress`, and `progress_snapshot()`
 tells where every rank last was (before the owner stops the workers, say). A registered rank's
-workload control request goes to the `on_control` callback as a `WorkloadControl`, and a
-straggler detector's section timings to `on_timings` as a `TimingBatch` (see `timings`).
+workload control request goes to the `on_control` callback as a `WorkloadControl`, a
+straggler detector's section timings to `on_timings` as a `TimingBatch` (see `timings`), and a
+wrapped rank's in-process report to `on_inprocess` as the `InprocessNote` it sent.
 """
 
 from __future__ import annotations
@@ -68,13 +69,15 @@ class RankMonitorServer:
         on_progress: Callable[[FirstProgress], None] | None = None,
         on_control: Callable[[WorkloadControl], None] | None = None,
         on_timings: Callable[[TimingBatch], None] | None = None,
+        on_inprocess: Callable[[wire.InprocessNote], None] | None = None,
         capture: Capture = capture_stacks,
         status: Callable[[int], str | None] = status_of,
     ) -> None:
         """The callbacks run on the monitor thread (`on_verdict`: on a capture thread): they
         must only enqueue. Without `on_control`, workload control requests are refused;
-        without `on_timings`, timings are dropped uncounted. `capture` takes the stacks and
-        `status` reads a process's state (`process_state.status_of`); fakes in tests."""
+        without `on_timings` (`on_inprocess`), timings (in-process reports) are dropped
+        uncounted. `capture` takes the stacks and `status` reads a process's state
+        (`process_state.status_of`); fakes in tests."""
         self.config = config
         self.job_dir = Path(job_dir or tempfile.mkdtemp(prefix="ftrun-"))
         self.job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -86,10 +89,12 @@ class RankMonitorServer:
         self._on_progress = on_progress
         self._on_control = on_control
         self._on_timings = on_timings
+        self._on_inprocess = on_inprocess
         self._capturer = StackCapturer(capture, config.stack_signal, config.stack_capture_timeout)
         self._status = status
         self._timing_senders = TimingSenders(is_self_or_descendant)
         self._timings: list[TimingBatch] = []  # likewise
+        self._inprocess: list[wire.InprocessNote] = []  # likewise
         self._lock = threading.Lock()
         self._ranks = RankRegistry()  # who may register, and who did
         self._first_progress: list[FirstProgress] = []  # noted under the lock, sent after it
@@ -209,7 +214,7 @@ class RankMonitorServer:
             now = time.monotonic()
             with self._lock:
                 self._handle(frames, now)
-            if self._first_progress or self._controls or self._timings:
+            if self._first_progress or self._controls or self._timings or self._inprocess:
                 self._deliver()
         return True
 
@@ -219,8 +224,11 @@ class RankMonitorServer:
         noted, self._first_progress = self._first_progress, []
         controls, self._controls = self._controls, []
         timings, self._timings = self._timings, []
+        reports, self._inprocess = self._inprocess, []
         for batch in timings:
             self._call(self._on_timings, batch)
+        for report in reports:
+            self._call(self._on_inprocess, report)
         for note in noted:
             self._call(self._on_progress, note)
         for identity, seq, control in controls:
@@ -252,6 +260,10 @@ class RankMonitorServer:
             return
         if isinstance(message, wire.Timings):
             self._note_timings(identity, message, now)
+            return
+        if isinstance(message, wire.InprocessNote):
+            if self._sent_by_a_worker(identity, message.rank, message.pid):
+                self._inprocess.append(message)
             return
         peer = self._ranks.peers.get(identity)
         if peer is None:
@@ -299,13 +311,20 @@ class RankMonitorServer:
     def _note_timings(self, identity: bytes, message: wire.Timings, now: float) -> None:
         if self._on_timings is None:
             return
-        expected = self._ranks.expected.get(message.rank)
-        spawned = self._timing_senders.spawned_pid(identity, message.rank, message.pid, expected)
+        spawned = self._sent_by_a_worker(identity, message.rank, message.pid)
         if spawned is None:
-            self._drop(f"timings from rank {message.rank} pid {message.pid}, not spawned here")
             return
         batch = TimingBatch(message.rank, spawned, message.sections, now, message.settings)
         self._timings.append(batch)
+
+    def _sent_by_a_worker(self, identity: bytes, rank: int, pid: int) -> int | None:
+        """The pid spawned for `rank` if `pid` is it or its descendant (once per connection),
+        else None, the message dropped with a log line."""
+        expected = self._ranks.expected.get(rank)
+        spawned = self._timing_senders.spawned_pid(identity, rank, pid, expected)
+        if spawned is None:
+            self._drop(f"a message from rank {rank} pid {pid}, not spawned here")
+        return spawned
 
     def _hello(self, identity: bytes, hello: wire.Hello, now: float) -> None:
         spawned_pid = self._ranks.admitted_pid(hello.rank, hello.pid)

@@ -1,73 +1,146 @@
-"""The agent's link to its wrapped ranks: where they coordinate, and interrupting them there.
+"""The agent's side of the in-process tier (`ftrun.inprocess_protocol` says the protocol).
 
-A wrapped rank writes `<ipc-dir>/inprocess/coordination.json` (its store's address and key
-prefix, and the cycle) when its wrapper starts. The agent interrupts the ranks' current restart
-iteration by writing into that store what a failing rank would write (`ftrun.inprocess.
-iteration`): every rank's watcher wakes, aborts and restarts. Each interruption the agent makes
-is appended to `agent-interrupts` in the same directory (its time): the ladder counts them.
+The wrapped ranks' reports arrive on the inbox (the rank monitor's `InprocessNote`s) and are
+taken here on the agent's own thread: each becomes this node's event (`inprocess_recovered`
+once per restart iteration, `inprocess_left`, `inprocess_gave_up`: `ftrun report`, the metrics
+and the status page read them) and updates what the ladder's decisions read: whether this
+cycle's ranks wrap, and whether the budget still allows an in-process restart. The agent
+interrupts the ranks' iteration by writing into their coordination store what a failing rank
+would: through its own store client when they coordinate in the job's store, as they do on
+c10d; else (etcd: rank 0 serves their store) through one client per cycle, made at the first
+interruption. Nothing is kept on disk; a new cycle starts with a fresh view and budget (its
+ranks are new processes).
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import time
-from pathlib import Path
+from collections.abc import Callable, Iterable
 
-from torch.distributed import PrefixStore, TCPStore
+from torch.distributed import PrefixStore, Store, TCPStore
 
-from ftrun.inprocess.events import COORDINATION_FILE, SUBDIR
-from ftrun.inprocess.iteration import Interruption, Iteration, newest_iteration
+from ftrun.agent.config import AgentConfig
+from ftrun.environment import Env
+from ftrun.inprocess_protocol import (
+    Interruption,
+    Iteration,
+    Report,
+    ReportKind,
+    RestartBudget,
+    newest_iteration,
+)
+from ftrun.rank_monitor.protocol import InprocessNote
+from ftrun.rendezvous.ranks import Round
+from ftrun.services import NodeService
 
 log = logging.getLogger("ftrun.agent")
 
-ATTEMPTS_FILE = "agent-interrupts"
 _CONNECT_TIMEOUT = datetime.timedelta(seconds=2)
-"""The agent loop waits this long at most for a store that is gone (then escalates)."""
+"""The agent loop waits this long at most for the ranks' own store (then escalates)."""
 
 
-class Coordination:
-    """This node's view of its wrapped ranks (`ipc_dir`: the job's 0700 directory)."""
+class InprocessLink(NodeService):
+    """This node's view of its wrapped ranks, and the way to interrupt them."""
 
-    def __init__(self, ipc_dir: Path) -> None:
-        self.folder = ipc_dir / SUBDIR
+    name = "in-process link"
 
-    def current(self, cycle: int) -> dict[str, object] | None:
-        """The coordination record of `cycle`'s wrapped ranks; None if they do not wrap."""
-        try:
-            record = json.loads((self.folder / COORDINATION_FILE).read_text())
-        except (OSError, ValueError):
-            return None
-        fresh = isinstance(record, dict) and str(record.get("cycle")) == str(cycle)
-        return record if fresh and record.get("address") else None
+    def __init__(
+        self, store: Store, config: AgentConfig, run_id: str, emit: Callable[..., None]
+    ) -> None:
+        """`store`: the job's store; wrapped ranks coordinate in it when it is a c10d
+        TCPStore (its real address: with --standalone the endpoint's port is 0), which outlives
+        every worker (rank 0 can be lost and replaced) and needs no port next to MASTER_PORT
+        (NVRx's MASTER_PORT + 1 may be taken). On etcd, or a store `ftrun store` serves (its
+        restarts would take the ranks' keys with them), the wrapper serves its own, as under
+        torchrun."""
+        shared = isinstance(store, TCPStore)
+        self._store = store if shared else None
+        self._address = f"{store.host}:{store.port}" if shared else None
+        self._run_id, self._emit = run_id, emit
+        self.budget: RestartBudget = config.inprocess_budget
+        self._abort_timeout = config.inprocess_abort_timeout
+        self._new_cycle()
 
-    def recent_attempts(self, window_s: float, now: float | None = None) -> int:
-        now = time.time() if now is None else now
-        try:
-            stamps = [float(s) for s in (self.folder / ATTEMPTS_FILE).read_text().split()]
-        except (OSError, ValueError):
-            return 0
-        return sum(1 for stamp in stamps if now - stamp <= window_s)
+    def _new_cycle(self) -> None:
+        self._wrapped: Report | None = None
+        self._restarts: list[float] = []  # when each restart iteration recovered
+        self._causes: list[str] = []  # and its root cause, oldest first
+        self._seen: set[int] = set()  # iterations told already (every local rank reports each)
+        self._client: Store | None = None
 
-    def interrupt(self, cycle: int, ranks: tuple[int, ...], kind: str, why: str) -> bool:
+    # ---- the node service ------------------------------------------------------------------
+
+    def worker_env(self, rnd: Round) -> dict[str, str]:
+        env = {Env.INPROCESS_BUDGET.value: self.budget.to_env(),
+               Env.INPROCESS_ABORT_TIMEOUT.value: f"{self._abort_timeout:g}"}  # fmt: skip
+        if self._address is not None:
+            env[Env.INPROCESS_STORE.value] = self._address
+            env[Env.INPROCESS_PREFIX.value] = f"inprocess/{self._run_id}/{rnd.number}"
+        return env
+
+    def on_stopped(self, rnd: Round | None, pids: Iterable[int]) -> None:
+        self._new_cycle()
+
+    # ---- what the ranks say ----------------------------------------------------------------
+
+    def take(self, note: InprocessNote, cycle: int) -> None:
+        """A rank's report, of this cycle or an earlier one's straggler (ignored)."""
+        report = note.report
+        if report.cycle is not None and report.cycle != cycle:
+            return
+        if report.kind is ReportKind.WRAPPED:
+            self._wrapped = self._wrapped or report
+        elif report.kind is ReportKind.RECOVERED and report.iteration not in self._seen:
+            self._recovered(report)
+        elif report.kind is ReportKind.LEFT:
+            self._emit("inprocess_left", rank=note.rank, iteration=report.iteration,
+                       why=report.why)  # fmt: skip
+        elif report.kind is ReportKind.GAVE_UP:
+            self._emit("inprocess_gave_up", rank=note.rank, iteration=report.iteration,
+                       why=report.why)  # fmt: skip
+
+    def _recovered(self, report: Report) -> None:
+        self._seen.add(report.iteration)
+        cause = report.cause or Interruption(None, "?", "", 0.0)
+        self._restarts.append(time.monotonic())
+        self._causes.append(f"{cause.kind}: {cause.why}")
+        self._emit("inprocess_recovered", iteration=report.iteration, kind=cause.kind,
+                   from_rank=cause.rank, why=cause.why[:300], seconds=report.seconds)  # fmt: skip
+
+    def wrapped(self) -> bool:
+        """Whether this cycle's ranks run the wrapper (one said so)."""
+        return self._wrapped is not None
+
+    def spent(self) -> str | None:
+        """Why the budget allows no further in-process restart this cycle, or None."""
+        return self.budget.exceeded(self._restarts, self._causes, time.monotonic())
+
+    # ---- interrupting them -----------------------------------------------------------------
+
+    def interrupt(self, ranks: tuple[int, ...], kind: str, why: str) -> bool:
         """End the wrapped ranks' current iteration; False if their store cannot be reached
         (the caller escalates)."""
-        record = self.current(cycle)
-        if record is None:
+        if self._wrapped is None:
             return False
-        host, _, port = str(record["address"]).rpartition(":")
         try:
-            base = TCPStore(host, int(port), is_master=False, timeout=_CONNECT_TIMEOUT)
-            store = PrefixStore(str(record["prefix"]), base)
+            store = PrefixStore(self._wrapped.prefix, self._connect(self._wrapped.address))
             iteration = Iteration(store, newest_iteration(store), world_size=0)
             for rank in ranks:
                 iteration.interrupt(Interruption(rank, kind, why, time.time()))
-        except (RuntimeError, ValueError) as error:  # DistStoreError, a bad record
-            log.warning("in-process: cannot reach the ranks' store at %s: %s", host, error)
+        except (RuntimeError, ValueError) as error:  # DistStoreError, a bad address
+            log.warning("in-process: cannot reach the ranks' store at %s: %s",
+                        self._wrapped.address, error)  # fmt: skip
             return False
-        with (self.folder / ATTEMPTS_FILE).open("a") as out:
-            out.write(f"{time.time()}\n")
         log.warning("in-process: %s: the wrapped ranks restart iteration %d", why,
                     iteration.number)  # fmt: skip
         return True
+
+    def _connect(self, address: str) -> Store:
+        if self._store is not None and address == self._address:
+            return self._store
+        if self._client is None:
+            host, _, port = address.rpartition(":")
+            self._client = TCPStore(host, int(port), is_master=False, timeout=_CONNECT_TIMEOUT)
+        return self._client

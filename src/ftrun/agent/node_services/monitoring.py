@@ -24,7 +24,7 @@ class MonitorService(NodeService):
     ) -> None:
         self.server = RankMonitorServer(
             config, job_dir=job_dir, on_verdict=post, on_progress=post, on_control=post,
-            on_timings=on_timings,
+            on_timings=on_timings, on_inprocess=post,
         ).start()  # fmt: skip
 
     def worker_env(self, rnd: Round) -> Mapping[str, str]:
