@@ -25,6 +25,7 @@ import torch
 from ftrun.inprocess import exception
 from ftrun.inprocess.compose import Compose
 from ftrun.inprocess.state import FrozenState
+from ftrun.nvml import memory_problems, nvlinks_down, supported
 
 log = logging.getLogger("ftrun.inprocess")
 
@@ -148,13 +149,7 @@ class ChainedGPUHealthCheck(_NvmlHealthCheck):
     """
 
     def check(self, nvml: Any, handle: Any) -> None:
-        problems = []
-        if _supported(nvml, "nvmlDeviceGetRetiredPagesPendingStatus", handle):
-            problems.append("retired pages pending")
-        remapped = _supported(nvml, "nvmlDeviceGetRemappedRows", handle)
-        # (correctable, uncorrectable, pending, failed)
-        if remapped and (remapped[2] or remapped[3]):
-            problems.append("row remapping pending or failed")
+        problems = memory_problems(nvml, handle)
         action = _recovery_action(nvml, handle)
         if action:
             problems.append(f"NVML recovery action {action} required")
@@ -167,11 +162,7 @@ class ChainedNVLHealthCheck(_NvmlHealthCheck):
     does not fail the rank (as NVRx, which ignores this check's verdict)."""
 
     def check(self, nvml: Any, handle: Any) -> None:
-        down = []
-        for link in range(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)):
-            state = _supported(nvml, "nvmlDeviceGetNvLinkState", handle, link)
-            if state is not None and state != getattr(nvml, "NVML_FEATURE_ENABLED", 1):
-                down.append(link)
+        down = nvlinks_down(nvml, handle)
         if down:
             log.warning("%s: NVLink(s) %s not up", self._name(), down)
 
@@ -188,7 +179,7 @@ class ChainedNicHealthCheck(_NvmlHealthCheck):
     pci_root = PCI_ROOT
 
     def check(self, nvml: Any, handle: Any) -> None:
-        info = _supported(nvml, "nvmlDeviceGetPciInfo", handle)
+        info = supported(nvml, "nvmlDeviceGetPciInfo", handle)
         bus_id = getattr(info, "busId", None)
         if not bus_id:
             return
@@ -268,27 +259,12 @@ def _nvml_handle(nvml: Any, device_index: int | None) -> Any:
         return nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mig)
 
 
-def _supported(nvml: Any, query: str, *args: Any) -> Any:
-    """`nvml.<query>(*args)`, or None where this pynvml or device does not have it."""
-    fn = getattr(nvml, query, None)
-    if fn is None:
-        return None
-    try:
-        return fn(*args)
-    except nvml.NVMLError as exc:
-        unsupported = getattr(nvml, "NVMLError_NotSupported", ())
-        invalid = getattr(nvml, "NVML_ERROR_INVALID_ARGUMENT", -1)
-        if isinstance(exc, unsupported) or getattr(exc, "value", None) == invalid:
-            return None  # e.g. an NVLink index beyond what this device has
-        raise
-
-
 def _recovery_action(nvml: Any, handle: Any) -> int:
     """NVML's GPU recovery action (0: none needed) where the driver reports it."""
     field = getattr(nvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", None)
     if field is None:
         return 0
-    values = _supported(nvml, "nvmlDeviceGetFieldValues", handle, [field])
+    values = supported(nvml, "nvmlDeviceGetFieldValues", handle, [field])
     if not values or getattr(values[0], "nvmlReturn", 0) != 0:
         return 0
     action = int(values[0].value.uiVal)
