@@ -22,15 +22,13 @@ from typing import Any
 
 import torch
 
+from ftrun.infiniband import IB_ROOT, PCI_ROOT, ib_ports_down, nearest_ib_device
 from ftrun.inprocess import exception
 from ftrun.inprocess.compose import Compose
 from ftrun.inprocess.state import FrozenState
 from ftrun.nvml import memory_problems, nvlinks_down, supported
 
 log = logging.getLogger("ftrun.inprocess")
-
-IB_ROOT = "/sys/class/infiniband"
-PCI_ROOT = "/sys/bus/pci/devices"
 
 
 class HealthCheck(abc.ABC):
@@ -172,7 +170,7 @@ class ChainedNicHealthCheck(_NvmlHealthCheck):
     ACTIVE. Passes without InfiniBand, or when no single NIC is nearest (no NIC is the rank's).
 
     ftrun: reads the port state only (NVRx also watches the link_downed counter); the node
-    agent's NIC check (`agent.node_services.nic_health`) covers every port and its counters.
+    agent's NIC check (`infiniband.check_ib_ports`) covers every port and its counters.
     """
 
     ib_root = IB_ROOT
@@ -201,47 +199,6 @@ def default_health_checks(user_check: Callable[[FrozenState], FrozenState] | Non
         checks.append(user_check)
     checks += [ChainedGPUHealthCheck(), ChainedNVLHealthCheck(), ChainedNicHealthCheck()]
     return Compose(*checks)
-
-
-def nearest_ib_device(
-    gpu_bus_id: str, ib_root: str = IB_ROOT, pci_root: str = PCI_ROOT
-) -> str | None:
-    """The InfiniBand device sharing the longest PCI path with the GPU; None without devices,
-    when the GPU is not in sysfs, or on a tie (then no NIC belongs to this GPU more than
-    another)."""
-    try:
-        devices = sorted(os.listdir(ib_root))
-    except OSError:
-        return None
-    gpu = os.path.realpath(os.path.join(pci_root, gpu_bus_id))
-    if not os.path.exists(gpu):
-        return None
-    depth = {}
-    for device in devices:
-        nic = os.path.realpath(os.path.join(ib_root, device, "device"))
-        depth[device] = len(os.path.commonpath([gpu, nic]).split(os.sep))
-    best = max(depth.values(), default=0)
-    nearest = [device for device, d in depth.items() if d == best]
-    return nearest[0] if len(nearest) == 1 else None
-
-
-def ib_ports_down(device_dir: str) -> list[str]:
-    """The ports of one InfiniBand device whose `state` is not ACTIVE ("4: ACTIVE")."""
-    ports_dir = os.path.join(device_dir, "ports")
-    try:
-        ports = sorted(os.listdir(ports_dir), key=lambda name: (len(name), name))
-    except OSError:
-        return []
-    down = []
-    for port in ports:
-        try:
-            with open(os.path.join(ports_dir, port, "state"), encoding="ascii") as f:
-                state = f.read().rpartition(":")[2].strip()
-        except OSError:
-            state = "unreadable"
-        if state != "ACTIVE":
-            down.append(f"{port} ({state or 'empty'})")
-    return down
 
 
 def _nvml_handle(nvml: Any, device_index: int | None) -> Any:

@@ -1,5 +1,5 @@
 """Node health checks run before every rendezvous round: GPUs (NVML), InfiniBand ports
-(`agent.node_services.nic_health`), storage, a command.
+(`ftrun.infiniband`), storage, a command.
 
 NVML comes from `nvml` (loaded lazily, replaced by a fake in tests).
 """
@@ -16,9 +16,9 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from ftrun.agent.config import HealthCheckConfig
-from ftrun.agent.node_services.nic_health import check_ib_ports
 from ftrun.agent.termination import kill_group_now
 from ftrun.errors import NodeUnhealthyError
+from ftrun.infiniband import check_ib_ports
 from ftrun.nvml import load_nvml, memory_problems, nvlinks_down, uncorrected_ecc, visible_gpus
 from ftrun.services import NodeService
 

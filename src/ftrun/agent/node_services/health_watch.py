@@ -33,8 +33,8 @@ from typing import Any
 
 from ftrun.agent.config import HealthCheckConfig
 from ftrun.agent.diagnosis.attribution import Signature, health_signature
-from ftrun.agent.node_services.nic_health import check_ib_ports
 from ftrun.errors import NodeUnhealthyError
+from ftrun.infiniband import check_ib_ports
 from ftrun.nvml import GpuSnapshot, load_nvml, memory_problems, uncorrected_ecc, visible_gpus
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import NodeService
