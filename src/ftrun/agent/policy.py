@@ -99,7 +99,7 @@ class InprocessInterrupt:
 
 @dataclasses.dataclass(frozen=True)
 class RankReplacement:
-    """Start a lost wrapped rank's process again, alone (`NodeAgent._replace_rank`)."""
+    """Start a lost wrapped rank's process again, alone (`agent.inprocess.effects.carry_out`)."""
 
     rank: int
     cause: str
