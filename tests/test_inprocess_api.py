@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from ftrun import infiniband
 from ftrun.inprocess import abort as abort_mod
 from ftrun.inprocess import exception, health_check
 from ftrun.inprocess.abort import (
@@ -221,11 +222,11 @@ def _fake_sysfs(tmp_path: Path, port_state: str) -> tuple[str, str]:
 
 def test_nic_check_reads_the_nearest_nic(tmp_path: Path) -> None:
     ib, pci = _fake_sysfs(tmp_path, "4: ACTIVE")
-    assert health_check.nearest_ib_device("0000:07:00.0", ib, pci) == "mlx5_0"
-    assert health_check.ib_ports_down(os.path.join(ib, "mlx5_0")) == []
-    assert health_check.ib_ports_down(os.path.join(ib, "mlx5_1")) == ["1 (DOWN)"]
-    assert health_check.nearest_ib_device("0000:99:00.0", ib, pci) is None
-    assert health_check.nearest_ib_device("0000:07:00.0", str(tmp_path / "none"), pci) is None
+    assert infiniband.nearest_ib_device("0000:07:00.0", ib, pci) == "mlx5_0"
+    assert infiniband.ib_ports_down(os.path.join(ib, "mlx5_0")) == []
+    assert infiniband.ib_ports_down(os.path.join(ib, "mlx5_1")) == ["1 (DOWN)"]
+    assert infiniband.nearest_ib_device("0000:99:00.0", ib, pci) is None
+    assert infiniband.nearest_ib_device("0000:07:00.0", str(tmp_path / "none"), pci) is None
 
 
 # --- rank assignment ----------------------------------------------------------------------------

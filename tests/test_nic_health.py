@@ -9,9 +9,9 @@ import pytest
 
 from ftrun.agent.config import HealthCheckConfig
 from ftrun.agent.node_services.health import check_node
-from ftrun.agent.node_services.nic_health import check_ib_ports
 from ftrun.errors import ConfigError, NodeUnhealthyError
 from ftrun.ft_launcher.build import build_config
+from ftrun.infiniband import check_ib_ports
 from launch import start_job
 
 UP = {"state": "4: ACTIVE", "phys_state": "5: LinkUp", "counters/link_downed": "0"}

@@ -215,22 +215,6 @@ def test_client_misuse_raises_clear_errors(make_server, monkeypatch):
         client.shutdown_workload_monitoring()
 
 
-def test_a_rank_counts_as_progressing_from_its_first_heartbeat(make_server, monkeypatch):
-    """What the agent waits for before starting spares (they would slow a rank's start-up)."""
-    server = make_server()
-    for key, value in {**server.worker_env(), "RANK": "3"}.items():
-        monkeypatch.setenv(key, value)
-    server.expect_rank(3, os.getpid())
-    client = RankMonitorClient()
-    client.init_workload_monitoring()
-    try:
-        assert server.progressing_ranks() == set()
-        client.send_heartbeat()
-        wait_for(lambda: server.progressing_ranks() == {3}, 5, "rank 3 progressing")
-    finally:
-        client.shutdown_workload_monitoring()
-
-
 # ---- training progress, for reports ----------------------------------------------------------
 
 
@@ -325,13 +309,14 @@ def test_iterations_from_a_real_rank(make_server):
 
 def test_nvrx_call_signatures_stay_valid(make_server, in_process_client):
     """NVRx 0.4's client: send_heartbeat(), start_section(section), end_section(section)."""
-    server = make_server()
+    notes: list[FirstProgress] = []
+    server = make_server(on_progress=notes.append)
     client = in_process_client(server, 0)
     client.start_section(section="step")
     client.end_section(section="step")
     client.send_heartbeat()
     client.end_all_sections()
-    wait_for(lambda: server.progressing_ranks() == {0}, 5, "rank 0 progressing")
+    wait_for(lambda: [n.rank for n in notes] == [0], 5, "rank 0's progress")
 
 
 @pytest.mark.parametrize(

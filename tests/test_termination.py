@@ -82,9 +82,10 @@ def test_a_group_ignoring_sigterm_gets_sigkill_after_the_grace_period_children_i
     assert proc.wait(5) == -signal.SIGKILL
 
 
-def test_sigkill_at_once_does_not_wait_for_a_grace_period() -> None:
+def test_sigkill_first_does_not_wait_out_the_grace_period() -> None:
+    """--ft-rank-termination-signal=SIGKILL: the grace is a bound, not a pause."""
     proc = start(IGNORES_TERM)
-    result = terminate([proc.pid], Delivery.at_once(), others(proc))
+    result = terminate([proc.pid], Delivery.graceful(signal.SIGKILL, 30.0), others(proc))
     assert result.survivors == 0 and result.duration < 5
     assert proc.wait(5) == -signal.SIGKILL
 

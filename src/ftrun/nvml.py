@@ -1,12 +1,14 @@
 """The one place `pynvml` (from nvidia-ml-py) is loaded: lazily, since most dev machines have no
-GPU, and at one boundary that tests replace with a fake module (tests/fakes/pynvml.py)."""
+GPU, and at one boundary that tests replace with a fake module (tests/fakes/pynvml.py). Also the
+GPU health readings that the agent's checks (`agent.node_services.health`, `health_watch`) and
+the worker's (`inprocess.health_check`) share, so that each is read and worded once."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 _DEVICE_ENTRY = re.compile(r"\d+|GPU-.+|MIG-.+")
@@ -81,3 +83,51 @@ def visible_gpus(nvml: Any, visible: str | None) -> list[tuple[int, Any]]:
         handle = handle_of(nvml, name)
         found.setdefault(nvml.nvmlDeviceGetIndex(handle), handle)
     return list(found.items())
+
+
+def supported(nvml: Any, query: str, *args: Any) -> Any:
+    """`nvml.<query>(*args)`, or None where this pynvml, driver or device does not have it;
+    other NVML errors are raised."""
+    fn = getattr(nvml, query, None)
+    if fn is None:
+        return None
+    try:
+        return fn(*args)
+    except nvml.NVMLError as exc:
+        unsupported = getattr(nvml, "NVMLError_NotSupported", ())
+        invalid = getattr(nvml, "NVML_ERROR_INVALID_ARGUMENT", -1)
+        if isinstance(exc, unsupported) or getattr(exc, "value", None) == invalid:
+            return None  # e.g. an NVLink index beyond what this device has
+        raise
+
+
+Query = Callable[..., Any]
+"""How a reading asks NVML: `(nvml, query name, *args)`, as `supported`."""
+
+
+def memory_problems(nvml: Any, handle: Any, ask: Query = supported) -> list[str]:
+    """The GPU's pages pending retirement and rows pending or failed remapping, worded for a
+    health message (empty: none)."""
+    problems = []
+    if ask(nvml, "nvmlDeviceGetRetiredPagesPendingStatus", handle):
+        problems.append("retired pages pending")
+    rows = ask(nvml, "nvmlDeviceGetRemappedRows", handle)
+    if rows and (rows[2] or rows[3]):  # (correctable, uncorrectable, pending, failed)
+        problems.append("row remapping pending or failed")
+    return problems
+
+
+def uncorrected_ecc(nvml: Any, handle: Any, ask: Query = supported) -> int | None:
+    """The GPU's volatile uncorrected ECC error count (None: not reported)."""
+    kind, counter = nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC
+    return ask(nvml, "nvmlDeviceGetTotalEccErrors", handle, kind, counter)
+
+
+def nvlinks_down(nvml: Any, handle: Any) -> list[int]:
+    """The GPU's NVLinks that are not up (links it does not have are skipped)."""
+    down = []
+    for link in range(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)):
+        state = supported(nvml, "nvmlDeviceGetNvLinkState", handle, link)
+        if state is not None and state != getattr(nvml, "NVML_FEATURE_ENABLED", 1):
+            down.append(link)
+    return down

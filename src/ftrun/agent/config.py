@@ -124,7 +124,7 @@ class HealthCheckConfig:
     """An external command; exit 0 means healthy."""
     command_timeout: float = 60.0
     nic: bool = False
-    """Check every InfiniBand port in sysfs (`node_services.nic_health`): ACTIVE, LinkUp, not
+    """Check every InfiniBand port in sysfs (`ftrun.infiniband`): ACTIVE, LinkUp, not
     flapped."""
     nic_sysfs_root: str = "/sys/class/infiniband"
     """Where the NIC check finds the devices (tests point it at a fake tree)."""

@@ -101,7 +101,7 @@ class InprocessInterrupt:
 @dataclasses.dataclass(frozen=True)
 class RankReplacement:
     """Start a lost wrapped rank's process again, alone, and interrupt the others' iteration
-    (`agent.inprocess.effects`)."""
+    (`agent.inprocess.effects.carry_out`)."""
 
     rank: int
     cause: str

@@ -67,11 +67,6 @@ class Delivery:
         """`drain`: the leaders get `grace` seconds to exit on their own first."""
         return cls(sig, grace, grace if drain else 0.0)
 
-    @classmethod
-    def at_once(cls) -> Delivery:
-        """SIGKILL now: a hung rank, whose stacks are already taken."""
-        return cls(signal.SIGKILL, 0.0)
-
 
 @dataclasses.dataclass(frozen=True)
 class StopResult:

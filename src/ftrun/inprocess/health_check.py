@@ -22,14 +22,13 @@ from typing import Any
 
 import torch
 
+from ftrun.infiniband import IB_ROOT, PCI_ROOT, ib_ports_down, nearest_ib_device
 from ftrun.inprocess import exception
 from ftrun.inprocess.compose import Compose
 from ftrun.inprocess.state import FrozenState
+from ftrun.nvml import memory_problems, nvlinks_down, supported
 
 log = logging.getLogger("ftrun.inprocess")
-
-IB_ROOT = "/sys/class/infiniband"
-PCI_ROOT = "/sys/bus/pci/devices"
 
 
 class HealthCheck(abc.ABC):
@@ -148,13 +147,7 @@ class ChainedGPUHealthCheck(_NvmlHealthCheck):
     """
 
     def check(self, nvml: Any, handle: Any) -> None:
-        problems = []
-        if _supported(nvml, "nvmlDeviceGetRetiredPagesPendingStatus", handle):
-            problems.append("retired pages pending")
-        remapped = _supported(nvml, "nvmlDeviceGetRemappedRows", handle)
-        # (correctable, uncorrectable, pending, failed)
-        if remapped and (remapped[2] or remapped[3]):
-            problems.append("row remapping pending or failed")
+        problems = memory_problems(nvml, handle)
         action = _recovery_action(nvml, handle)
         if action:
             problems.append(f"NVML recovery action {action} required")
@@ -167,11 +160,7 @@ class ChainedNVLHealthCheck(_NvmlHealthCheck):
     does not fail the rank (as NVRx, which ignores this check's verdict)."""
 
     def check(self, nvml: Any, handle: Any) -> None:
-        down = []
-        for link in range(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)):
-            state = _supported(nvml, "nvmlDeviceGetNvLinkState", handle, link)
-            if state is not None and state != getattr(nvml, "NVML_FEATURE_ENABLED", 1):
-                down.append(link)
+        down = nvlinks_down(nvml, handle)
         if down:
             log.warning("%s: NVLink(s) %s not up", self._name(), down)
 
@@ -181,14 +170,14 @@ class ChainedNicHealthCheck(_NvmlHealthCheck):
     ACTIVE. Passes without InfiniBand, or when no single NIC is nearest (no NIC is the rank's).
 
     ftrun: reads the port state only (NVRx also watches the link_downed counter); the node
-    agent's NIC check (`agent.node_services.nic_health`) covers every port and its counters.
+    agent's NIC check (`infiniband.check_ib_ports`) covers every port and its counters.
     """
 
     ib_root = IB_ROOT
     pci_root = PCI_ROOT
 
     def check(self, nvml: Any, handle: Any) -> None:
-        info = _supported(nvml, "nvmlDeviceGetPciInfo", handle)
+        info = supported(nvml, "nvmlDeviceGetPciInfo", handle)
         bus_id = getattr(info, "busId", None)
         if not bus_id:
             return
@@ -212,47 +201,6 @@ def default_health_checks(user_check: Callable[[FrozenState], FrozenState] | Non
     return Compose(*checks)
 
 
-def nearest_ib_device(
-    gpu_bus_id: str, ib_root: str = IB_ROOT, pci_root: str = PCI_ROOT
-) -> str | None:
-    """The InfiniBand device sharing the longest PCI path with the GPU; None without devices,
-    when the GPU is not in sysfs, or on a tie (then no NIC belongs to this GPU more than
-    another)."""
-    try:
-        devices = sorted(os.listdir(ib_root))
-    except OSError:
-        return None
-    gpu = os.path.realpath(os.path.join(pci_root, gpu_bus_id))
-    if not os.path.exists(gpu):
-        return None
-    depth = {}
-    for device in devices:
-        nic = os.path.realpath(os.path.join(ib_root, device, "device"))
-        depth[device] = len(os.path.commonpath([gpu, nic]).split(os.sep))
-    best = max(depth.values(), default=0)
-    nearest = [device for device, d in depth.items() if d == best]
-    return nearest[0] if len(nearest) == 1 else None
-
-
-def ib_ports_down(device_dir: str) -> list[str]:
-    """The ports of one InfiniBand device whose `state` is not ACTIVE ("4: ACTIVE")."""
-    ports_dir = os.path.join(device_dir, "ports")
-    try:
-        ports = sorted(os.listdir(ports_dir), key=lambda name: (len(name), name))
-    except OSError:
-        return []
-    down = []
-    for port in ports:
-        try:
-            with open(os.path.join(ports_dir, port, "state"), encoding="ascii") as f:
-                state = f.read().rpartition(":")[2].strip()
-        except OSError:
-            state = "unreadable"
-        if state != "ACTIVE":
-            down.append(f"{port} ({state or 'empty'})")
-    return down
-
-
 def _nvml_handle(nvml: Any, device_index: int | None) -> Any:
     """The NVML handle of an NVML index, or of this thread's CUDA device, found by UUID since
     CUDA and NVML number devices differently (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER)."""
@@ -268,27 +216,12 @@ def _nvml_handle(nvml: Any, device_index: int | None) -> Any:
         return nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mig)
 
 
-def _supported(nvml: Any, query: str, *args: Any) -> Any:
-    """`nvml.<query>(*args)`, or None where this pynvml or device does not have it."""
-    fn = getattr(nvml, query, None)
-    if fn is None:
-        return None
-    try:
-        return fn(*args)
-    except nvml.NVMLError as exc:
-        unsupported = getattr(nvml, "NVMLError_NotSupported", ())
-        invalid = getattr(nvml, "NVML_ERROR_INVALID_ARGUMENT", -1)
-        if isinstance(exc, unsupported) or getattr(exc, "value", None) == invalid:
-            return None  # e.g. an NVLink index beyond what this device has
-        raise
-
-
 def _recovery_action(nvml: Any, handle: Any) -> int:
     """NVML's GPU recovery action (0: none needed) where the driver reports it."""
     field = getattr(nvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", None)
     if field is None:
         return 0
-    values = _supported(nvml, "nvmlDeviceGetFieldValues", handle, [field])
+    values = supported(nvml, "nvmlDeviceGetFieldValues", handle, [field])
     if not values or getattr(values[0], "nvmlReturn", 0) != 0:
         return 0
     action = int(values[0].value.uiVal)

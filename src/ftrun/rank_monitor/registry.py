@@ -90,16 +90,6 @@ class RankRegistry:
             for p in peers
         ]
 
-    def progressing(self) -> set[int]:
-        """Ranks that sent a heartbeat or opened a section since they registered."""
-        return {
-            peer.progress.rank
-            for peer in self.peers.values()
-            if peer.progress.last_heartbeat is not None
-            or peer.progress.out_of_section_since is not None
-            or peer.progress.open_sections
-        }
-
 
 def is_self_or_descendant(pid: int, ancestor: int) -> bool:
     if pid == ancestor:

@@ -160,11 +160,6 @@ class RankMonitorServer:
         with self._lock:
             return self._ranks.snapshot()
 
-    def progressing_ranks(self) -> set[int]:
-        """Ranks that sent a heartbeat or opened a section since they registered."""
-        with self._lock:
-            return self._ranks.progressing()
-
     def worker_env(self) -> dict[str, str]:
         """The environment variables a worker's RankMonitorClient needs."""
         return {

@@ -72,7 +72,6 @@ class Kind:
     HANG = "hang"
     COLLECTIVE = "collective"
     HEALTH = "health"
-    NODE_LOST = "node lost"
     PEER_LOST = "peer lost"
 
 
@@ -219,10 +218,6 @@ def collective_signature(op: str, seq: int, missing: list[int]) -> Signature:
 
 def health_signature(finding: str, reading: str = "") -> Signature:
     return Signature(Kind.HEALTH, finding, message=reading)
-
-
-def node_lost_signature(node: str) -> Signature:
-    return Signature(Kind.NODE_LOST, "launcher and workers gone", message=f"node {node}")
 
 
 def _innermost_user(frames: list[re.Match[str]]) -> str:

@@ -1,5 +1,5 @@
 """Node health checks run before every rendezvous round: GPUs (NVML), InfiniBand ports
-(`agent.node_services.nic_health`), storage, a command.
+(`ftrun.infiniband`), storage, a command.
 
 NVML comes from `nvml` (loaded lazily, replaced by a fake in tests).
 """
@@ -16,10 +16,10 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from ftrun.agent.config import HealthCheckConfig
-from ftrun.agent.node_services.nic_health import check_ib_ports
 from ftrun.agent.termination import kill_group_now
 from ftrun.errors import NodeUnhealthyError
-from ftrun.nvml import load_nvml, visible_gpus
+from ftrun.infiniband import check_ib_ports
+from ftrun.nvml import load_nvml, memory_problems, nvlinks_down, uncorrected_ecc, visible_gpus
 from ftrun.services import NodeService
 
 log = logging.getLogger("ftrun.agent")
@@ -77,45 +77,15 @@ def _load_nvml() -> Any:
 
 
 def _check_device(pynvml: Any, index: int, handle: Any, nvlink: bool) -> None:
-    problems = []
-    if _supported(pynvml, lambda: pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle)):
-        problems.append("retired pages pending")
-    remapped = _supported(pynvml, lambda: pynvml.nvmlDeviceGetRemappedRows(handle))
-    if remapped and (remapped[2] or remapped[3]):  # (correctable, uncorrectable, pending, failure)
-        problems.append("row remapping pending or failed")
-    ecc = _supported(
-        pynvml,
-        lambda: pynvml.nvmlDeviceGetTotalEccErrors(
-            handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC
-        ),
-    )
+    problems = memory_problems(pynvml, handle)
+    ecc = uncorrected_ecc(pynvml, handle)
     if ecc:
         problems.append(f"{ecc} uncorrected ECC errors")
-    if nvlink:
-        problems += _nvlink_problems(pynvml, handle)
+    down = nvlinks_down(pynvml, handle) if nvlink else []
+    if down:
+        problems.append(f"NVLink(s) {down} down")
     if problems:
         raise NodeUnhealthyError(f"GPU {index}: {', '.join(problems)}")
-
-
-def _nvlink_problems(pynvml: Any, handle: Any) -> list[str]:
-    down = []
-    for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
-        state = _supported(pynvml, lambda lk=link: pynvml.nvmlDeviceGetNvLinkState(handle, lk))
-        if state is not None and state != pynvml.NVML_FEATURE_ENABLED:
-            down.append(link)
-    return [f"NVLink(s) {down} down"] if down else []
-
-
-def _supported(pynvml: Any, query: Callable[[], Any]) -> Any:
-    """The query's answer, or None where the device does not support it."""
-    try:
-        return query()
-    except pynvml.NVMLError_NotSupported:
-        return None
-    except pynvml.NVMLError as exc:
-        if getattr(exc, "value", None) == getattr(pynvml, "NVML_ERROR_INVALID_ARGUMENT", -1):
-            return None  # e.g. an NVLink index beyond what this device has
-        raise
 
 
 def _read_path(path: str) -> None:

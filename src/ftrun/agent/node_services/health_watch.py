@@ -33,9 +33,9 @@ from typing import Any
 
 from ftrun.agent.config import HealthCheckConfig
 from ftrun.agent.diagnosis.attribution import Signature, health_signature
-from ftrun.agent.node_services.nic_health import check_ib_ports
 from ftrun.errors import NodeUnhealthyError
-from ftrun.nvml import GpuSnapshot, load_nvml, visible_gpus
+from ftrun.infiniband import check_ib_ports
+from ftrun.nvml import GpuSnapshot, load_nvml, memory_problems, uncorrected_ecc, visible_gpus
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import NodeService
 
@@ -127,17 +127,13 @@ class GpuReadings:
         if ecc is not None and ecc > self._ecc.get(index, 0):
             found.append(self._fault(index, "uncorrected ECC errors",
                                      f"{self._ecc.get(index, 0)} -> {ecc}"))  # fmt: skip
-        if _optional(nvml, lambda: nvml.nvmlDeviceGetRetiredPagesPendingStatus(handle)):
-            found.append(self._fault(index, "retired pages pending"))
-        rows = _optional(nvml, lambda: nvml.nvmlDeviceGetRemappedRows(handle))
-        if rows and (rows[2] or rows[3]):
-            found.append(self._fault(index, "row remapping pending or failed"))
-        reasons = _optional(nvml, lambda: nvml.nvmlDeviceGetCurrentClocksEventReasons(handle))
+        found += [self._fault(index, what) for what in memory_problems(nvml, handle, _optional)]
+        reasons = _optional(nvml, "nvmlDeviceGetCurrentClocksEventReasons", handle)
         throttled = tuple(name for bit, name in _THROTTLES.items() if reasons and reasons & bit)
         found += [HealthFinding(health_signature(name, f"GPU {index}"), False, index)
                   for name in throttled]  # fmt: skip
-        memory = _optional(nvml, lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
-        rates = _optional(nvml, lambda: nvml.nvmlDeviceGetUtilizationRates(handle))
+        memory = _optional(nvml, "nvmlDeviceGetMemoryInfo", handle)
+        rates = _optional(nvml, "nvmlDeviceGetUtilizationRates", handle)
         snapshot = GpuSnapshot(
             index,
             memory_used_bytes=None if memory is None else int(memory.used),
@@ -154,9 +150,7 @@ class GpuReadings:
         return HealthFinding(health_signature(what, text), True, index)
 
     def _uncorrected(self, handle: Any) -> int | None:
-        nvml = self._nvml
-        return _optional(nvml, lambda: nvml.nvmlDeviceGetTotalEccErrors(
-            handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC))  # fmt: skip
+        return uncorrected_ecc(self._nvml, handle, _optional)
 
     def _new(self, finding: HealthFinding) -> bool:
         """Xids always count; a standing condition is told once per cycle."""
@@ -169,7 +163,7 @@ class GpuReadings:
         return True
 
     def close(self) -> None:
-        _optional(self._nvml, lambda: self._nvml.nvmlEventSetFree(self._events))
+        _optional(self._nvml, "nvmlEventSetFree", self._events)
 
 
 class HealthWatch(NodeService):
@@ -281,9 +275,10 @@ def _index(nvml: Any, device: Any) -> int:
         return -1
 
 
-def _optional(nvml: Any, query: Callable[[], Any]) -> Any:
-    """The query's answer, or None where this GPU or driver does not support it."""
+def _optional(nvml: Any, query: str, *args: Any) -> Any:
+    """`nvml.<query>(*args)`, or None where this GPU or driver does not support it (any NVML
+    error: a poll reads on where `nvml.supported` would raise)."""
     try:
-        return query()
+        return getattr(nvml, query)(*args)
     except nvml.NVMLError:
         return None

@@ -1,7 +1,9 @@
-"""InfiniBand NIC health, read from sysfs before every rendezvous round (no torch, no tools).
+"""InfiniBand NIC health, read from sysfs (no torch, no tools): the agent's check before every
+rendezvous round and its health watch (`check_ib_ports`), and a worker's check of the NIC
+nearest its GPU (`nearest_ib_device`, `ib_ports_down`, for `inprocess.health_check`).
 
-Every port of every device under the root (the kernel's `/sys/class/infiniband`, or a fake tree
-in tests) is read:
+The agent's check reads every port of every device under the root (the kernel's
+`/sys/class/infiniband`, or a fake tree in tests):
 
     <root>/<device>/ports/<port>/state                 "4: ACTIVE"
     <root>/<device>/ports/<port>/phys_state            "5: LinkUp"
@@ -27,8 +29,10 @@ from collections.abc import MutableMapping
 
 from ftrun.errors import NodeUnhealthyError
 
-log = logging.getLogger("ftrun.agent")
+log = logging.getLogger("ftrun.agent")  # only the agent's check logs: its lines keep its name
 
+IB_ROOT = "/sys/class/infiniband"
+PCI_ROOT = "/sys/bus/pci/devices"
 ACTIVE = "ACTIVE"
 LINK_UP = "LinkUp"
 
@@ -94,6 +98,47 @@ def _port_problem(port: str, path: str, seen: MutableMapping[str, int]) -> str |
     else:
         seen[counter] = downed  # first look, no change, or a reset counter (driver reload)
     return f"{port}: {', '.join(wrong)}" if wrong else None
+
+
+def nearest_ib_device(
+    gpu_bus_id: str, ib_root: str = IB_ROOT, pci_root: str = PCI_ROOT
+) -> str | None:
+    """The InfiniBand device sharing the longest PCI path with the GPU; None without devices,
+    when the GPU is not in sysfs, or on a tie (then no NIC belongs to this GPU more than
+    another)."""
+    try:
+        devices = sorted(os.listdir(ib_root))
+    except OSError:
+        return None
+    gpu = os.path.realpath(os.path.join(pci_root, gpu_bus_id))
+    if not os.path.exists(gpu):
+        return None
+    depth = {}
+    for device in devices:
+        nic = os.path.realpath(os.path.join(ib_root, device, "device"))
+        depth[device] = len(os.path.commonpath([gpu, nic]).split(os.sep))
+    best = max(depth.values(), default=0)
+    nearest = [device for device, d in depth.items() if d == best]
+    return nearest[0] if len(nearest) == 1 else None
+
+
+def ib_ports_down(device_dir: str) -> list[str]:
+    """The ports of one InfiniBand device whose `state` is not ACTIVE ("1 (DOWN)"); none when
+    its ports cannot be listed."""
+    ports_dir = os.path.join(device_dir, "ports")
+    try:
+        ports = _names(ports_dir)
+    except _Unreadable:
+        return []
+    down = []
+    for port in ports:
+        try:
+            state = _value(os.path.join(ports_dir, port, "state"))
+        except _Unreadable:
+            state = "unreadable"
+        if state != ACTIVE:
+            down.append(f"{port} ({state or 'empty'})")
+    return down
 
 
 def _names(directory: str, missing_ok: bool = False) -> list[str]:
