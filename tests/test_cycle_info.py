@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ftrun.agent.node_services.cycle_info import ENV_CYCLE_INFO, CycleInfoService
+from ftrun.agent.node_services.cycle_info import CycleInfoService
+from ftrun.environment import Env
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
 
 NODES = (NodeDescriptor("n0", "127.0.0.1", 2, 1), NodeDescriptor("n1", "127.0.0.1", 2, 2))
@@ -15,7 +16,7 @@ def test_each_round_replaces_the_file_workers_are_pointed_at(tmp_path: Path) -> 
     causes = {0: "rank 1 on n0 exited with code 1"}
     service = CycleInfoService(tmp_path, "job-7", {"SLURM_RESTART_COUNT": "2"}, causes.get)
     first = Round(0, NODES, 1)
-    assert service.worker_env(first) == {ENV_CYCLE_INFO: str(tmp_path / "cycle-info.json")}
+    assert service.worker_env(first) == {Env.CYCLE_INFO: str(tmp_path / "cycle-info.json")}
 
     service.on_round(first)
     assert json.loads(service.path.read_text()) == {

@@ -45,7 +45,6 @@ from ftrun.checkpointing.part_write import write_part
 from ftrun.checkpointing.replication import CliqueReplicationStrategy
 from ftrun.checkpointing.store import PartKey
 from ftrun.checkpointing.tier_files import (
-    ENV_CKPT_DIR,
     POLICY_FILE,
     RESTORE_FILE,
     RestoreDecision,
@@ -53,6 +52,7 @@ from ftrun.checkpointing.tier_files import (
     read_json,
     write_json_atomically,
 )
+from ftrun.environment import Env
 from ftrun.eventlog.schema import problems
 from ftrun.owned_dir import OWNER_LOCK
 from ftrun.peer import PeerRemoteError
@@ -366,7 +366,7 @@ def policy(node: Node, session: str = S, **fields: Any) -> None:
 def test_a_new_part_is_copied_to_the_clique_node(cluster: Any) -> None:
     a, b = cluster("a"), cluster("b")
     run_round([a, b], round_of(1, [a, b]))
-    assert a.keeper.worker_env(round_of(1, [a, b])[0]) == {ENV_CKPT_DIR: str(a.tier.root)}
+    assert a.keeper.worker_env(round_of(1, [a, b])[0]) == {Env.CKPT_DIR: str(a.tier.root)}
     policy(a, replication_jump=2, replication_factor=2)
     policy(b, replication_jump=2, replication_factor=2)
     a.write(S, K(5, 0))  # cliques (0, 2) and (1, 3): rank 0's copy goes to node b
@@ -476,7 +476,7 @@ def test_a_node_lost_before_its_newest_replicas_arrive_leaves_a_whole_iteration(
     (held,) = a.events.of("ckpt_held")  # the local tier of the live view
     assert (held["iteration"], held["stall"]) == (4, None)  # no manager wrote these parts
     b.keeper.replicator.pause()  # b's new parts stay on b: it is about to be lost
-    monkeypatch.setenv(ENV_CKPT_DIR, str(a.tier.root))
+    monkeypatch.setenv(Env.CKPT_DIR, str(a.tier.root))
     monkeypatch.setenv("WORLD_SIZE", "4")
     for rank in (0, 1):
         monkeypatch.setenv("RANK", str(rank))

@@ -21,6 +21,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from ftrun.checkpointing import BasicTensorAwareStateDict, LocalCheckpointManager  # noqa: E402
+from ftrun.environment import Env  # noqa: E402
 from ftrun.lightning import (  # noqa: E402
     NEWEST,
     Ending,
@@ -43,7 +44,6 @@ from ftrun.lightning._compat import (  # noqa: E402
     TorchCheckpointIO,
     Trainer,
 )
-from ftrun.lightning.ending import ENV_FINISHED_FLAG  # noqa: E402
 from ftrun.lightning.fault_tolerance import STATE_KEY  # noqa: E402
 from ftrun.straggler import Report  # noqa: E402
 from launch import Job, start_job  # noqa: E402
@@ -107,7 +107,7 @@ def monitored(make_server, monkeypatch: pytest.MonkeyPatch) -> Any:
     server = make_server(safety_factor=1000.0)
     for key, value in {**server.worker_env(), "RANK": "0"}.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.delenv(ENV_FINISHED_FLAG, raising=False)
+    monkeypatch.delenv(Env.FINISHED_FLAG, raising=False)
     server.expect_rank(0, os.getpid())
     return server
 
@@ -164,7 +164,7 @@ def test_no_flag_after_a_crash_and_none_without_autoresume(monitored, tmp_path, 
     off = FaultToleranceCallback(autoresume=False)
     fit(tmp_path, [off])
     assert off.ending is Ending.MAX_STEPS and flag(tmp_path) is None
-    monkeypatch.setenv(ENV_FINISHED_FLAG, str(tmp_path / "slurm" / "DONE"))  # Slurm's choice
+    monkeypatch.setenv(Env.FINISHED_FLAG, str(tmp_path / "slurm" / "DONE"))  # Slurm's choice
     fit(tmp_path, [FaultToleranceCallback()])
     assert (tmp_path / "slurm" / "DONE").exists() and flag(tmp_path) is None
 
@@ -227,7 +227,7 @@ def test_the_sections_callback_times_nvrx_s_sections_and_keeps_timeouts_in_its_f
     )
     for key, value in {**server.worker_env(), "RANK": "0"}.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.delenv(ENV_FINISHED_FLAG, raising=False)
+    monkeypatch.delenv(Env.FINISHED_FLAG, raising=False)
     server.expect_rank(0, os.getpid())
     every5 = {"dirpath": tmp_path / "ckpt", "every_n_train_steps": 5, "save_top_k": -1}
     first = FaultToleranceSectionsCallback(True, True, exp_dir=tmp_path)

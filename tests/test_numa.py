@@ -16,8 +16,6 @@ import pytest
 
 from ftrun.agent.placement import binding, numa
 from ftrun.agent.placement.binding import (
-    CPU_BIND,
-    MEM_BIND,
     format_cpulist,
     parse_cpulist,
     prepare_binding,
@@ -35,6 +33,7 @@ from ftrun.agent.placement.numa import (
 )
 from ftrun.agent.worker_env import worker_envs
 from ftrun.agent.workers import spawn_process
+from ftrun.environment import Env
 from ftrun.errors import ConfigError, ExitCode
 from ftrun.ft_launcher import cli
 from ftrun.ft_launcher.build import build_config
@@ -191,8 +190,8 @@ def test_core_complex_is_refused_naming_exclusive() -> None:
 
 def test_the_plan_becomes_two_variables_per_rank() -> None:
     numa_plan = NumaPlan("node", (Binding(cpus("0-3,8"), frozenset({1})), Binding(cpus("4"))))
-    assert numa_plan.env(0) == {CPU_BIND: "0-3,8", MEM_BIND: "1"}
-    assert numa_plan.env(1) == {CPU_BIND: "4"}  # no memory node known: memory left alone
+    assert numa_plan.env(0) == {Env.CPU_BIND: "0-3,8", Env.MEM_BIND: "1"}
+    assert numa_plan.env(1) == {Env.CPU_BIND: "4"}  # no memory node known: memory left alone
 
 
 # --- NVML's view (the fake pynvml) -----------------------------------------------------------
@@ -276,13 +275,13 @@ def test_the_option_builds_the_plan_once_into_the_config(
         "exclusive", (Binding(cpus("0-2"), frozenset({0})), Binding(cpus("3-5"), frozenset({0})))
     )
     rnd = Round(0, (NodeDescriptor("n0", "127.0.0.1", 2, 29500),), 0)
-    envs = worker_envs(config, {MEM_BIND: "7"}, {}, rnd, "n0", tmp_path)
-    assert [(env[CPU_BIND], env[MEM_BIND]) for env in envs] == [("0-2", "0"), ("3-5", "0")]
+    envs = worker_envs(config, {Env.MEM_BIND: "7"}, {}, rnd, "n0", tmp_path)
+    assert [(env[Env.CPU_BIND], env[Env.MEM_BIND]) for env in envs] == [("0-2", "0"), ("3-5", "0")]
     unbound = build_config(["--nproc-per-node=2", "x"], {})
     assert unbound.agent.numa_binding is None
-    inherited = {CPU_BIND: "1", MEM_BIND: "0"}  # a launcher started by a bound worker
+    inherited = {Env.CPU_BIND: "1", Env.MEM_BIND: "0"}  # a launcher started by a bound worker
     for env in worker_envs(unbound, inherited, {}, rnd, "n0", tmp_path):
-        assert CPU_BIND not in env and MEM_BIND not in env
+        assert Env.CPU_BIND not in env and Env.MEM_BIND not in env
 
 
 def config_error(*argv: str) -> str:
@@ -323,16 +322,16 @@ def test_cli_refuses_in_one_line_with_exit_2(
 
 def test_no_variables_no_binding() -> None:
     assert prepare_binding({}) is None
-    assert prepare_binding({CPU_BIND: "", MEM_BIND: ""}) is None
+    assert prepare_binding({Env.CPU_BIND: "", Env.MEM_BIND: ""}) is None
     with pytest.raises(ValueError, match="not a cpulist"):
-        prepare_binding({CPU_BIND: "0-x"})
+        prepare_binding({Env.CPU_BIND: "0-x"})
 
 
 def test_refused_bindings_are_one_line_each(
     capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Failing calls change nothing, so they can run in this process."""
-    apply = prepare_binding({CPU_BIND: "1000000", MEM_BIND: "63"})  # no such CPU, no such node
+    apply = prepare_binding({Env.CPU_BIND: "1000000", Env.MEM_BIND: "63"})  # no such CPU, node
     assert apply is not None
     before = os.sched_getaffinity(0)
     apply()
@@ -343,7 +342,7 @@ def test_refused_bindings_are_one_line_each(
     assert lines[1].startswith("ftrun: memory binding to node(s) 63 not applied (")
     assert lines[1].endswith("); CPU binding kept")
     monkeypatch.setattr(binding, "_SYS_SET_MEMPOLICY", {})
-    prepare_binding({MEM_BIND: "0"})()  # type: ignore[misc]
+    prepare_binding({Env.MEM_BIND: "0"})()  # type: ignore[misc]
     assert capfd.readouterr().err.startswith("ftrun: memory binding to node(s) 0 skipped: ")
 
 
@@ -361,8 +360,8 @@ def test_a_spawned_worker_is_bound_before_exec_and_apply_binding_rebinds_it() ->
     calls apply_binding to move to another CPU; its memory node does not exist (tolerated)."""
     allowed = sorted(os.sched_getaffinity(0))
     first, last = allowed[0], allowed[-1]
-    env = {**os.environ, CPU_BIND: str(first)}
-    env.pop(MEM_BIND, None)
+    env = {**os.environ, Env.CPU_BIND: str(first)}
+    env.pop(Env.MEM_BIND, None)
     proc = spawn_process([sys.executable, "-c", CHILD, str(last)], env, subprocess.DEVNULL)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err

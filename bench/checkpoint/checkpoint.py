@@ -127,7 +127,7 @@ from bench.common.state import (
 from bench.common.timing import Stopwatch, seconds
 from ftrun.checkpointing import LocalCheckpointManager
 from ftrun.checkpointing.layout import checksum
-from ftrun.checkpointing.tier_files import ENV_CKPT_DIR
+from ftrun.environment import Env
 from ftrun.peer import FileRegion, PeerClient, PeerServer, Reply, Request
 
 GB = 1e9
@@ -221,7 +221,7 @@ def measure_ftrun(
 ) -> tuple[dict[str, float], Path]:
     """Sync save (1), async saves (2: new memory, 3: steady state), restore (3) with the node
     tier in `tier`; returns part 3's path."""
-    os.environ[ENV_CKPT_DIR] = str(tier)
+    os.environ[Env.CKPT_DIR] = str(tier)
     try:
         persist = tier / "not-used"  # the manager's disk root; nothing is persisted there
         manager = LocalCheckpointManager(
@@ -268,7 +268,7 @@ def measure_ftrun(
         if verify:
             same(model, state, "ftrun restore into the model")
     finally:
-        os.environ.pop(ENV_CKPT_DIR, None)
+        os.environ.pop(Env.CKPT_DIR, None)
     return out, Path(info.path)
 
 

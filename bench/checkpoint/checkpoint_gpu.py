@@ -81,7 +81,7 @@ from bench.common.state import (
 from bench.common.timing import Stopwatch, seconds
 from ftrun.checkpointing import LocalCheckpointManager, pinning
 from ftrun.checkpointing.format import read_part
-from ftrun.checkpointing.tier_files import ENV_CKPT_DIR
+from ftrun.environment import Env
 
 GIB = 2**30
 GB = 1e9
@@ -218,7 +218,7 @@ def pinned_mappings() -> int:
 def measure_ftrun(scratch: Scratch, state: Any, verify: bool) -> dict[str, float]:
     used_before = shm_used()
     tier = scratch.mkdtemp(SHM, "ftrun-bench-gpu-")
-    os.environ[ENV_CKPT_DIR] = str(tier)
+    os.environ[Env.CKPT_DIR] = str(tier)
     out: dict[str, float] = {}
     try:
         manager = LocalCheckpointManager(
@@ -246,7 +246,7 @@ def measure_ftrun(scratch: Scratch, state: Any, verify: bool) -> dict[str, float
             del loaded, pairs
         del manager
     finally:
-        os.environ.pop(ENV_CKPT_DIR, None)
+        os.environ.pop(Env.CKPT_DIR, None)
         scratch.remove(tier)
     left = pinned_mappings()
     if left:

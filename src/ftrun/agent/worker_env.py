@@ -7,16 +7,16 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ftrun.agent.node_services.worker_store import AGENT_STORE_ENV
-from ftrun.agent.placement.binding import BIND_VARIABLES
 from ftrun.agent.placement.rank_env import rank_variables
 from ftrun.client_lib.flight import BUFFER_VARS
 from ftrun.config import LaunchConfig
+from ftrun.environment import Env
 from ftrun.rendezvous.ranks import Round
 
 PER_CYCLE = frozenset({
     "RANK", "ROLE_RANK", "GROUP_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
-    "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "FTRUN_CYCLE",
-    "TORCHELASTIC_ERROR_FILE", "FTRUN_INPROCESS_PREFIX", AGENT_STORE_ENV,
+    "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", Env.CYCLE,
+    "TORCHELASTIC_ERROR_FILE", Env.INPROCESS_PREFIX, AGENT_STORE_ENV,
 })  # fmt: skip
 """The variables that may change from one cycle's worker of a local rank to the next's; a
 prestarted worker, made with the cycle's before, runs only where nothing else differs
@@ -36,7 +36,7 @@ def worker_envs(
 ) -> list[dict[str, str]]:
     """One environment per local rank of this node in round `rnd` (index = local rank)."""
     shared = shared_env(config, environ, services_env, rnd, node)
-    for name in BIND_VARIABLES:  # a launcher started by a worker: its binding is not theirs
+    for name in (Env.CPU_BIND, Env.MEM_BIND):  # a launcher started by a worker: not their binding
         shared.pop(name, None)
     numa = config.agent.numa_binding  # decided once per launch, from NVML
     first = rnd.first_global_rank
@@ -79,8 +79,8 @@ def shared_env(
         TORCHELASTIC_RUN_ID=rdzv.run_id,
         # True where this node's agent hosts the workers' store (`worker_store`).
         TORCHELASTIC_USE_AGENT_STORE=services_env.get(AGENT_STORE_ENV, "False"),
-        FTRUN_NODE=node,
     )
+    env[Env.NODE] = node
     if rnd is not None:
         env.update(
             LOCAL_WORLD_SIZE=str(rnd.me.local_world_size),
@@ -91,6 +91,6 @@ def shared_env(
             MASTER_ADDR=rnd.master.host,
             MASTER_PORT=str(rnd.master.master_port),
             TORCHELASTIC_RESTART_COUNT=str(rnd.number),
-            FTRUN_CYCLE=str(rnd.number),
         )
+        env[Env.CYCLE] = str(rnd.number)
     return env

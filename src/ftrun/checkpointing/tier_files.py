@@ -36,7 +36,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-ENV_CKPT_DIR = "FTRUN_CKPT_DIR"
 POLICY_FILE = ".policy.json"
 RESTORE_FILE = ".restore.json"
 PROTECTED_FILE = ".protected.json"

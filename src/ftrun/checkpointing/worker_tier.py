@@ -10,7 +10,6 @@ from typing import Any
 
 from ftrun.checkpointing.errors import CheckpointUsageError
 from ftrun.checkpointing.tier_files import (
-    ENV_CKPT_DIR,
     POLICY_FILE,
     PROTECTED_FILE,
     RESTORE_FILE,
@@ -21,6 +20,7 @@ from ftrun.checkpointing.tier_files import (
     session_dir,
     write_json_atomically,
 )
+from ftrun.environment import Env
 
 logger = logging.getLogger("ftrun.checkpointing")
 
@@ -28,7 +28,7 @@ logger = logging.getLogger("ftrun.checkpointing")
 def agent_tier(session_id: str, repl_strategy: Any) -> Path | None:
     """Under ft_launcher, this session's directory in node memory, with the policy written for
     the agent; None under plain torchrun (no agent keeps parts)."""
-    ckpt_dir = os.environ.get(ENV_CKPT_DIR)
+    ckpt_dir = os.environ.get(Env.CKPT_DIR)
     if not ckpt_dir:
         return None
     tier = session_dir(ckpt_dir, session_id)

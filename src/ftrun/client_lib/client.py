@@ -33,14 +33,15 @@ import msgpack
 import zmq
 
 from ftrun.client_lib import flight, timeouts
+from ftrun.environment import Env
 from ftrun.errors import ProtocolError, RankMonitorClientError
 from ftrun.rank_monitor import protocol as wire
-from ftrun.rank_monitor.config import ENV_JOB_DIR, ENV_MONITOR_ADDR, ENV_RANK, ENV_STACK_SIGNAL
+from ftrun.rank_monitor.config import ENV_RANK
 from ftrun.rank_monitor.stacks import stack_file
 from ftrun.rank_monitor.workload import WorkloadControlRequest
 
 log = logging.getLogger("ftrun.client")
-REQUEST_TIMEOUT_S = float(os.environ.get("FTRUN_MONITOR_REQUEST_TIMEOUT", "30"))
+REQUEST_TIMEOUT_S = float(os.environ.get(Env.MONITOR_REQUEST_TIMEOUT, "30"))
 # One packer for every iteration: `packb` builds a Packer per call, ten times the cost. Its
 # `pack` is C code that holds the GIL, so threads sharing it cannot interleave.
 _pack_int = msgpack.Packer().pack
@@ -353,14 +354,14 @@ def _packed_iteration(iteration: object) -> bytes:
 
 def _env() -> tuple[str, Path, signal.Signals, int]:
     values = {}
-    for name in (ENV_MONITOR_ADDR, ENV_JOB_DIR, ENV_RANK):
+    for name in (Env.MONITOR_ADDR, Env.IPC_DIR, ENV_RANK):
         value = os.environ.get(name)
         if not value:
             raise RankMonitorClientError(f"{name} is not set: run this worker under ft_launcher")
         values[name] = value
     try:
         rank = int(values[ENV_RANK])
-        stack_signal = signal.Signals(int(os.environ.get(ENV_STACK_SIGNAL, signal.SIGUSR2)))
+        stack_signal = signal.Signals(int(os.environ.get(Env.STACK_SIGNAL, signal.SIGUSR2)))
     except ValueError as exc:
         raise RankMonitorClientError(f"bad monitor environment: {exc}") from None
-    return values[ENV_MONITOR_ADDR], Path(values[ENV_JOB_DIR]), stack_signal, rank
+    return values[Env.MONITOR_ADDR], Path(values[Env.IPC_DIR]), stack_signal, rank

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ftrun.environment import Env
 from ftrun.inprocess import exception
 from ftrun.inprocess.nccl_wake import ProxyWaker
 from ftrun.inprocess.state import FrozenState
@@ -27,8 +28,6 @@ from ftrun.inprocess.state import FrozenState
 log = logging.getLogger("ftrun.inprocess")
 
 DEFAULT_ABORT_TIMEOUT_S = 30.0
-TRACE_PATH_ENV = ("FTRUN_FR_TRACE_PATH", "NVRX_FR_TRACE_PATH")
-"""Where Flight Recorder traces go when no path is given (the first one set wins)."""
 _FR_BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 _FR_SHARE = 1 / 3
 """The share of the abort timeout the Flight Recorder dump may take (diagnostics come second)."""
@@ -68,7 +67,8 @@ class AbortTorchDistributed(Abort):
         timeout: float = DEFAULT_ABORT_TIMEOUT_S,
         wake_nccl: bool = True,
     ) -> None:
-        self.torch_fr_trace_path = torch_fr_trace_path or _first_env(TRACE_PATH_ENV)
+        ours, nvrx = os.environ.get(Env.FR_TRACE_PATH), os.environ.get("NVRX_FR_TRACE_PATH")
+        self.torch_fr_trace_path = torch_fr_trace_path or ours or nvrx or None
         self.timeout = timeout
         self.wake_nccl = wake_nccl
 
@@ -127,10 +127,6 @@ class AbortPersistentCheckpointProcesses(Abort):
 
     def __call__(self, state: FrozenState) -> FrozenState:
         return state
-
-
-def _first_env(names: tuple[str, ...]) -> str | None:
-    return next((os.environ[name] for name in names if os.environ.get(name)), None)
 
 
 def _flight_recorder_on() -> bool:

@@ -15,6 +15,7 @@ import warnings
 from datetime import timedelta
 from typing import Any
 
+from ftrun.environment import Env
 from ftrun.inprocess.abort import Abort, AbortTorchDistributed
 from ftrun.inprocess.completion import Completion
 from ftrun.inprocess.compose import Compose
@@ -27,7 +28,6 @@ from ftrun.inprocess.terminate import Terminate
 
 log = logging.getLogger("ftrun.inprocess")
 
-ABORT_TIMEOUT_ENV = "FTRUN_INPROCESS_ABORT_TIMEOUT"
 DEFAULT_ABORT_TIMEOUT = timedelta(seconds=30)
 """How long the process groups' abort may take before in-process restart gives up on this
 rank (an NCCL abort can hang): the launcher then restarts the workers."""
@@ -152,13 +152,13 @@ def _check_order(values: dict[str, Any]) -> None:
 
 
 def _abort_timeout(environ: dict[str, str]) -> timedelta:
-    raw = environ.get(ABORT_TIMEOUT_ENV)
+    raw = environ.get(Env.INPROCESS_ABORT_TIMEOUT)
     if raw is None:
         return DEFAULT_ABORT_TIMEOUT
     try:
         seconds = float(raw)
     except ValueError:
-        raise ValueError(f"{ABORT_TIMEOUT_ENV}={raw!r}: not a number of seconds") from None
+        raise ValueError(f"{Env.INPROCESS_ABORT_TIMEOUT}={raw!r}: not seconds") from None
     if seconds <= 0:
-        raise ValueError(f"{ABORT_TIMEOUT_ENV}={raw!r}: must be positive")
+        raise ValueError(f"{Env.INPROCESS_ABORT_TIMEOUT}={raw!r}: must be positive")
     return timedelta(seconds=seconds)

@@ -15,7 +15,7 @@ Works with `pytorch_lightning` or `lightning.pytorch` (see `_compat`).
 """
 
 from ftrun.lightning.checkpoint_io import NEWEST, HierarchicalCheckpointIO
-from ftrun.lightning.ending import ENV_FINISHED_FLAG, Ending, classify, request_stop
+from ftrun.lightning.ending import Ending, classify, request_stop
 from ftrun.lightning.errors import (
     LightningIntegrationError,
     LightningUsageError,
@@ -30,7 +30,6 @@ from ftrun.lightning.simulated_fault import SimulatedFault, SimulatedFaultParams
 from ftrun.lightning.straggler import StragglerDetectionCallback
 
 __all__ = [
-    "ENV_FINISHED_FLAG",
     "LOCAL_CKPT_OPTS_KEY",
     "NEWEST",
     "Ending",

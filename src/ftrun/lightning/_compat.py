@@ -13,14 +13,15 @@ import importlib.util
 import os
 from types import ModuleType
 
-ENV_PACKAGE = "FTRUN_LIGHTNING_PACKAGE"
+from ftrun.environment import Env
+
 _CHOICES = {"lightning": "lightning.pytorch", "pytorch_lightning": "pytorch_lightning"}
 
 
 def _root() -> ModuleType:
-    wanted = os.environ.get(ENV_PACKAGE, "")
+    wanted = os.environ.get(Env.LIGHTNING_PACKAGE, "")
     if wanted and wanted not in _CHOICES:
-        raise ImportError(f"{ENV_PACKAGE}={wanted!r}: expected one of {', '.join(_CHOICES)}")
+        raise ImportError(f"{Env.LIGHTNING_PACKAGE}={wanted!r}: not one of {', '.join(_CHOICES)}")
     order = [wanted] if wanted else ["lightning", "pytorch_lightning"]
     for name in order:
         if importlib.util.find_spec(name) is not None:

@@ -29,10 +29,9 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from ftrun.environment import Env
 from ftrun.lightning._compat import EarlyStopping, Timer
 
-ENV_FINISHED_FLAG = "FTRUN_FINISHED_FLAG"
-"""Path of the finished flag; set by `slurm/ftrun.sbatch` (`--ft-finished-flag`)."""
 FLAG_NAME = "FINISHED"
 
 _interruptions: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
@@ -94,7 +93,7 @@ def _out_of_time(timer: Any) -> bool:
 
 def finished_flag_path(exp_dir: str | Path | None, default_root_dir: str | Path) -> Path:
     """Where the finished flag goes (see the module docstring)."""
-    if env := os.environ.get(ENV_FINISHED_FLAG):
+    if env := os.environ.get(Env.FINISHED_FLAG):
         return Path(env)
     return Path(exp_dir if exp_dir is not None else default_root_dir) / FLAG_NAME
 

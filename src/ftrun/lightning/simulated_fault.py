@@ -25,6 +25,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ftrun.environment import Env
 from ftrun.lightning.errors import LightningUsageError, SimulatedFaultError
 
 KINDS = ("exception", "kill", "hang")
@@ -88,7 +89,7 @@ class SimulatedFault:
 
 def current_cycle() -> int:
     """The job-wide cycle number ft_launcher gives workers (0 outside ft_launcher)."""
-    return int(os.environ.get("FTRUN_CYCLE", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    return int(os.environ.get(Env.CYCLE, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
 
 TIMED_KINDS = ("random", "rank_killed", "rank_hung")

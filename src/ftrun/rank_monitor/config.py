@@ -9,14 +9,7 @@ from types import MappingProxyType
 
 from ftrun.rank_monitor.protocol import Timeouts
 
-# Environment variables the launcher sets for every worker; the client reads them.
-ENV_MONITOR_ADDR = "FTRUN_MONITOR_ADDR"
-"""ZeroMQ endpoint of the node's RankMonitorServer (`ipc://<job dir>/monitor.sock`)."""
-ENV_JOB_DIR = "FTRUN_IPC_DIR"
-"""The node's per-job 0700 directory; stack dumps go to `<job dir>/stacks/`. Not
-`FTRUN_JOB_DIR`: slurm/ftrun.sbatch gives workers that name for the job's shared directory."""
-ENV_STACK_SIGNAL = "FTRUN_STACK_SIGNAL"
-"""Signal number on which the client dumps its Python stacks (faulthandler)."""
+# The launcher's own variables for workers are `ftrun.environment.Env`'s; torchrun's:
 ENV_RANK = "RANK"
 """The worker's global rank, as torchrun sets it."""
 

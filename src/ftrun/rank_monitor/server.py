@@ -31,16 +31,12 @@ from pathlib import Path
 
 import zmq
 
+from ftrun.environment import Env
 from ftrun.errors import ProtocolError
 from ftrun.rank_monitor import protocol as wire
 from ftrun.rank_monitor import stacks
 from ftrun.rank_monitor.capture import Capture, StackCapturer, capture_stacks
-from ftrun.rank_monitor.config import (
-    ENV_JOB_DIR,
-    ENV_MONITOR_ADDR,
-    ENV_STACK_SIGNAL,
-    RankMonitorConfig,
-)
+from ftrun.rank_monitor.config import RankMonitorConfig
 from ftrun.rank_monitor.deadlines import Deadlines
 from ftrun.rank_monitor.process_state import cannot_act, status_of
 from ftrun.rank_monitor.records import FirstProgress, ProgressSnapshot, Verdict
@@ -163,9 +159,9 @@ class RankMonitorServer:
     def worker_env(self) -> dict[str, str]:
         """The environment variables a worker's RankMonitorClient needs."""
         return {
-            ENV_MONITOR_ADDR: self.address,
-            ENV_JOB_DIR: str(self.job_dir),
-            ENV_STACK_SIGNAL: str(int(self.config.stack_signal)),
+            Env.MONITOR_ADDR: self.address,
+            Env.IPC_DIR: str(self.job_dir),
+            Env.STACK_SIGNAL: str(int(self.config.stack_signal)),
         }
 
     # ---- server thread ---------------------------------------------------------------------

@@ -10,6 +10,7 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
+from ftrun.environment import Env
 from ftrun.rerun.data import RerunDataIterator
 
 DataIteratorArg = RerunDataIterator | Sequence[RerunDataIterator] | None
@@ -54,7 +55,7 @@ def rank() -> int:
 
 
 def node() -> str:
-    return os.environ.get("FTRUN_NODE") or socket.gethostname()
+    return os.environ.get(Env.NODE) or socket.gethostname()
 
 
 def device() -> int:

@@ -20,8 +20,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ftrun.environment import Env
+
 DIR = "rerun"
-ENV_IPC_DIR = "FTRUN_IPC_DIR"
 _MAX_BYTES = 64 * 1024
 
 
@@ -44,7 +45,7 @@ class RerunFact:
 
 def tell(fact: RerunFact, environ: os._Environ[str] | dict[str, str] = os.environ) -> None:
     """Write a fact for this node's launcher (atomic rename); nothing without a launcher."""
-    ipc = environ.get(ENV_IPC_DIR)
+    ipc = environ.get(Env.IPC_DIR)
     if not ipc:
         return
     folder = Path(ipc) / DIR

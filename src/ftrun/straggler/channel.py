@@ -18,8 +18,9 @@ from typing import Any
 
 import zmq
 
+from ftrun.environment import Env
 from ftrun.rank_monitor import protocol as wire
-from ftrun.rank_monitor.config import ENV_JOB_DIR, ENV_MONITOR_ADDR, ENV_RANK
+from ftrun.rank_monitor.config import ENV_RANK
 from ftrun.rank_monitor.timings import DetectorSettings, SectionTimes
 from ftrun.straggler.recorder import Batch
 
@@ -30,7 +31,7 @@ _CHUNK = 6000
 
 def launcher_env() -> tuple[str, Path, int] | None:
     """(monitor address, job dir, rank) when running under ft_launcher, else None."""
-    address, job_dir = os.environ.get(ENV_MONITOR_ADDR), os.environ.get(ENV_JOB_DIR)
+    address, job_dir = os.environ.get(Env.MONITOR_ADDR), os.environ.get(Env.IPC_DIR)
     rank = os.environ.get(ENV_RANK)
     if not (address and job_dir and rank):
         return None

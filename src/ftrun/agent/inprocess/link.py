@@ -73,11 +73,11 @@ class InprocessLink(NodeService):
     # ---- the node service ------------------------------------------------------------------
 
     def worker_env(self, rnd: Round) -> dict[str, str]:
-        env = {Env.INPROCESS_BUDGET.value: self.budget.to_env(),
-               Env.INPROCESS_ABORT_TIMEOUT.value: f"{self._abort_timeout:g}"}  # fmt: skip
+        env = {Env.INPROCESS_BUDGET: self.budget.to_env(),
+               Env.INPROCESS_ABORT_TIMEOUT: f"{self._abort_timeout:g}"}  # fmt: skip
         if self._address is not None:
-            env[Env.INPROCESS_STORE.value] = self._address
-            env[Env.INPROCESS_PREFIX.value] = f"inprocess/{self._run_id}/{rnd.number}"
+            env[Env.INPROCESS_STORE] = self._address
+            env[Env.INPROCESS_PREFIX] = f"inprocess/{self._run_id}/{rnd.number}"
         return env
 
     def on_stopped(self, rnd: Round | None, pids: Iterable[int]) -> None:

@@ -16,10 +16,10 @@ import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from ftrun.environment import Env
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import NodeService
 
-ENV_CYCLE_INFO = "FTRUN_CYCLE_INFO"
 FILE_NAME = "cycle-info.json"
 
 
@@ -43,7 +43,7 @@ class CycleInfoService(NodeService):
         self._described = described if described is not None else {}
 
     def worker_env(self, rnd: Round) -> Mapping[str, str]:
-        return {ENV_CYCLE_INFO: str(self.path)}
+        return {Env.CYCLE_INFO: str(self.path)}
 
     def on_round(self, rnd: Round) -> None:
         first = rnd.first_global_rank

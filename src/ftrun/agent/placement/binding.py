@@ -29,11 +29,7 @@ import ctypes
 import os
 from collections.abc import Callable, Iterable, Mapping
 
-CPU_BIND = "FTRUN_CPU_BIND"
-"""Logical CPUs of the worker, cpulist syntax."""
-MEM_BIND = "FTRUN_MEM_BIND"
-"""NUMA nodes the worker's memory comes from, cpulist syntax."""
-BIND_VARIABLES = (CPU_BIND, MEM_BIND)
+from ftrun.environment import Env
 
 MPOL_BIND = 2
 """linux/mempolicy.h: allocate only from the given nodes."""
@@ -80,7 +76,7 @@ def apply_binding(env: Mapping[str, str]) -> None:
 def prepare_binding(env: Mapping[str, str]) -> Callable[[], None] | None:
     """Everything but the system calls, done now; the returned call makes them (None: no
     binding). `ValueError` for a malformed variable (the agent writes them: a bug)."""
-    cpus_text, mems_text = env.get(CPU_BIND, ""), env.get(MEM_BIND, "")
+    cpus_text, mems_text = env.get(Env.CPU_BIND, ""), env.get(Env.MEM_BIND, "")
     if not cpus_text and not mems_text:
         return None
     cpus = parse_cpulist(cpus_text) if cpus_text else None

@@ -32,8 +32,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from ftrun.agent.placement.binding import CPU_BIND, MEM_BIND, format_cpulist, parse_cpulist
+from ftrun.agent.placement.binding import format_cpulist, parse_cpulist
 from ftrun.agent.placement.rank_env import visible_device
+from ftrun.environment import Env
 from ftrun.errors import ConfigError
 from ftrun.nvml import handle_of, nvml_session
 
@@ -105,9 +106,9 @@ class NumaPlan:
     def env(self, local_rank: int) -> dict[str, str]:
         """The worker's FTRUN_CPU_BIND / FTRUN_MEM_BIND (`placement.binding` reads them)."""
         binding = self.bindings[local_rank]
-        env = {CPU_BIND: format_cpulist(binding.cpus)}
+        env = {Env.CPU_BIND: format_cpulist(binding.cpus)}
         if binding.mems:
-            env[MEM_BIND] = format_cpulist(binding.mems)
+            env[Env.MEM_BIND] = format_cpulist(binding.mems)
         return env
 
 

@@ -31,8 +31,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ftrun.environment import Env
+
 MARK_NAMES = ("script", "cuda", "pg")
-_IPC_DIR_ENV = "FTRUN_IPC_DIR"
 COMPILES_FLAG = "compiles"
 
 
@@ -42,7 +43,7 @@ def marks_path(job_dir: str | Path, pid: int) -> Path:
 
 def install(env: Mapping[str, str]) -> None:
     """In a forked worker about to run its script: mark `script` now, `cuda` and `pg` later."""
-    job_dir = env.get(_IPC_DIR_ENV)
+    job_dir = env.get(Env.IPC_DIR)
     if not job_dir:
         return
     mark = functools.partial(_append, marks_path(job_dir, os.getpid()))
@@ -60,7 +61,7 @@ def install(env: Mapping[str, str]) -> None:
 
 def compiles_seen(env: Mapping[str, str]) -> bool:
     """Whether a worker of this job (`env`'s) called `torch.compile`."""
-    job_dir = env.get(_IPC_DIR_ENV)
+    job_dir = env.get(Env.IPC_DIR)
     return bool(job_dir) and (Path(job_dir) / COMPILES_FLAG).exists()
 
 

@@ -38,7 +38,8 @@ from ftrun.checkpointing.keeper.restore import RestoreRun
 from ftrun.checkpointing.keeper.settings import KeeperSettings
 from ftrun.checkpointing.keeper.transfer import FETCH, PUSH, PartServer
 from ftrun.checkpointing.store import PartKey
-from ftrun.checkpointing.tier_files import ENV_CKPT_DIR, RestoreDecision
+from ftrun.checkpointing.tier_files import RestoreDecision
+from ftrun.environment import Env
 from ftrun.peer import PeerClient, PeerServer
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import NodeService, ServiceContext
@@ -75,7 +76,7 @@ class KeeperService(NodeService):
             raise
 
     def worker_env(self, rnd: Round) -> Mapping[str, str]:
-        return {ENV_CKPT_DIR: str(self.tier.root)}
+        return {Env.CKPT_DIR: str(self.tier.root)}
 
     def on_round(self, rnd: Round) -> None:
         self._parts.cycle = None
