@@ -32,6 +32,7 @@ def test_each_table_lives_on_its_topic_page() -> None:
         "ft-options": ["options.md"],
         "torchrun-options": ["options.md"],
         "nvrx-options": ["migrating-from-nvrx.md"],
+        "worker-env": ["workers.md"],
     }
 
 
@@ -78,7 +79,8 @@ def _block(name: str) -> str:
 
 def test_each_block_must_be_in_exactly_one_file() -> None:
     a, b = Path("a.md"), Path("b.md")
-    whole = {a: _block("ft-options") + _block("torchrun-options"), b: _block("nvrx-options")}
+    whole = {a: _block("ft-options") + _block("torchrun-options"),
+             b: _block("nvrx-options") + _block("worker-env")}  # fmt: skip
     assert set(docs.render_all(whole)) == {a, b}
     with pytest.raises(ValueError, match="no file has the generated block nvrx-options"):
         docs.render_all({a: whole[a]})

@@ -1,7 +1,8 @@
 """Every `FTRUN_*` environment variable, defined once: the name, who sets it, what it means.
 
 The launcher hands most of them to its workers; a few are read by the launcher or by a
-library in the training script. Code names them by member (`Env.IPC_DIR`: a `str`, so
+library in the training script (the Slurm template's own, `FTRUN_JOB_DIR` and the others, are
+slurm/README.md's). Code names them by member (`Env.IPC_DIR`: a `str`, so
 `os.environ[Env.IPC_DIR]` works), never by a string of its own, and docs/workers.md's table is
 generated from `MEANINGS` (`python -m ftrun.ft_launcher.docs`). Light: no import beyond the
 standard library, since training processes import it.
@@ -38,36 +39,38 @@ MEANINGS: dict[Env, str] = {
     "(in the job directory)",
     Env.IPC_DIR: "set for each worker: the job directory, private to the job's user (0700, "
     "`$TMPDIR/ftrun-job-*`, removed when the launcher ends; a killed launcher's, by the next "
-    "launcher of the same user); stack dumps are written under `stacks/`",
-    Env.STACK_SIGNAL: "set for each worker: the signal on which the client dumps all Python "
-    "stacks (faulthandler)",
+    "launcher of the same user); stack dumps are written under `stacks/`. Not "
+    "`FTRUN_JOB_DIR`: slurm/ftrun.sbatch's name for the job's shared directory",
+    Env.STACK_SIGNAL: "set for each worker: the signal (its number) on which the client dumps "
+    "all Python stacks (faulthandler)",
     Env.CYCLE: "set for each worker: the job-wide cycle number (same on every node; also "
     "`TORCHELASTIC_RESTART_COUNT`)",
     Env.NODE: "set for each worker: this node's name in events and logs",
     Env.CYCLE_INFO: "set for each worker: the cycle's info file (JSON, in the job directory)",
-    Env.CKPT_DIR: "set for each worker where the node keeps local checkpoints: the node's "
-    "checkpoint directory",
+    Env.CKPT_DIR: "set for each worker: the node's checkpoint directory (the checkpoint "
+    "keeper's, 0700, in node memory `/dev/shm`, kept across restarts)",
     Env.CPU_BIND: "set for each worker with `--numa-binding`: its logical CPUs (cpulist)",
     Env.MEM_BIND: "set for each worker with `--numa-binding`: the NUMA nodes its memory comes "
     "from (cpulist)",
-    Env.INPROCESS_STORE: "set for each worker on a c10d store: `host:port` of the store where "
-    "`ftrun.inprocess` ranks coordinate (the job's own)",
-    Env.INPROCESS_PREFIX: "set for each worker with `INPROCESS_STORE`: this cycle's key prefix "
-    "in it",
+    Env.INPROCESS_STORE: "set for each worker where the job's store is the launchers' c10d "
+    "TCPStore (not etcd, not `ftrun store`): its `host:port`, where `ftrun.inprocess` ranks "
+    "coordinate",
+    Env.INPROCESS_PREFIX: "set for each worker with `FTRUN_INPROCESS_STORE`: this cycle's key "
+    "prefix in it",
     Env.INPROCESS_BUDGET: "set for each worker: the in-process restart budget, "
     "`RESTARTS/WINDOW_S/SAME` (`--ft-inprocess-max-restarts`, `--ft-inprocess-restart-window`, "
     "`--ft-max-same-failure`)",
     Env.INPROCESS_ABORT_TIMEOUT: "set for each worker: seconds an in-process abort may take "
-    "(`--ft-inprocess-abort-timeout`; exported by hand it overrides the launcher's, and it is "
-    "read without a launcher too)",
+    "(`--ft-inprocess-abort-timeout`, which the launcher also reads from its own environment; "
+    "a wrapped rank without a launcher reads it too)",
     Env.FR_TRACE_PATH: "read by `ftrun.inprocess`'s abort: where torch's flight recorder dumps "
     "(NVRx's `NVRX_FR_TRACE_PATH` too)",
-    Env.FINISHED_FLAG: "read by the Lightning callback: the file that marks a finished job "
-    "(`--ft-finished-flag`)",
+    Env.FINISHED_FLAG: "set for each worker by slurm/ftrun.sbatch (its `--ft-finished-flag`; "
+    "empty with `none`), read by the Lightning callback: the file that marks a finished job",
     Env.LIGHTNING_PACKAGE: "read by `ftrun.lightning`: `lightning` or `pytorch_lightning`, "
     "when both are installed",
-    Env.MONITOR_REQUEST_TIMEOUT: "read by RankMonitorClient: seconds a request to the node's "
-    "monitor may take (default 30)",
+    Env.MONITOR_REQUEST_TIMEOUT: "read by RankMonitorClient (when imported): seconds a request "
+    "to the node's monitor may take (default 30)",
     Env.NIC_SYSFS_ROOT: "read by the launcher: the NIC check's sysfs root "
     "(`--ft-nic-sysfs-root`)",
 }

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from ftrun import environment
 from ftrun.ft_launcher.command_line import shown_default
 from ftrun.ft_launcher.nvrx_options import NVRX_OPTIONS
 from ftrun.ft_launcher.options import FT_OPTIONS, TORCHRUN_OPTIONS, Option
@@ -76,6 +77,7 @@ BLOCKS: Mapping[str, Callable[[], str]] = {
     "ft-options": lambda: options_table(FT_OPTIONS, "yaml"),
     "torchrun-options": lambda: options_table(TORCHRUN_OPTIONS, "env"),
     "nvrx-options": lambda: nvrx_table(NVRX_OPTIONS),
+    "worker-env": environment.table,
 }
 
 
