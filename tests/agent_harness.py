@@ -24,10 +24,10 @@ from pathlib import Path
 
 from torch.distributed import HashStore, Store
 
-from ftrun.agent.inbox import SignalRecorder
-from ftrun.agent.inprocess.link import InprocessLink
-from ftrun.agent.node import NodeAgent
-from ftrun.agent.runtime import AgentRuntime
+from ftrun.agent.loop.inbox import SignalRecorder
+from ftrun.agent.loop.node import NodeAgent
+from ftrun.agent.loop.runtime import AgentRuntime
+from ftrun.agent.node_services.inprocess_link import InprocessLink
 from ftrun.agent.termination import Delivery, StopResult
 from ftrun.agent.workers import SpawnPath
 from ftrun.errors import ExitCode

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from agent_harness import FakeWorker, running_agent
-from ftrun.agent.inbox import take_until
+from ftrun.agent.loop.inbox import take_until
 from ftrun.agent.node_services.neighbour_watch import NeighbourLost
 from ftrun.errors import ExitCode
 from ftrun.rank_monitor import HangKind, Verdict, WorkloadAction, WorkloadControl

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ftrun.agent.diagnosis.attribution import (
+from ftrun.agent.decisions.attribution import (
     Kind,
     collective_signature,
     exit_signature,

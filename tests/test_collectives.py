@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ftrun.agent.diagnosis.collectives import RankCollectives, find_stalls, summarize
+from ftrun.agent.decisions.collectives import RankCollectives, find_stalls, summarize
 
 FLIGHT = Path(__file__).parent / "data" / "flight"
 

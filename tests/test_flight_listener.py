@@ -12,7 +12,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from ftrun.agent.diagnosis.flight_recorder import DUMP_TIMEOUT_S, FlightRecorder, _await_dumps
+from ftrun.agent.loop.flight_recorder import DUMP_TIMEOUT_S, FlightRecorder, _await_dumps
 from ftrun.client_lib.flight import fifo_path
 from ftrun.rank_monitor.process_state import is_stopped
 from support import wait_for

@@ -7,7 +7,7 @@ import os
 import stat
 from pathlib import Path
 
-from ftrun.agent.runtime import make_job_dir
+from ftrun.agent.loop.runtime import make_job_dir
 
 
 def aged(path: Path) -> Path:

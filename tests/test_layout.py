@@ -102,15 +102,43 @@ def test_dependencies_point_one_way() -> None:
     assert graph["ftrun.store"] <= {"ftrun.identity"}, graph["ftrun.store"]
 
 
-def test_the_agent_folder_shows_its_parts() -> None:
-    """The loop at the top of agent/, a sub-package for each other job (diagnosis, the node's
-    own services, placement, the fork server): a newcomer finds a room by its name."""
+def test_the_agent_folder_shows_its_layers() -> None:
+    """The agent's folder by layer: the loop (the only part that holds the runtime), the pure
+    decisions, the node's services, the fork server, placement, and at the top the few modules
+    they share; a newcomer finds a room by its name."""
     agent = SRC / "ftrun" / "agent"
     modules = sorted(p.name for p in agent.glob("*.py"))
-    assert len(modules) <= 15, modules
-    assert {p.name for p in agent.iterdir() if (p / "__init__.py").exists()} >= {
-        "diagnosis", "node_services", "placement", "prewarm"
+    assert len(modules) <= 8, modules
+    assert {p.name for p in agent.iterdir() if (p / "__init__.py").exists()} == {
+        "decisions", "loop", "node_services", "placement", "prewarm"
     }
+
+
+def _agent_graph() -> dict[str, set[str]]:
+    """The agent's parts (each sub-package, each top module) and what each imports of the
+    others."""
+
+    def part(module: str) -> str | None:
+        names = module.split(".")
+        return names[2] if names[:2] == ["ftrun", "agent"] and len(names) > 2 else None
+
+    graph: dict[str, set[str]] = {}
+    for path in (SRC / "ftrun" / "agent").rglob("*.py"):
+        here = part(_module_name(path))
+        if here is None:
+            continue
+        deps = {part(name) for name in _imports(path)} - {None, here}
+        graph.setdefault(here, set()).update(d for d in deps if d is not None)
+    return graph
+
+
+def test_no_cycle_between_the_agents_parts_and_the_decisions_import_none() -> None:
+    graph = _agent_graph()
+    assert {"loop", "decisions", "node_services", "prewarm"} <= set(graph)
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+    assert graph["decisions"] == set(), graph["decisions"]  # pure: no effect, no runtime
+    holders = {p for p, deps in graph.items() if "loop" in deps}
+    assert holders == set(), f"{holders} import the loop (the runtime stays in it)"
 
 
 def test_the_cycle_check_can_fail() -> None:

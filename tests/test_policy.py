@@ -7,9 +7,9 @@ import signal
 
 import pytest
 
-from ftrun.agent import policy as p
-from ftrun.agent.policy import Action, Facts, Outcome, Policy, RestartVote
-from ftrun.agent.state import TRANSITIONS, AgentState
+from ftrun.agent.decisions import policy as p
+from ftrun.agent.decisions.policy import Action, Facts, Outcome, Policy, RestartVote
+from ftrun.agent.decisions.state import TRANSITIONS, AgentState
 from ftrun.errors import ExitCode
 from ftrun.rank_monitor.workload import WorkloadAction
 from ftrun.rendezvous.control import Shutdown

@@ -13,7 +13,7 @@ import pytest
 from torch.distributed import Store, TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
-from ftrun.agent.state import AgentState, IllegalTransitionError, check_transition
+from ftrun.agent.decisions.state import AgentState, IllegalTransitionError, check_transition
 from ftrun.errors import ExitCode, RendezvousFailedError
 from ftrun.rendezvous.config import RendezvousConfig, RendezvousImpl
 from ftrun.rendezvous.control import JobControl

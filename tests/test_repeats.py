@@ -8,11 +8,11 @@ import json
 
 from torch.distributed import HashStore
 
-from ftrun.agent import policy as p
-from ftrun.agent.diagnosis.attribution import Kind, Signature, health_signature
-from ftrun.agent.diagnosis.repeats import Decision, judge
-from ftrun.agent.policy import Action, Facts, Outcome, Policy, RestartVote
-from ftrun.agent.state import TRANSITIONS, AgentState
+from ftrun.agent.decisions import policy as p
+from ftrun.agent.decisions.attribution import Kind, Signature, health_signature
+from ftrun.agent.decisions.policy import Action, Facts, Outcome, Policy, RestartVote
+from ftrun.agent.decisions.repeats import Decision, judge
+from ftrun.agent.decisions.state import TRANSITIONS, AgentState
 from ftrun.errors import ExitCode
 from ftrun.rendezvous.control import FailureRecord, job_control
 from ftrun.rendezvous.ranks import NodeDescriptor, Round

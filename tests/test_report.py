@@ -27,7 +27,7 @@ import pytest
 from click.testing import CliRunner
 
 import ftrun
-from ftrun.agent.diagnosis.reporting import CycleReport
+from ftrun.agent.loop.reporting import CycleReport
 from ftrun.agent.prewarm.marks import marks_path
 from ftrun.eventlog import schema as events_schema
 from ftrun.eventlog.failures import CRASH, HANG, RESTART, SIGNAL, ranks_text

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch.distributed import HashStore
 
-from ftrun.agent import policy as p
-from ftrun.agent.facts import _rerun_facts as rerun_facts
-from ftrun.agent.policy import Facts, Policy, RestartVote
-from ftrun.agent.state import AgentState
+from ftrun.agent.decisions import policy as p
+from ftrun.agent.decisions.policy import Facts, Policy, RestartVote
+from ftrun.agent.decisions.state import AgentState
+from ftrun.agent.loop.facts import _rerun_facts as rerun_facts
 from ftrun.errors import ExitCode
 from ftrun.rendezvous.config import RendezvousImpl
 from ftrun.rendezvous.control import Shutdown, job_control

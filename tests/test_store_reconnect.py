@@ -14,9 +14,9 @@ import pytest
 from torch.distributed import DistNetworkError, HashStore, Store
 
 from agent_harness import running_agent
-from ftrun.agent.observed import Facts, StoreRestarted
-from ftrun.agent.policy import KEEP_WATCHING, Action, Policy
-from ftrun.agent.state import AgentState
+from ftrun.agent.decisions.observed import Facts, StoreRestarted
+from ftrun.agent.decisions.policy import KEEP_WATCHING, Action, Policy
+from ftrun.agent.decisions.state import AgentState
 from ftrun.errors import ExitCode
 from ftrun.rendezvous.control import FailureRecord, Shutdown, job_control
 from ftrun.store.connect import _await_listening

@@ -9,7 +9,8 @@ import socket
 import pytest
 from torch.distributed import TCPStore
 
-from ftrun.agent.node_services.worker_store import AGENT_STORE_ENV, WorkerStoreService
+from ftrun.agent.node_services.worker_store import WorkerStoreService
+from ftrun.agent.worker_env import AGENT_STORE_ENV
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
 from support import free_port
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from ftrun.errors import ExitCode, FtrunError
 
 if TYPE_CHECKING:
-    from ftrun.agent.inbox import SignalRecorder
+    from ftrun.agent.loop.inbox import SignalRecorder
     from ftrun.agent.prewarm.client import ForkServer
     from ftrun.config import LaunchConfig
     from ftrun.services import ServiceFactory
@@ -38,8 +38,8 @@ def run_node(
         log.error("exiting with 75 (PREEMPTED): %s before any worker started",
                   signal.Signals(signals.last).name)  # fmt: skip
         return ExitCode.PREEMPTED
-    from ftrun.agent.node import NodeAgent
-    from ftrun.agent.runtime import open_runtime
+    from ftrun.agent.loop.node import NodeAgent
+    from ftrun.agent.loop.runtime import open_runtime
 
     try:
         with open_runtime(

@@ -6,12 +6,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from ftrun.agent.node_services.worker_store import AGENT_STORE_ENV
 from ftrun.agent.placement.rank_env import rank_variables
 from ftrun.client_lib.flight import BUFFER_VARS
 from ftrun.config import LaunchConfig
 from ftrun.environment import Env
 from ftrun.rendezvous.ranks import Round
+
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+"""torch's switch: the workers' store is served already (`node_services.worker_store`)."""
 
 PER_CYCLE = frozenset({
     "RANK", "ROLE_RANK", "GROUP_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",

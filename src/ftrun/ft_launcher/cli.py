@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
-from ftrun.agent.inbox import SignalRecorder
+from ftrun.agent.loop.inbox import SignalRecorder
 from ftrun.agent.node_services.compile_cache import prepare_compile_caches
 from ftrun.agent.prewarm.service import start_with_torch
 from ftrun.config import LaunchConfig

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
+from ftrun.agent.worker_env import AGENT_STORE_ENV
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import NodeService
 
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ftrun.agent")
 
-AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 STORE_TIMEOUT = datetime.timedelta(minutes=30)
 """torch's default for a process group's store operations."""
 

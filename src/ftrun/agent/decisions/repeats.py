@@ -32,7 +32,7 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 
-from ftrun.agent.diagnosis.attribution import Signature
+from ftrun.agent.decisions.attribution import Signature
 from ftrun.eventlog.failures import ranks_text
 from ftrun.rendezvous.control import FailureRecord
 

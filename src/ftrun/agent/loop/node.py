@@ -24,17 +24,17 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from ftrun.agent import policy as p
-from ftrun.agent.diagnosis.evidence import Evidence
-from ftrun.agent.diagnosis.reporting import CycleReport
-from ftrun.agent.facts import read_facts
-from ftrun.agent.inbox import SignalReceived, SignalRecorder, take_queued
-from ftrun.agent.inbox_events import InboxEvents
-from ftrun.agent.inprocess.effects import carry_out
-from ftrun.agent.observed import RungFailed
-from ftrun.agent.policy import Action, AgentEvent, Outcome, Policy
-from ftrun.agent.runtime import AgentRuntime
-from ftrun.agent.state import AgentState, check_transition
+from ftrun.agent.decisions import policy as p
+from ftrun.agent.decisions.observed import RungFailed
+from ftrun.agent.decisions.policy import Action, AgentEvent, Outcome, Policy
+from ftrun.agent.decisions.state import AgentState, check_transition
+from ftrun.agent.loop.evidence import Evidence
+from ftrun.agent.loop.facts import read_facts
+from ftrun.agent.loop.inbox import SignalReceived, SignalRecorder, take_queued
+from ftrun.agent.loop.inbox_events import InboxEvents
+from ftrun.agent.loop.inprocess_effects import carry_out
+from ftrun.agent.loop.reporting import CycleReport
+from ftrun.agent.loop.runtime import AgentRuntime
 from ftrun.agent.termination import PROCESSES, Delivery, StopResult, Termination, become_subreaper
 from ftrun.agent.worker_env import worker_envs
 from ftrun.agent.workers import WorkerGroup

@@ -10,9 +10,9 @@ import signal
 import time
 from collections.abc import Sequence
 
-from ftrun.agent.diagnosis.attribution import Signature
+from ftrun.agent.decisions.attribution import Signature
+from ftrun.agent.loop.runtime import AgentRuntime
 from ftrun.agent.prewarm.marks import forget_marks, read_marks
-from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.workers import WorkerExited
 from ftrun.rank_monitor import FirstProgress, ProgressSnapshot, Verdict
 from ftrun.rendezvous.ranks import Round

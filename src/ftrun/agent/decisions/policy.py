@@ -47,10 +47,9 @@ from __future__ import annotations
 import dataclasses
 import signal
 
-from ftrun.agent.diagnosis.attribution import Signature
-from ftrun.agent.diagnosis.repeats import Decision, judge
-from ftrun.agent.inprocess import ladder
-from ftrun.agent.observed import (
+from ftrun.agent.decisions import ladder
+from ftrun.agent.decisions.attribution import Signature
+from ftrun.agent.decisions.observed import (
     AgentEvent,
     ControlRequested,
     CycleEnded,
@@ -74,7 +73,8 @@ from ftrun.agent.observed import (
     WorkersStarted,
     WorkersStopped,
 )
-from ftrun.agent.state import AgentState
+from ftrun.agent.decisions.repeats import Decision, judge
+from ftrun.agent.decisions.state import AgentState
 from ftrun.errors import ExitCode
 from ftrun.rank_monitor.workload import WorkloadAction
 

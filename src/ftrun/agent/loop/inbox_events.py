@@ -14,15 +14,15 @@ import queue
 import signal
 import time
 
-from ftrun.agent import policy as p
-from ftrun.agent.diagnosis.evidence import Evidence
-from ftrun.agent.diagnosis.reporting import CycleReport
-from ftrun.agent.inbox import SignalReceived, take_until
+from ftrun.agent.decisions import policy as p
+from ftrun.agent.decisions.policy import AgentEvent
+from ftrun.agent.loop.evidence import Evidence
+from ftrun.agent.loop.inbox import SignalReceived, take_until
+from ftrun.agent.loop.reporting import CycleReport
+from ftrun.agent.loop.runtime import AgentRuntime
 from ftrun.agent.node_services.health_watch import HealthFinding
 from ftrun.agent.node_services.neighbour_watch import NeighbourLost
 from ftrun.agent.node_services.restart_watch import CycleEndedElsewhere
-from ftrun.agent.policy import AgentEvent
-from ftrun.agent.runtime import AgentRuntime
 from ftrun.agent.workers import WorkerExited, WorkerGroup
 from ftrun.rank_monitor import FirstProgress, Verdict, WorkloadControl
 from ftrun.rank_monitor.protocol import InprocessNote

@@ -24,12 +24,12 @@ from pathlib import Path
 from torch.distributed import Store
 
 from ftrun import owned_dir
-from ftrun.agent.inprocess.link import InprocessLink
 from ftrun.agent.node_services import restart_watch
 from ftrun.agent.node_services.cycle_info import CycleInfoService
 from ftrun.agent.node_services.gpu_memory import GpuReclaimService
 from ftrun.agent.node_services.health import HealthService
 from ftrun.agent.node_services.health_watch import HealthWatch
+from ftrun.agent.node_services.inprocess_link import InprocessLink
 from ftrun.agent.node_services.monitoring import MonitorService
 from ftrun.agent.node_services.neighbour_watch import NeighbourWatch
 from ftrun.agent.node_services.peering import PeerService

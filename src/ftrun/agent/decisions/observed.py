@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ftrun.agent.diagnosis.attribution import Signature
+from ftrun.agent.decisions.attribution import Signature
 from ftrun.errors import ExitCode
 from ftrun.rank_monitor.workload import WorkloadAction
 from ftrun.rendezvous.control import FailureRecord, Shutdown

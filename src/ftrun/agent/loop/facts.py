@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ftrun.agent import policy as p
-from ftrun.agent.observed import Outcome
-from ftrun.agent.runtime import AgentRuntime
+from ftrun.agent.decisions import policy as p
+from ftrun.agent.decisions.observed import Outcome
+from ftrun.agent.loop.runtime import AgentRuntime
 from ftrun.rendezvous.config import RendezvousImpl
 from ftrun.rendezvous.ranks import Round
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from ftrun.agent.policy import Action
-from ftrun.agent.runtime import AgentRuntime
+from ftrun.agent.decisions.policy import Action
+from ftrun.agent.loop.runtime import AgentRuntime
 from ftrun.agent.worker_env import worker_envs
 from ftrun.agent.workers import WorkerGroup
 from ftrun.errors import FtrunError

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from torch.distributed import DistError
 
-from ftrun.agent.diagnosis.attribution import (
+from ftrun.agent.decisions.attribution import (
     STDERR_TAIL_BYTES,
     Signature,
     collective_signature,
@@ -26,8 +26,8 @@ from ftrun.agent.diagnosis.attribution import (
     hang_cause,
     hang_signature,
 )
-from ftrun.agent.diagnosis.flight_recorder import FlightRecorder, suspect_nodes
-from ftrun.agent.runtime import AgentRuntime
+from ftrun.agent.loop.flight_recorder import FlightRecorder, suspect_nodes
+from ftrun.agent.loop.runtime import AgentRuntime
 from ftrun.agent.workers import WorkerExited, WorkerGroup
 from ftrun.errors import ExitCode
 from ftrun.rank_monitor import Verdict

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from ftrun.agent.diagnosis.collectives import RankCollectives, Stall, find_stalls, summarize
+from ftrun.agent.decisions.collectives import RankCollectives, Stall, find_stalls, summarize
 from ftrun.client_lib.flight import FR_DIR, fifo_path
 from ftrun.rank_monitor.process_state import answers, is_stopped
 from ftrun.rendezvous.control import JobControl
