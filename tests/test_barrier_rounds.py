@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from ftrun.config.rendezvous import RendezvousConfig
 from ftrun.rendezvous.barrier import BarrierRendezvousHandler
-from ftrun.rendezvous.config import RendezvousConfig
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
 from support import wait_for
 

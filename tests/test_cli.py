@@ -16,9 +16,11 @@ from typing import Any
 
 import pytest
 
-from ftrun.agent.config import AgentConfig, HealthCheckConfig
 from ftrun.agent.placement.numa import NumaPlan
-from ftrun.config import LaunchConfig
+from ftrun.config.agent import AgentConfig, HealthCheckConfig
+from ftrun.config.launch import LaunchConfig
+from ftrun.config.monitor import RankMonitorConfig
+from ftrun.config.rendezvous import RendezvousConfig, RendezvousImpl
 from ftrun.errors import ConfigError, ExitCode, FtrunError
 from ftrun.ft_launcher import build as build_module
 from ftrun.ft_launcher import cli
@@ -26,8 +28,6 @@ from ftrun.ft_launcher.build import build_config
 from ftrun.ft_launcher.command_line import help_text, parse_argv
 from ftrun.ft_launcher.nvrx_options import NVRX_OPTIONS
 from ftrun.ft_launcher.options import BY_NAME, OPTIONS, YAML_KEYS
-from ftrun.rank_monitor.config import RankMonitorConfig
-from ftrun.rendezvous.config import RendezvousConfig, RendezvousImpl
 
 PY = sys.executable
 NVRX_YAML_KEYS = {

@@ -12,7 +12,7 @@ import pytest
 import requests
 from torch.distributed import DistStoreError
 
-from ftrun.store.config import StoreConfig
+from ftrun.config.store import StoreConfig
 from ftrun.store.connect import another_client, connect_etcd
 from ftrun.store.etcd_lease import JobLease
 from support import wait_for

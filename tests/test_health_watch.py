@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ftrun.agent.config import HealthCheckConfig
 from ftrun.agent.node_services.health_watch import HealthWatch
+from ftrun.config.agent import HealthCheckConfig
 
 FAKES = Path(__file__).parent / "fakes"
 

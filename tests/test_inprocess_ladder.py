@@ -10,12 +10,12 @@ import datetime
 import pytest
 from torch.distributed import PrefixStore, TCPStore
 
-from ftrun.agent.config import AgentConfig
 from ftrun.agent.decisions import ladder
 from ftrun.agent.decisions import policy as p
 from ftrun.agent.decisions.policy import Action, Facts, Policy, RestartVote
 from ftrun.agent.decisions.state import AgentState
 from ftrun.agent.node_services.inprocess_link import InprocessLink
+from ftrun.config.agent import AgentConfig
 from ftrun.environment import Env
 from ftrun.errors import ProtocolError
 from ftrun.inprocess_protocol import (

@@ -11,12 +11,10 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 
 
 def _unit(module: str) -> str:
-    """The layout unit of a module: its subpackage (`ftrun.agent`), a top-level module
-    (`ftrun.config`), or a component's config module, which is a leaf everyone may read."""
-    parts = module.split(".")
-    if len(parts) >= 3 and parts[2] == "config":
-        return ".".join(parts[:3])
-    return ".".join(parts[:2])
+    """The layout unit of a module: its subpackage (`ftrun.agent`, `ftrun.config`) or a
+    top-level module (`ftrun.errors`). No exception: every config lives in `ftrun.config`,
+    which imports no package that reads it."""
+    return ".".join(module.split(".")[:2])
 
 
 def _module_name(path: Path) -> str:
@@ -47,9 +45,7 @@ def _unit_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for path in (SRC / "ftrun").rglob("*.py"):
         unit = _unit(_module_name(path))
-        deps = {_unit(name) for name in _imports(path)} - {"ftrun.errors"}
-        # A config module and its own package are one unit as far as cycles go.
-        deps = {d for d in deps if not (d.startswith(unit) or unit.startswith(d))}
+        deps = {_unit(name) for name in _imports(path)} - {"ftrun.errors", unit}
         graph.setdefault(unit, set()).update(deps)
     return graph
 
@@ -92,14 +88,18 @@ def test_dependencies_point_one_way() -> None:
     assert "ftrun.inprocess" not in graph["ftrun.agent"]
     assert graph["ftrun.inprocess_protocol"] <= {"ftrun.environment"}
     # The tools read event logs; `ftrun straggler` also writes the agents' control file, whose
-    # format lives in the straggler package's config (data only, no agent code).
+    # format lives in the straggler config (data only, no agent code).
     tools = graph["ftrun.tools"]
-    assert tools <= {"ftrun.eventlog", "ftrun.straggler.config"}, tools
+    assert tools <= {"ftrun.eventlog", "ftrun.config"}, tools
+    # Every config is data: it reads no package that reads it.
+    assert graph["ftrun.config"] <= {"ftrun.identity", "ftrun.inprocess_protocol"}, graph[
+        "ftrun.config"
+    ]
     # The event log and its readers are a library: the tools and the live view both use it.
     assert graph["ftrun.eventlog"] == set(), graph["ftrun.eventlog"]
     assert "ftrun.tools" not in graph["ftrun.observe"], graph["ftrun.observe"]
     # The store clients know nothing of what the job keeps in the store.
-    assert graph["ftrun.store"] <= {"ftrun.identity"}, graph["ftrun.store"]
+    assert graph["ftrun.store"] <= {"ftrun.identity", "ftrun.config"}, graph["ftrun.store"]
 
 
 def test_the_agent_folder_shows_its_layers() -> None:
@@ -182,12 +182,11 @@ SUBSYSTEMS = (
 
 def test_the_agent_imports_no_subsystem_and_none_imports_the_agent() -> None:
     """The builder (ft_launcher) hands the agent the subsystems' service factories; the
-    subsystems meet the agent only through `ftrun.services`. A subsystem's config module is
-    a leaf that `ftrun.config` gathers (`LaunchConfig`), the one exception."""
+    subsystems meet the agent only through `ftrun.services`."""
     graph = _unit_graph()
     reached = {d for d in graph["ftrun.agent"] if d.startswith(SUBSYSTEMS)}
     assert not reached, f"ftrun.agent imports {sorted(reached)}"
     for unit, deps in graph.items():
         if unit.startswith((*SUBSYSTEMS, "ftrun.services", "ftrun.peer", "ftrun.rendezvous")):
             assert "ftrun.agent" not in deps, f"{unit} imports ftrun.agent"
-    assert graph["ftrun.services"] <= {"ftrun.rank_monitor", "ftrun.rendezvous"}
+    assert graph["ftrun.services"] <= {"ftrun.rank_monitor", "ftrun.rendezvous", "ftrun.config"}

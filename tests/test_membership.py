@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ftrun.agent.config import HealthCheckConfig
 from ftrun.agent.node_services.health import check_node
+from ftrun.config.agent import HealthCheckConfig
 from ftrun.errors import NodeUnhealthyError
 from launch import ROOT, node_of, start_job
 from support import wait_for

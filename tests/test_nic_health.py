@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ftrun.agent.config import HealthCheckConfig
 from ftrun.agent.node_services.health import check_node
+from ftrun.config.agent import HealthCheckConfig
 from ftrun.errors import ConfigError, NodeUnhealthyError
 from ftrun.ft_launcher.build import build_config
 from ftrun.infiniband import check_ib_ports

@@ -490,8 +490,8 @@ def test_the_feed_thread_keeps_events_through_a_store_error_and_publishes_them_l
 
 
 def test_each_gpu_the_health_watch_reads_is_served_with_its_index(fake_nvml, tmp_path):
-    from ftrun.agent.config import HealthCheckConfig
     from ftrun.agent.node_services.health_watch import HealthWatch
+    from ftrun.config.agent import HealthCheckConfig
 
     xids = tmp_path / "xids"
     spec = {"devices": 4, "xid_file": str(xids), "memory": {"2": [3 << 30, 80 << 30]},

@@ -14,8 +14,8 @@ from torch.distributed import Store, TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from ftrun.agent.decisions.state import AgentState, IllegalTransitionError, check_transition
+from ftrun.config.rendezvous import RendezvousConfig, RendezvousImpl
 from ftrun.errors import ExitCode, RendezvousFailedError
-from ftrun.rendezvous.config import RendezvousConfig, RendezvousImpl
 from ftrun.rendezvous.control import JobControl
 from ftrun.rendezvous.errors import DESCRIPTOR_VERSION, DescriptorVersionError, InfraRankError
 from ftrun.rendezvous.factory import create_rendezvous

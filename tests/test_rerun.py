@@ -16,8 +16,8 @@ from ftrun.agent.decisions import policy as p
 from ftrun.agent.decisions.policy import Facts, Policy, RestartVote
 from ftrun.agent.decisions.state import AgentState
 from ftrun.agent.loop.facts import _rerun_facts as rerun_facts
+from ftrun.config.rendezvous import RendezvousImpl
 from ftrun.errors import ExitCode
-from ftrun.rendezvous.config import RendezvousImpl
 from ftrun.rendezvous.control import Shutdown, job_control
 from ftrun.rendezvous.slots import Arrival, RoundView, plan_round
 from ftrun.rerun import (

@@ -14,6 +14,7 @@ import msgpack
 import pytest
 from torch.distributed import HashStore
 
+from ftrun.config.straggler import DEFAULT_REPORT_INTERVAL, StragglerConfig
 from ftrun.errors import ProtocolError
 from ftrun.ft_launcher.options import BY_NAME
 from ftrun.rank_monitor import protocol as wire
@@ -34,7 +35,6 @@ from ftrun.straggler.assemble import (
     encode_node,
     rank_record,
 )
-from ftrun.straggler.config import DEFAULT_REPORT_INTERVAL, StragglerConfig
 from ftrun.straggler.decide import findings
 from ftrun.straggler.scores import History
 from ftrun.straggler.service import StragglerService

@@ -8,12 +8,12 @@ import random
 
 import pytest
 
+from ftrun.config.straggler import ControlFile, StragglerAction, StragglerConfig, write_control
 from ftrun.errors import ConfigError
 from ftrun.rank_monitor.timings import SectionTimes, TimingBatch
 from ftrun.straggler import Report, StragglerId
 from ftrun.straggler.assemble import assemble, assemble_columns, columns, decode_node, encode_node
 from ftrun.straggler.collector import Leader, NodeCollector
-from ftrun.straggler.config import ControlFile, StragglerAction, StragglerConfig, write_control
 from ftrun.straggler.decide import decide, findings
 from ftrun.straggler.report import format_scores, report_text
 from ftrun.straggler.scores import History, summarise, weighted

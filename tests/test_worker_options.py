@@ -146,7 +146,7 @@ def test_workers_share_one_filtered_file_per_stream_and_cycle(tmp_path: Path) ->
     import queue
     import sys
 
-    from ftrun.agent.config import AgentConfig
+    from ftrun.config.agent import AgentConfig
 
     script = (
         "import os, sys\n"

@@ -18,8 +18,8 @@ from typing import Any
 
 from bench.common import smoke
 from bench.common.timing import p99, per_call_us
-from ftrun.agent.config import HealthCheckConfig
 from ftrun.agent.node_services.health_watch import HealthWatch
+from ftrun.config.agent import HealthCheckConfig
 from ftrun.nvml import load_nvml
 
 

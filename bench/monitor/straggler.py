@@ -159,9 +159,9 @@ def node_interval_ms() -> float:
 
 
 def leader_report_ms(records: list[bytes]) -> tuple[float, str]:
+    from ftrun.config.straggler import StragglerConfig
     from ftrun.straggler.assemble import assemble_columns, decode_node
     from ftrun.straggler.collector import Leader
-    from ftrun.straggler.config import StragglerConfig
     from ftrun.straggler.decide import decide
     from ftrun.straggler.report import report_text
 

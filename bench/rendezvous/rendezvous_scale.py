@@ -85,8 +85,8 @@ from bench.rendezvous.stores import (
     place_leader,
     requests_between,
 )
+from ftrun.config.rendezvous import RendezvousConfig, RendezvousImpl
 from ftrun.rendezvous.barrier import BarrierRendezvousHandler, JoinInterruptedError
-from ftrun.rendezvous.config import RendezvousConfig, RendezvousImpl
 from ftrun.rendezvous.dynamic import DynamicRendezvous
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
 from ftrun.store.etcd_members import spread_start

@@ -38,7 +38,7 @@ from ftrun.rendezvous.ranks import Round
 if TYPE_CHECKING:
     from torch.distributed import Store
 
-    from ftrun.config import LaunchConfig
+    from ftrun.config.launch import LaunchConfig
     from ftrun.nvml import GpuSnapshot
     from ftrun.peer import PeerClient, PeerServer
     from ftrun.rank_monitor.records import ProgressSnapshot

@@ -12,7 +12,7 @@ from ftrun.errors import ExitCode, FtrunError
 if TYPE_CHECKING:
     from ftrun.agent.loop.inbox import SignalRecorder
     from ftrun.agent.prewarm.client import ForkServer
-    from ftrun.config import LaunchConfig
+    from ftrun.config.launch import LaunchConfig
     from ftrun.services import ServiceFactory
 
 log = logging.getLogger("ftrun.agent")

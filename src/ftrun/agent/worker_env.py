@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ftrun.agent.placement.rank_env import rank_variables
 from ftrun.client_lib.flight import BUFFER_VARS
-from ftrun.config import LaunchConfig
+from ftrun.config.launch import LaunchConfig
 from ftrun.environment import Env
 from ftrun.rendezvous.ranks import Round
 

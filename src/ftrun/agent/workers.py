@@ -19,10 +19,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Protocol
 
-from ftrun.agent.config import AgentConfig, Std
 from ftrun.agent.exits import ExitWaiter
 from ftrun.agent.placement.binding import prepare_binding
 from ftrun.agent.termination import die_with_parent
+from ftrun.config.agent import AgentConfig, Std
 
 
 @dataclasses.dataclass(frozen=True)

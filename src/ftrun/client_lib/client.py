@@ -13,7 +13,7 @@ to act on the workload (see `WorkloadAction`); it returns once the node's agent 
 just completed: with it, `ftrun report` counts the work redone after a restart. Without it,
 the frames (and the cost) are those of before; with it, a few more bytes are appended.
 
-The launcher sets the environment the client reads (see `ftrun.rank_monitor.config`):
+The launcher sets the environment the client reads (see `ftrun.config.monitor`):
 `FTRUN_MONITOR_ADDR`, `FTRUN_IPC_DIR`, `FTRUN_STACK_SIGNAL` and torchrun's `RANK`.
 """
 
@@ -33,10 +33,10 @@ import msgpack
 import zmq
 
 from ftrun.client_lib import flight, timeouts
+from ftrun.config.monitor import ENV_RANK
 from ftrun.environment import Env
 from ftrun.errors import ProtocolError, RankMonitorClientError
 from ftrun.rank_monitor import protocol as wire
-from ftrun.rank_monitor.config import ENV_RANK
 from ftrun.rank_monitor.stacks import stack_file
 from ftrun.rank_monitor.workload import WorkloadControlRequest
 

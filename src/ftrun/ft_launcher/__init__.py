@@ -4,7 +4,7 @@
 ftrun.ft_launcher.cli` runs without a double-import warning.
 """
 
-from ftrun.config import LaunchConfig
+from ftrun.config.launch import LaunchConfig
 from ftrun.ft_launcher.build import build_config
 from ftrun.ft_launcher.options import OPTIONS, Option
 from ftrun.ft_launcher.yaml_file import load_ft_yaml

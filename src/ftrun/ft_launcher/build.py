@@ -15,17 +15,17 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 
-from ftrun.agent.config import AgentConfig, HealthCheckConfig
 from ftrun.agent.placement.numa import NumaError, NumaPlan, plan_launch
-from ftrun.config import LaunchConfig
+from ftrun.config.agent import AgentConfig, HealthCheckConfig
+from ftrun.config.launch import LaunchConfig
+from ftrun.config.monitor import RankMonitorConfig
+from ftrun.config.observe import ObserveConfig
+from ftrun.config.straggler import StragglerAction, StragglerConfig
 from ftrun.errors import ConfigError
 from ftrun.ft_launcher.build_rendezvous import rendezvous_config
 from ftrun.ft_launcher.command_line import CommandLine, Resolved, parse_argv, resolve
 from ftrun.ft_launcher.options import OPTIONS
 from ftrun.ft_launcher.yaml_file import load_ft_yaml
-from ftrun.observe.config import ObserveConfig
-from ftrun.rank_monitor.config import RankMonitorConfig
-from ftrun.straggler.config import StragglerAction, StragglerConfig
 
 DeviceCounter = Callable[[str], int]
 """Counts the local devices for `--nproc-per-node` auto/cpu/gpu/xpu; `ValueError` if none."""

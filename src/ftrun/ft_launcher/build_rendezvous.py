@@ -11,10 +11,10 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+from ftrun.config.rendezvous import RendezvousConfig, RendezvousImpl
 from ftrun.errors import ConfigError
 from ftrun.ft_launcher import values as v
 from ftrun.ft_launcher.command_line import Resolved
-from ftrun.rendezvous.config import RendezvousConfig, RendezvousImpl
 
 MASTER_PORT = 29500
 """torchrun's --master-port default (static rendezvous)."""

@@ -16,7 +16,7 @@ from typing import NoReturn
 from ftrun.agent.loop.inbox import SignalRecorder
 from ftrun.agent.node_services.compile_cache import prepare_compile_caches
 from ftrun.agent.prewarm.service import start_with_torch
-from ftrun.config import LaunchConfig
+from ftrun.config.launch import LaunchConfig
 from ftrun.errors import ConfigError, ExitCode, FtrunError
 from ftrun.eventlog.writer import log_dir_error
 from ftrun.ft_launcher.build import config_from

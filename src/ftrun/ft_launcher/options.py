@@ -11,7 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ftrun.agent.config import AgentConfig, HealthCheckConfig
+from ftrun.config.agent import AgentConfig, HealthCheckConfig
+from ftrun.config.monitor import RankMonitorConfig
+from ftrun.config.observe import ObserveConfig
+from ftrun.config.rendezvous import RendezvousConfig, RendezvousImpl
+from ftrun.config.straggler import StragglerAction, StragglerConfig, threshold
 from ftrun.environment import Env
 from ftrun.ft_launcher import values as v
 from ftrun.ft_launcher.declare import Option
@@ -19,10 +23,6 @@ from ftrun.ft_launcher.declare import default_of as _default
 from ftrun.ft_launcher.declare import ft_option as _ft
 from ftrun.ft_launcher.declare import torchrun_option as _torchrun
 from ftrun.ft_launcher.nvrx_options import NVRX_OPTIONS
-from ftrun.observe.config import ObserveConfig
-from ftrun.rank_monitor.config import RankMonitorConfig
-from ftrun.rendezvous.config import RendezvousConfig, RendezvousImpl
-from ftrun.straggler.config import StragglerAction, StragglerConfig, threshold
 
 PROG = "ft_launcher"
 YAML_SECTION = "fault_tolerance"

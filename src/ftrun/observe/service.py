@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping
 from http.server import ThreadingHTTPServer
 from typing import Any
 
+from ftrun.config.observe import ObserveConfig
 from ftrun.eventlog.job_status import job_status
-from ftrun.observe.config import ObserveConfig
 from ftrun.observe.feed import FeedReader, FeedWriter
 from ftrun.observe.metrics import NodeMetrics
 from ftrun.observe.page import CachedStatus, serve

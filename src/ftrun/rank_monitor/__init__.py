@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ftrun.config.monitor import RankMonitorConfig
 from ftrun.lazy import lazy_getattr
-from ftrun.rank_monitor.config import RankMonitorConfig
 from ftrun.rank_monitor.records import FirstProgress, ProgressSnapshot, Verdict
 from ftrun.rank_monitor.tracker import HangKind
 from ftrun.rank_monitor.workload import WorkloadAction, WorkloadControl, WorkloadControlRequest

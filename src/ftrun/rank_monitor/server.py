@@ -31,18 +31,24 @@ from pathlib import Path
 
 import zmq
 
+from ftrun.config.monitor import RankMonitorConfig
 from ftrun.environment import Env
 from ftrun.errors import ProtocolError
 from ftrun.rank_monitor import protocol as wire
 from ftrun.rank_monitor import stacks
 from ftrun.rank_monitor.capture import Capture, StackCapturer, capture_stacks
-from ftrun.rank_monitor.config import RankMonitorConfig
 from ftrun.rank_monitor.deadlines import Deadlines
 from ftrun.rank_monitor.process_state import cannot_act, status_of
 from ftrun.rank_monitor.records import FirstProgress, ProgressSnapshot, Verdict
 from ftrun.rank_monitor.registry import Peer, RankRegistry, is_self_or_descendant
 from ftrun.rank_monitor.timings import TimingBatch, TimingSenders
-from ftrun.rank_monitor.tracker import NotReadyError, Overdue, RankProgress
+from ftrun.rank_monitor.tracker import (
+    NotReadyError,
+    Overdue,
+    RankProgress,
+    floored,
+    initial_timeouts,
+)
 from ftrun.rank_monitor.workload import WorkloadAction, WorkloadControl
 
 log = logging.getLogger("ftrun.rank_monitor")
@@ -281,7 +287,7 @@ class RankMonitorServer:
             case wire.CalcTimeouts():
                 self._calculate(identity, progress, message)
             case wire.SetTimeouts(seq=seq, timeouts=timeouts):
-                progress.timeouts = self.config.floored(timeouts)
+                progress.timeouts = floored(self.config, timeouts)
                 self._reply(identity, seq, data=progress.timeouts.to_wire())
             case wire.Control(seq=seq, action=action, description=text):
                 p, what = progress, WorkloadAction(action)
@@ -323,7 +329,7 @@ class RankMonitorServer:
             self._drop(f"HELLO from rank {hello.rank} pid {hello.pid}, which was not spawned here")
             self._reply(identity, hello.seq, error=f"rank {hello.rank} is not expected here")
             return
-        progress = RankProgress(hello.rank, hello.pid, now, self.config.initial_timeouts())
+        progress = RankProgress(hello.rank, hello.pid, now, initial_timeouts(self.config))
         progress.warmup_iterations = (
             self.config.num_warmup_iterations
             if hello.warmup_iterations is None
@@ -342,7 +348,7 @@ class RankMonitorServer:
                 req.out_of_section,
                 req.skip_if_not_ready,
             )
-            progress.timeouts = self.config.floored(calculated)
+            progress.timeouts = floored(self.config, calculated)
         except NotReadyError as exc:
             self._reply(identity, req.seq, error=str(exc))
             return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from ftrun.config.monitor import RankMonitorConfig
 from ftrun.rank_monitor.protocol import Timeouts
 
 STEP_SECTION, WARMUP_SECTION = "step", "warmup"
@@ -190,3 +191,33 @@ def _overdue(
     if timeout is None:
         return None
     return Overdue(deadline=since + timeout, kind=kind, since=since, section=section)
+
+
+def floored(config: RankMonitorConfig, timeouts: Timeouts) -> Timeouts:
+    """`timeouts` with every calculated or loaded value raised to the floor; a value equal
+    to the configured one (explicit) is kept as it is."""
+    given = initial_timeouts(config)
+
+    def floor(value: float | None, explicit: float | None) -> float | None:
+        if value is None or value == explicit:
+            return value
+        return max(value, config.calculated_timeout_floor)
+
+    return Timeouts(
+        initial_heartbeat=floor(timeouts.initial_heartbeat, given.initial_heartbeat),
+        heartbeat=floor(timeouts.heartbeat, given.heartbeat),
+        sections={
+            name: floor(value, given.sections.get(name))
+            for name, value in timeouts.sections.items()
+        },
+        out_of_section=floor(timeouts.out_of_section, given.out_of_section),
+    )
+
+def initial_timeouts(config: RankMonitorConfig) -> Timeouts:
+    """The timeouts a rank starts with, before any calculation or loaded state."""
+    return Timeouts(
+        initial_heartbeat=config.initial_rank_heartbeat_timeout,
+        heartbeat=config.rank_heartbeat_timeout,
+        sections=dict(config.rank_section_timeouts),
+        out_of_section=config.rank_out_of_section_timeout,
+    )

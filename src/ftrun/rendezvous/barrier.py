@@ -36,8 +36,8 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
+from ftrun.config.rendezvous import RendezvousConfig
 from ftrun.errors import ExitCode, NodeExcludedError
-from ftrun.rendezvous.config import RendezvousConfig
 from ftrun.rendezvous.control import Shutdown, job_control
 from ftrun.rendezvous.errors import DescriptorVersionError, JoinInterruptedError
 from ftrun.rendezvous.published import Progress, PublishedRound, reported_iteration

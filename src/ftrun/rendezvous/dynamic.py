@@ -22,7 +22,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
-from ftrun.rendezvous.config import RendezvousConfig
+from ftrun.config.rendezvous import RendezvousConfig
 from ftrun.rendezvous.control import job_control
 from ftrun.rendezvous.errors import JoinInterruptedError
 from ftrun.rendezvous.ranks import NodeDescriptor, Round, order_nodes

@@ -7,8 +7,8 @@ from typing import Protocol
 
 from torch.distributed import Store
 
+from ftrun.config.rendezvous import RendezvousConfig, RendezvousImpl
 from ftrun.rendezvous.barrier import BarrierRendezvousHandler, Probe
-from ftrun.rendezvous.config import RendezvousConfig, RendezvousImpl
 from ftrun.rendezvous.control import JobControl
 from ftrun.rendezvous.dynamic import DynamicRendezvous
 from ftrun.rendezvous.ranks import NodeDescriptor, Round

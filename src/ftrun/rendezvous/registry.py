@@ -24,8 +24,8 @@ def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
 
 
 def create_barrier_handler(params: RendezvousParameters) -> RendezvousHandler:
+    from ftrun.config.rendezvous import RendezvousConfig
     from ftrun.rendezvous.barrier import BarrierRendezvousHandler
-    from ftrun.rendezvous.config import RendezvousConfig
     from ftrun.rendezvous.ranks import NodeDescriptor
     from ftrun.store.connect import connect_store
 

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 from torch.distributed import Store, TCPStore
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from ftrun.config.store import StoreConfig
 from ftrun.errors import RendezvousAuthError, RendezvousFailedError, RendezvousPrefixHeldError
 from ftrun.identity import is_local_host
-from ftrun.store.config import StoreConfig
 from ftrun.store.etcd_lease import JOB_LEASE_TTL_S, LEASE_KEY, JobLease
 from ftrun.store.etcd_members import MemberHealth, spread_start
 from ftrun.store.reconnecting import ReconnectingStore

@@ -21,8 +21,8 @@ import dataclasses
 from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
+from ftrun.config.straggler import DEFAULT_REPORT_INTERVAL
 from ftrun.eventlog.failures import ranks_text
-from ftrun.straggler.config import DEFAULT_REPORT_INTERVAL
 
 FLAG = "--ft-straggler-report-interval"
 _RANGES_SHOWN = 8

@@ -18,9 +18,9 @@ from typing import Any
 
 import zmq
 
+from ftrun.config.monitor import ENV_RANK
 from ftrun.environment import Env
 from ftrun.rank_monitor import protocol as wire
-from ftrun.rank_monitor.config import ENV_RANK
 from ftrun.rank_monitor.timings import DetectorSettings, SectionTimes
 from ftrun.straggler.recorder import Batch
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from ftrun.straggler.config import StragglerAction, StragglerConfig
+from ftrun.config.straggler import StragglerAction, StragglerConfig
 from ftrun.straggler.report import Report
 
 

@@ -32,10 +32,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ftrun.config.straggler import DEFAULT_REPORT_INTERVAL
 from ftrun.errors import ProtocolError
 from ftrun.rank_monitor.timings import parse_settings
 from ftrun.straggler.channel import MonitorChannel, ReportFile, launcher_env
-from ftrun.straggler.config import DEFAULT_REPORT_INTERVAL
 from ftrun.straggler.cuda import cuda_timer
 from ftrun.straggler.local import IntervalTracker, LocalSink, local_report
 from ftrun.straggler.recorder import Recorder, Section

@@ -14,8 +14,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-DEFAULT_THRESHOLD = 0.75
-"""NVRx's `identify_stragglers` default for every score kind."""
+from ftrun.config.straggler import DEFAULT_THRESHOLD
 
 
 @dataclasses.dataclass(frozen=True)

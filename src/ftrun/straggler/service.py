@@ -32,6 +32,12 @@ from typing import Any
 
 from torch.distributed import Store
 
+from ftrun.config.straggler import (
+    CONTROL_FILE,
+    DEFAULT_REPORT_INTERVAL,
+    ControlFile,
+    StragglerConfig,
+)
 from ftrun.errors import ConfigError
 from ftrun.rank_monitor.timings import DetectorSettings, TimingBatch
 from ftrun.rank_monitor.workload import WorkloadAction
@@ -55,12 +61,6 @@ from ftrun.straggler.assemble import (
 from ftrun.straggler.board import Board
 from ftrun.straggler.channel import write_report
 from ftrun.straggler.collector import Leader, NodeCollector
-from ftrun.straggler.config import (
-    CONTROL_FILE,
-    DEFAULT_REPORT_INTERVAL,
-    ControlFile,
-    StragglerConfig,
-)
 from ftrun.straggler.decide import Decision, decide
 from ftrun.straggler.report import Report, report_text
 

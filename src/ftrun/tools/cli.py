@@ -18,11 +18,11 @@ from typing import NoReturn
 
 import click
 
+from ftrun.config.straggler import StragglerAction, StragglerConfig, write_control
 from ftrun.errors import ConfigError
 from ftrun.eventlog.job_status import status_table
 from ftrun.eventlog.reader import ReportInputError, load_events
 from ftrun.eventlog.report import build_report
-from ftrun.straggler.config import StragglerAction, StragglerConfig, write_control
 from ftrun.tools.status_sources import StatusInputError, from_endpoint, from_log_dir
 from ftrun.tools.stragglers import scores_picture
 from ftrun.tools.summary import to_json, to_text

@@ -9,7 +9,7 @@ import dataclasses
 from ftrun.agent.decisions import policy as p
 from ftrun.agent.decisions.observed import Outcome
 from ftrun.agent.loop.runtime import AgentRuntime
-from ftrun.rendezvous.config import RendezvousImpl
+from ftrun.config.rendezvous import RendezvousImpl
 from ftrun.rendezvous.ranks import Round
 
 # Events whose decision depends on the job's state in the store (shutdown, failure count).

@@ -39,7 +39,7 @@ from ftrun.agent.prewarm.service import PrewarmService, plain_reason, start_earl
 from ftrun.agent.prewarm.target import python_target
 from ftrun.agent.worker_env import shared_env
 from ftrun.agent.workers import PlainSpawner, Spawner
-from ftrun.config import LaunchConfig
+from ftrun.config.launch import LaunchConfig
 from ftrun.errors import NodeUnhealthyError, RendezvousFailedError
 from ftrun.eventlog.writer import EventLog, log_dir_error
 from ftrun.identity import free_port

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from ftrun.agent.config import HealthCheckConfig
 from ftrun.agent.termination import kill_group_now
+from ftrun.config.agent import HealthCheckConfig
 from ftrun.errors import NodeUnhealthyError
 from ftrun.infiniband import check_ib_ports
 from ftrun.nvml import load_nvml, memory_problems, nvlinks_down, uncorrected_ecc, visible_gpus

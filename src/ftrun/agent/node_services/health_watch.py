@@ -31,8 +31,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ftrun.agent.config import HealthCheckConfig
 from ftrun.agent.decisions.attribution import Signature, health_signature
+from ftrun.config.agent import HealthCheckConfig
 from ftrun.errors import NodeUnhealthyError
 from ftrun.infiniband import check_ib_ports
 from ftrun.nvml import GpuSnapshot, load_nvml, memory_problems, uncorrected_ecc, visible_gpus

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 
 from torch.distributed import PrefixStore, Store, TCPStore
 
-from ftrun.agent.config import AgentConfig
+from ftrun.config.agent import AgentConfig
 from ftrun.environment import Env
 from ftrun.inprocess_protocol import (
     Interruption,

@@ -35,7 +35,7 @@ from ftrun.agent.prewarm.start_env import path0
 from ftrun.agent.prewarm.target import PythonTarget, python_target
 from ftrun.agent.worker_env import shared_env
 from ftrun.agent.workers import PlainSpawner, SpawnPath, WorkerProcess
-from ftrun.config import LaunchConfig
+from ftrun.config.launch import LaunchConfig
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import NodeService
 

@@ -57,7 +57,7 @@ from ftrun.checkpointing.tier_files import (
     write_json_atomically,
 )
 from ftrun.checkpointing.worker_tier import protected_part
-from ftrun.rendezvous.config import run_id_in_file_name
+from ftrun.config.rendezvous import run_id_in_file_name
 
 log = logging.getLogger("ftrun.agent")
 

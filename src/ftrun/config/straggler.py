@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from ftrun.errors import ConfigError
-from ftrun.straggler.report import DEFAULT_THRESHOLD
 
+DEFAULT_THRESHOLD = 0.75
+"""NVRx's `identify_stragglers` default for every score kind."""
 DEFAULT_REPORT_INTERVAL = 60.0
 """Seconds between reports when neither the launcher nor a worker says (NVRx's default)."""
 CONTROL_FILE = "straggler.json"

@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from ftrun.agent.config import AgentConfig, HealthCheckConfig
+from ftrun.config.agent import AgentConfig, HealthCheckConfig
+from ftrun.config.monitor import RankMonitorConfig
+from ftrun.config.observe import ObserveConfig
+from ftrun.config.rendezvous import RendezvousConfig
+from ftrun.config.straggler import StragglerConfig
 from ftrun.identity import this_node
-from ftrun.observe.config import ObserveConfig
-from ftrun.rank_monitor.config import RankMonitorConfig
-from ftrun.rendezvous.config import RendezvousConfig
-from ftrun.straggler.config import StragglerConfig
 
 
 @dataclasses.dataclass(frozen=True)

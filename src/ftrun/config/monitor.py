@@ -7,8 +7,6 @@ import signal
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from ftrun.rank_monitor.protocol import Timeouts
-
 # The launcher's own variables for workers are `ftrun.environment.Env`'s; torchrun's:
 ENV_RANK = "RANK"
 """The worker's global rank, as torchrun sets it."""
@@ -40,33 +38,4 @@ class RankMonitorConfig:
     def __post_init__(self) -> None:
         object.__setattr__(
             self, "rank_section_timeouts", MappingProxyType(dict(self.rank_section_timeouts))
-        )
-
-    def floored(self, timeouts: Timeouts) -> Timeouts:
-        """`timeouts` with every calculated or loaded value raised to the floor; a value equal
-        to the configured one (explicit) is kept as it is."""
-        given = self.initial_timeouts()
-
-        def floor(value: float | None, explicit: float | None) -> float | None:
-            if value is None or value == explicit:
-                return value
-            return max(value, self.calculated_timeout_floor)
-
-        return Timeouts(
-            initial_heartbeat=floor(timeouts.initial_heartbeat, given.initial_heartbeat),
-            heartbeat=floor(timeouts.heartbeat, given.heartbeat),
-            sections={
-                name: floor(value, given.sections.get(name))
-                for name, value in timeouts.sections.items()
-            },
-            out_of_section=floor(timeouts.out_of_section, given.out_of_section),
-        )
-
-    def initial_timeouts(self) -> Timeouts:
-        """The timeouts a rank starts with, before any calculation or loaded state."""
-        return Timeouts(
-            initial_heartbeat=self.initial_rank_heartbeat_timeout,
-            heartbeat=self.rank_heartbeat_timeout,
-            sections=dict(self.rank_section_timeouts),
-            out_of_section=self.rank_out_of_section_timeout,
         )

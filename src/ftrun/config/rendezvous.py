@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from ftrun.store.config import StoreConfig
+from ftrun.config.store import StoreConfig
 
 _NOT_IN_FILE_NAMES = re.compile(r"[^A-Za-z0-9._-]")
 
