@@ -28,6 +28,7 @@ from ftrun.agent.placement.numa import (
     NumaPlan,
     Topology,
     UnsupportedModeError,
+    binding_env,
     plan,
     plan_launch,
 )
@@ -190,8 +191,9 @@ def test_core_complex_is_refused_naming_exclusive() -> None:
 
 def test_the_plan_becomes_two_variables_per_rank() -> None:
     numa_plan = NumaPlan("node", (Binding(cpus("0-3,8"), frozenset({1})), Binding(cpus("4"))))
-    assert numa_plan.env(0) == {Env.CPU_BIND: "0-3,8", Env.MEM_BIND: "1"}
-    assert numa_plan.env(1) == {Env.CPU_BIND: "4"}  # no memory node known: memory left alone
+    assert binding_env(numa_plan, 0) == {Env.CPU_BIND: "0-3,8", Env.MEM_BIND: "1"}
+    # No memory node known: memory is left alone.
+    assert binding_env(numa_plan, 1) == {Env.CPU_BIND: "4"}
 
 
 # --- NVML's view (the fake pynvml) -----------------------------------------------------------

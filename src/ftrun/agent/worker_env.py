@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from ftrun.agent.placement.numa import binding_env
 from ftrun.agent.placement.rank_env import rank_variables
 from ftrun.client_lib.flight import BUFFER_VARS
 from ftrun.config.launch import LaunchConfig
@@ -51,7 +52,7 @@ def worker_envs(
                 config.agent.virtual_local_rank,
                 environ.get("CUDA_VISIBLE_DEVICES"),
             ),
-            **(numa.env(local_rank) if numa is not None else {}),
+            **(binding_env(numa, local_rank) if numa is not None else {}),
             "TORCHELASTIC_ERROR_FILE": str(cycle_dir / f"rank{first + local_rank}" / "error.json"),
         }
         for local_rank in range(rnd.me.local_world_size)

@@ -7,12 +7,8 @@ import signal
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 from ftrun.inprocess_protocol import RestartBudget
-
-if TYPE_CHECKING:
-    from ftrun.agent.placement.numa import NumaPlan
 
 
 class Std:
@@ -22,6 +18,24 @@ class Std:
     OUT = 1
     ERR = 2
     ALL = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Binding:
+    """Where one worker runs: logical CPUs, and the NUMA nodes its memory comes from (empty:
+    memory is left alone)."""
+
+    cpus: frozenset[int]
+    mems: frozenset[int] = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class NumaPlan:
+    """The binding of every local rank, decided once per launch (`agent.placement.numa`)."""
+
+    mode: str
+    bindings: tuple[Binding, ...]
+    """Index = local rank."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,6 +34,7 @@ from typing import Any
 
 from ftrun.agent.placement.binding import format_cpulist, parse_cpulist
 from ftrun.agent.placement.rank_env import visible_device
+from ftrun.config.agent import Binding, NumaPlan
 from ftrun.environment import Env
 from ftrun.errors import ConfigError
 from ftrun.nvml import handle_of, nvml_session
@@ -67,15 +68,6 @@ class EmptyBindingError(NumaError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Binding:
-    """Where one worker runs: logical CPUs, and the NUMA nodes its memory comes from (empty:
-    memory is left alone)."""
-
-    cpus: frozenset[int]
-    mems: frozenset[int] = frozenset()
-
-
-@dataclasses.dataclass(frozen=True)
 class GpuAffinity:
     """One GPU's CPUs and memory nodes, at NUMA-node and at socket scope (NVML's view)."""
 
@@ -95,21 +87,13 @@ class Topology:
     """Logical CPU -> its physical core (its lowest hyperthread sibling); missing: its own."""
 
 
-@dataclasses.dataclass(frozen=True)
-class NumaPlan:
-    """The binding of every local rank, decided once per launch (`AgentConfig.numa_binding`)."""
-
-    mode: str
-    bindings: tuple[Binding, ...]
-    """Index = local rank."""
-
-    def env(self, local_rank: int) -> dict[str, str]:
-        """The worker's FTRUN_CPU_BIND / FTRUN_MEM_BIND (`placement.binding` reads them)."""
-        binding = self.bindings[local_rank]
-        env = {Env.CPU_BIND: format_cpulist(binding.cpus)}
-        if binding.mems:
-            env[Env.MEM_BIND] = format_cpulist(binding.mems)
-        return env
+def binding_env(plan: NumaPlan, local_rank: int) -> dict[str, str]:
+    """The worker's FTRUN_CPU_BIND / FTRUN_MEM_BIND (`placement.binding` reads them)."""
+    binding = plan.bindings[local_rank]
+    env = {Env.CPU_BIND: format_cpulist(binding.cpus)}
+    if binding.mems:
+        env[Env.MEM_BIND] = format_cpulist(binding.mems)
+    return env
 
 
 def refuse_unsupported(mode: str) -> None:
