@@ -208,14 +208,6 @@ def write_durably(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def list_visible(root: Path) -> list[int]:
     """The iterations with a visible directory (complete or not yet checked), ascending."""
     try:

@@ -52,6 +52,7 @@ from ftrun.checkpointing.errors import (
     CheckpointUsageError,
     CheckpointWriteError,
 )
+from ftrun.checkpointing.persist import fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -268,12 +269,12 @@ class GlobalCheckpointManager:
         gf.write_durably(tmp / gf.MANIFEST, gf.encode_manifest(manifest))
         for r in range(world_size):
             (tmp / gf.sidecar_name(r)).unlink()
-        gf.fsync_dir(tmp)
+        fsync_dir(tmp)
         target = self.root_dir / gf.iter_dir_name(iteration)
         if target.exists():  # saved again (a rolled-back run): the new one replaces it
             self._remove(target)
         os.rename(tmp, target)
-        gf.fsync_dir(self.root_dir)
+        fsync_dir(self.root_dir)
         self._bad.discard(iteration)
         logger.info("global checkpoint %d is complete: %s", iteration, target)
         self._clean_up(iteration)

@@ -31,7 +31,6 @@ is renamed to the temp name first: nobody finds it under a part's name while it 
 
 from __future__ import annotations
 
-import errno
 import json
 import mmap
 import os
@@ -55,6 +54,7 @@ from ftrun.checkpointing.layout import (
     encode_header,
     plan,
 )
+from ftrun.checkpointing.persist import fsync_dir, reserve
 from ftrun.checkpointing.recycled import Recycled, open_recycled
 
 _VOLATILE_ROOTS = ("/dev/shm/", "/run/shm/")
@@ -102,7 +102,7 @@ class PendingPart:
             self._release(unmap=not self._keep)
             os.replace(self._tmp, self.path)
             if self._durable:
-                _fsync_dir(self.path.parent)
+                fsync_dir(self.path.parent)
         except BaseException as e:
             self.abort()
             if isinstance(e, OSError):
@@ -170,7 +170,7 @@ def prepare_part(
         fd, mapping = open_recycled(recycled, tmp, layout.total) if recycled else (-1, None)
         if mapping is None:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-            _reserve(fd, layout.total)
+            reserve(fd, layout.total)
             mapping = pinning.Mapping(fd, layout.total)
         _copy_tensors(mapping, layout, flat.tensors, pin=keep_mapping and _is_volatile(path))
     except BaseException as e:
@@ -213,27 +213,9 @@ def _copy_tensors(
             pinning.synchronize(devices)
 
 
-def _reserve(fd: int, size: int) -> None:
-    """Give the file `size` bytes of real blocks (see the module docstring for why)."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem that cannot: fall back
-            raise
-        os.ftruncate(fd, size)
-
-
 def _is_volatile(path: Path) -> bool:
     resolved = os.path.realpath(path.parent) + "/"
     return resolved.startswith(_VOLATILE_ROOTS)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_error(path: Path, error: OSError) -> CheckpointWriteError:

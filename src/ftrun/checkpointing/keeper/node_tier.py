@@ -45,6 +45,7 @@ from ftrun.checkpointing.keeper.names import (
     part_file_name,
     valid_session,
 )
+from ftrun.checkpointing.persist import reserve
 from ftrun.checkpointing.store import CORRUPT_SUFFIX, PartKey
 from ftrun.checkpointing.tier_files import (
     POLICY_FILE,
@@ -191,7 +192,7 @@ class NodeTier:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             try:
-                _reserve(fd, nbytes)
+                reserve(fd, nbytes)
                 with mmap.mmap(fd, nbytes) as mapping:
                     fill(mapping)
             finally:
@@ -293,16 +294,6 @@ def _verify(tmp: Path, key: PartKey, nbytes: int) -> PartInfo:
     if info.iteration != key.iteration or info.nbytes != nbytes:
         raise PartRejectedError(f"{label(key)}: its header says iteration {info.iteration}")
     return info
-
-
-def _reserve(fd: int, nbytes: int) -> None:
-    """Real blocks for the whole part up front (see the module docstring)."""
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise
-        os.ftruncate(fd, nbytes)
 
 
 def _real_dir(entry: os.DirEntry[str]) -> bool:
