@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from ftrun.agent.prewarm import wire as proto
 from ftrun.agent.prewarm.forked import ForkedWorker, await_death
 from ftrun.agent.prewarm.launch import ServerProcess, fork_blocker, fork_server, spawn_server
-from ftrun.agent.prewarm.spawn_request import SpawnRequest, close_fds
+from ftrun.agent.prewarm.spawn_request import SpawnRequest
 from ftrun.agent.prewarm.start_env import path0, start_env_mismatch
 from ftrun.agent.prewarm.target import PythonTarget
 from ftrun.agent.termination import kill_group_now
@@ -183,7 +183,7 @@ class ForkServer:
             return worker
         finally:
             if req.gate_fd is not None:
-                close_fds(req.gate_fd)
+                proto.close_fds(req.gate_fd)
 
     def prestart(
         self, target: PythonTarget, env: Mapping[str, str], cwd: str, cuda_device: int
@@ -211,7 +211,7 @@ class ForkServer:
         if req.worker is None or self._gone.is_set():
             req.discard()
             if req.gate_fd is not None:
-                close_fds(req.gate_fd)
+                proto.close_fds(req.gate_fd)
             raise ForkServerError(req.error or self._error or "the fork server is gone")
         return req
 
@@ -321,12 +321,12 @@ class ForkServer:
                 self._requests.pop(rid, None)  # type: ignore[arg-type]
             req.discard()
             if gate_w is not None:
-                close_fds(gate_w)
+                proto.close_fds(gate_w)
             if isinstance(exc, (OSError, proto.ProtocolViolation)):
                 raise ForkServerError(f"cannot send to the fork server: {exc}") from exc
             raise
         finally:
-            close_fds(*fds)  # the server has its copies now (or never will)
+            proto.close_fds(*fds)  # the server has its copies now (or never will)
         return req
 
     # ---- the reader thread ---------------------------------------------------------------------

@@ -55,7 +55,7 @@ from ftrun.agent.prewarm.wire import (
     MAX_FDS,
     TO_SERVER,
     ProtocolViolation,
-    close_all,
+    close_fds,
     decode,
     encode,
     recv_frame,
@@ -142,12 +142,12 @@ class _Server:
         try:
             msg = decode(payload, TO_SERVER)
         except ProtocolViolation as exc:
-            close_all(fds)
+            close_fds(*fds)
             self.send(encode("error", id=_id_of(payload), error=f"rejected: {exc}"))
             return True
         try:
             if msg["op"] == "deepen":
-                close_all(fds)  # a deepen carries none; any sent are not ours to keep
+                close_fds(*fds)  # a deepen carries none; any sent are not ours to keep
                 # At normal priority: an unprivileged process cannot leave SCHED_IDLE or undo a
                 # nice, and every worker forked later would inherit it.
                 imported, failed = self.prewarm(msg["modules"])
@@ -156,7 +156,7 @@ class _Server:
             else:
                 self._spawn(msg, fds)
         finally:
-            close_all(fds)
+            close_fds(*fds)
         return True
 
     def _spawn(self, msg: dict[str, Any], fds: list[int]) -> None:

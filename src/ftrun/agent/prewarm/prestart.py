@@ -38,7 +38,6 @@ from collections.abc import Callable, Mapping
 from ftrun.agent.prewarm import wire as proto
 from ftrun.agent.prewarm.forked import ForkedWorker
 from ftrun.agent.prewarm.marks import compiles_seen
-from ftrun.agent.prewarm.spawn_request import close_fds
 from ftrun.agent.termination import kill_group_now
 from ftrun.agent.worker_env import PER_CYCLE
 
@@ -113,7 +112,7 @@ class HeldWorker:
     def _close_gate(self) -> None:
         if self._gate_open:
             self._gate_open = False
-            close_fds(self.gate_fd)
+            proto.close_fds(self.gate_fd)
 
 
 class PrestartPool:

@@ -7,11 +7,10 @@ start gate, the gate's read end) and keeps the other ends here until the server'
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 
 from ftrun.agent.prewarm.forked import ForkedWorker
+from ftrun.agent.prewarm.wire import close_fds
 
 
 class SpawnRequest:
@@ -35,10 +34,3 @@ class SpawnRequest:
             self.worker.stderr.close()
         else:
             close_fds(self.stdout_fd, self.stderr_fd)
-
-
-def close_fds(*fds: int) -> None:
-    """Close each of `fds`, ignoring those already closed."""
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)

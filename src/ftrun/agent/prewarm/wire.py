@@ -140,7 +140,7 @@ def recv_frame(sock: socket.socket, max_fds: int = 0) -> tuple[bytes, list[int]]
         payload = _recv_exact(sock, _frame_size(header), fds, max_fds, eof_ok=False)
         assert payload is not None
     except BaseException:
-        close_all(fds)
+        close_fds(*fds)
         raise
     return payload, fds
 
@@ -209,7 +209,8 @@ def send_frame(sock: socket.socket, frame: bytes, fds: Sequence[int] = ()) -> No
         sock.sendall(frame[sent:])
 
 
-def close_all(fds: list[int]) -> None:
+def close_fds(*fds: int) -> None:
+    """Close each of `fds`, ignoring those already closed."""
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
