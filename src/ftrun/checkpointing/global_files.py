@@ -27,7 +27,7 @@ from typing import Any
 
 import crc32c
 
-from ftrun.checkpointing.layout import checksum
+from ftrun.checkpointing.layout import canonical, checksum
 
 MANIFEST = "MANIFEST.json"
 MANIFEST_FORMAT = "ftrun-global-1"
@@ -112,8 +112,8 @@ def decode_entries(raw: bytes) -> dict[str, FileEntry]:
 
 def encode_manifest(manifest: Manifest) -> bytes:
     body = _manifest_body(manifest)
-    body["manifest_crc32c"] = f"{checksum(_canonical(body)):08x}"
-    return _canonical(body) + b"\n"
+    body["manifest_crc32c"] = f"{checksum(canonical(body)):08x}"
+    return canonical(body) + b"\n"
 
 
 def decode_manifest(raw: bytes) -> Manifest:
@@ -125,7 +125,7 @@ def decode_manifest(raw: bytes) -> Manifest:
     if type(body) is not dict or body.get("format") != MANIFEST_FORMAT:
         raise ValueError(f"the manifest is not {MANIFEST_FORMAT!r}")
     stored = body.pop("manifest_crc32c", None)
-    if stored != f"{checksum(_canonical(body)):08x}":
+    if stored != f"{checksum(canonical(body)):08x}":
         raise ValueError("manifest checksum mismatch")
     iteration, world_size, files = body.get("iteration"), body.get("world_size"), body.get("files")
     if type(iteration) is not int or iteration < 0 or type(world_size) is not int:
@@ -151,10 +151,6 @@ def _manifest_body(manifest: Manifest) -> dict[str, Any]:
         "world_size": manifest.world_size,
         "files": {n: [e.size, f"{e.crc32c:08x}"] for n, e in sorted(manifest.files.items())},
     }
-
-
-def _canonical(body: Mapping[str, Any]) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
 def _entry(name: Any, value: Any) -> FileEntry:

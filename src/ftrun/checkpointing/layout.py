@@ -156,7 +156,7 @@ def plan(
     )
     draft = _header(entries, metadata, [0] * len(entries))
     draft[METADATA][KEY_HEADER_CRC] = _CRC_PLACEHOLDER
-    header_len = -(-len(_canonical(draft)) // ALIGN) * ALIGN
+    header_len = -(-len(canonical(draft)) // ALIGN) * ALIGN
     if header_len > MAX_HEADER_BYTES:
         raise CheckpointFormatError(
             f"the part's header would be {header_len} bytes (limit {MAX_HEADER_BYTES}): "
@@ -168,8 +168,8 @@ def plan(
 def encode_header(layout: Layout, crcs: Sequence[int]) -> bytes:
     """The header bytes, exactly `layout.header_len` long, with the checksums filled in."""
     header = _header(layout.entries, layout.metadata, crcs)
-    header[METADATA][KEY_HEADER_CRC] = f"{checksum(_canonical(header)):08x}"
-    raw = _canonical(header)
+    header[METADATA][KEY_HEADER_CRC] = f"{checksum(canonical(header)):08x}"
+    raw = canonical(header)
     if len(raw) > layout.header_len:  # cannot happen: every checksum field is fixed-width
         raise AssertionError(f"header grew from {layout.header_len} to {len(raw)} bytes")
     return raw.ljust(layout.header_len, b" ")
@@ -194,7 +194,7 @@ def decode_header(raw: bytes, data_size: int) -> Header:
             f"format version {version[:20]!r} is not supported (reads {FORMAT_VERSION})"
         )
     stored_crc = metadata.pop(KEY_HEADER_CRC, None)
-    if stored_crc != f"{checksum(_canonical(header)):08x}":
+    if stored_crc != f"{checksum(canonical(header)):08x}":
         raise ValueError("header checksum mismatch (the header was altered or damaged)")
     del header[METADATA]
     entries = _entries(header)
@@ -228,8 +228,8 @@ def _header(
     return header
 
 
-def _canonical(header: Mapping[str, Any]) -> bytes:
-    """One byte string per header, so a reader can recompute the header checksum."""
+def canonical(header: Mapping[str, Any]) -> bytes:
+    """One byte string per header (or global manifest), so a reader can recompute its checksum."""
     return json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
