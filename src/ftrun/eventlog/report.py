@@ -200,7 +200,7 @@ def _cycle_times(events: Sequence[Event], cycle: int) -> CycleTimes:
     starts = {e.node: e.ts for e in mine if e.event == "workers_started"}
     stepping = {e.node: e for e in mine if e.event == "stepping"}
     last = [e for e in mine if e.event == "last_progress"]
-    progress = [t for e in last if _is_num(t := e.get("progress_ts"))]
+    progress = [t for e in last if (t := e.num("progress_ts", None)) is not None]
     firsts = _iterations(stepping.values())
     lasts = _iterations(last)
     return CycleTimes(
@@ -223,10 +223,6 @@ def _iterations(events: Iterable[Event]) -> list[int]:
         if isinstance(values, list):
             found += [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
     return found
-
-
-def _is_num(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _cycle(
