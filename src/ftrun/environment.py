@@ -2,8 +2,8 @@
 
 The launcher hands most of them to its workers; a few are read by the launcher or by a
 library in the training script (the Slurm template's own, `FTRUN_JOB_DIR` and the others, are
-slurm/README.md's). Code names them by member (`Env.IPC_DIR`: a `str`, so
-`os.environ[Env.IPC_DIR]` works), never by a string of its own, and docs/workers.md's table is
+slurm/README.md's). Code names them by member (`Env.JOB_DIR`: a `str`, so
+`os.environ[Env.JOB_DIR]` works), never by a string of its own, and docs/workers.md's table is
 generated from `MEANINGS` (`python -m ftrun.ft_launcher.docs`). Light: no import beyond the
 standard library, since training processes import it.
 """
@@ -15,7 +15,8 @@ import enum
 
 class Env(enum.StrEnum):
     MONITOR_ADDR = "FTRUN_MONITOR_ADDR"
-    IPC_DIR = "FTRUN_IPC_DIR"
+    JOB_DIR = "FTRUN_IPC_DIR"
+    """The job directory (the variable keeps its first name: scripts read it)."""
     STACK_SIGNAL = "FTRUN_STACK_SIGNAL"
     CYCLE = "FTRUN_CYCLE"
     NODE = "FTRUN_NODE"
@@ -37,7 +38,7 @@ class Env(enum.StrEnum):
 MEANINGS: dict[Env, str] = {
     Env.MONITOR_ADDR: "set for each worker: `ipc://` address of the node's RankMonitorServer "
     "(in the job directory)",
-    Env.IPC_DIR: "set for each worker: the job directory, private to the job's user (0700, "
+    Env.JOB_DIR: "set for each worker: the job directory, private to the job's user (0700, "
     "`$TMPDIR/ftrun-job-*`, removed when the launcher ends; a killed launcher's, by the next "
     "launcher of the same user); stack dumps are written under `stacks/`. Not "
     "`FTRUN_JOB_DIR`: slurm/ftrun.sbatch's name for the job's shared directory",

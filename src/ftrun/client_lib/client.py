@@ -354,7 +354,7 @@ def _packed_iteration(iteration: object) -> bytes:
 
 def _env() -> tuple[str, Path, signal.Signals, int]:
     values = {}
-    for name in (Env.MONITOR_ADDR, Env.IPC_DIR, ENV_RANK):
+    for name in (Env.MONITOR_ADDR, Env.JOB_DIR, ENV_RANK):
         value = os.environ.get(name)
         if not value:
             raise RankMonitorClientError(f"{name} is not set: run this worker under ft_launcher")
@@ -364,4 +364,4 @@ def _env() -> tuple[str, Path, signal.Signals, int]:
         stack_signal = signal.Signals(int(os.environ.get(Env.STACK_SIGNAL, signal.SIGUSR2)))
     except ValueError as exc:
         raise RankMonitorClientError(f"bad monitor environment: {exc}") from None
-    return values[Env.MONITOR_ADDR], Path(values[Env.IPC_DIR]), stack_signal, rank
+    return values[Env.MONITOR_ADDR], Path(values[Env.JOB_DIR]), stack_signal, rank

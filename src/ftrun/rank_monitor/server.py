@@ -166,7 +166,7 @@ class RankMonitorServer:
         """The environment variables a worker's RankMonitorClient needs."""
         return {
             Env.MONITOR_ADDR: self.address,
-            Env.IPC_DIR: str(self.job_dir),
+            Env.JOB_DIR: str(self.job_dir),
             Env.STACK_SIGNAL: str(int(self.config.stack_signal)),
         }
 

@@ -45,7 +45,7 @@ class RerunFact:
 
 def tell(fact: RerunFact, environ: os._Environ[str] | dict[str, str] = os.environ) -> None:
     """Write a fact for this node's launcher (atomic rename); nothing without a launcher."""
-    ipc = environ.get(Env.IPC_DIR)
+    ipc = environ.get(Env.JOB_DIR)
     if not ipc:
         return
     folder = Path(ipc) / DIR

@@ -31,7 +31,7 @@ _CHUNK = 6000
 
 def launcher_env() -> tuple[str, Path, int] | None:
     """(monitor address, job dir, rank) when running under ft_launcher, else None."""
-    address, job_dir = os.environ.get(Env.MONITOR_ADDR), os.environ.get(Env.IPC_DIR)
+    address, job_dir = os.environ.get(Env.MONITOR_ADDR), os.environ.get(Env.JOB_DIR)
     rank = os.environ.get(ENV_RANK)
     if not (address and job_dir and rank):
         return None

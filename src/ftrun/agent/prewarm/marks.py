@@ -43,7 +43,7 @@ def marks_path(job_dir: str | Path, pid: int) -> Path:
 
 def install(env: Mapping[str, str]) -> None:
     """In a forked worker about to run its script: mark `script` now, `cuda` and `pg` later."""
-    job_dir = env.get(Env.IPC_DIR)
+    job_dir = env.get(Env.JOB_DIR)
     if not job_dir:
         return
     mark = functools.partial(_append, marks_path(job_dir, os.getpid()))
@@ -61,7 +61,7 @@ def install(env: Mapping[str, str]) -> None:
 
 def compiles_seen(env: Mapping[str, str]) -> bool:
     """Whether a worker of this job (`env`'s) called `torch.compile`."""
-    job_dir = env.get(Env.IPC_DIR)
+    job_dir = env.get(Env.JOB_DIR)
     return bool(job_dir) and (Path(job_dir) / COMPILES_FLAG).exists()
 
 
