@@ -147,6 +147,14 @@ def test_a_report_round_trips_on_the_monitor_wire() -> None:
         assert wire.decode(wire.encode(note)) == note
 
 
+def test_a_long_text_is_cut_not_refused() -> None:
+    long = Report(ReportKind.RECOVERED, 4, cause=Interruption(1, "K" * 40, "w" * 900, 1.0),
+                  why="x" * 900)  # fmt: skip
+    decoded = wire.decode(wire.encode(wire.InprocessNote(3, 1234, long))).report
+    assert decoded.cause is not None and len(decoded.cause.why) == 500
+    assert len(decoded.why) == 500 and len(decoded.cause.kind) == 32
+
+
 @pytest.mark.parametrize(
     "bad",
     [

@@ -197,6 +197,7 @@ def _wait(store: Store, keys: list[str], timeout: datetime.timedelta) -> bool:
 MAX_TEXT_LEN = 500
 """A report's `why`, and an interruption's, are cut to this many characters."""
 MAX_ADDRESS_LEN = 300
+MAX_KIND_LEN = 32
 
 
 class ReportKind(enum.Enum):
@@ -227,9 +228,11 @@ class Report:
     prefix: str = ""
 
     def to_wire(self) -> list[Any]:
-        cause = None if self.cause is None else dataclasses.astuple(self.cause)
-        return [self.kind.value, self.cycle, self.iteration, self.why[:MAX_TEXT_LEN],
-                cause and list(cause), self.seconds, self.address, self.prefix]  # fmt: skip
+        """Texts cut to their limits, so that no report is refused for its length."""
+        c = self.cause
+        cause = None if c is None else [c.rank, c.kind[:MAX_KIND_LEN], c.why[:MAX_TEXT_LEN], c.at]
+        return [self.kind.value, self.cycle, self.iteration, self.why[:MAX_TEXT_LEN], cause,
+                self.seconds, self.address, self.prefix]  # fmt: skip
 
     @classmethod
     def from_wire(cls, raw: object) -> Report:
@@ -278,7 +281,7 @@ def _interruption(raw: object) -> Interruption:
     rank, kind, why, at = raw
     return Interruption(
         rank=None if rank is None else _count(rank, "cause rank"),
-        kind=_text(kind, "cause kind", 32), why=_text(why, "cause", MAX_TEXT_LEN),
+        kind=_text(kind, "cause kind", MAX_KIND_LEN), why=_text(why, "cause", MAX_TEXT_LEN),
         at=_seconds(at, "cause time"),
     )  # fmt: skip
 
