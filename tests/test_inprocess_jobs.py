@@ -149,3 +149,14 @@ def test_a_function_that_fails_at_every_entry_takes_the_next_rungs_then_the_jobs
     assert "the same fault ended 3 iterations in a row: EXCEPTION: ValueError: the data path " \
            "is wrong" in text  # fmt: skip
     assert {e["why"][:25] for e in job.events("inprocess_gave_up")} == {"the same fault ended 3 it"}
+
+
+def test_a_plain_init_process_group_reads_no_earlier_iterations_keys(tmp_path: Path):
+    """env://, no store prefix: torch names the default group "0" again in every iteration, and
+    its gloo rendezvous read the last iteration's keys in the launcher's store (3 of 5 runs hung
+    before the wrapper named each iteration's groups apart)."""
+    job = start_job(tmp_path, 1, ["--ft-max-same-failure=0"], ["--mistake", "plain-init-raises"],
+                    script=MISTAKES, nproc=2)  # fmt: skip
+    assert job.wait(60) == [0]
+    assert (job.ckpt_dir / "done").read_text() == "3\n"  # iterations 0-2 failed, 3 completed
+    assert len(job.events("inprocess_recovered")) == 3

@@ -18,7 +18,8 @@ from ftrun import inprocess
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--ckpt-dir", dest="out", type=Path, required=True)
-parser.add_argument("--mistake", choices=["unannotated", "raise-always"], required=True)
+parser.add_argument("--mistake", choices=["unannotated", "raise-always", "plain-init-raises"],
+                    required=True)  # fmt: skip
 ARGS = parser.parse_args()
 
 
@@ -26,6 +27,15 @@ ARGS = parser.parse_args()
 def train(call_wrapper=None):  # the mistake: no `CallWrapper` annotation
     if ARGS.mistake == "raise-always":  # on entry, before any process group
         raise ValueError("the data path is wrong")
+    if ARGS.mistake == "plain-init-raises":  # env://, no store prefix: not a mistake any more
+        dist.init_process_group("gloo")
+        if call_wrapper.iteration < 3:
+            raise ValueError(f"iteration {call_wrapper.iteration} fails")
+        dist.barrier()
+        if dist.get_rank() == 0:
+            (ARGS.out / "done").write_text("3\n")
+        dist.destroy_process_group()
+        return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     iteration = call_wrapper.iteration if call_wrapper is not None else "none"
     # A store prefix per restart iteration, as docs/inprocess.md's snippet has it (the store

@@ -217,6 +217,7 @@ class CallWrapper:
             self._events.entered(it.number, phases, elapsed)
         result = None
         if self.state.mode == Mode.ACTIVE:
+            _fresh_group_names(it.number)
             call_args, call_kwargs = substitute_call_wrapper(fn, args, kwargs, self)
             self._sockets.mark()
             with self._interrupter.user_code():
@@ -332,6 +333,21 @@ class CallWrapper:
 
 
 _INTERRUPTED = object()
+_NAMES_PER_ITERATION = 100_000
+
+
+def _fresh_group_names(iteration: int) -> None:
+    """Process groups made in iteration N get names no other iteration uses. torch restarts
+    its group names at "0" once the groups are destroyed, so a plain `init_process_group()`
+    (env://, the launcher's store) would read the keys an earlier iteration's group left there:
+    a peer's old address (gloo: connection refused), an old NCCL id, a store barrier already
+    counted. NVRx's examples avoid it with a store prefix per iteration; a plain script should
+    not need one."""
+    import torch.distributed as dist
+
+    world = dist.distributed_c10d._world  # torch has no public way to name the default group
+    if iteration > 0 and not dist.is_initialized():
+        world.group_count = max(world.group_count, iteration * _NAMES_PER_ITERATION)
 
 
 def _describe(error: BaseException) -> str:
