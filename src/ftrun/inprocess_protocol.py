@@ -99,6 +99,11 @@ def root_cause(causes: list[Interruption]) -> Interruption | None:
     return min(causes, key=lambda c: c.at) if causes else None
 
 
+def cause_text(cause: Interruption | None) -> str:
+    """A root cause as the budget compares and names it: both sides count by this text."""
+    return f"{cause.kind}: {cause.why}" if cause is not None else "unknown"
+
+
 class Iteration:
     """Restart iteration `number` of a world of `world_size` ranks, on `store`."""
 
@@ -312,7 +317,8 @@ class RestartBudget:
         return 0 < n <= len(causes) and len(set(causes[-n:])) == 1
 
     def exceeded(self, restarts: Iterable[float], causes: Sequence[str], now: float) -> str | None:
-        """Why no further in-process restart is made, or None."""
+        """Why no further in-process restart is made, or None (`causes`: `cause_text` of each
+        ended iteration's root cause, oldest first)."""
         if self.repeated(causes):
             return f"the same fault ended {self.same_in_a_row} iterations in a row: {causes[-1]}"
         if self.spent(restarts, now):

@@ -4,19 +4,18 @@ them into events (`ftrun report`, metrics, the status page) and into its ladder'
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
 from collections.abc import Mapping
 
-import zmq
-
 from ftrun.environment import Env
 from ftrun.inprocess_protocol import Interruption, Report, ReportKind, root_cause
 from ftrun.rank_monitor import protocol as wire
+from ftrun.rank_monitor.sender import MonitorSender
 
 log = logging.getLogger("ftrun.inprocess")
+
 
 class PhaseClock:
     """Where one restart's time goes on this rank: the seconds of each phase, from the fault
@@ -56,17 +55,13 @@ class PhaseClock:
 
 
 class AgentReports:
-    """One rank's reports to its agent: fire-and-forget frames on a DEALER socket of the
-    process-wide ZeroMQ context (shared with the rank's other ftrun clients: no thread of its
-    own); without a launcher, log lines only."""
+    """One rank's reports to its agent: fire-and-forget frames (`MonitorSender`) on the
+    process-wide ZeroMQ context, whose I/O and reaper threads are the wrapper's cost; without
+    a launcher, log lines only."""
 
     def __init__(self, rank: int, cycle: int | None, address: str | None) -> None:
         self.rank, self._cycle = rank, cycle
-        self._sock: zmq.Socket | None = None
-        if address:
-            self._sock = zmq.Context.instance().socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.LINGER, 500)  # a last report at exit gets half a second
-            self._sock.connect(address)
+        self._sender = MonitorSender(address) if address else None
 
     @classmethod
     def for_rank(cls, rank: int, environ: Mapping[str, str] = os.environ) -> AgentReports:
@@ -106,14 +101,11 @@ class AgentReports:
         self._send(Report(ReportKind.GAVE_UP, self._cycle, iteration, why=why))
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
 
     def _send(self, report: Report) -> None:
-        if self._sock is None:
-            return
-        frame = wire.encode(wire.InprocessNote(self.rank, os.getpid(), report))
-        # The agent gone, or its queue full: the report is lost, the log line stays.
-        with contextlib.suppress(zmq.ZMQError):
-            self._sock.send(frame, zmq.NOBLOCK)
+        # The agent's queue full: the report is lost (and counted), the log line stays.
+        if self._sender is not None:
+            self._sender.send(wire.InprocessNote(self.rank, os.getpid(), report))

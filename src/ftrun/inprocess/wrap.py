@@ -46,6 +46,7 @@ from ftrun.inprocess_protocol import (
     Interruption,
     Iteration,
     RestartBudget,
+    cause_text,
     forget_iteration,
     newest_iteration,
     root_cause,
@@ -260,7 +261,7 @@ class CallWrapper:
         """Go on to the next iteration only if the budget allows another restart; else leave
         the wrapper (every rank decides alike: they read the same causes): the process ends
         with 1, and the launcher takes the next rung, the in-job restart."""
-        self._causes.append(f"{cause.kind}: {cause.why}" if cause else "unknown")
+        self._causes.append(cause_text(cause))
         now = time.monotonic()
         why = self._budget.exceeded(self._restarts, self._causes, now)
         if why is None:

@@ -94,7 +94,7 @@ class RankMonitorServer:
         self._on_inprocess = on_inprocess
         self._capturer = StackCapturer(capture, config.stack_signal, config.stack_capture_timeout)
         self._status = status
-        self._timing_senders = TimingSenders(is_self_or_descendant)
+        self._senders = TimingSenders(is_self_or_descendant)  # timings and in-process notes
         self._timings: list[TimingBatch] = []  # likewise
         self._inprocess: list[wire.InprocessNote] = []  # likewise
         self._lock = threading.Lock()
@@ -154,7 +154,7 @@ class RankMonitorServer:
     def forget_all(self) -> None:
         with self._lock:
             self._ranks.clear()
-            self._timing_senders.clear()
+            self._senders.clear()
 
     def progress_snapshot(self) -> list[ProgressSnapshot]:
         """Where each expected rank's current registration got to, in rank order: taken right
@@ -259,7 +259,7 @@ class RankMonitorServer:
             self._note_timings(identity, message, now)
             return
         if isinstance(message, wire.InprocessNote):
-            if self._sent_by_a_worker(identity, message.rank, message.pid):
+            if self._on_inprocess and self._sent_by_a_worker(identity, message.rank, message.pid):
                 self._inprocess.append(message)
             return
         peer = self._ranks.peers.get(identity)
@@ -318,7 +318,7 @@ class RankMonitorServer:
         """The pid spawned for `rank` if `pid` is it or its descendant (once per connection),
         else None, the message dropped with a log line."""
         expected = self._ranks.expected.get(rank)
-        spawned = self._timing_senders.spawned_pid(identity, rank, pid, expected)
+        spawned = self._senders.spawned_pid(identity, rank, pid, expected)
         if spawned is None:
             self._drop(f"a message from rank {rank} pid {pid}, not spawned here")
         return spawned

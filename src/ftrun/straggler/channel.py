@@ -1,8 +1,8 @@
 """Where a worker's detector talks to its node's agent: timings out, the latest report in.
 
-Out: TIMINGS frames on a ZeroMQ DEALER socket of the detector's own, connected to the node's
-monitor (`FTRUN_MONITOR_ADDR`), sent without blocking: if the socket's queue is full the batch
-is dropped and counted, the training step never waits; first, one TIMINGS frame without
+Out: TIMINGS frames to the node's monitor (`FTRUN_MONITOR_ADDR`) through a
+`rank_monitor.sender.MonitorSender` on a ZeroMQ context of the detector's own (a full queue
+drops the batch and counts it: the training step never waits); first, one TIMINGS frame without
 durations carries the settings `Detector.initialize` was given, which the agents may adopt
 (`adopt`). In: the report the agents last
 published, which the node's agent keeps in `<job dir>/straggler-report.json` (written
@@ -21,6 +21,7 @@ import zmq
 from ftrun.config.monitor import ENV_RANK
 from ftrun.environment import Env
 from ftrun.rank_monitor import protocol as wire
+from ftrun.rank_monitor.sender import MonitorSender
 from ftrun.rank_monitor.timings import DetectorSettings, SectionTimes
 from ftrun.straggler.recorder import Batch
 
@@ -44,29 +45,23 @@ class MonitorChannel:
     def __init__(self, address: str, rank: int) -> None:
         self.rank = rank
         self.pid = os.getpid()
-        self.dropped = 0
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 500)  # a last batch at shutdown gets half a second
-        self._sock.setsockopt(zmq.SNDHWM, 1000)
-        self._sock.connect(address)
+        self._ctx = zmq.Context()  # its own: `close` terms it, which flushes the last batch
+        self._sender = MonitorSender(address, self._ctx)
+
+    @property
+    def dropped(self) -> int:
+        return self._sender.dropped
 
     def announce(self, settings: DetectorSettings) -> None:
         """Tell the node's agent what this rank's detector was given (once, at initialize)."""
-        self._send(wire.encode(wire.Timings(self.rank, self.pid, (), settings)))
+        self._sender.send(wire.Timings(self.rank, self.pid, (), settings))
 
     def take(self, batch: Batch) -> None:
         for chunk in _chunks(batch):
-            self._send(wire.encode(wire.Timings(self.rank, self.pid, chunk)))
-
-    def _send(self, frame: bytes) -> None:
-        try:
-            self._sock.send(frame, zmq.NOBLOCK)
-        except zmq.Again:
-            self.dropped += 1
+            self._sender.send(wire.Timings(self.rank, self.pid, chunk))
 
     def close(self) -> None:
-        self._sock.close()
+        self._sender.close()
         self._ctx.term()
 
 

@@ -29,6 +29,7 @@ from ftrun.inprocess_protocol import (
     Report,
     ReportKind,
     RestartBudget,
+    cause_text,
     newest_iteration,
 )
 from ftrun.rank_monitor.protocol import InprocessNote
@@ -103,9 +104,9 @@ class InprocessLink(NodeService):
 
     def _recovered(self, report: Report) -> None:
         self._seen.add(report.iteration)
-        cause = report.cause or Interruption(None, "?", "", 0.0)
         self._restarts.append(time.monotonic())
-        self._causes.append(f"{cause.kind}: {cause.why}")
+        self._causes.append(cause_text(report.cause))
+        cause = report.cause or Interruption(None, "?", "", 0.0)
         self._emit("inprocess_recovered", iteration=report.iteration, kind=cause.kind,
                    from_rank=cause.rank, why=cause.why[:300], seconds=report.seconds)  # fmt: skip
 
