@@ -18,14 +18,12 @@ ends, and the launcher restarts the job's workers: the next rung of the ladder):
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import functools
 import gc
 import logging
 import os
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,6 +32,7 @@ from ftrun.inprocess import store as stores
 from ftrun.inprocess.abort import Abort, AbortTorchDistributed, pin_gloo_groups
 from ftrun.inprocess.exception import HealthCheckError
 from ftrun.inprocess.exception import TimeoutError as RestartTimeoutError
+from ftrun.inprocess.groups import fresh_group_names, release
 from ftrun.inprocess.interrupt import Interrupter, RankShouldRestart
 from ftrun.inprocess.options import WrapperOptions, build_options
 from ftrun.inprocess.params import check_call_wrapper_parameters, substitute_call_wrapper
@@ -194,7 +193,7 @@ class CallWrapper:
             it.interrupt(Interruption(self.state.rank, "EXCEPTION", _describe(fault), time.time()))
         self._abort()
         self._clock.mark("abort")
-        _release(stopped, self.options.abort_timeout.total_seconds())
+        release(stopped, self.options.abort_timeout.total_seconds())
         self._clock.mark("release")
         self._recover(it, fault)
         return False, None
@@ -218,7 +217,7 @@ class CallWrapper:
             self._events.entered(it.number, phases, elapsed)
         result = None
         if self.state.mode == Mode.ACTIVE:
-            _fresh_group_names(it.number)
+            fresh_group_names(it.number)
             call_args, call_kwargs = substitute_call_wrapper(fn, args, kwargs, self)
             self._sockets.mark()
             with self._interrupter.user_code():
@@ -334,21 +333,6 @@ class CallWrapper:
 
 
 _INTERRUPTED = object()
-_NAMES_PER_ITERATION = 100_000
-
-
-def _fresh_group_names(iteration: int) -> None:
-    """Process groups made in iteration N get names no other iteration uses. torch restarts
-    its group names at "0" once the groups are destroyed, so a plain `init_process_group()`
-    (env://, the launcher's store) would read the keys an earlier iteration's group left there:
-    a peer's old address (gloo: connection refused), an old NCCL id, a store barrier already
-    counted. NVRx's examples avoid it with a store prefix per iteration; a plain script should
-    not need one."""
-    import torch.distributed as dist
-
-    world = dist.distributed_c10d._world  # torch has no public way to name the default group
-    if iteration > 0 and not dist.is_initialized():
-        world.group_count = max(world.group_count, iteration * _NAMES_PER_ITERATION)
 
 
 def _describe(error: BaseException) -> str:
@@ -377,31 +361,6 @@ def _bounded(step: Callable[[], object], bound_s: float, what: str) -> None:
         log.warning("in-process restart: %s failed: %s", what, _describe(failed[0]))
 
 
-def _release(stopped: BaseException | None, bound_s: float) -> None:
-    """Free what the stopped function held, its process groups first: a gloo peer blocked in a
-    collective with this rank returns only once this rank's sockets close (an abort does not
-    close them), which is when the last reference to the group goes. The function's frames are
-    over but still held by the exception's traceback: their locals are cleared, and the
-    collection that follows (cheap: see `gc.freeze` above) frees the cycles (DDP's reducer).
-
-    A gloo group's destructor joins its worker threads while this thread holds the GIL, and a
-    worker that just failed a collective needs the GIL for a moment to free it: the GIL is let
-    go first (a few milliseconds drain them), and faulthandler's watchdog, a C thread that needs
-    no GIL, ends the process if the release still deadlocks (the launcher then restarts it)."""
-    time.sleep(_DRAIN_S)
-    faulthandler.dump_traceback_later(bound_s, exit=True)
-    try:
-        seen: set[int] = set()
-        while stopped is not None and id(stopped) not in seen:
-            seen.add(id(stopped))
-            traceback.clear_frames(stopped.__traceback__)
-            stopped = stopped.__cause__ or stopped.__context__
-        gc.collect()
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-
-
-_DRAIN_S = 0.01
 _ALONE = RestartBudget(max_restarts=0, same_in_a_row=3)
 """Without a launcher's budget: NVRx's unbounded restarts, except a fault that ends three
 iterations in a row the same way (a function that fails on entry would loop forever)."""
