@@ -136,7 +136,7 @@ def etcd_cluster(tmp_path: Path) -> Iterator:
 
     cluster = EtcdCluster(tmp_path)
     try:
-        cluster.start()
+        cluster.bootstrap()
         yield cluster
     finally:
         cluster.stop()

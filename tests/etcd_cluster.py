@@ -32,6 +32,10 @@ def etcd_binary() -> str:
     return found
 
 
+class MemberExited(Exception):
+    """An etcd member's process ended while the cluster started."""
+
+
 @dataclasses.dataclass
 class Member:
     name: str
@@ -67,11 +71,37 @@ class EtcdCluster:
 
     def __init__(self, tmp: Path, members: int = 3) -> None:
         self.binary = etcd_binary()
+        self._tmp, self._size = tmp, members
+        self._place(attempt=0)
+
+    def _place(self, attempt: int) -> None:
+        """Fresh ports and data directories for every member (`attempt` names them apart)."""
         self.members = [
-            Member(f"m{i}", free_port(), free_port(), tmp / f"etcd-m{i}", tmp / f"etcd-m{i}.log")
-            for i in range(members)
-        ]
+            Member(f"m{i}", free_port(), free_port(), self._tmp / f"etcd-m{i}-{attempt}",
+                   self._tmp / f"etcd-m{i}-{attempt}.log")
+            for i in range(self._size)
+        ]  # fmt: skip
         self._initial = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in self.members)
+
+    def bootstrap(self, attempts: int = 3) -> None:
+        """Start the whole cluster. A member that exits at once lost its port to another test
+        (ports are picked free, then bound by etcd later): the cluster starts again elsewhere."""
+        for attempt in range(attempts):
+            if attempt:
+                self.stop()
+                self._place(attempt)
+            try:
+                self.start()
+                return
+            except MemberExited:
+                continue
+        raise AssertionError(f"etcd did not start in {attempts} tries:\n{self.log_tails()}")
+
+    def log_tails(self, lines: int = 5) -> str:
+        return "\n".join(
+            f"{m.name}: " + " | ".join(m.log.read_text(errors="replace").splitlines()[-lines:])
+            for m in self.members if m.log.exists()
+        )  # fmt: skip
 
     @property
     def endpoints(self) -> str:
@@ -80,7 +110,16 @@ class EtcdCluster:
     def start(self, index: int | None = None) -> None:
         for member in self.members if index is None else [self.members[index]]:
             self._start(member)
-        wait_for(lambda: all(m.healthy() for m in self.members if m.proc), START_S, "etcd healthy")
+        try:
+            wait_for(self._healthy, START_S, "etcd healthy")
+        except AssertionError as failure:
+            raise AssertionError(f"{failure}\n{self.log_tails()}") from None
+
+    def _healthy(self) -> bool:
+        for m in self.members:
+            if m.proc is not None and m.proc.poll() is not None:
+                raise MemberExited(f"etcd {m.name} exited with {m.proc.returncode}")
+        return all(m.healthy() for m in self.members if m.proc)
 
     def _start(self, m: Member) -> None:
         argv = [
