@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch
+
 from ftrun.checkpointing.async_calls import AsyncRequest
 from ftrun.checkpointing.collective import all_true, min_max, rank_and_world_size
 from ftrun.checkpointing.errors import (
@@ -114,6 +116,7 @@ class LocalCheckpointManager:
             )
         self._store = store
         self._in_flight: _AsyncSave | None = None
+        self._copy: _Copy | None = None  # an `overlap` save's copies, until `fence`
         self._joining = threading.Lock()  # `wait` (trainer) against `_join` (a queue's thread)
         self._bad: set[PartKey] = set()  # set aside: never read again, even if renaming failed
         if repl_strategy is not None and self._tier is None:
@@ -123,7 +126,9 @@ class LocalCheckpointManager:
                 repl_strategy,
             )
 
-    def save(self, state_dict: Any, iteration: int, is_async: bool = False) -> AsyncRequest | None:
+    def save(
+        self, state_dict: Any, iteration: int, is_async: bool = False, *, overlap: bool = False
+    ) -> AsyncRequest | None:
         """Write this rank's part of `iteration`; with `is_async`, NVRx's `AsyncRequest` for
         the write in flight (schedule it on an `AsyncCallsQueue`, as NVRx's examples do, or
         ignore it and call `wait()`: either joins the write, and its error is raised once).
@@ -137,6 +142,11 @@ class LocalCheckpointManager:
         copy). Then the caller may change or free its tensors: checksums, header, fsync,
         rename and clean-up run in a background thread, which `wait()` joins. Call `save`
         from one thread.
+
+        `overlap` (an ftrun extension; implies `is_async`): (4) is not waited for either. CUDA
+        tensors are copied on a side stream, after the work queued so far, into page-locked node
+        memory; host tensors by the background thread. The caller must not change the saved
+        tensors in place before `fence()` (`StepSnapshot` calls it from the optimizer's step).
         """
         if type(iteration) is not int or iteration < 0:
             raise CheckpointUsageError(f"iteration must be a non-negative int, not {iteration!r}")
@@ -144,16 +154,18 @@ class LocalCheckpointManager:
         self.wait()
         key = self._key(iteration)
         payload, metadata = _unwrap(state_dict)
-        if not is_async:
+        if not (is_async or overlap):
             self._after_write(key, self._store.write(key, payload, metadata))
             self._note_stall(key, started)
             return None
-        pending = self._store.prepare(key, payload, metadata)
+        pending = self._store.prepare(key, payload, metadata, defer_copy=overlap)
         try:
-            job = _AsyncSave(iteration, lambda: self._commit(key, pending))
+            copy = _Copy(pending) if overlap else None
+            job = _AsyncSave(iteration, lambda: self._commit(key, pending, copy))
         except BaseException:  # no thread (e.g. none can be started): drop the temp file
             pending.abort()
             raise
+        self._copy = copy
         with self._joining:
             self._in_flight = job
         self._note_stall(key, started)
@@ -163,6 +175,19 @@ class LocalCheckpointManager:
         """Under ft_launcher, how long this save blocked the caller, for the agent's live view."""
         if self._tier is not None:
             note_stall(self._tier, key.rank, key.iteration, time.monotonic() - started)
+
+    def fence(self) -> None:
+        """Before the tensors of an `overlap` save change in place: wait until the host copies
+        are done, and make the current CUDA stream wait for the device copies (no host wait)."""
+        copy, self._copy = self._copy, None
+        if copy is not None:
+            copy.fence()
+
+    @property
+    def saving(self) -> bool:
+        """Whether a background save is still running."""
+        job = self._in_flight
+        return job is not None and job.running
 
     def wait(self) -> PartInfo | None:
         """Wait for the async save in flight; its `PartInfo`, or None if there was none.
@@ -192,9 +217,11 @@ class LocalCheckpointManager:
         """NVRx's: this process's global rank."""
         return rank_and_world_size()[0]
 
-    def find_latest(self) -> int:
+    def find_latest(self, *, collective: bool = False) -> int:
         """The newest iteration for which every rank has a complete part (header checked,
         tensor bytes not read), or -1. Collective when torch.distributed is initialized.
+        Under ft_launcher the agents' decision is used instead, unless `collective` (an ftrun
+        extension: after an in-process restart, the parts are newer than that decision).
 
         One all-reduce of (min, -max) of each rank's newest: equal means every rank has it.
         Otherwise each rank looks again at or below the minimum (a rank may already have
@@ -202,7 +229,8 @@ class LocalCheckpointManager:
         """
         self._settle()
         rank, world_size = rank_and_world_size()
-        if self._tier is not None and (agreed := restore_decision(self._tier)) is not None:
+        agents = self._tier is not None and not collective
+        if agents and (agreed := restore_decision(self._tier)) is not None:
             return agreed.iteration if agreed.world_size == world_size else -1
         bound = _NO_BOUND
         while True:
@@ -212,7 +240,7 @@ class LocalCheckpointManager:
                 return low
             bound = low
 
-    def load(self, into: Any = None) -> tuple[Any, CkptID]:
+    def load(self, into: Any = None, *, collective: bool = False) -> tuple[Any, CkptID]:
         """Load this rank's part of `find_latest()`; collective when distributed.
 
         Every tensor's checksum is verified. A part that fails is logged and set aside
@@ -226,13 +254,14 @@ class LocalCheckpointManager:
         model.state_dict(), ...}`; each tensor is read straight into it and checked as it
         lands, one pass over the bytes instead of a check and a copy (see `read_into`). The
         returned state holds those tensors. After a corrupt part it has been partly
-        overwritten, and the next copy loaded overwrites it again.
+        overwritten, and the next copy loaded overwrites it again. `collective`: as for
+        `find_latest`.
         """
         target = _unwrap(into)[0] if into is not None else None
         self._settle()
         rank, world_size = rank_and_world_size()
         while True:
-            iteration = self.find_latest()
+            iteration = self.find_latest(collective=collective)
             if iteration < 0:
                 raise CheckpointNotFoundError(
                     f"no complete checkpoint for rank {rank} of {world_size} in {self._store}"
@@ -243,11 +272,12 @@ class LocalCheckpointManager:
                 loaded = self._store.read(key, verify=True, into=target)
             except (CheckpointCorruptError, CheckpointNotFoundError) as e:
                 self._set_aside(key, e)
-            if self._tier is not None and loaded is None:
+            agents = self._tier is not None and not collective
+            if agents and loaded is None:
                 # The agents chose this iteration for every rank: a bad part is for them to
                 # replace (a replica, or an older iteration) at the restart this error causes.
                 raise CheckpointCorruptError(f"rank {rank}: part of iteration {iteration} is bad")
-            agreed = self._tier is not None or all_true(loaded is not None)
+            agreed = agents or all_true(loaded is not None)
             if agreed and loaded is not None:
                 state, info = loaded
                 logger.info(
@@ -255,7 +285,13 @@ class LocalCheckpointManager:
                 )
                 return _rewrap(state, info), CkptID(iteration, rank, self.session_id)
 
-    def _commit(self, key: PartKey, pending: PreparedPart) -> PartInfo:
+    def _commit(self, key: PartKey, pending: PreparedPart, copy: _Copy | None) -> PartInfo:
+        if copy is not None:
+            try:
+                copy.finish()
+            except BaseException:
+                pending.abort()
+                raise
         info = pending.commit()
         self._after_write(key, info)
         return info
@@ -339,12 +375,41 @@ class _AsyncSave:
         except BaseException as e:
             self._error = e
 
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
     def result(self) -> PartInfo:
         self._thread.join()
         if self._error is not None:
             raise self._error
         assert self._info is not None
         return self._info
+
+
+class _Copy:
+    """An `overlap` save's copies: the device ones queued by the caller at once, the host ones
+    made by the background thread (`finish`); `fence` orders the caller's next change after
+    them."""
+
+    def __init__(self, pending: PreparedPart) -> None:
+        self._pending = pending
+        self._device_done = pending.queue_device_copies()
+        self._host_done = threading.Event()
+
+    def finish(self) -> None:
+        """In the background thread: the host copies, then the device copies' end."""
+        try:
+            self._pending.copy_host_tensors()
+        finally:
+            self._host_done.set()
+        if self._device_done is not None:
+            self._device_done.synchronize()
+
+    def fence(self) -> None:
+        self._host_done.wait()
+        if self._device_done is not None:
+            torch.cuda.current_stream().wait_event(self._device_done)
 
 
 def _unwrap(state_dict: Any) -> tuple[Any, dict[str, str]]:

@@ -23,6 +23,12 @@ makes the part appear whole, on tmpfs and on disks alike.
 On any failure the temp file is removed and `CheckpointWriteError` is raised (one line); the
 part already at `path`, if any, and parts at other paths are never touched.
 
+Deferred copies (`defer_copy`, for `LocalCheckpointManager.save(overlap=True)`): `prepare_part`
+only plans and maps; `queue_device_copies` then queues the CUDA tensors' copies on a side stream
+(into a page-locked mapping; otherwise it copies them at once, as the caller's values must be
+the ones saved), and `copy_host_tensors` copies the rest, from another thread if the caller likes:
+the training goes on while the bytes move.
+
 Reusing an old part's memory: a store may hand `prepare_part` the `Recycled` file of a part it
 retired, still mapped from when this process wrote it (`keep_mapping`): the copy then lands in
 pages that are already there, at memcpy speed (see `recycled` for why and when). The retired file
@@ -31,6 +37,7 @@ is renamed to the temp name first: nobody finds it under a part's name while it 
 
 from __future__ import annotations
 
+import functools
 import json
 import mmap
 import os
@@ -76,6 +83,7 @@ class PendingPart:
         mapping: mmap.mmap,
         layout: Layout,
         keep_mapping: bool = False,
+        uncopied: Sequence[torch.Tensor] = (),
     ) -> None:
         self.path = path
         self._tmp = tmp
@@ -85,12 +93,47 @@ class PendingPart:
         self._durable = not _is_volatile(path)
         self._keep = keep_mapping
         self.kept_mapping: mmap.mmap | None = None
+        self._uncopied = dict(enumerate(uncopied))
+        """`defer_copy`: the tensors still to copy, by entry."""
+
+    def queue_device_copies(self) -> Any:
+        """Copy the CUDA tensors of a deferred part: queued on a side stream of their device
+        (after the work already queued on its current stream) when the mapping can be
+        page-locked, else at once. Returns the `torch.cuda.Event` that marks the queued copies'
+        end, or None when nothing was queued. Call it from the thread that queues the work."""
+        on_device = {i: t for i, t in self._uncopied.items() if t.is_cuda}
+        if not on_device:
+            return None
+        mm = self._require_mapping()
+        for i in on_device:
+            del self._uncopied[i]
+        device = next(iter(on_device.values())).device
+        if not (self._keep and not self._durable and pinning.pin(mm, device)):
+            _copy_entries(mm, self._layout, on_device)
+            return None
+        stream = _side_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream):
+            for tensor in on_device.values():
+                tensor.record_stream(stream)  # its memory is not reused before the copy ran
+            _copy_entries(mm, self._layout, on_device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+
+    def copy_host_tensors(self) -> None:
+        """Copy what `queue_device_copies` left: the host tensors of a deferred part."""
+        uncopied, self._uncopied = self._uncopied, {}
+        _copy_entries(self._require_mapping(), self._layout, uncopied)
 
     def commit(self) -> PartInfo:
-        """Checksum, write the header, make the file durable, and rename it into place."""
+        """Checksum, write the header, make the file durable, and rename it into place. A
+        deferred part's copies must have landed (`copy_host_tensors`, the device event)."""
         layout = self._layout
         try:
             mm = self._require_mapping()
+            if self._uncopied:
+                raise CheckpointUsageError(f"{self.path}: committed before its tensors were copied")
             crcs = checksums(mm, layout.data_start, layout.entries)
             header = encode_header(layout, crcs)
             mm[:PREFIX_BYTES] = struct.pack("<Q", len(header))
@@ -154,10 +197,12 @@ def prepare_part(
     metadata: Mapping[str, str] | None = None,
     recycled: Recycled | None = None,
     keep_mapping: bool = False,
+    defer_copy: bool = False,
 ) -> PendingPart:
     """Copy `state` into a temp file next to `path`; `commit` the result to make it the part.
 
     `recycled`: a retired part's file to write into instead of a new one (used if big enough).
+    `defer_copy`: map the file but copy nothing yet (see the module docstring).
     """
     if type(iteration) is not int or iteration < 0:
         raise CheckpointUsageError(f"iteration must be a non-negative int, not {iteration!r}")
@@ -172,7 +217,8 @@ def prepare_part(
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             reserve(fd, layout.total)
             mapping = pinning.Mapping(fd, layout.total)
-        _copy_tensors(mapping, layout, flat.tensors, pin=keep_mapping and _is_volatile(path))
+        if not defer_copy:
+            _copy_tensors(mapping, layout, flat.tensors, pin=keep_mapping and _is_volatile(path))
     except BaseException as e:
         # Not mapping.close(): views of it may live on in the traceback's frames, and torch
         # views do not pin a buffer export. Dropping our reference unmaps it once they are gone.
@@ -183,7 +229,8 @@ def prepare_part(
         if isinstance(e, OSError):
             raise _write_error(path, e) from e
         raise
-    return PendingPart(path, tmp, fd, mapping, layout, keep_mapping)
+    uncopied = flat.tensors if defer_copy else ()
+    return PendingPart(path, tmp, fd, mapping, layout, keep_mapping, uncopied)
 
 
 def _copy_into(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
@@ -198,19 +245,33 @@ def _copy_tensors(
     copies are queued, then waited for: complete when this returns, as the others are."""
     devices = pinning.cuda_devices(tensors) if pin else []
     pinned = bool(devices) and pinning.pin(mapping, devices[0])
-    whole = torch.frombuffer(mapping, dtype=torch.uint8)  # must not outlive the mapping
     try:
-        for entry, tensor in zip(layout.entries, tensors, strict=True):
-            if entry.end > entry.begin:
-                span = whole[layout.data_start + entry.begin : layout.data_start + entry.end]
-                dst = span.view(entry.dtype).view(entry.shape)
-                if pinned and tensor.is_cuda:
-                    _copy_into(dst, tensor, non_blocking=True)
-                else:
-                    _copy_into(dst, tensor)
+        _copy_entries(mapping, layout, dict(enumerate(tensors)), non_blocking=pinned)
     finally:
         if pinned:  # also on errors: no DMA may still land in a mapping being dropped
             pinning.synchronize(devices)
+
+
+def _copy_entries(
+    mapping: mmap.mmap,
+    layout: Layout,
+    tensors: Mapping[int, torch.Tensor],
+    non_blocking: bool = False,
+) -> None:
+    """Copy each tensor into its entry's bytes (`non_blocking` applies to CUDA tensors)."""
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)  # must not outlive the mapping
+    for index, tensor in tensors.items():
+        entry = layout.entries[index]
+        if entry.end > entry.begin:
+            span = whole[layout.data_start + entry.begin : layout.data_start + entry.end]
+            dst = span.view(entry.dtype).view(entry.shape)
+            _copy_into(dst, tensor, non_blocking=non_blocking and tensor.is_cuda)
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> Any:
+    """The stream every deferred part's copies from `device` are queued on."""
+    return torch.cuda.Stream(device)
 
 
 def _is_volatile(path: Path) -> bool:

@@ -49,12 +49,23 @@ class PreparedPart(Protocol):
 
     def abort(self) -> None: ...
 
+    def queue_device_copies(self) -> Any:
+        """`defer_copy` only: see `part_write.PendingPart`."""
+        ...
+
+    def copy_host_tensors(self) -> None:
+        """`defer_copy` only: see `part_write.PendingPart`."""
+        ...
+
 
 class PartStore(Protocol):
     """Storage of parts. Every method is safe to call from one thread at a time per store."""
 
-    def prepare(self, key: PartKey, state: Any, metadata: Mapping[str, str]) -> PreparedPart:
-        """Copy `state` into storage the store owns; the caller may then change it."""
+    def prepare(
+        self, key: PartKey, state: Any, metadata: Mapping[str, str], defer_copy: bool = False
+    ) -> PreparedPart:
+        """Copy `state` into storage the store owns; the caller may then change it. With
+        `defer_copy`, nothing is copied until the part's copy methods are called."""
         ...
 
     def write(self, key: PartKey, state: Any, metadata: Mapping[str, str]) -> PartInfo:
@@ -103,16 +114,20 @@ class DirectoryStore:
     def path_of(self, key: PartKey) -> Path:
         return self.root / f"iter_{key.iteration:07d}" / _part_name(key.rank, key.world_size)
 
-    def prepare(self, key: PartKey, state: Any, metadata: Mapping[str, str]) -> PreparedPart:
+    def prepare(
+        self, key: PartKey, state: Any, metadata: Mapping[str, str], defer_copy: bool = False
+    ) -> PreparedPart:
         path = self.path_of(key)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CheckpointWriteError(f"cannot create {path.parent}: {e.strerror or e}") from e
         if self._recycled is None:
-            return prepare_part(path, state, key.iteration, metadata)
+            return prepare_part(path, state, key.iteration, metadata, defer_copy=defer_copy)
         recycled = self._recycled.take(path.name)
-        pending = prepare_part(path, state, key.iteration, metadata, recycled, keep_mapping=True)
+        pending = prepare_part(
+            path, state, key.iteration, metadata, recycled, keep_mapping=True, defer_copy=defer_copy
+        )
         return _Kept(pending, self._recycled)
 
     def write(self, key: PartKey, state: Any, metadata: Mapping[str, str]) -> PartInfo:
@@ -180,6 +195,12 @@ class _Kept:
 
     def abort(self) -> None:
         self._pending.abort()
+
+    def queue_device_copies(self) -> Any:
+        return self._pending.queue_device_copies()
+
+    def copy_host_tensors(self) -> None:
+        self._pending.copy_host_tensors()
 
 
 def _part_name(rank: int, world_size: int) -> str:
