@@ -44,6 +44,7 @@ from ftrun.checkpointing.replication import (
     CliqueReplicationStrategy,
     LazyCliqueReplicationStrategy,
 )
+from ftrun.checkpointing.snapshot import StepSnapshot
 from ftrun.checkpointing.state_dict import BasicTensorAwareStateDict, TensorAwareStateDict
 from ftrun.checkpointing.torch_async import TorchAsyncCheckpoint
 from ftrun.lazy import lazy_getattr
@@ -90,6 +91,7 @@ __all__ = [
     "LocalTier",
     "PartInfo",
     "Restored",
+    "StepSnapshot",
     "TensorAwareStateDict",
     "Tier",
     "TorchAsyncCheckpoint",

@@ -158,7 +158,11 @@ class LocalCheckpointManager:
             self._after_write(key, self._store.write(key, payload, metadata))
             self._note_stall(key, started)
             return None
-        pending = self._store.prepare(key, payload, metadata, defer_copy=overlap)
+        pending = (  # a store of the user's may not know `defer_copy`: asked only for it
+            self._store.prepare(key, payload, metadata, defer_copy=True)
+            if overlap
+            else self._store.prepare(key, payload, metadata)
+        )
         try:
             copy = _Copy(pending) if overlap else None
             job = _AsyncSave(iteration, lambda: self._commit(key, pending, copy))

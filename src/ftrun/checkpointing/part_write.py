@@ -265,7 +265,10 @@ def _copy_entries(
         if entry.end > entry.begin:
             span = whole[layout.data_start + entry.begin : layout.data_start + entry.end]
             dst = span.view(entry.dtype).view(entry.shape)
-            _copy_into(dst, tensor, non_blocking=non_blocking and tensor.is_cuda)
+            if non_blocking and tensor.is_cuda:
+                _copy_into(dst, tensor, non_blocking=True)
+            else:
+                _copy_into(dst, tensor)
 
 
 @functools.cache

@@ -1,0 +1,107 @@
+"""`StepSnapshot` in one process (no launcher, no process group): the overlapped save, its
+fence, the skip rule, and a restore into a fresh model and optimizer that is bit-equal."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from ftrun.checkpointing import StepSnapshot
+from ftrun.checkpointing import part_write as part_write_module
+from ftrun.checkpointing.errors import CheckpointUsageError
+
+
+def trainer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+    model(x).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    found = [t.clone() for t in model.state_dict().values()]
+    return found + [v.clone() for s in optimizer.state.values() for v in s.values()]
+
+
+def test_a_fresh_process_restores_the_newest_step_bit_equal_and_goes_on_the_same(tmp_path: Path):
+    model, optimizer = trainer()
+    snapshot = StepSnapshot(tmp_path)
+    expected = {}
+    for step in range(1, 8):
+        train_step(model, optimizer, step)
+        assert snapshot.save({"model": model, "optimizer": optimizer, "step": step}, step)
+        expected[step] = tensors(model, optimizer)
+        snapshot.wait()  # else the next save may find this one still running, and skip
+    snapshot.close()
+    model2, optimizer2 = trainer()  # a new process: a new model, an optimizer without state
+    state = {"model": model2, "optimizer": optimizer2, "step": 0}
+    assert StepSnapshot(tmp_path).restore(state) == 7 and state["step"] == 7
+    assert same(tensors(model2, optimizer2), expected[7])
+    train_step(model2, optimizer2, 8)
+    train_step(model, optimizer, 8)
+    assert same(tensors(model2, optimizer2), tensors(model, optimizer))
+
+
+def test_nothing_saved_restores_step_zero_and_leaves_the_state(tmp_path: Path):
+    model, optimizer = trainer()
+    before = tensors(model, optimizer)
+    assert StepSnapshot(tmp_path).restore({"model": model, "optimizer": optimizer}) == 0
+    assert same(tensors(model, optimizer), before)
+
+
+def test_every_k_saves_only_due_steps(tmp_path: Path):
+    model, _ = trainer()
+    snapshot = StepSnapshot(tmp_path, every=3)
+    taken = []
+    for step in range(1, 8):
+        taken += [step] if snapshot.save({"model": model}, step) else []
+        snapshot.wait()
+    assert taken == [3, 6] and snapshot.taken == 2 and snapshot.skipped == 0
+    with pytest.raises(CheckpointUsageError):
+        StepSnapshot(tmp_path, every=0)
+
+
+def test_a_save_still_copying_makes_the_next_skip_and_the_optimizer_step_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The copies happen in the background: while they run, the next save is skipped (the
+    training never waits for node memory), and an optimizer step waits for them (it would
+    change the tensors being copied)."""
+    gate, copying = threading.Event(), threading.Event()
+    real = part_write_module._copy_into
+
+    def held(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+        copying.set()
+        assert gate.wait(30)
+        real(dst, src, non_blocking)
+
+    monkeypatch.setattr(part_write_module, "_copy_into", held)
+    model, optimizer = trainer()
+    snapshot = StepSnapshot(tmp_path)
+    train_step(model, optimizer, 1)
+    assert snapshot.save({"model": model, "optimizer": optimizer}, 1)
+    assert copying.wait(30)
+    assert not snapshot.save({"model": model, "optimizer": optimizer}, 2)
+    assert snapshot.skipped == 1
+    stepped = threading.Event()
+    stepper = threading.Thread(target=lambda: (train_step(model, optimizer, 2), stepped.set()))
+    stepper.start()
+    assert not stepped.wait(0.3)  # held by the fence: the copy has not finished
+    gate.set()
+    stepper.join(30)
+    assert stepped.is_set()
+    snapshot.close()
+    assert StepSnapshot(tmp_path).restore({"model": trainer()[0]}) == 1
