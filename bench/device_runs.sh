@@ -12,6 +12,8 @@
 #                      round (cuda_standby_probe --modes warm,warm-topo) on every GPU
 #   inprocess    (380) a raise and a SIGKILL, ftrun's wrapper beside NVRx's, 3 runs
 #   inprocess-compile (350) a raise in a compiled model, the same, 3 runs
+#   snapshot     (120) StepSnapshot's stall on the 151M DDP script and its FSDP2 variant
+#                      (bench/goodput/stall.py), and its CUDA test
 #   gpu-tests    (310) tests/gpu on every GPU, then on one
 #   compare-1-4  (500) gpu_compare, 1 and 4 GPUs a launcher, beside torchrun and NVRx
 #   compare-1-2  (450) gpu_compare, 1 and 2 GPUs a launcher (the 2-GPU kind's widths)
@@ -56,6 +58,13 @@ for step in "$@"; do
         timeout 560 python3 -m bench.restart.inprocess_compare --nproc "$GPUS" --cases "$cases" \
             --contenders ftrun-inprocess-peer-dev,nvrx-inprocess-peer-dev --runs 3 \
             --budget-s 480 --json "$OUT/$step.json" --markdown 2>&1 | grep -E "run [0-9]|\|"
+        ;;
+    snapshot)
+        for variant in "" --fsdp2; do
+            timeout 150 python3 -m bench.goodput.stall $variant 2>&1 | tail -4
+        done
+        timeout 120 python3 -m pytest tests/gpu/test_snapshot_gpu.py -m gpu -p no:cacheprovider -q \
+            2>&1 | tail -2
         ;;
     gpu-tests)
         FTRUN_GPU_REPORT="$OUT/gpu-all.json" timeout 420 python3 -m pytest tests/gpu -m gpu \

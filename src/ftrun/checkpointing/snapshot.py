@@ -55,6 +55,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ftrun.checkpointing.errors import CheckpointNotFoundError, CheckpointUsageError
 from ftrun.checkpointing.manager import LocalCheckpointManager
 from ftrun.checkpointing.replication import CliqueReplicationStrategy
+from ftrun.checkpointing.store import DirectoryStore
 from ftrun.environment import Env
 
 logger = logging.getLogger(__name__)
@@ -80,11 +81,16 @@ class StepSnapshot:
         self.skipped = 0
         self.stalls: list[float] = []
         """Seconds each taken save held the caller."""
+        root = Path(directory or default_directory())
+        under_agent = Env.CKPT_DIR in os.environ
         self._manager = LocalCheckpointManager(
-            directory or default_directory(),
+            root,
             SESSION,
             _clique_across_nodes() if replicate else None,
             keep_complete=2,
+            # The agent's store reuses retired parts' page-locked files; so does this one
+            # elsewhere, or every save would map (and not pin) a new file.
+            store=None if under_agent else DirectoryStore(root / SESSION, recycle=True),
             persist_to_disk=False,
         )
         self._hook = register_optimizer_step_pre_hook(self._before_step)
