@@ -8,7 +8,7 @@ one still in the background is skipped), the state's size, the GPU memory the sn
 (peak allocated) and the node memory they hold (/dev/shm).
 
     python -m bench.goodput.stall [--device cuda|cpu] [--fsdp2] [--blocks 3] [--steps 20]
-        [--d-model 1024 --layers 12]      # the CPU smoke: --device cpu --d-model 64 --layers 2
+        [--d-model 1024 --layers 12] [--smoke]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bench.common import smoke
 from ftrun.checkpointing import StepSnapshot
 from ftrun.identity import free_port
 
@@ -69,7 +70,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
-    args = parser.parse_args()
+    sizes = {"device": "cpu", "d_model": 32, "layers": 1, "batch": 2, "seq": 8, "steps": 4,
+             "blocks": 1}  # fmt: skip
+    args = smoke.parse_args(parser, sizes)
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -1,0 +1,324 @@
+"""Goodput under a mixed fault schedule: what a fault costs end to end, setting by setting.
+
+One plain script (`bench/workers/goodput_worker.py`: the transformer of the GPU benches, DDP,
+AdamW), 2 launchers x 2 ranks, run for `--duration` seconds per setting while the bench injects
+a fault every `--every` seconds, kinds in turn: an exception, a SIGKILLed rank, a hung rank
+(SIGSTOP) and, for settings with a hot spare, a lost node (its launcher's process group
+SIGKILLed). A setting without a spare gets a SIGKILLed rank in the lost node's turn. Settings,
+side by side in one run, interleaved run by run:
+
+- torchrun + torch.save every `--ckpt-every` steps (hangs end at the script's collective
+  timeout, `--pg-timeout`: torchrun has no other hang detection);
+- NVRx 0.7's ft_launcher + the same torch.save (where NVRx is installed: the device);
+- ft_launcher + the same torch.save (ftrun's recovery, the script's checkpoints);
+- ft_launcher + `StepSnapshot` every step, a spare launcher (ftrun's recovery and goodput).
+
+Hangs are detected from heartbeats, at the same `--hb-timeout` for NVRx and ftrun.
+
+Goodput = (steps gained in the window) x (the script's own step time) / (the window's length):
+the window opens at the first step of the job and lasts `--duration`; the script's own step time
+is the median gap between consecutive steps with no save, over the torch.save settings. Each
+fault's lost seconds are split into: detect (the fault to the first worker the launcher
+stopped: a process of the job, not the faulted one, ending), recover (to every rank's first step
+after the restart), redo (the steps done again, at the script's step time). Stall: the seconds
+saves held the training, per fault interval.
+
+    python -m bench.goodput.goodput [--duration 90] [--every 15] [--runs 1] [--device cpu]
+        [--settings torchrun,nvrx,ft-torch,ft-snapshot] [--markdown] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import psutil
+
+from bench.common import WORKERS, smoke
+from bench.common.jobs import FT, NVRX, TORCHRUN_NO_SHARE, WORLD, Job, Launcher, job, take_charge
+from bench.common.report import load_average, machine_line, progress, table
+
+WORKER = WORKERS / "goodput_worker.py"
+KINDS = ("raise", "kill", "stop", "node")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    key: str
+    name: str
+    launcher: Launcher
+    save: str
+    spare: bool = False
+
+
+SETTINGS = (
+    Setting("torchrun", "torchrun + torch.save", TORCHRUN_NO_SHARE, "torch"),
+    Setting("nvrx", "NVRx 0.7 ft_launcher + torch.save", NVRX, "torch"),
+    Setting("ft-torch", "ft_launcher + torch.save", FT, "torch"),
+    Setting("ft-snapshot", "ft_launcher + StepSnapshot, a spare", FT, "snapshot", spare=True),
+)
+
+
+def settings(args: argparse.Namespace) -> list[Setting]:
+    """The settings asked for whose launcher is installed (NVRx: on the device)."""
+    return [s for s in SETTINGS if s.key in args.settings.split(",") and s.launcher.available]
+
+
+@dataclasses.dataclass
+class Fault:
+    kind: str
+    at: float
+    rank: int
+    before: int = 0  # the newest step any rank had logged when it fired
+    detect: float | None = None
+    recover: float | None = None
+    redone: int | None = None
+
+
+@dataclasses.dataclass
+class Lines:
+    """Every rank's log lines so far: (ts, pid, key, value)."""
+
+    rows: list[tuple[float, int, str, float]] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def read(cls, out: Path) -> Lines:
+        rows = []
+        for rank in range(WORLD):
+            path = out / f"rank{rank}.log"
+            text = path.read_text(errors="replace") if path.exists() else ""
+            for line in text.split("\n")[:-1]:
+                fields = line.split()
+                values = dict(f.split("=", 1) for f in fields[1:] if "=" in f)
+                for key in ("step", "save", "from"):
+                    if key in values:
+                        rows.append((float(fields[0]), int(values["pid"]), key, float(values[key])))
+        return cls(sorted(rows))
+
+    def newest_step(self, until: float = float("inf")) -> int:
+        return int(max((v for ts, _, k, v in self.rows if k == "step" and ts <= until), default=0))
+
+    def pids(self, until: float) -> set[int]:
+        return {pid for ts, pid, _, _ in self.rows if ts <= until}
+
+
+class Exits:
+    """When each process of the job ended, seen by polling its launchers' descendants."""
+
+    def __init__(self, run: Job) -> None:
+        self._run, self.ended, self._seen = run, {}, set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.02):
+            now, alive = time.time(), set()
+            for proc in self._run.procs:
+                try:
+                    alive |= {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+                except psutil.Error:
+                    continue
+            for pid in self._seen - alive:
+                self.ended.setdefault(pid, now)
+            self._seen |= alive
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def fire(run: Job, fault: Fault) -> set[int]:
+    """Inject `fault`; the pids it ends itself (not the launcher's detection)."""
+    target = _pid_of_rank(run, fault.rank)
+    if fault.kind == "raise":
+        (run.out / f"raise-rank{fault.rank}").touch()
+        return {target} if target else set()
+    if fault.kind in ("kill", "stop") and target:
+        os.kill(target, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
+        return {target} if fault.kind == "kill" else set()
+    return _lose_a_node(run) if fault.kind == "node" else set()
+
+
+def _pid_of_rank(run: Job, rank: int) -> int | None:
+    """The process that logged the rank's newest line, if it is alive."""
+    path = run.out / f"rank{rank}.log"
+    lines = path.read_text(errors="replace").split("\n")[:-1] if path.exists() else []
+    for line in reversed(lines):
+        if "pid=" in line:
+            pid = int(line.split("pid=")[1].split()[0])
+            return pid if psutil.pid_exists(pid) else None
+    return None
+
+
+def _lose_a_node(run: Job) -> set[int]:
+    """SIGKILL the process group of a launcher that runs ranks and does not host the store."""
+    for proc in run.procs[1:]:
+        if proc.poll() is None:
+            try:
+                kids = psutil.Process(proc.pid).children(recursive=True)
+            except psutil.Error:
+                continue
+            if any("goodput_worker" in " ".join(k.cmdline()) for k in kids if _quiet(k)):
+                ended = {k.pid for k in kids}
+                os.killpg(proc.pid, signal.SIGKILL)
+                return ended
+    return set()
+
+
+def _quiet(proc: psutil.Process) -> bool:
+    try:
+        proc.cmdline()
+        return True
+    except psutil.Error:
+        return False
+
+
+def one_run(setting: Setting, args: argparse.Namespace) -> tuple[float, list[Fault], float]:
+    """(goodput at `args.step_s`, the faults, the save stall per fault interval)."""
+    extra = ["--nnodes=2", *(setting.launcher.hang_args or ())]
+    if setting.launcher is not TORCHRUN_NO_SHARE:
+        extra.append("--ft-rank-heartbeat-timeout=" + str(args.hb_timeout))
+    env_client = "nvrx" if setting.launcher is NVRX else "ftrun"
+    worker = [*model_args(args), "--save", setting.save, "--ckpt-every", str(args.ckpt_every)]
+    client = "none" if setting.launcher is TORCHRUN_NO_SHARE else env_client
+    os.environ["FTRUN_BENCH_CLIENT"] = client
+    launchers = 3 if setting.spare else 2
+    with job(setting.launcher, extra, worker, WORKER, launchers=launchers) as run:
+        exits = Exits(run)
+        first = run.wait(lambda: Lines.read(run.out).newest_step() >= 1 or None, 300)
+        if first is None:
+            raise RuntimeError(f"{setting.name}: never stepped; {run.describe()}")
+        opened = min(ts for ts, _, k, _ in Lines.read(run.out).rows if k == "step")
+        faults, own = [], {}
+        for index, at in enumerate(range(args.every, int(args.duration), args.every)):
+            kind = KINDS[index % len(KINDS)]
+            kind = "kill" if kind == "node" and not setting.spare else kind
+            run.wait(lambda at=at: None if time.time() < opened + at else True, args.duration)
+            if not stepping_again(run, faults, opened + args.duration):
+                break
+            lines = Lines.read(run.out)
+            fault = Fault(kind, time.time(), rank=(index + 1) % WORLD, before=lines.newest_step())
+            own[len(faults)] = fire(run, fault)
+            faults.append(fault)
+        run.wait(lambda: None if time.time() < opened + args.duration else True, args.duration)
+        exits.stop()
+        lines = Lines.read(run.out)
+        gained = lines.newest_step(opened + args.duration)
+        for i, fault in enumerate(faults):
+            analyse(fault, lines, exits.ended, own[i], args.step_s)
+        saves = [v for ts, _, k, v in lines.rows if k == "save" and ts <= opened + args.duration]
+        stall = sum(saves) / WORLD / max(1, len(faults))  # every rank logs its saves
+    return gained * args.step_s / args.duration, faults, stall
+
+
+def stepping_again(run: Job, faults: list[Fault], until: float) -> bool:
+    """Whether every rank stepped, in a live process, since the previous fault (waited for
+    until `until`): a fault never hits a job still recovering from the one before."""
+    since = faults[-1].at if faults else 0.0
+
+    def ready() -> bool | None:
+        lines = Lines.read(run.out)
+        stepped = {pid for ts, pid, k, _ in lines.rows if k == "step" and ts > since}
+        live = [_pid_of_rank(run, rank) for rank in range(WORLD)]
+        return all(pid in stepped for pid in live) or None
+
+    return bool(run.wait(ready, max(0.0, until - time.time())))
+
+
+def analyse(fault: Fault, lines: Lines, ended: dict[int, float], own: set[int], step_s: float):
+    stopped = [t for pid, t in ended.items() if t >= fault.at and pid not in own]
+    detected = min(stopped, default=None)
+    resumed = [(ts, v) for ts, _, k, v in lines.rows if k == "from" and ts > fault.at]
+    if detected is None or not resumed:
+        return
+    restored_from = int(resumed[0][1])
+    back = [ts for ts, _, k, v in lines.rows if k == "step" and ts > resumed[0][0]]
+    fault.detect = detected - fault.at
+    fault.recover = (back[0] if back else resumed[-1][0]) - detected
+    fault.redone = max(0, fault.before - restored_from)
+
+
+def model_args(args: argparse.Namespace) -> list[str]:
+    return [
+        "--device", args.device, "--d-model", str(args.d_model), "--layers", str(args.layers),
+        "--batch", str(args.batch), "--seq", str(args.seq), "--pg-timeout", str(args.pg_timeout),
+    ]  # fmt: skip
+
+
+def script_step_time(args: argparse.Namespace) -> float:
+    """The script's own step time: a short job of it without saves, the median step gap."""
+    os.environ["FTRUN_BENCH_CLIENT"] = "none"
+    worker = [*model_args(args), "--save", "none"]
+    with job(TORCHRUN_NO_SHARE, ["--nnodes=2"], worker, WORKER) as run:
+        run.wait(lambda: Lines.read(run.out).newest_step() >= args.calibrate_steps or None, 300)
+        steps = [ts for ts, _, k, _ in Lines.read(run.out).rows if k == "step"]
+    gaps = [b - a for a, b in zip(steps[::WORLD], steps[WORLD::WORLD], strict=False)]
+    return statistics.median(gaps[2:] or gaps)
+
+
+def report(results: dict[str, list[tuple[float, list[Fault], float]]], args) -> None:
+    rows = []
+    for name, runs in results.items():
+        goodputs = ", ".join(f"{g:.2f}" for g, _, _ in runs)
+        faults = [f for _, fs, _ in runs for f in fs]
+        for kind in KINDS:
+            mine = [f for f in faults if f.kind == kind and f.detect is not None]
+            if not mine:
+                continue
+            med = statistics.median
+            detect, recover = med([f.detect for f in mine]), med([f.recover for f in mine])
+            redone = med([f.redone for f in mine])
+            lost = detect + recover + redone * args.step_s
+            rows.append([name, goodputs, kind, str(len(mine)), f"{detect:.2f}", f"{recover:.2f}",
+                         f"{redone:.1f}", f"{lost:.2f}",
+                         f"{statistics.median(s for _, _, s in runs):.2f}"])  # fmt: skip
+    headers = ["setting", "goodput", "fault", "n", "detect s", "recover s", "steps redone",
+               "lost s", "stall s / interval"]  # fmt: skip
+    print(table(headers, rows, args.markdown))
+    print(f"script step time {args.step_s * 1e3:.0f} ms; a fault every {args.every} s for "
+          f"{args.duration:.0f} s; {machine_line(args.load_before)}")  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=90)
+    parser.add_argument("--every", type=int, default=15)
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--ckpt-every", type=int, default=10)
+    parser.add_argument("--hb-timeout", type=float, default=3)
+    parser.add_argument("--pg-timeout", type=float, default=30)
+    parser.add_argument("--calibrate-steps", type=int, default=20)
+    keys = [s.key for s in SETTINGS]
+    parser.add_argument("--settings", default=",".join(keys), help=f"comma-separated: {keys}")
+    parser.add_argument("--step-time", type=float, help="the script's step time, s (not measured)")
+    parser.add_argument("--markdown", action="store_true")
+    sizes = {"duration": 10, "every": 5, "d_model": 32, "layers": 1, "seq": 16,
+             "settings": "ft-snapshot", "step_time": 0.02}  # fmt: skip
+    args = smoke.parse_args(parser, sizes, argv)
+    take_charge()
+    args.load_before = load_average()
+    args.step_s = args.step_time or script_step_time(args)
+    progress(f"script step time {args.step_s * 1e3:.0f} ms")
+    results: dict[str, list] = {}
+    for run in range(args.runs):
+        for setting in settings(args):
+            progress(f"run {run + 1}: {setting.name}")
+            results.setdefault(setting.name, []).append(one_run(setting, args))
+    report(results, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The goodput bench's training script: the plain transformer of `gpu_user_worker.py` (DDP,
+AdamW, one fixed batch; 151M on a GPU by default), saved the way its setting says:
+
+- `--save torch`: rank 0 `torch.save`s model + optimizer + step every `--ckpt-every` steps to
+  `--out DIR/ckpt.pt`; every rank resumes from the file (the script people write);
+- `--save snapshot`: `ftrun.checkpointing.StepSnapshot` every step, `restore` at start;
+- `--save none`: nothing (the script's own step time).
+
+Lines (to `--out DIR/rank<R>.log`): `mark=ready from=<step>` once restored, `step=<n>` after each
+step, `save=<s>` after each save with the seconds it held the step. A fault the bench asks for
+by file: `DIR/raise-rank<R>` makes that rank raise at its next step (the file is removed).
+Signals (SIGKILL, SIGSTOP) and lost nodes come from the bench itself.
+"""
+
+import time
+
+START_TS = time.time()
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_user_worker import Log, add_model_args, build_model, monitor_client  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10**9)
+    parser.add_argument("--save", choices=["torch", "snapshot", "none"], default="torch")
+    parser.add_argument("--pg-timeout", type=float, default=600, help="collective timeout, s")
+    parser.add_argument("--out", type=Path, required=True)
+    add_model_args(parser)
+    return parser.parse_args()
+
+
+def restore(args: argparse.Namespace, state: dict, path: Path, device: torch.device):
+    """(the StepSnapshot or None, the step to resume after)."""
+    if args.save == "snapshot":
+        from ftrun.checkpointing import StepSnapshot
+
+        snapshot = StepSnapshot()
+        return snapshot, snapshot.restore(state)
+    if args.save == "torch" and path.exists():
+        saved = torch.load(path, map_location=device)
+        state["model"].load_state_dict(saved["model"])
+        state["optimizer"].load_state_dict(saved["optimizer"])
+        return None, saved["step"]
+    return None, 0
+
+
+def main() -> None:
+    args = parse_args()
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    log = Log(rank, args.out)
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    model = build_model(args).to(device)
+    timeout = datetime.timedelta(seconds=args.pg_timeout)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    ddp = DDP(model, device_ids=[local_rank] if cuda else None)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
+    state = {"model": model, "optimizer": optimizer}
+    path = args.out / "ckpt.pt"  # the run's own directory
+    snapshot, start = restore(args, state, path, device)
+    gen = torch.Generator().manual_seed(1234 + rank)
+    data = torch.randn(args.batch, args.seq, args.d_model, generator=gen).to(device)
+    target = torch.randn(args.batch, args.seq, args.d_model, generator=gen).to(device)
+    client, _ = monitor_client()
+    log(f"mark=ready from={start}")
+    trigger = args.out / f"raise-rank{rank}"
+    for step in range(start + 1, args.steps + 1):
+        if trigger.exists():
+            trigger.unlink()
+            raise RuntimeError(f"injected exception at step {step}")
+        loss = nn.functional.mse_loss(ddp(data), target)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        loss.item()
+        if client is not None:
+            client.send_heartbeat()
+        log(f"step={step}")
+        saved_at = time.perf_counter()
+        if snapshot is not None and snapshot.save(state, step):
+            log(f"save={time.perf_counter() - saved_at:.6f}")
+        elif args.save == "torch" and step % args.ckpt_every == 0:
+            if rank == 0:
+                checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+                torch.save({**checkpoint, "step": step}, f"{path}.tmp")
+                os.replace(f"{path}.tmp", path)
+            log(f"save={time.perf_counter() - saved_at:.6f}")
+
+
+if __name__ == "__main__":
+    main()
