@@ -25,8 +25,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import torch
-
 from ftrun.checkpointing.async_calls import AsyncRequest
 from ftrun.checkpointing.collective import all_true, min_max, rank_and_world_size
 from ftrun.checkpointing.errors import (
@@ -36,6 +34,7 @@ from ftrun.checkpointing.errors import (
     CheckpointUsageError,
 )
 from ftrun.checkpointing.format import PartInfo
+from ftrun.checkpointing.overlapped import OverlappedCopy
 from ftrun.checkpointing.persist import copy_part
 from ftrun.checkpointing.retention import parts_to_remove
 from ftrun.checkpointing.state_dict import BasicTensorAwareStateDict, TensorAwareStateDict
@@ -116,7 +115,7 @@ class LocalCheckpointManager:
             )
         self._store = store
         self._in_flight: _AsyncSave | None = None
-        self._copy: _Copy | None = None  # an `overlap` save's copies, until `fence`
+        self._copy: OverlappedCopy | None = None  # an `overlap` save's, until `fence`
         self._joining = threading.Lock()  # `wait` (trainer) against `_join` (a queue's thread)
         self._bad: set[PartKey] = set()  # set aside: never read again, even if renaming failed
         if repl_strategy is not None and self._tier is None:
@@ -143,10 +142,11 @@ class LocalCheckpointManager:
         rename and clean-up run in a background thread, which `wait()` joins. Call `save`
         from one thread.
 
-        `overlap` (an ftrun extension; implies `is_async`): (4) is not waited for either. CUDA
-        tensors are copied on a side stream, after the work queued so far, into page-locked node
-        memory; host tensors by the background thread. The caller must not change the saved
-        tensors in place before `fence()` (`StepSnapshot` calls it from the optimizer's step).
+        `overlap` (an ftrun extension; implies `is_async`): (2)-(4) are not waited for either:
+        the background thread flattens, maps and copies (CUDA tensors on a side stream, as of
+        this call, into page-locked node memory: see `overlapped`). The caller must not change
+        the saved tensors in place before `fence()` (`StepSnapshot` calls it from the
+        optimizer's step).
         """
         if type(iteration) is not int or iteration < 0:
             raise CheckpointUsageError(f"iteration must be a non-negative int, not {iteration!r}")
@@ -158,18 +158,17 @@ class LocalCheckpointManager:
             self._after_write(key, self._store.write(key, payload, metadata))
             self._note_stall(key, started)
             return None
-        pending = (  # a store of the user's may not know `defer_copy`: asked only for it
-            self._store.prepare(key, payload, metadata, defer_copy=True)
-            if overlap
-            else self._store.prepare(key, payload, metadata)
-        )
-        try:
-            copy = _Copy(pending) if overlap else None
-            job = _AsyncSave(iteration, lambda: self._commit(key, pending, copy))
-        except BaseException:  # no thread (e.g. none can be started): drop the temp file
-            pending.abort()
-            raise
-        self._copy = copy
+        if overlap:
+            copy = OverlappedCopy()
+            job = self._in_background(
+                iteration,
+                lambda: self._commit(key, copy.prepare(self._store, key, payload, metadata)),
+                copy.abandon,
+            )
+            self._copy = copy
+        else:
+            pending = self._store.prepare(key, payload, metadata)
+            job = self._in_background(iteration, lambda: self._commit(key, pending), pending.abort)
         with self._joining:
             self._in_flight = job
         self._note_stall(key, started)
@@ -289,13 +288,17 @@ class LocalCheckpointManager:
                 )
                 return _rewrap(state, info), CkptID(iteration, rank, self.session_id)
 
-    def _commit(self, key: PartKey, pending: PreparedPart, copy: _Copy | None) -> PartInfo:
-        if copy is not None:
-            try:
-                copy.finish()
-            except BaseException:
-                pending.abort()
-                raise
+    @staticmethod
+    def _in_background(
+        iteration: int, work: Callable[[], PartInfo], undo: Callable[[], None]
+    ) -> _AsyncSave:
+        try:
+            return _AsyncSave(iteration, work)
+        except BaseException:  # no thread (e.g. none can be started): drop the temp file
+            undo()
+            raise
+
+    def _commit(self, key: PartKey, pending: PreparedPart) -> PartInfo:
         info = pending.commit()
         self._after_write(key, info)
         return info
@@ -389,31 +392,6 @@ class _AsyncSave:
             raise self._error
         assert self._info is not None
         return self._info
-
-
-class _Copy:
-    """An `overlap` save's copies: the device ones queued by the caller at once, the host ones
-    made by the background thread (`finish`); `fence` orders the caller's next change after
-    them."""
-
-    def __init__(self, pending: PreparedPart) -> None:
-        self._pending = pending
-        self._device_done = pending.queue_device_copies()
-        self._host_done = threading.Event()
-
-    def finish(self) -> None:
-        """In the background thread: the host copies, then the device copies' end."""
-        try:
-            self._pending.copy_host_tensors()
-        finally:
-            self._host_done.set()
-        if self._device_done is not None:
-            self._device_done.synchronize()
-
-    def fence(self) -> None:
-        self._host_done.wait()
-        if self._device_done is not None:
-            torch.cuda.current_stream().wait_event(self._device_done)
 
 
 def _unwrap(state_dict: Any) -> tuple[Any, dict[str, str]]:

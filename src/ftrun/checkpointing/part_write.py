@@ -96,11 +96,11 @@ class PendingPart:
         self._uncopied = dict(enumerate(uncopied))
         """`defer_copy`: the tensors still to copy, by entry."""
 
-    def queue_device_copies(self) -> Any:
-        """Copy the CUDA tensors of a deferred part: queued on a side stream of their device
-        (after the work already queued on its current stream) when the mapping can be
-        page-locked, else at once. Returns the `torch.cuda.Event` that marks the queued copies'
-        end, or None when nothing was queued. Call it from the thread that queues the work."""
+    def queue_device_copies(self, after: Any = None) -> Any:
+        """Copy the CUDA tensors of a deferred part: queued on a side stream of their device,
+        after the `after` event (default: the work queued so far on the current stream) when the
+        mapping can be page-locked, else at once (after `after`). Returns the `torch.cuda.Event`
+        that marks the queued copies' end, or None when nothing was queued."""
         on_device = {i: t for i, t in self._uncopied.items() if t.is_cuda}
         if not on_device:
             return None
@@ -109,10 +109,15 @@ class PendingPart:
             del self._uncopied[i]
         device = next(iter(on_device.values())).device
         if not (self._keep and not self._durable and pinning.pin(mm, device)):
+            if after is not None:
+                after.synchronize()
             _copy_entries(mm, self._layout, on_device)
             return None
         stream = _side_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        if after is None:
+            stream.wait_stream(torch.cuda.current_stream(device))
+        else:
+            stream.wait_event(after)
         with torch.cuda.stream(stream):
             for tensor in on_device.values():
                 tensor.record_stream(stream)  # its memory is not reused before the copy ran

@@ -5,10 +5,11 @@ checkpoint and the stalls of the saves in between. Saving every step removes the
 only if a save costs (almost) nothing, so a snapshot here is a `LocalCheckpointManager` part
 written with `overlap`:
 
-- `save(state, step)` plans the part and queues the copies, then returns: CUDA tensors are
-  copied on a side stream into page-locked node memory (`/dev/shm`) while the next step
-  computes; host tensors by a background thread, which then checksums the part and renames it
-  into place. The step's stall is the flattening of the state and the queueing.
+- `save(state, step)` takes the state's `state_dict()`s and marks the caller's CUDA stream, then
+  returns. A background thread flattens the state, maps its part in node memory (`/dev/shm`),
+  queues the CUDA tensors' copies on a side stream (page-locked, as of the mark), copies the
+  host tensors, checksums the part and renames it into place, while the next step computes
+  (`overlapped`). The step's stall is the `state_dict()` calls.
 - The state must not change until the copies are done: the snapshot holds every optimizer's
   `step()` until then (a global step pre-hook calling `LocalCheckpointManager.fence`: the host
   copies are waited for; for the device copies the current stream waits, not the host). Code
@@ -81,6 +82,7 @@ class StepSnapshot:
         self.skipped = 0
         self.stalls: list[float] = []
         """Seconds each taken save held the caller."""
+        self._sharded: bool | None = None  # whether the first save found DTensors
         root = Path(directory or default_directory())
         under_agent = Env.CKPT_DIR in os.environ
         self._manager = LocalCheckpointManager(
@@ -104,7 +106,12 @@ class StepSnapshot:
             self.skipped += 1
             return False
         started = time.perf_counter()
-        self._manager.save(_saved_form(state), step, overlap=True)
+        saved = {key: _state_of(value) for key, value in state.items()}
+        if self._sharded is not False:  # a walk of the state, needed only where DTensors are
+            found: list[bool] = []
+            saved = _local(saved, found)
+            self._sharded = bool(found)
+        self._manager.save(saved, step, overlap=True)
         self.stalls.append(time.perf_counter() - started)
         self.taken += 1
         return True
@@ -183,22 +190,21 @@ def _state_of(value: Any) -> Any:
     return value.state_dict() if _is_stateful(value) else value
 
 
-def _saved_form(state: Mapping[str, Any]) -> dict[str, Any]:
-    return _local({key: _state_of(value) for key, value in state.items()})
-
-
 def _is_dtensor(value: Any) -> bool:
     return type(value).__name__ == "DTensor" and hasattr(value, "to_local")
 
 
-def _local(value: Any) -> Any:
-    """`value` with each DTensor replaced by its local shard (sharing its memory)."""
+def _local(value: Any, found: list[bool] | None = None) -> Any:
+    """`value` with each DTensor replaced by its local shard (sharing its memory); `found`
+    gets an entry if there was one."""
     if _is_dtensor(value):
+        if found is not None:
+            found.append(True)
         return value.to_local()
     if isinstance(value, dict):
-        return {key: _local(item) for key, item in value.items()}
+        return {key: _local(item, found) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(_local(item) for item in value)
+        return type(value)(_local(item, found) for item in value)
     return value
 
 

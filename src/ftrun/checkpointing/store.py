@@ -49,7 +49,7 @@ class PreparedPart(Protocol):
 
     def abort(self) -> None: ...
 
-    def queue_device_copies(self) -> Any:
+    def queue_device_copies(self, after: Any = None) -> Any:
         """`defer_copy` only: see `part_write.PendingPart`."""
         ...
 
@@ -196,8 +196,8 @@ class _Kept:
     def abort(self) -> None:
         self._pending.abort()
 
-    def queue_device_copies(self) -> Any:
-        return self._pending.queue_device_copies()
+    def queue_device_copies(self, after: Any = None) -> Any:
+        return self._pending.queue_device_copies(after)
 
     def copy_host_tensors(self) -> None:
         self._pending.copy_host_tensors()
