@@ -66,6 +66,7 @@ SMOKES = [
     Smoke("restart.forkserver", r"server ready after start", slow=OVER.format("8-9")),
     Smoke("goodput.stall", r"save\(\) held the caller: median"),
     Smoke("goodput.goodput", r"setting\s+goodput\s+fault", timeout=120),
+    Smoke("goodput.model", r"setting\s+lost s per fault"),
     Smoke("rendezvous.rendezvous_scale", r"\| impl \| store \| N \|(.|\n)*\| barrier \| etcd \| 8 ",
           ("--backend", "both", "--impl", "barrier"), timeout=120, needs="etcd"),
     # whole jobs: beyond the budget

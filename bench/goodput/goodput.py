@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import signal
 import statistics
@@ -305,6 +306,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--settings", default=",".join(keys), help=f"comma-separated: {keys}")
     parser.add_argument("--step-time", type=float, help="the script's step time, s (not measured)")
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument(
+        "--json", type=Path, help="also write the figures there (bench/goodput/model.py reads them)"
+    )
     sizes = {"duration": 10, "every": 5, "d_model": 32, "layers": 1, "seq": 16,
              "settings": "ft-snapshot", "step_time": 0.02}  # fmt: skip
     args = smoke.parse_args(parser, sizes, argv)
@@ -318,6 +322,26 @@ def main(argv: Sequence[str] | None = None) -> None:
             progress(f"run {run + 1}: {setting.name}")
             results.setdefault(setting.name, []).append(one_run(setting, args))
     report(results, args)
+    if args.json:
+        write_json(results, args)
+
+
+def write_json(results: dict[str, list], args: argparse.Namespace) -> None:
+    """Per setting: goodputs, stall per interval, and each fault's kind and lost seconds."""
+    figures = {
+        "step_s": args.step_s,
+        "every_s": args.every,
+        "duration_s": args.duration,
+        "settings": {
+            name: {
+                "goodput": [g for g, _, _ in runs],
+                "stall_per_interval_s": [s for _, _, s in runs],
+                "faults": [dataclasses.asdict(f) for _, fs, _ in runs for f in fs],
+            }
+            for name, runs in results.items()
+        },
+    }
+    args.json.write_text(json.dumps(figures, indent=1))
 
 
 if __name__ == "__main__":
