@@ -1,9 +1,11 @@
 """Every step's state in node memory (`StepSnapshot`, issue 53), with real launchers: 2 nodes x
-2 gloo ranks (and a spare for the lost node), a plain script using the documented calls
-(tests/workers/snapshot_worker.py). After an exception, a SIGKILL, a SIGSTOP or a lost node,
-every rank resumes at the step it was in (at most one step redone), and the state it resumes
-with is bit-equal to the state the run had at that step before the fault (SHA-256 of the
-model's and the optimizer's tensors)."""
+2 gloo ranks and a spare, a plain script using the documented calls
+(tests/workers/snapshot_worker.py). One job meets four faults in turn, one a restart: an
+exception, a SIGKILL, a SIGSTOP (a hung rank, found by its heartbeats) and a lost node (its
+launcher's process group SIGKILLed; the spare takes its place). Each test reads the restart
+after its fault: every rank resumes at the step it was in (at most one step redone), with the
+state the run had at that step before the fault, bit for bit (SHA-256 of the model's and the
+optimizer's tensors)."""
 
 from __future__ import annotations
 
@@ -21,58 +23,61 @@ pytestmark = pytest.mark.process
 
 WORKER = Path(__file__).resolve().parent / "workers" / "snapshot_worker.py"
 ARGS = [
-    "--nproc-per-node=2", "--max-restarts=3", "--rdzv-conf=last_call_timeout=3",
+    "--nnodes=2", "--nproc-per-node=2", "--max-restarts=5", "--rdzv-conf=last_call_timeout=3",
     "--ft-rank-heartbeat-timeout=3",
 ]  # fmt: skip
+FAULTS = "0:3:8:raise,1:2:14:kill,2:1:20:stop"  # the node is lost in cycle 3, past step 26
+CYCLE_AFTER = {"raise": 1, "kill": 2, "stop": 3, "node": 4}
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> Job:
+    tmp = tmp_path_factory.mktemp("snapshots")
+    job = start_job(tmp, 3, ARGS, ["--steps", "40", "--fault", FAULTS], script=WORKER, nproc=2)
+    try:
+        wait_for(lambda: newest(job, cycle=3) >= 26, 150, "cycle 3 at step 26")
+        latest = max((e for e in job.events("rendezvous_done")), key=lambda e: e["cycle"])
+        hosts = {e["node"] for e in job.events("rendezvous_done") if e.get("store_host")}
+        victim = node_of(job, next(n for n in latest["nodes"] if n not in hosts))
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(victim.proc.pid, signal.SIGKILL)
+        codes = dict(zip((n.index for n in job.nodes), job.wait(180), strict=True))
+    except BaseException:
+        job.kill()
+        raise
+    assert codes == {n.index: -signal.SIGKILL if n is victim else 0 for n in job.nodes}, job.nodes[
+        0
+    ].text()[-3000:]
+    return job
 
 
 def rows(job: Job, rank: int) -> list[tuple[str, int, int, str]]:
-    text = (job.ckpt_dir / f"rank{rank}.log").read_text()
+    path = job.ckpt_dir / f"rank{rank}.log"
+    text = path.read_text() if path.exists() else ""
     return [(kind, int(c), int(s), d) for kind, c, s, d in map(str.split, text.splitlines())]
 
 
-def newest_step(job: Job) -> int:
-    path = job.ckpt_dir / "rank0.log"
-    return max((s for k, _, s, _ in rows(job, 0) if k == "step"), default=0) if path.exists() else 0
+def newest(job: Job, cycle: int) -> int:
+    return max((s for k, c, s, _ in rows(job, 0) if k == "step" and c == cycle), default=0)
 
 
-def check_resumes(job: Job, world: int = 4) -> dict[int, int]:
-    """For every cycle after the first: every rank resumed at one step, with the digest it had
-    at that step before, at most one step behind the newest any rank finished. cycle -> step."""
-    logs = {rank: rows(job, rank) for rank in range(world)}
-    resumed: dict[int, int] = {}
+@pytest.mark.parametrize("fault", list(CYCLE_AFTER))
+def test_a_fault_resumes_at_its_step_bit_equal(job: Job, fault: str):
+    cycle = CYCLE_AFTER[fault]
+    logs = {rank: rows(job, rank) for rank in range(4)}
+    done = max(s for r in logs.values() for k, c, s, _ in r if k == "step" and c < cycle)
+    resumed = set()
     for rank, lines in logs.items():
-        for kind, cycle, step, digest in lines:
-            if kind != "resumed" or cycle == 0:
-                continue
-            assert resumed.setdefault(cycle, step) == step, (rank, cycle, resumed)
-            before = {d for k, c, s, d in lines if k == "step" and c < cycle and s == step}
-            assert before == {digest}, (rank, cycle, step, digest, before)
-            done = max(s for r in logs.values() for k, c, s, _ in r if k == "step" and c < cycle)
-            assert done - step <= 1, (rank, cycle, done, step)
-    assert resumed, "no rank resumed"
-    finals = {lines[-1] for lines in logs.values()}
-    assert len({d for *_, d in finals}) == 1, finals  # DDP: every rank ends with one state
-    return resumed
+        (step, digest), *_ = [(s, d) for k, c, s, d in lines if k == "resumed" and c == cycle]
+        before = {d for k, c, s, d in lines if k == "step" and c < cycle and s == step}
+        assert before == {digest}, (fault, rank, step, digest, before)
+        resumed.add(step)
+    assert len(resumed) == 1 and done - resumed.pop() <= 1, (fault, resumed, done)
+    if fault == "node":  # the spare's agent fetched its ranks' parts from their replicas
+        assert any(e.get("fetched") for e in job.events("ckpt_restore") if e["cycle"] == cycle)
 
 
-@pytest.mark.parametrize("kind", ["raise", "kill", "stop"])
-def test_a_faulted_rank_resumes_at_its_step_bit_equal(tmp_path: Path, kind: str):
-    job = start_job(tmp_path, 2, ARGS, ["--fault", f"0:3:12:{kind}"], script=WORKER, nproc=2)
-    assert job.wait(120) == [0, 0], job.nodes[0].text()[-3000:]
-    assert list(check_resumes(job)) == [1]
+def test_the_job_ends_with_one_state_on_every_rank(job: Job):
+    finals = {rows(job, rank)[-1] for rank in range(4)}
+    assert len({(k, s, d) for k, _, s, d in finals}) == 1, finals  # DDP: the same state
     assert (job.ckpt_dir / "FINISHED").exists()
-
-
-def test_a_lost_node_resumes_on_the_spare_from_its_replicas(tmp_path: Path):
-    job = start_job(tmp_path, 3, [*ARGS, "--nnodes=2"], ["--steps", "40"], script=WORKER, nproc=2)
-    wait_for(lambda: newest_step(job) >= 12, 90, "12 steps")
-    first = next(e for e in job.events("rendezvous_done") if e["cycle"] == 0)
-    hosts = {e["node"] for e in job.events("rendezvous_done") if e.get("store_host")}
-    victim = node_of(job, next(n for n in first["nodes"] if n not in hosts))
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(victim.proc.pid, signal.SIGKILL)
-    codes = dict(zip((n.index for n in job.nodes), job.wait(180), strict=True))
-    assert codes == {n.index: -signal.SIGKILL if n is victim else 0 for n in job.nodes}
-    assert list(check_resumes(job)) == [1]
-    assert any(e.get("fetched") for e in job.events("ckpt_restore") if e["cycle"] == 1)

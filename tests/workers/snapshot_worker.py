@@ -6,8 +6,8 @@ Each step's data comes from (step, rank), so a run is deterministic. The rank ap
 and "step <cycle> <step> <digest>" after every step, where <digest> is a SHA-256 of the model's
 and the optimizer's tensors. <ckpt-dir>/FINISHED is written by rank 0 at the end.
 
---fault CYCLE:RANK:STEP:KIND hits that rank at the start of STEP in that cycle: `raise` (an
-exception), `kill` (SIGKILL), `stop` (SIGSTOP: a hung rank).
+--fault CYCLE:RANK:STEP:KIND[,...] hits that rank at the start of STEP in that cycle: `raise`
+(an exception), `kill` (SIGKILL), `stop` (SIGSTOP: a hung rank).
 """
 
 from __future__ import annotations
@@ -58,10 +58,12 @@ def main() -> None:
     log = (args.out / f"rank{rank}.log").open("a")
     log.write(f"resumed {CYCLE} {start} {digest(model, optimizer)}\n")
     log.flush()
-    fault = args.fault.split(":") if args.fault else None
+    faults = {
+        tuple(map(int, f.split(":")[:3])): f.split(":")[3] for f in args.fault.split(",") if f
+    }
     for step in range(start + 1, args.steps + 1):
-        if fault and [int(x) for x in fault[:3]] == [CYCLE, rank, step]:
-            hit(fault[3])
+        if (CYCLE, rank, step) in faults:
+            hit(faults[CYCLE, rank, step])
         data = torch.Generator().manual_seed(step * 1000 + rank)
         x = torch.randn(16, 32, generator=data)
         loss = (model(x) - x[:, :8]).pow(2).mean()
