@@ -24,12 +24,17 @@ def steps(out: Path, rank: int) -> list[tuple[int, int, int, float]]:
     return [(int(p), int(i), int(s), float(t)) for p, i, s, t in rows]
 
 
-def assert_recovered_in_place(out: Path, ranks: int, replaced: int | None = None) -> None:
-    """Every step once, in restart iteration 1 from the fault on; each rank in one process,
-    but `replaced`, whose process was started again at the fault."""
+def assert_recovered_in_place(
+    out: Path, ranks: int, replaced: int | None = None, redone: int = 0
+) -> None:
+    """Every step once (up to `redone` steps twice at the fault: a snapshot a step behind), in
+    restart iteration 1 from the fault on; each rank in one process, but `replaced`, whose
+    process was started again at the fault."""
     for rank in range(ranks):
         rows = steps(out, rank)
-        assert [s for _, _, s, _ in rows] == list(range(STEPS)), f"rank {rank} lost a step"
+        made = [s for _, _, s, _ in rows]
+        assert sorted(set(made)) == list(range(STEPS)), f"rank {rank} lost a step"
+        assert len(made) - STEPS <= redone, f"rank {rank} redid {len(made) - STEPS} steps"
         pids = [pid for pid, *_ in rows]
         assert len(set(pids)) == (2 if rank == replaced else 1), f"rank {rank}'s processes"
         assert {i for _, i, s, _ in rows if s >= FAULT_STEP} == {1}
@@ -42,9 +47,10 @@ def start(tmp_path: Path, *worker_args: str) -> Job:
 
 
 def test_a_raise_in_one_rank_restarts_every_rank_in_its_process(tmp_path: Path):
-    job = start(tmp_path, "--fault", "raise", "--fault-rank", "1")
+    """The function resumes from a StepSnapshot: the model as of the step before the fault."""
+    job = start(tmp_path, "--fault", "raise", "--fault-rank", "1", "--snapshot")
     assert job.wait(120) == [0, 0]
-    assert_recovered_in_place(job.ckpt_dir, 4)
+    assert_recovered_in_place(job.ckpt_dir, 4, redone=1)
     assert len(job.events("rendezvous_done")) == 2  # one cycle, no in-job restart
     assert "in-process restart: iteration 0 -> 1" in "".join(n.text() for n in job.nodes)
     report = job.report()
@@ -63,9 +69,10 @@ def test_a_hang_judged_by_the_rank_monitor_is_recovered_in_process(tmp_path: Pat
 
 
 def test_a_sigkilled_rank_alone_is_started_again_and_joins_the_others(tmp_path: Path):
-    job = start(tmp_path, "--fault", "kill", "--fault-rank", "1")
+    """The new process of the killed rank reads its snapshot from node memory (the agent's)."""
+    job = start(tmp_path, "--fault", "kill", "--fault-rank", "1", "--snapshot")
     assert job.wait(120) == [0, 0]
-    assert_recovered_in_place(job.ckpt_dir, 4, replaced=1)
+    assert_recovered_in_place(job.ckpt_dir, 4, replaced=1, redone=1)
     assert len(job.events("rendezvous_done")) == 2  # no in-job restart
     [replaced] = job.events("rank_replaced")
     assert replaced["rank"] == 1 and "SIGKILL" in replaced["cause"]

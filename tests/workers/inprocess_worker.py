@@ -7,7 +7,9 @@ collective meanwhile), `--fault kill` SIGKILLs that rank's own process there, `-
 sleeps (the monitor's or the wrapper's timeout must end it), `--fault abort-hangs` raises and
 then the rank's abort never returns, `--fault finalize-fails` raises and then the rank's
 `finalize` fails (a fault during the recovery). The time of the fault goes to
-`<ckpt-dir>/fault.txt`."""
+`<ckpt-dir>/fault.txt`. With `--snapshot`, the function resumes from a `StepSnapshot` of the
+model taken after every step, created outside the wrapped function as NVRx's examples create
+the model."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ftrun import inprocess
+from ftrun.checkpointing import StepSnapshot
 from ftrun.client_lib import RankMonitorClient
 
 # A test that times out asks for every thread's stack (tests/support.run_dumping_stacks).
@@ -40,6 +43,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--fault-step", type=int, default=20)
     parser.add_argument("--soft-timeout", type=float, default=60.0)
     parser.add_argument("--heartbeats", action="store_true", help="send ft_launcher heartbeats")
+    parser.add_argument("--snapshot", action="store_true",
+                        help="resume from a StepSnapshot, not the step files")  # fmt: skip
     parser.add_argument(
         "--store-port",
         type=int,
@@ -120,7 +125,8 @@ def train(model: torch.nn.Module, call_wrapper: inprocess.CallWrapper | None = N
     if monitor is not None:  # a registration per iteration: a hang verdict ends the last one
         monitor.init_workload_monitoring()
     done = ARGS.out / f"steps-rank{rank}.txt"
-    start = resume_step(world)
+    state = {"model": model}
+    start = SNAPSHOT.restore(state) if SNAPSHOT is not None else resume_step(world)
     with done.open("a") as out:
         for step in range(start, ARGS.steps):
             fault_once(rank, step)
@@ -130,12 +136,16 @@ def train(model: torch.nn.Module, call_wrapper: inprocess.CallWrapper | None = N
                 monitor.send_heartbeat()
             out.write(f"{os.getpid()} {call_wrapper.iteration} {step} {time.time()}\n")
             out.flush()
+            if SNAPSHOT is not None:
+                SNAPSHOT.save(state, step + 1)
             time.sleep(ARGS.step_time)
     dist.barrier()
     dist.destroy_process_group()
     if monitor is not None:
         monitor.shutdown_workload_monitoring()
 
+
+SNAPSHOT = StepSnapshot() if ARGS.snapshot else None  # outside the function: across iterations
 
 if __name__ == "__main__":
     ARGS.out.mkdir(parents=True, exist_ok=True)
