@@ -10,12 +10,12 @@ import logging
 import os
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from typing import IO, Any
 
 from ftrun.agent.termination import kill_group_now
+from ftrun.aside import Aside
 from ftrun.config.agent import HealthCheckConfig
 from ftrun.errors import NodeUnhealthyError
 from ftrun.infiniband import check_ib_ports
@@ -89,22 +89,14 @@ def _read_path(path: str) -> None:
 
 
 def _within(timeout: float, what: str, check: Callable[[], None]) -> None:
-    """Run `check` in a thread: a hung network filesystem must not hang the agent."""
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            check()
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, name=f"health-{what}", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
+    """Run `check` aside: a hung network filesystem must not hang the agent."""
+    call = Aside(check, f"health-{what}")
+    if not call.done(timeout):
         raise NodeUnhealthyError(f"{what}: no answer within {timeout:g}s")
-    if errors:
-        raise NodeUnhealthyError(f"{what}: {errors[0]}")
+    try:
+        call.result()
+    except BaseException as exc:
+        raise NodeUnhealthyError(f"{what}: {exc}") from None
 
 
 def _run_command(command: str, timeout: float) -> None:
