@@ -280,7 +280,7 @@ def test_snapshot_outlives_a_verdict_and_a_goodbye_but_not_forget(make_server, m
         client.shutdown_workload_monitoring()
     (snap,) = server.progress_snapshot()
     assert (snap.rank, snap.last_iteration) == (1, 9) and snap.last_progress is not None
-    server.forget_rank(1)
+    server.forget_all()
     assert server.progress_snapshot() == []
 
 

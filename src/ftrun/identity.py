@@ -46,19 +46,14 @@ def advertised_host(endpoint: str, local_addr: str | None) -> str:
     return socket.getfqdn()
 
 
-def node_name(given: str | None, environ: Mapping[str, str], host: str) -> str:
-    """`given` (--ft-node-name), else Slurm's node name, else host and pid (several agents
-    per host)."""
-    return given or environ.get("SLURMD_NODENAME") or f"{host}-{os.getpid()}"
-
-
 def this_node(
     endpoint: str, local_addr: str | None, given_name: str | None, environ: Mapping[str, str]
 ) -> tuple[str, str]:
-    """(advertised host, node name) of this launcher, from the rendezvous endpoint,
-    --local-addr and --ft-node-name."""
+    """(advertised host, node name) of this launcher, from the rendezvous endpoint and
+    --local-addr; the name is `given_name` (--ft-node-name), else Slurm's node name, else host
+    and pid (several agents per host)."""
     host = advertised_host(endpoint, local_addr)
-    return host, node_name(given_name, environ, host)
+    return host, given_name or environ.get("SLURMD_NODENAME") or f"{host}-{os.getpid()}"
 
 
 MASTER_PORT_SPAN = 3

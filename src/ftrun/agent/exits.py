@@ -135,12 +135,7 @@ class ExitWaiter:
                     if fd == self._wake_r:
                         os.read(self._wake_r, 4096)
                         continue
-                    poller.unregister(fd)
-                    polled.discard(fd)
-                    with self._lock:
-                        watched = self._waiting.pop(fd)
-                    os.close(fd)
-                    self._tell(watched)
+                    self._tell(self._release(fd, poller, polled))
                 self._ask_running(poller, polled)
                 self._ask()
         except Exception:  # a bug here would hide every exit from the agent: say so loudly
@@ -175,14 +170,18 @@ class ExitWaiter:
             running = [(fd, w) for fd, w in self._waiting.items() if fd in polled]
         for fd, watched in running:
             code = watched.proc.poll()
-            if code is None:
-                continue
-            poller.unregister(fd)
-            polled.discard(fd)
-            with self._lock:
-                del self._waiting[fd]
-            os.close(fd)
-            watched.on_exit(code)
+            if code is not None:
+                self._release(fd, poller, polled)
+                watched.on_exit(code)
+
+    def _release(self, fd: int, poller: select.poll, polled: set[int]) -> _Watched:
+        """Stop waiting on `fd`, an ended process's pidfd (closed): its watch, to be told."""
+        poller.unregister(fd)
+        polled.discard(fd)
+        with self._lock:
+            watched = self._waiting.pop(fd)
+        os.close(fd)
+        return watched
 
     def _ask(self) -> None:
         with self._lock:

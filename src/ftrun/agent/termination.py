@@ -30,7 +30,7 @@ from typing import Protocol
 import psutil
 
 from ftrun.agent.exits import running, wait_exited
-from ftrun.rank_monitor.process_state import cannot_act
+from ftrun.rank_monitor.process_state import cannot_act, status_of
 
 log = logging.getLogger("ftrun.agent")
 
@@ -228,7 +228,7 @@ def _reap(orphans: set[int]) -> None:
 
 def _kill_stopped(leaders: list[int], targets: list[psutil.Process]) -> int:
     """SIGKILL the stopped processes among `targets` now (`kill_at_once`); how many there were."""
-    statuses = {proc.pid: _status(proc) for proc in targets}
+    statuses = {proc.pid: status_of(proc.pid) for proc in targets}
     groups, alone = kill_at_once(leaders, statuses)
     for pid in groups:
         kill_group_now(pid)
@@ -240,13 +240,6 @@ def _kill_stopped(leaders: list[int], targets: list[psutil.Process]) -> int:
                     "no signal but SIGKILL): %s", len(groups) + len(alone),
                     ", ".join(str(p) for p in [*groups, *alone]))  # fmt: skip
     return len(groups) + len(alone)
-
-
-def _status(proc: psutil.Process) -> str | None:
-    try:
-        return proc.status()
-    except psutil.Error:
-        return None
 
 
 def _signal_all(leaders: list[int], procs: list[psutil.Process], sig: signal.Signals) -> None:

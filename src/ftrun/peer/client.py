@@ -18,8 +18,6 @@ from typing import Any, TypeVar
 
 from ftrun.peer.auth import check_secret, client_handshake
 from ftrun.peer.protocol import (
-    MAX_KIND_LEN,
-    RESERVED_KINDS,
     Buffer,
     Frame,
     Payload,
@@ -28,9 +26,12 @@ from ftrun.peer.protocol import (
     PeerRemoteError,
     PeerTimeoutError,
     Stream,
+    address,
     as_chunks,
     byte_view,
+    deadline_budget,
     release_views,
+    request_kind,
 )
 
 T = TypeVar("T")
@@ -146,12 +147,9 @@ class PeerClient:
         timeout: float,
         receive: Callable[[Stream, Frame], T],
     ) -> tuple[dict[str, Any], T]:
-        if not isinstance(kind, str) or not 0 < len(kind) <= MAX_KIND_LEN:
-            raise ValueError(f"a request kind is a string of 1 to {MAX_KIND_LEN} characters")
-        if kind in RESERVED_KINDS:
-            raise ValueError(f"request kind {kind!r} is reserved")
-        peer = _address(host, port)
-        budget = _deadline(peer, timeout)
+        request_kind(kind)
+        peer = address(host, port)
+        budget = deadline_budget(timeout, f"{peer} did not answer within {timeout:g}s")
         chunks = as_chunks(payload)
         stream: Stream | None = None
         reusable = False
@@ -221,20 +219,3 @@ class PeerClient:
                 idle.append((stream, time.monotonic()))
                 return
         stream.close()
-
-
-def _deadline(peer: str, timeout: float) -> Callable[[], float]:
-    """The budget of one call: the time left to its deadline; PeerTimeoutError once past."""
-    deadline = time.monotonic() + timeout
-
-    def left() -> float:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise PeerTimeoutError(f"{peer} did not answer within {timeout:g}s")
-        return remaining
-
-    return left
-
-
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

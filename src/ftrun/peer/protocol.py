@@ -22,6 +22,7 @@ import os
 import select
 import socket
 import struct
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
@@ -116,6 +117,34 @@ def release_views(chunks: Sequence[Chunk]) -> None:
 
 def payload_size(chunks: Sequence[Chunk]) -> int:
     return sum(c.nbytes for c in chunks)
+
+
+def request_kind(kind: object) -> str:
+    """`kind` if a request may have it (ValueError if not): a client's or a handler's."""
+    if not isinstance(kind, str) or not 0 < len(kind) <= MAX_KIND_LEN:
+        raise ValueError(f"a request kind is a string of 1 to {MAX_KIND_LEN} characters")
+    if kind in RESERVED_KINDS:
+        raise ValueError(f"request kind {kind!r} is reserved")
+    return kind
+
+
+def address(host: str, port: int) -> str:
+    """`host:port`, an IPv6 host in brackets: how logs and errors name a peer."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def deadline_budget(timeout: float, message: str) -> Callable[[], float]:
+    """A `Stream` budget: the time left to a deadline `timeout` from now; PeerTimeoutError
+    (`message`) once past."""
+    deadline = time.monotonic() + timeout
+
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise PeerTimeoutError(message)
+        return remaining
+
+    return left
 
 
 def parse_header(raw: bytes) -> Frame:

@@ -24,8 +24,6 @@ from typing import Any, NamedTuple, TypeAlias
 
 from ftrun.peer.auth import check_secret, server_handshake
 from ftrun.peer.protocol import (
-    MAX_KIND_LEN,
-    RESERVED_KINDS,
     Buffer,
     Chunk,
     Frame,
@@ -34,9 +32,12 @@ from ftrun.peer.protocol import (
     PeerProtocolError,
     PeerTimeoutError,
     Stream,
+    address,
     as_chunks,
     byte_view,
+    deadline_budget,
     release_views,
+    request_kind,
 )
 
 log = logging.getLogger("ftrun.peer")
@@ -132,10 +133,8 @@ class PeerServer:
 
     def register(self, kind: str, handler: Handler) -> None:
         """Serve requests of `kind` with `handler` (called on the connection's thread)."""
-        if not isinstance(kind, str) or not 0 < len(kind) <= MAX_KIND_LEN:
-            raise ValueError(f"a request kind is a string of 1 to {MAX_KIND_LEN} characters")
-        if kind in RESERVED_KINDS or kind in self._handlers:
-            raise ValueError(f"request kind {kind!r} is reserved or already registered")
+        if request_kind(kind) in self._handlers:
+            raise ValueError(f"request kind {kind!r} is already registered")
         self._handlers[kind] = handler
 
     @property
@@ -189,14 +188,14 @@ class PeerServer:
             if self._closing:
                 return
             try:
-                sock, address = self._listener.accept()
+                sock, client = self._listener.accept()
             except BlockingIOError:  # it went away before we took it
                 continue
             except OSError as exc:  # out of file descriptors: back off rather than spin
                 log.warning("peer channel: cannot accept a connection: %s", exc)
                 select.select([self._wake_r], [], [], _ACCEPT_BACKOFF_S)
                 continue
-            self._admit(sock, _address(address))
+            self._admit(sock, address(*client[:2]))
 
     def _admit(self, sock: socket.socket, peer: str) -> None:
         with self._lock:
@@ -223,15 +222,7 @@ class PeerServer:
     # ---- one connection ----------------------------------------------------------------------
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
-        deadline = time.monotonic() + self._handshake_timeout
-
-        def handshake_budget() -> float:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise PeerTimeoutError("timed out")
-            return left
-
-        stream = Stream(sock, peer, handshake_budget)
+        stream = Stream(sock, peer, deadline_budget(self._handshake_timeout, "timed out"))
         try:
             try:
                 server_handshake(stream, self._secret, self._job_id)
@@ -301,11 +292,6 @@ def _as_reply(result: Reply | Mapping[str, Any] | None) -> Reply:
     if result is None or isinstance(result, Mapping):
         return Reply(result)
     raise TypeError(f"a handler returns a Reply, a header mapping or None, not {type(result)}")
-
-
-def _address(address: Any) -> str:
-    host, port = address[0], address[1]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _shutdown(sock: socket.socket) -> None:

@@ -5,7 +5,7 @@ from that process or a descendant of it (`admitted_pid`), so a stray process can
 rank. A registration is a `Peer`: the rank's progress, its ZeroMQ identity and the pid the owner
 spawned. A re-registration replaces the rank's old connection. While a peer is in `peers` its
 deadlines are watched; a verdict or a goodbye removes it there, but `registered` keeps each
-rank's latest registration, for `snapshot`, until the owner forgets the rank.
+rank's latest registration, for `snapshot`, until the owner forgets the ranks (`clear`).
 
 Not thread-safe: the server's lock guards it.
 """
@@ -39,13 +39,6 @@ class RankRegistry:
 
     def expect(self, rank: int, pid: int) -> None:
         self.expected[rank] = pid
-
-    def forget(self, rank: int) -> None:
-        self.expected.pop(rank, None)
-        self.registered.pop(rank, None)
-        for identity, peer in list(self.peers.items()):
-            if peer.progress.rank == rank:
-                del self.peers[identity]
 
     def clear(self) -> None:
         self.expected.clear()

@@ -5,7 +5,7 @@ deadline or message, so a hang is found within milliseconds of its deadline. The
 stacks are then captured off that thread (`capture`), and its verdict posted once they are in:
 a slow capture never delays another rank's deadline. A stopped rank (`process_state`) is not
 asked: it could never answer, and its verdict, marked `stopped`, must not wait for it. The
-owner (the agent, or a test) talks to it through `expect_rank`/`forget_rank` (kept in a
+owner (the agent, or a test) talks to it through `expect_rank`/`forget_all` (kept in a
 `RankRegistry`, which admits a rank's HELLO only from the process spawned for it) and receives
 `Verdict`s through a callback (default: the `verdicts` queue).
 
@@ -146,12 +146,8 @@ class RankMonitorServer:
         with self._lock:
             self._ranks.expect(rank, pid)
 
-    def forget_rank(self, rank: int) -> None:
-        """Stop watching `rank` (its worker was stopped or exited)."""
-        with self._lock:
-            self._ranks.forget(rank)
-
     def forget_all(self) -> None:
+        """Stop watching every rank (the owner stopped its workers)."""
         with self._lock:
             self._ranks.clear()
             self._senders.clear()

@@ -10,7 +10,6 @@ rendezvous and of torchrun; the barrier one is the default and scales better.
 from __future__ import annotations
 
 import datetime
-import threading
 import time
 from collections.abc import Callable
 
@@ -22,6 +21,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
+from ftrun.aside import Aside
 from ftrun.config.rendezvous import RendezvousConfig
 from ftrun.rendezvous.control import job_control
 from ftrun.rendezvous.errors import JoinInterruptedError
@@ -82,28 +82,15 @@ class DynamicRendezvous:
     def _next_rendezvous(self, interrupted: Callable[[], bool], cycle: int) -> RendezvousInfo:
         """torch's call blocks until its own deadline; run it aside so that signals and
         unhealthy peers can end the wait early."""
-        result: list[RendezvousInfo] = []
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                result.append(self.handler.next_rendezvous())
-            except BaseException as exc:
-                errors.append(exc)
-
-        thread = threading.Thread(target=run, name="dynamic-rendezvous", daemon=True)
-        thread.start()
+        call = Aside(self.handler.next_rendezvous, "dynamic-rendezvous")
         next_health_poll = time.monotonic() + _HEALTH_POLL_S
-        while thread.is_alive():
-            thread.join(_POLL_S)
+        while not call.done(_POLL_S):
             if interrupted():
                 raise JoinInterruptedError
             if time.monotonic() >= next_health_poll:
                 next_health_poll += _HEALTH_POLL_S
                 self.control.healthy_capacity(cycle, self._config.min_nodes, self._config.max_nodes)
-        if errors:
-            raise errors[0]
-        return result[0]
+        return call.result()
 
     def _key(self, cycle: int, name: str) -> str:
         return f"{self._prefix}/dyn/c{cycle}/{name}"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
@@ -13,6 +12,7 @@ from typing import TYPE_CHECKING
 from torch.distributed import Store, TCPStore
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from ftrun.aside import Aside
 from ftrun.config.store import StoreConfig
 from ftrun.errors import RendezvousAuthError, RendezvousFailedError, RendezvousPrefixHeldError
 from ftrun.identity import is_local_host
@@ -206,30 +206,14 @@ def _open_store(host: str, port: int, serve: bool, timeout: datetime.timedelta) 
     port) blocks in TCPStore's handshake forever, whatever its timeout says. The constructor
     releases the GIL, so an abandoned daemon thread costs nothing but its stack.
     """
-    outcome: dict[str, object] = {}
-
-    def construct() -> None:
-        try:
-            outcome["store"] = TCPStore(
-                host,
-                port,
-                is_master=serve,
-                multi_tenant=True,
-                timeout=timeout,
-                wait_for_workers=False,
-                use_libuv=True,
-            )
-        except STORE_ERRORS as exc:
-            outcome["error"] = exc
-
-    builder = threading.Thread(target=construct, name="ftrun-store-connect", daemon=True)
-    builder.start()
-    builder.join(timeout.total_seconds() + _HANDSHAKE_SLACK_S)
-    if builder.is_alive():
+    call = Aside(
+        lambda: TCPStore(host, port, is_master=serve, multi_tenant=True, timeout=timeout,
+                         wait_for_workers=False, use_libuv=True),
+        "ftrun-store-connect",
+    )  # fmt: skip
+    if not call.done(timeout.total_seconds() + _HANDSHAKE_SLACK_S):
         raise TimeoutError(f"no answer from a store there within {timeout.total_seconds():g}s")
-    if "error" in outcome:
-        raise outcome["error"]  # type: ignore[misc]
-    return outcome["store"]  # type: ignore[return-value]
+    return call.result()
 
 
 def _one_line(error: Exception | None) -> str:

@@ -314,11 +314,8 @@ class Policy:
         saved: they are let go (drain), not killed mid-save."""
         shutdown = facts.shutdown
         rerun = facts.ended_for_rerun or (shutdown is not None and shutdown.code in RERUN_CODES)
-        if shutdown is None:
-            return Action(AgentState.STOPPING, drain=rerun)
-        return Action(
-            AgentState.STOPPING, outcome=Outcome(shutdown.code, shutdown.reason), drain=rerun
-        )
+        outcome = None if shutdown is None else Outcome(shutdown.code, shutdown.reason)
+        return Action(AgentState.STOPPING, outcome=outcome, drain=rerun)
 
     def _cycle_ended_after_success(self, _event: CycleEnded, facts: Facts) -> Action:
         if facts.shutdown is not None:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
-from ftrun.nvml import load_nvml
+from ftrun.nvml import nvml_session
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import NodeService
 
@@ -35,13 +35,10 @@ class Reclaim:
 
 def memory_baseline() -> dict[int, int] | None:
     """Bytes in use per GPU now, or None when there is no NVML (no GPUs: nothing to wait for)."""
-    nvml = load_nvml()
-    if nvml is None:
-        return None
-    try:
+    with nvml_session() as nvml:
+        if nvml is None:
+            return None
         return {i: _used(nvml, i) for i in range(nvml.nvmlDeviceGetCount())}
-    finally:
-        nvml.nvmlShutdown()
 
 
 def wait_until_released(
@@ -53,20 +50,16 @@ def wait_until_released(
 ) -> Reclaim:
     """`kept`: the agent's own processes that hold GPU memory on purpose (prestarted workers):
     theirs does not count against the baseline."""
-    nvml = load_nvml()
     started = time.monotonic()
-    if nvml is None:
-        return Reclaim(0.0, True, 0.0)
-    try:
-        while True:
+    with nvml_session() as nvml:
+        while nvml is not None:
             holders, excess = still_held(nvml, baseline, set(pids), set(kept))
             released = not holders and excess <= tolerance_mb
             elapsed = time.monotonic() - started
             if released or elapsed >= timeout:
                 return Reclaim(elapsed, released, 0.0 if released else excess)
             time.sleep(_POLL_S)
-    finally:
-        nvml.nvmlShutdown()
+    return Reclaim(0.0, True, 0.0)
 
 
 def still_held(

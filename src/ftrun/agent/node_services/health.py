@@ -10,16 +10,16 @@ import logging
 import os
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from typing import IO, Any
 
 from ftrun.agent.termination import kill_group_now
+from ftrun.aside import Aside
 from ftrun.config.agent import HealthCheckConfig
 from ftrun.errors import NodeUnhealthyError
 from ftrun.infiniband import check_ib_ports
-from ftrun.nvml import load_nvml, memory_problems, nvlinks_down, uncorrected_ecc, visible_gpus
+from ftrun.nvml import memory_problems, nvlinks_down, nvml_session, uncorrected_ecc, visible_gpus
 from ftrun.services import NodeService
 
 log = logging.getLogger("ftrun.agent")
@@ -50,30 +50,22 @@ def check_gpus(nvlink: bool = False, visible: str | None = None) -> int:
     """Every GPU of this launcher's workers (those `visible`, its CUDA_VISIBLE_DEVICES, names;
     None: every GPU NVML sees) must answer and report no pending page retirement, row remapping
     failure or uncorrected (XID-class) ECC errors. Returns the GPU count (0: skipped)."""
-    pynvml = _load_nvml()
-    if pynvml is None:
-        return 0
-    try:
-        gpus = visible_gpus(pynvml, visible)
-        for index, handle in gpus:
-            _check_device(pynvml, index, handle, nvlink)
-    except pynvml.NVMLError as exc:
-        raise NodeUnhealthyError(f"NVML query failed: {exc}") from None
-    except LookupError as exc:
-        raise NodeUnhealthyError(str(exc)) from None
-    finally:
-        pynvml.nvmlShutdown()
-    return len(gpus)
-
-
-def _load_nvml() -> Any:
     global _gpu_skip_logged
-    pynvml = load_nvml()
-    if pynvml is None and not _gpu_skip_logged:
-        # No library, no driver: a node without GPUs.
-        log.info("GPU health check skipped: NVML unavailable")
-        _gpu_skip_logged = True
-    return pynvml
+    with nvml_session() as pynvml:
+        if pynvml is None:
+            if not _gpu_skip_logged:  # no library, no driver: a node without GPUs
+                log.info("GPU health check skipped: NVML unavailable")
+                _gpu_skip_logged = True
+            return 0
+        try:
+            gpus = visible_gpus(pynvml, visible)
+            for index, handle in gpus:
+                _check_device(pynvml, index, handle, nvlink)
+        except pynvml.NVMLError as exc:
+            raise NodeUnhealthyError(f"NVML query failed: {exc}") from None
+        except LookupError as exc:
+            raise NodeUnhealthyError(str(exc)) from None
+        return len(gpus)
 
 
 def _check_device(pynvml: Any, index: int, handle: Any, nvlink: bool) -> None:
@@ -97,22 +89,14 @@ def _read_path(path: str) -> None:
 
 
 def _within(timeout: float, what: str, check: Callable[[], None]) -> None:
-    """Run `check` in a thread: a hung network filesystem must not hang the agent."""
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            check()
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, name=f"health-{what}", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
+    """Run `check` aside: a hung network filesystem must not hang the agent."""
+    call = Aside(check, f"health-{what}")
+    if not call.done(timeout):
         raise NodeUnhealthyError(f"{what}: no answer within {timeout:g}s")
-    if errors:
-        raise NodeUnhealthyError(f"{what}: {errors[0]}")
+    try:
+        call.result()
+    except BaseException as exc:
+        raise NodeUnhealthyError(f"{what}: {exc}") from None
 
 
 def _run_command(command: str, timeout: float) -> None:

@@ -63,7 +63,7 @@ class NeighbourWatch(NodeService):
         return after if after.peer_port and rnd.me.peer_port else None
 
     def on_started(self, rnd: Round, pids: Iterable[int]) -> None:
-        self._stop_thread()
+        self._stop.set()
         watched = self.neighbour(rnd)
         if watched is None:
             return
@@ -76,19 +76,16 @@ class NeighbourWatch(NodeService):
         thread.start()
 
     def on_stopped(self, rnd: Round | None, pids: Iterable[int]) -> None:
-        self._stop_thread()
+        self._stop.set()
 
     def on_finished(self, rnd: Round) -> None:
-        self._stop_thread()
+        self._stop.set()
 
     def close(self) -> None:
-        self._stop_thread()
+        self._stop.set()
         deadline = time.monotonic() + self._interval_s + 5.0  # a probe's own timeout bounds it
         for thread in self._threads:  # a stopped cycle's too: it may still be in its probe
             thread.join(max(0.0, deadline - time.monotonic()))
-
-    def _stop_thread(self) -> None:
-        self._stop.set()
 
     def _watch(self, cycle: int, watched: NodeDescriptor, stop: threading.Event) -> None:
         missed = 0

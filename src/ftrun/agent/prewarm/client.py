@@ -354,24 +354,18 @@ class ForkServer:
         if op == "hello":
             if msg["pid"] != self._proc.pid:
                 raise proto.ProtocolViolation(f"hello from pid {msg['pid']}, not {self.pid}")
-        elif op == "ready":
-            self.imported = tuple(msg["imported"])  # type: ignore[arg-type]
-            self.failed = tuple(msg["failed"])  # type: ignore[arg-type]
-            if msg["unforkable"] is not None:
-                with self._lock:
-                    self._error = self._error or f"cannot fork workers: {msg['unforkable']}"
-                log.warning("fork server: %s; workers start plainly", self._error)
-            self._ready = True
-            self._settled.set()
-        elif op == "deepened":
+        elif op in ("ready", "deepened"):  # the imports at start, or `deepen`'s, are done
+            deep = op == "deepened"
             self.imported += tuple(msg["imported"])  # type: ignore[arg-type]
             self.failed += tuple(msg["failed"])  # type: ignore[arg-type]
             if msg["unforkable"] is not None:
-                self.deepen_broke = True
+                self.deepen_broke = deep
                 with self._lock:
                     self._error = self._error or f"cannot fork workers: {msg['unforkable']}"
-                log.warning("fork server: after its deep imports, %s", self._error)
-            self._deepened.set()
+                log.warning("fork server: after its deep imports, %s" if deep
+                            else "fork server: %s; workers start plainly", self._error)  # fmt: skip
+            self._ready = True
+            (self._deepened if deep else self._settled).set()
         elif op == "spawned":
             with self._lock:
                 req = self._requests.pop(msg["id"], None)  # type: ignore[arg-type]

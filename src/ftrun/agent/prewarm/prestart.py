@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping
 from ftrun.agent.prewarm import wire as proto
 from ftrun.agent.prewarm.forked import ForkedWorker
 from ftrun.agent.prewarm.marks import compiles_seen
+from ftrun.agent.prewarm.start_env import differing
 from ftrun.agent.termination import kill_group_now
 from ftrun.agent.worker_env import PER_CYCLE
 
@@ -76,10 +77,7 @@ class HeldWorker:
         """Why this worker cannot run with `env`; None if it can."""
         if self.worker.poll() is not None:
             return f"it exited ({self.worker.returncode})"
-        differ = sorted(
-            key for key in self.env.keys() | env.keys()
-            if key not in PER_CYCLE and self.env.get(key) != env.get(key)
-        )  # fmt: skip
+        differ = differing(self.env, env, ("",), skip=PER_CYCLE)  # every variable but those
         return f"the environment differs in {differ[:5]}" if differ else None
 
     def preload(self, modules: tuple[str, ...]) -> None:

@@ -16,7 +16,7 @@ with `env`.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from ftrun.agent.prewarm.target import PythonTarget
 
@@ -39,12 +39,17 @@ faulthandler as `PYTHONFAULTHANDLER` says, and its stdio is always as `python -u
 
 def start_env_mismatch(server_env: Mapping[str, str], env: Mapping[str, str]) -> list[str]:
     """The start-up variables (sorted) whose value in `env` is not the server's."""
-    names = {
-        k
-        for k in {*env, *server_env}
-        if k.startswith(IMPORT_TIME_PREFIXES) or k in IMPORT_TIME_NAMES
-    }
-    return sorted(k for k in names if env.get(k) != server_env.get(k))
+    return differing(server_env, env, IMPORT_TIME_PREFIXES, IMPORT_TIME_NAMES)
+
+
+def differing(
+    a: Mapping[str, str], b: Mapping[str, str], prefixes: tuple[str, ...],
+    names: Collection[str] = (), skip: Collection[str] = (),
+) -> list[str]:  # fmt: skip
+    """The variables (sorted) that start with one of `prefixes` or are in `names`, not in
+    `skip`, whose values in `a` and `b` differ (absent from one: they differ)."""
+    return sorted(k for k in a.keys() | b.keys() if (k.startswith(prefixes) or k in names)
+                  and k not in skip and a.get(k) != b.get(k))  # fmt: skip
 
 
 def path0(target: PythonTarget) -> str:
@@ -59,12 +64,7 @@ def agent_start_mismatch(agent_start: Mapping[str, str], env: Mapping[str, str])
     """The variables read at process start (not `EMULATED`) whose value in `env`, a fork
     server's, is not the one this process started with (`agent_start`): a server forked from
     here would not be the one `env` starts."""
-    names = {
-        k
-        for k in {*env, *agent_start}
-        if (k.startswith(PROCESS_START_PREFIXES) or k in PROCESS_START_NAMES) and k not in EMULATED
-    }
-    return sorted(k for k in names if env.get(k) != agent_start.get(k))
+    return differing(agent_start, env, PROCESS_START_PREFIXES, PROCESS_START_NAMES, EMULATED)
 
 
 def process_start_env() -> dict[str, str]:
