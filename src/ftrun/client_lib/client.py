@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import logging
 import operator
 import os
 import signal
@@ -40,7 +39,6 @@ from ftrun.rank_monitor import protocol as wire
 from ftrun.rank_monitor.stacks import stack_file
 from ftrun.rank_monitor.workload import WorkloadControlRequest
 
-log = logging.getLogger("ftrun.client")
 REQUEST_TIMEOUT_S = float(os.environ.get(Env.MONITOR_REQUEST_TIMEOUT, "30"))
 # One packer for every iteration: `packb` builds a Packer per call, ten times the cost. Its
 # `pack` is C code that holds the GIL, so threads sharing it cannot interleave.

@@ -44,4 +44,3 @@ def inprocess_restarts(events: Sequence[Event]) -> tuple[InprocessRestart, ...]:
         by_iteration[key] = InprocessRestart(e.cycle, key[1], kind, rank,
                                              str(e.get("why", "")), seconds, tier)  # fmt: skip
     return tuple(by_iteration[k] for k in sorted(by_iteration))
-

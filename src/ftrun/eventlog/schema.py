@@ -13,11 +13,8 @@ Torch-free and cheap to import: `ftrun report` runs where training does not.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping
 from typing import Any
-
-log = logging.getLogger("ftrun.agent")
 
 EVENTS_GLOB = "events-*.jsonl"
 
@@ -214,10 +211,13 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
         _opt("seconds", NUM, "from the fault to every rank ready at the iteration's barrier"),
     ),
     "inprocess_left": (
-        _req("rank", INT), _req("iteration", INT), _opt("why", STR, "why the rank left"),
+        _req("rank", INT),
+        _req("iteration", INT),
+        _opt("why", STR, "why the rank left"),
     ),
     "inprocess_gave_up": (
-        _req("rank", INT), _req("iteration", INT),
+        _req("rank", INT),
+        _req("iteration", INT),
         _opt("why", STR, "why in-process restart cannot cure it (the in-job restart follows)"),
     ),
     "rank_replaced": (

@@ -46,7 +46,7 @@ def _lines(report: Report, timeline: str | None, timeline_note: str | None) -> I
     yield f"Outcome    {report.outcome}: {_exit_summary(report.nodes)}"
     yield (
         f"Wall time  {duration_text(report.wall_s)}  "
-        f"({clock.full(report.start)} -> {clock.full(report.end)})"
+        f"({clock_text(report.start)} -> {clock_text(report.end)})"
     )
     yield from _training_lines(report)
     kinds = Counter(f.kind for f in report.failures)
@@ -203,18 +203,19 @@ def _failure_lines(
             f"     detection {_detection(failure)} | {recovery} | "
             f"time lost {duration_text(failure.lost_s)}{_redone(failure)}"
         )
-        if failure.hang and failure.hang.where:
-            yield f"     where: {failure.hang.where[0]}"
-            for line in failure.hang.where[1:]:
-                yield f"            {line}"
-        if failure.hang and failure.hang.stack_files:
-            yield f"     stacks: {failure.hang.stack_files[0]}"
-            for path in failure.hang.stack_files[1:]:
-                yield f"             {path}"
+        if failure.hang:
+            yield from _listed("where", failure.hang.where)
+            yield from _listed("stacks", failure.hang.stack_files)
         for line in failure.secondary:
             yield f"     then: {line}"
         for note in failure.notes:
             yield f"     NOTE: {note}"
+
+
+def _listed(label: str, lines: tuple[str, ...]) -> Iterator[str]:
+    """`label: first`, the others aligned under it."""
+    for i, line in enumerate(lines):
+        yield f"     {label}: {line}" if i == 0 else f"{'':{len(label) + 7}}{line}"
 
 
 def _attribution_lines(report: Report) -> Iterator[str]:
@@ -275,19 +276,6 @@ def _detection(failure: Failure) -> str:
     return f"{parts[0]} ({', '.join(parts[1:])})" if len(parts) > 1 else parts[0]
 
 
-class _Clock:
-    """Local wall-clock times; the date only where a job crosses midnight needs it."""
-
-    def __init__(self, start: float, end: float) -> None:
-        self._multi_day = _local(start).date() != _local(end).date()
-
-    def full(self, ts: float) -> str:
-        return _local(ts).strftime("%Y-%m-%d %H:%M:%S")
-
-    def short(self, ts: float) -> str:
-        return _local(ts).strftime("%m-%d %H:%M:%S" if self._multi_day else "%H:%M:%S")
-
-
 def _local(ts: float) -> datetime.datetime:
     return datetime.datetime.fromtimestamp(ts).astimezone()
 
@@ -295,3 +283,13 @@ def _local(ts: float) -> datetime.datetime:
 def clock_text(ts: float) -> str:
     """A local date and time, for titles."""
     return _local(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+class _Clock:
+    """Local wall-clock times; the date only where a job crosses midnight needs it."""
+
+    def __init__(self, start: float, end: float) -> None:
+        self._multi_day = _local(start).date() != _local(end).date()
+
+    def short(self, ts: float) -> str:
+        return _local(ts).strftime("%m-%d %H:%M:%S" if self._multi_day else "%H:%M:%S")
