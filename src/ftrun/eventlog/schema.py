@@ -284,23 +284,18 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
 }
 
 
+_PYTHON_TYPES: Mapping[str, type | tuple[type, ...]] = {
+    NUM: (int, float), INT: int, STR: str, LIST: list, BOOL: bool, ANY: object,
+}  # fmt: skip
+
+
 def has_type(value: Any, kind: str) -> bool:
     """Whether a JSON value has the schema type `kind` (true/false are not numbers)."""
-    if kind == ANY:
-        return True
-    if kind == BOOL:
-        return isinstance(value, bool)
-    if isinstance(value, bool):
+    if kind not in _PYTHON_TYPES:
+        raise ValueError(f"unknown field type {kind!r}")
+    if isinstance(value, bool) and kind not in (BOOL, ANY):
         return False
-    if kind == NUM:
-        return isinstance(value, (int, float))
-    if kind == INT:
-        return isinstance(value, int)
-    if kind == STR:
-        return isinstance(value, str)
-    if kind == LIST:
-        return isinstance(value, list)
-    raise ValueError(f"unknown field type {kind!r}")
+    return isinstance(value, _PYTHON_TYPES[kind])
 
 
 def problems(event: str, fields: Mapping[str, Any]) -> list[str]:

@@ -37,7 +37,7 @@ from ftrun.errors import ProtocolError
 from ftrun.rank_monitor.timings import parse_settings
 from ftrun.straggler.channel import MonitorChannel, ReportFile, launcher_env
 from ftrun.straggler.cuda import cuda_timer
-from ftrun.straggler.local import IntervalTracker, LocalSink, local_report
+from ftrun.straggler.local import IntervalTracker, LocalSink, initialized_dist, local_report
 from ftrun.straggler.recorder import Recorder, Section
 from ftrun.straggler.report import Report
 from ftrun.straggler.scores import History
@@ -154,9 +154,7 @@ class Detector:
     @classmethod
     def detection_section(cls, name: str | None = None, profile_cuda: bool = True) -> Section:
         """A context manager timing its block as section `name` (default: file:line)."""
-        state = cls._state
-        if state is None:
-            raise RuntimeError("Detector is not initialized.")
+        state = cls._require()
         if name is None:
             caller = sys._getframe(1)
             name = f"{caller.f_code.co_filename}:{caller.f_lineno}"
@@ -290,8 +288,5 @@ def _shaped(report: Report, state: _State) -> Report | None:
 def _rank() -> int:
     import os
 
-    torch = sys.modules.get("torch")
-    dist = getattr(torch, "distributed", None) if torch is not None else None
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
+    dist = initialized_dist()
+    return dist.get_rank() if dist is not None else int(os.environ.get("RANK", "0"))

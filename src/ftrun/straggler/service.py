@@ -316,10 +316,7 @@ def _scores_event(report: Report, agents: Mapping[int, str]) -> dict[str, Any]:
     """The interval's worst ranks (each by its lowest score of any kind, with its agent's
     node) and the median."""
     lowest: dict[int, float] = {}
-    kinds = [report.gpu_relative_perf_scores, report.gpu_individual_perf_scores]
-    kinds += [*report.section_relative_perf_scores.values()]
-    kinds += [*report.section_individual_perf_scores.values()]
-    for scores in kinds:
+    for _, _, scores in report.score_kinds():
         for rank, score in scores.items():
             lowest[rank] = min(score, lowest.get(rank, score))
     worst = sorted(lowest.items(), key=lambda item: (item[1], item[0]))[:_WORST_IN_EVENTS]
