@@ -284,12 +284,11 @@ def _kind(event: Event) -> str:
 
 def _hang_info(hangs: Sequence[Event]) -> HangInfo:
     first = hangs[0]
-    timeout = first.get("timeout")
     latencies = [e.num("detection_latency") for e in hangs if "detection_latency" in e.fields]
     return HangInfo(
         kind=first.get("kind"),
         section=first.get("section"),
-        timeout=float(timeout) if isinstance(timeout, (int, float)) else None,
+        timeout=first.num("timeout", None),
         waited=max(e.num("waited") for e in hangs),
         detection_latency=max(latencies) if latencies else None,
         stack_files=tuple(str(e.get("stack_file")) for e in hangs if e.get("stack_file")),

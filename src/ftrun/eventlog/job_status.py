@@ -24,11 +24,6 @@ SILENT_AFTER_S = 15.0
 """A running node whose live record is older than this is shown as silent."""
 
 
-def record_of(event: Event) -> dict[str, Any]:
-    """A parsed event as the record `EventLog` wrote (what `NodeView.apply` takes)."""
-    return {"event": event.event, "ts": event.ts, "cycle": event.cycle, **event.fields}
-
-
 def job_status(
     job: str, events: Mapping[str, Sequence[Event]], live: Mapping[str, Mapping[str, Any]],
     now: float,
@@ -65,8 +60,8 @@ def job_status(
 
 def _view(name: str, events: Sequence[Event]) -> NodeView:
     view = NodeView(name)
-    for event in events:
-        view.apply(record_of(event))
+    for event in events:  # as the record `EventLog` wrote, which `NodeView.apply` takes
+        view.apply({"event": event.event, "ts": event.ts, "cycle": event.cycle, **event.fields})
     return view
 
 

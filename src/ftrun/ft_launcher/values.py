@@ -167,12 +167,11 @@ def rank_set(raw: Any) -> frozenset[int] | None:
     if raw is None or str(raw).strip() == "":
         return None
     try:
-        ranks = frozenset(non_negative_int(part) for part in str(raw).split(","))
+        return frozenset(non_negative_int(part) for part in str(raw).split(","))
     except ValueError:
         raise ValueError(
             f"expected comma-separated local ranks (e.g. 0,1,2), got {raw!r}"
         ) from None
-    return ranks
 
 
 def comma_list(raw: Any) -> tuple[str, ...]:

@@ -179,16 +179,12 @@ def _failure_lines(
     if not failures:
         return
     yield ""
-    if by_progress:
-        yield (
-            f"Failures ({len(failures)})  recovery: to every rank stepping again; "
-            "time lost: from the last progress"
-        )
-    else:
-        yield (
-            f"Failures ({len(failures)})  process times: recovery to every worker started "
-            "again, not to training"
-        )
+    measured = (
+        "recovery: to every rank stepping again; time lost: from the last progress"
+        if by_progress
+        else "process times: recovery to every worker started again, not to training"
+    )
+    yield f"Failures ({len(failures)})  {measured}"
     for failure in failures:
         yield (
             f"  #{failure.number} cycle {failure.cycle} at {clock.short(failure.ts)}  "

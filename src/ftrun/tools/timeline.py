@@ -286,17 +286,14 @@ def _legend_handles(report: Report) -> list[Patch | Line2D]:
         for state, (colour, label) in STATE_STYLE.items()
         if state in shown or state in (RENDEZVOUS, RUNNING)
     ]
-    for kind in dict.fromkeys(f.kind for f in failures):
-        marker, colour = MARKERS.get(kind, _OTHER_MARKER)
-        handles.append(
-            Line2D([], [], marker=marker, color=colour, linestyle="", markersize=10, label=kind)
-        )
+    kinds = dict.fromkeys(f.kind for f in failures)
+    marks = [(*MARKERS.get(kind, _OTHER_MARKER), kind) for kind in kinds]
     if any(node.unhealthy_at is not None for node in report.nodes):
-        marker, colour = _UNHEALTHY_MARKER
-        handles.append(
-            Line2D([], [], marker=marker, color=colour, linestyle="", markersize=10,
-                   label="unhealthy node")
-        )  # fmt: skip
+        marks.append((*_UNHEALTHY_MARKER, "unhealthy node"))
+    handles += [
+        Line2D([], [], marker=marker, color=colour, linestyle="", markersize=10, label=label)
+        for marker, colour, label in marks
+    ]
     if failures:
         handles.append(Line2D([], [], color="#555555", linestyle="--", label="cycle ends"))
     if failures or report.progress_reported:
