@@ -13,6 +13,7 @@ Torch-free and cheap to import: `ftrun report` runs where training does not.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,16 +35,12 @@ class Field:
 
     name: str
     kind: str
-    required: bool = False
     doc: str = ""
+    required: bool = False
 
 
-def _req(name: str, kind: str, doc: str = "") -> Field:
-    return Field(name, kind, True, doc)
-
-
-def _opt(name: str, kind: str, doc: str = "") -> Field:
-    return Field(name, kind, False, doc)
+_req = functools.partial(Field, required=True)
+_opt = Field
 
 
 COMMON: tuple[Field, ...] = (

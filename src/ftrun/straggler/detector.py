@@ -79,9 +79,9 @@ class _State:
     gather_on_rank0: bool
     scores: frozenset[str]
     tracker: IntervalTracker
+    local: LocalSink
     channel: MonitorChannel | None = None
     report_file: ReportFile | None = None
-    local: LocalSink | None = None
     history: History = dataclasses.field(default_factory=History)
     originals: list[tuple[CallableId, Any]] = dataclasses.field(default_factory=list)
     last_seq: int | None = None
@@ -187,7 +187,6 @@ class Detector:
         several ranks is initialized: call it on every rank), shaped as NVRx's."""
         state = cls._require()
         state.recorder.flush()
-        assert state.local is not None
         report = local_report(state.local, state.rank, state.node, state.history)
         return _shaped(report, state)
 

@@ -24,7 +24,7 @@ from matplotlib.ticker import FuncFormatter, MultipleLocator
 
 from ftrun.eventlog.failures import CRASH, HANG, SIGNAL, Failure, ranks_text
 from ftrun.eventlog.lanes import FINISHED, RENDEZVOUS, RUNNING, STALLED, STARTING, STOPPING
-from ftrun.eventlog.report import Report, duration_text
+from ftrun.eventlog.report import NodeInfo, Report, duration_text
 from ftrun.tools.summary import clock_text
 
 STATE_STYLE = {  # (colour, legend label); colour-blind-safe hues, "bad" states warm
@@ -269,10 +269,9 @@ def _decorate(ax: Axes, fig: Figure, report: Report, lanes: dict[str, int]) -> N
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 5))
 
 
-def _lane_label(node: object) -> str:
-    name = getattr(node, "name", "?")
-    ranks = ranks_text(getattr(node, "ranks", ()))
-    return f"{name}\nranks {ranks}" if ranks else name
+def _lane_label(node: NodeInfo) -> str:
+    ranks = ranks_text(node.ranks)
+    return f"{node.name}\nranks {ranks}" if ranks else node.name
 
 
 def _legend_handles(report: Report) -> list[Patch | Line2D]:
