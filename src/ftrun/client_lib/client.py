@@ -236,16 +236,8 @@ class RankMonitorClient:
         return after != before
 
     def _apply_saved(self) -> None:
-        current = self._timeouts
-        assert current is not None
-        saved = self._calculated
-        hb = saved.get("heartbeat", {})
-        merged = wire.Timeouts(
-            initial_heartbeat=hb.get("initial", current.initial_heartbeat),
-            heartbeat=hb.get("subsequent", current.heartbeat),
-            sections={**current.sections, **saved.get("sections", {})},
-            out_of_section=saved.get("out_of_section", current.out_of_section),
-        )
+        assert self._timeouts is not None
+        merged = timeouts.in_force(self._timeouts, self._calculated)
         reply = self._request(wire.SetTimeouts(self._next_seq(), merged))
         self._timeouts = wire.Timeouts.from_wire(reply)
 

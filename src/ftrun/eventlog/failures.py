@@ -139,10 +139,6 @@ class _Timing:
     job_end: float
     by_progress: bool
 
-    @property
-    def recovered_at(self) -> float | None:
-        return None if self.recovery_cycle is None else self.recovery_cycle.start(self.by_progress)
-
     def last_healthy(self, failed_at: float, detection: float) -> float:
         """The last progress before the failure, never after it (ranks that went on alone made
         no progress the job keeps). Without a progress report: a hang stopped progress
@@ -160,7 +156,8 @@ class _Timing:
         """A failure's cost fields of `Failure`: it happened at `failed_at` and was seen
         `detection` seconds after progress stopped."""
         last_healthy = self.last_healthy(failed_at, detection)
-        back = self.recovered_at
+        again = self.recovery_cycle
+        back = None if again is None else again.start(self.by_progress)
         redone, redone_s = self.redone(last_healthy)
         return {
             "detection_s": detection,

@@ -23,6 +23,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from ftrun.eventlog.schema import NUM, has_type
+
 RECOVERY_BOUNDS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 RENDEZVOUS_BOUNDS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 DEFAULT_TIER = "restart"
@@ -105,6 +107,4 @@ class NodeTimings:
 
 
 def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
+    return float(value) if has_type(value, NUM) else None

@@ -11,7 +11,7 @@ import dataclasses
 import datetime
 import json
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ftrun.eventlog.failures import Failure, ranks_text
@@ -41,7 +41,7 @@ def to_text(report: Report, timeline: str | None, timeline_note: str | None = No
 
 
 def _lines(report: Report, timeline: str | None, timeline_note: str | None) -> Iterator[str]:
-    clock = _Clock(report.start, report.end)
+    clock = _clock(report.start, report.end)
     yield f"ftrun report: {report.log_dir}"
     yield f"Outcome    {report.outcome}: {_exit_summary(report.nodes)}"
     yield (
@@ -143,14 +143,14 @@ def _cycle_lines(cycles: tuple[Cycle, ...], clock: _Clock, by_progress: bool) ->
         yield "Cycles: none (no rendezvous completed)"
         return
     yield f"Cycles ({len(cycles)})"
-    width = max([len(clock.short(c.start)) for c in cycles] + [5])
+    width = max([len(clock(c.start)) for c in cycles] + [5])
     middle = "   start-up     training" if by_progress else "  all running"
     yield f"  cycle  {'start':<{width}}  rendezvous{middle}        stop  ended"
     for cycle in cycles:
         stop = "-" if cycle.stop_s is None else duration_text(cycle.stop_s)
         killed = f"; {cycle.killed} worker(s) SIGKILLed at the stop timeout" if cycle.killed else ""
         yield (
-            f"  {cycle.number:>5}  {clock.short(cycle.start):<{width}}  "
+            f"  {cycle.number:>5}  {clock(cycle.start):<{width}}  "
             f"{duration_text(cycle.rendezvous_s):>10}  {_cycle_middle(cycle, by_progress)}  "
             f"{stop:>10}  {cycle.ended}{killed}"
         )
@@ -187,7 +187,7 @@ def _failure_lines(
     yield f"Failures ({len(failures)})  {measured}"
     for failure in failures:
         yield (
-            f"  #{failure.number} cycle {failure.cycle} at {clock.short(failure.ts)}  "
+            f"  #{failure.number} cycle {failure.cycle} at {clock(failure.ts)}  "
             f"{failure.kind.upper()}: {failure.cause}"
         )
         recovery = (
@@ -281,11 +281,10 @@ def clock_text(ts: float) -> str:
     return _local(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
-class _Clock:
-    """Local wall-clock times; the date only where a job crosses midnight needs it."""
+_Clock = Callable[[float], str]
 
-    def __init__(self, start: float, end: float) -> None:
-        self._multi_day = _local(start).date() != _local(end).date()
 
-    def short(self, ts: float) -> str:
-        return _local(ts).strftime("%m-%d %H:%M:%S" if self._multi_day else "%H:%M:%S")
+def _clock(start: float, end: float) -> _Clock:
+    """Local wall-clock times, short: the date only where a job crosses midnight needs it."""
+    multi_day = _local(start).date() != _local(end).date()
+    return lambda ts: _local(ts).strftime("%m-%d %H:%M:%S" if multi_day else "%H:%M:%S")
