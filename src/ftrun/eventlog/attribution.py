@@ -34,12 +34,8 @@ def attribute(events: Sequence[Event]) -> tuple[Attribution, ...]:
     """One attribution per cycle that has a named failure or a lost node, in cycle order."""
     failed = {e.cycle for e in events if e.event in ("failure", "collectives")}
     lost = {int(e.get("lost_cycle", -1)) for e in events if e.event == "node_lost"}
-    cycles = sorted(failed | lost)
-    found = []
-    for cycle in cycles:
-        if (one := _cycle(cycle, events)) is not None:
-            found.append(one)
-    return tuple(found)
+    found = (_cycle(cycle, events) for cycle in sorted(failed | lost))
+    return tuple(one for one in found if one is not None)
 
 
 def _cycle(cycle: int, events: Sequence[Event]) -> Attribution | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,11 +53,8 @@ class Buckets:
 
     def cumulative(self) -> list[tuple[float, int]]:
         """(upper bound, observations at or below it), the last bound +Inf."""
-        found, running = [], 0
-        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            running += n
-            found.append((bound, running))
-        return found
+        bounds = (*self.bounds, float("inf"))
+        return list(zip(bounds, itertools.accumulate(self.counts), strict=True))
 
 
 @dataclasses.dataclass

@@ -119,8 +119,9 @@ class Detector:
         if channel is not None:
             _announce(channel, report_time_interval, node_name)
         local = LocalSink()
-        sink: Any = _Both(channel, local) if channel else local
-        recorder = Recorder(sink, profiling_interval, cuda_timer())
+        # Under the launcher: batches to the agent, and a copy for `generate_report()`.
+        sinks = (channel, local) if channel else (local,)
+        recorder = Recorder(sinks, profiling_interval, cuda_timer())
         cls._state = _State(
             recorder=recorder,
             rank=env[2] if env else _rank(),
@@ -232,17 +233,6 @@ class Detector:
         if cls._state is None:
             raise RuntimeError("Detector is not initialized.")
         return cls._state
-
-
-class _Both:
-    """Under the launcher: batches to the agent, and a copy for `generate_report()`."""
-
-    def __init__(self, channel: MonitorChannel, local: LocalSink) -> None:
-        self.channel, self.local = channel, local
-
-    def take(self, batch: Any) -> None:
-        self.channel.take(batch)
-        self.local.take(batch)
 
 
 def _announce(channel: MonitorChannel, report_time_interval: float, node_name: str | None) -> None:

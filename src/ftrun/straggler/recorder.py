@@ -71,17 +71,17 @@ class Section(contextlib.ContextDecorator):
 
 
 class Recorder:
-    """Every section of this process, and where their batches go."""
+    """Every section of this process, and where their batches go (each sink takes each)."""
 
     def __init__(
         self,
-        sink: Sink,
+        sinks: Sequence[Sink],
         interval: int = 1,
         cuda: CudaTimer | None = None,
         flush_every_s: float = FLUSH_EVERY_S,
         clock: Callable[[], int] = _now,
     ) -> None:
-        self.sink = sink
+        self.sinks = sinks
         self.interval = max(1, int(interval))
         self.cuda = cuda
         self.sections: dict[tuple[str, bool], Section] = {}
@@ -112,7 +112,8 @@ class Recorder:
                 batch.append((section.name, True, section.gpu))
                 section.gpu = []
         if batch:
-            self.sink.take(batch)
+            for sink in self.sinks:
+                sink.take(batch)
 
 
 def merge(batches: Sequence[Batch]) -> dict[tuple[str, bool], list[int]]:

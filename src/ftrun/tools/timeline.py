@@ -52,7 +52,8 @@ _TICK_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10
 
 def draw_timeline(report: Report, path: Path) -> None:
     """Write the timeline PNG of `report` to `path`."""
-    lanes = _lane_order(report)
+    # Nodes top to bottom in the report's order: by group rank, so ranks read downwards.
+    lanes = {node.name: i for i, node in enumerate(report.nodes)}
     height = min(2.6 + 0.55 * len(lanes), 40.0)
     fig = Figure(figsize=(13, height), layout="constrained")
     FigureCanvasAgg(fig)
@@ -65,11 +66,6 @@ def draw_timeline(report: Report, path: Path) -> None:
     _draw_unhealthy(ax, report, lanes)
     _decorate(ax, fig, report, lanes)
     fig.savefig(path, dpi=110)
-
-
-def _lane_order(report: Report) -> dict[str, int]:
-    """Nodes top to bottom in the report's order: by group rank, so ranks read downwards."""
-    return {node.name: i for i, node in enumerate(report.nodes)}
 
 
 def _draw_lanes(ax: Axes, report: Report, lanes: dict[str, int]) -> None:
