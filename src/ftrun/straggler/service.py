@@ -155,11 +155,8 @@ class StragglerService(NodeService):
         """Take the queued batches: settings to `_asks`, durations to the collector."""
         with self._lock:
             rnd = self._round
-            while True:
-                try:
-                    batch = self._batches.get_nowait()
-                except queue.Empty:
-                    break
+            while not self._batches.empty():  # this thread is its only reader
+                batch = self._batches.get_nowait()
                 if rnd is None:
                     continue
                 if batch.settings is not None:
