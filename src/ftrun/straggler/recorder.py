@@ -3,9 +3,10 @@
 A section is a reused context-manager object per (name, profile_cuda): entering it reads
 `perf_counter_ns` (and, for a CUDA section, records a CUDA event on the current stream);
 leaving it appends the CPU duration to a list, and once per `flush_every_ns` hands every
-section's new durations to the sink in one batch (the monitor channel under the launcher: one
-non-blocking send). CUDA events are resolved at that flush with `query()`: an event the GPU has
-not reached yet waits for a later flush; nothing ever synchronizes the stream.
+section's new durations to the sinks in one batch (under the launcher the monitor channel, one
+non-blocking send, and the local copy). CUDA events are resolved at that flush with `query()`:
+an event the GPU has not reached yet waits for a later flush; nothing ever synchronizes the
+stream.
 """
 
 from __future__ import annotations
