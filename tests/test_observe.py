@@ -190,7 +190,7 @@ def test_in_process_restarts_count_as_their_own_tier_with_their_seconds():
     timings.apply(rec("rank_replaced", 20.0, 0, rank=1, pid=42, cause="killed"))
     timings.apply(rec("inprocess_recovered", 20.5, 0, iteration=1, kind="TERMINATED", seconds=0.4))
     assert timings.recoveries == {("in-process", "EXCEPTION"): 1, ("in-process", "TERMINATED"): 1}
-    assert (timings.recovery.count, timings.recovery.cumulative()[0]) == (2, (0.5, 2))
+    assert (sum(timings.recovery.counts), timings.recovery.cumulative()[0]) == (2, (0.5, 2))
 
 
 def test_recovery_runs_from_the_last_progress_to_stepping_again_across_cycles_that_failed():
@@ -205,17 +205,17 @@ def test_recovery_runs_from_the_last_progress_to_stepping_again_across_cycles_th
     timings.apply(rec("restart", 61.0, 1))
     timings.apply(rec("stepping", 80.0, 2, ranks=[0], progress_ts=80.0, progress_mono=80.0))
     assert timings.recoveries == {("restart", "exception"): 1}
-    assert (timings.recovery.count, timings.recovery.total) == (1, 32.0)  # 48 -> 80
+    assert (sum(timings.recovery.counts), timings.recovery.total) == (1, 32.0)  # 48 -> 80
     assert timings.recovery.cumulative()[RECOVERY_BOUNDS.index(30.0)] == (30.0, 0)
     assert timings.recovery.cumulative()[RECOVERY_BOUNDS.index(60.0)] == (60.0, 1)
     timings.apply(rec("last_progress", 90.0, 2, before="finished", ranks=[0]))
     timings.apply(rec("exit", 91.0, 2, code=0))
     timings.apply(rec("stepping", 95.0, 3, ranks=[0], progress_ts=95.0, progress_mono=95.0))
-    assert timings.recovery.count == 1  # finishing is not a failure to recover from
+    assert sum(timings.recovery.counts) == 1  # finishing is not a failure to recover from
     timings.apply(rec("restart", 100.0, 3))
     timings.apply(rec("exit", 101.0, 3, code=1))  # never stepped again: no recovery to count
     timings.apply(rec("stepping", 120.0, 4, ranks=[0], progress_ts=120.0, progress_mono=120.0))
-    assert timings.recovery.count == 1
+    assert sum(timings.recovery.counts) == 1
     timings.apply(rec("rendezvous_done", 1.0, duration=400.0, nodes=[], group_rank=0))
     timings.apply(rec("rendezvous_done", 1.0, duration=True, nodes=[], group_rank=0))  # not one
     assert timings.rendezvous.cumulative()[-2:] == [(300.0, 0), (float("inf"), 1)]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import logging
 import operator
 import os
 import signal
@@ -40,7 +39,6 @@ from ftrun.rank_monitor import protocol as wire
 from ftrun.rank_monitor.stacks import stack_file
 from ftrun.rank_monitor.workload import WorkloadControlRequest
 
-log = logging.getLogger("ftrun.client")
 REQUEST_TIMEOUT_S = float(os.environ.get(Env.MONITOR_REQUEST_TIMEOUT, "30"))
 # One packer for every iteration: `packb` builds a Packer per call, ten times the cost. Its
 # `pack` is C code that holds the GIL, so threads sharing it cannot interleave.
@@ -238,16 +236,8 @@ class RankMonitorClient:
         return after != before
 
     def _apply_saved(self) -> None:
-        current = self._timeouts
-        assert current is not None
-        saved = self._calculated
-        hb = saved.get("heartbeat", {})
-        merged = wire.Timeouts(
-            initial_heartbeat=hb.get("initial", current.initial_heartbeat),
-            heartbeat=hb.get("subsequent", current.heartbeat),
-            sections={**current.sections, **saved.get("sections", {})},
-            out_of_section=saved.get("out_of_section", current.out_of_section),
-        )
+        assert self._timeouts is not None
+        merged = timeouts.in_force(self._timeouts, self._calculated)
         reply = self._request(wire.SetTimeouts(self._next_seq(), merged))
         self._timeouts = wire.Timeouts.from_wire(reply)
 

@@ -115,9 +115,6 @@ def _dump(target: Path) -> None:
         except Exception as exc:
             data = json.dumps({"unavailable": f"{type(exc).__name__}: {exc}"}).encode()
     tmp = target.with_suffix(".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data if isinstance(data, bytes) else str(data).encode())
+    with contextlib.suppress(OSError):
+        tmp.write_bytes(data if isinstance(data, bytes) else str(data).encode())
         os.replace(tmp, target)
-    except OSError:
-        return

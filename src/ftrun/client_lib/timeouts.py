@@ -64,6 +64,17 @@ def views(
     return heartbeat, sections
 
 
+def in_force(current: wire.Timeouts, calculated: Calculated) -> wire.Timeouts:
+    """`current` with the `calculated` timeouts in place of the launcher's."""
+    hb = calculated.get("heartbeat", {})
+    return wire.Timeouts(
+        initial_heartbeat=hb.get("initial", current.initial_heartbeat),
+        heartbeat=hb.get("subsequent", current.heartbeat),
+        sections={**current.sections, **calculated.get("sections", {})},
+        out_of_section=calculated.get("out_of_section", current.out_of_section),
+    )
+
+
 def to_nvrx_state(current: wire.Timeouts | None, calculated: Calculated) -> dict[str, Any]:
     """NVRx's state_dict: the calculated timeouts only (an empty inner dict if none), with the
     rest of the section timeouts as in force (`current`; None before init)."""
@@ -75,10 +86,10 @@ def to_nvrx_state(current: wire.Timeouts | None, calculated: Calculated) -> dict
         )
     sections = calculated.get("sections", {})
     if sections or "out_of_section" in calculated:
-        in_force = current or wire.Timeouts()
+        merged = in_force(current or wire.Timeouts(), calculated)
         saved["section"] = {  # SectionTimeouts' fields, the set as a sorted list: JSON-able
-            "section": {**in_force.sections, **sections},
-            "out_of_section": calculated.get("out_of_section", in_force.out_of_section),
+            "section": merged.sections,
+            "out_of_section": merged.out_of_section,
             "calculated_sections": sorted(sections),
             "is_out_of_section_calculated": "out_of_section" in calculated,
         }

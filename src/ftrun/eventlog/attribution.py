@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ftrun.eventlog.reader import Event
+from ftrun.eventlog.reader import Event, ints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,19 +34,14 @@ def attribute(events: Sequence[Event]) -> tuple[Attribution, ...]:
     """One attribution per cycle that has a named failure or a lost node, in cycle order."""
     failed = {e.cycle for e in events if e.event in ("failure", "collectives")}
     lost = {int(e.get("lost_cycle", -1)) for e in events if e.event == "node_lost"}
-    cycles = sorted(failed | lost)
-    found = []
-    for cycle in cycles:
-        if (one := _cycle(cycle, events)) is not None:
-            found.append(one)
-    return tuple(found)
+    found = (_cycle(cycle, events) for cycle in sorted(failed | lost))
+    return tuple(one for one in found if one is not None)
 
 
 def _cycle(cycle: int, events: Sequence[Event]) -> Attribution | None:
     named = [e for e in events if e.event == "failure" and e.cycle == cycle]
     primary = [e for e in named if not e.get("secondary")]
-    lost = [n for e in events if e.event == "node_lost" and e.get("lost_cycle") == cycle
-            for n in e.get("nodes", [])]  # fmt: skip
+    lost = lost_nodes(events, cycle)
     consequences = tuple(f"then on {e.node}: {e.get('key')}" for e in named if e not in primary)
     hangs = [e for e in events if e.event == "hang" and e.cycle == cycle]
     culprit = hang_culprit(cycle, hangs, events)
@@ -78,6 +73,12 @@ def _cycle(cycle: int, events: Sequence[Event]) -> Attribution | None:
     return None
 
 
+def lost_nodes(events: Sequence[Event], cycle: int) -> list[str]:
+    """Nodes lost in `cycle` (a survivor tells it with the next round's `node_lost`)."""
+    return [n for e in events if e.event == "node_lost" and e.get("lost_cycle") == cycle
+            for n in e.get("nodes", [])]  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class Culprit:
     """The rank(s) a hang's other ranks waited for, and what says so."""
@@ -102,7 +103,7 @@ def stall_finding(cycle: int, events: Sequence[Event]) -> Event | None:
     """The flight recorders' finding for `cycle` that names ranks (a `collectives` event whose
     collective some ranks never entered, or never dumped for); None: no such finding."""
     return next((e for e in events if e.event == "collectives" and e.cycle == cycle
-                 and (_ints(e.get("missing")) or _ints(e.get("no_dump")))), None)  # fmt: skip
+                 and (ints(e.get("missing")) or ints(e.get("no_dump")))), None)  # fmt: skip
 
 
 def hang_culprit(cycle: int, hangs: Sequence[Event], events: Sequence[Event]) -> Culprit | None:
@@ -114,12 +115,12 @@ def hang_culprit(cycle: int, hangs: Sequence[Event], events: Sequence[Event]) ->
     found = stall_finding(cycle, events)
     op = f"{found.get('op')} seq {found.get('seq')}" if found is not None else ""
     stopped = tuple(sorted({e.get("rank") for e in hangs if e.get("stopped") is True}))
-    if found is not None and (missing := _ints(found.get("missing"))):
+    if found is not None and (missing := ints(found.get("missing"))):
         ranks, why = missing, f"never entered {op}, by the flight recorders"
     elif stopped:
         ranks, why = stopped, "process stopped"
     elif found is not None:
-        ranks, why = _ints(found.get("no_dump")), f"no flight-recorder dump; the others in {op}"
+        ranks, why = ints(found.get("no_dump")), f"no flight-recorder dump; the others in {op}"
     else:
         return None
     placed = _rank_nodes(cycle, events) | {e.get("rank"): e.node for e in hangs}
@@ -136,12 +137,6 @@ def _rank_nodes(cycle: int, events: Sequence[Event]) -> dict[object, str]:
     """rank -> node, from the cycle's `workers_started` events."""
     return {rank: e.node for e in events if e.event == "workers_started" and e.cycle == cycle
             for rank in e.get("ranks") or ()}  # fmt: skip
-
-
-def _ints(value: object) -> tuple[int, ...]:
-    if not isinstance(value, list):
-        return ()
-    return tuple(v for v in value if isinstance(v, int) and not isinstance(v, bool))
 
 
 def _evidence(failure: Event, events: Sequence[Event]) -> tuple[str, ...]:

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
-from ftrun.eventlog.attribution import Culprit, hang_culprit
+from ftrun.eventlog.attribution import Culprit, hang_culprit, lost_nodes
 from ftrun.eventlog.reader import Event
 
 CRASH, HANG, SIGNAL, STORE_LOST, RESTART = "crash", "hang", "signal", "store lost", "restart"
@@ -118,7 +119,7 @@ def find_failures(
         later = [times[c] for c in cycles[i + 1 :] if times[c].start(by_progress) is not None]
         timing = _Timing(times[cycle], later[0] if later else None, job_end, by_progress)
         number = len(failures) + 1
-        lost = _lost_nodes(events, cycle)
+        lost = lost_nodes(events, cycle)
         if in_cycle:
             failure = _from_events(number, cycle, _causes_first(in_cycle, events), events, timing)
             if lost:
@@ -138,10 +139,6 @@ class _Timing:
     job_end: float
     by_progress: bool
 
-    @property
-    def recovered_at(self) -> float | None:
-        return None if self.recovery_cycle is None else self.recovery_cycle.start(self.by_progress)
-
     def last_healthy(self, failed_at: float, detection: float) -> float:
         """The last progress before the failure, never after it (ranks that went on alone made
         no progress the job keeps). Without a progress report: a hang stopped progress
@@ -155,13 +152,22 @@ class _Timing:
             return min(max(self.failed.last_progress, start), failed_at)
         return min(max(failed_at - detection, start), failed_at)
 
-    def recovery(self, failed_at: float) -> float | None:
-        back = self.recovered_at
-        return None if back is None else max(back - failed_at, 0.0)
-
-    def lost(self, last_healthy: float) -> float:
-        back = self.recovered_at if self.recovered_at is not None else self.job_end
-        return max(back - last_healthy, 0.0)
+    def costs(self, failed_at: float, detection: float) -> dict[str, Any]:
+        """A failure's cost fields of `Failure`: it happened at `failed_at` and was seen
+        `detection` seconds after progress stopped."""
+        last_healthy = self.last_healthy(failed_at, detection)
+        again = self.recovery_cycle
+        back = None if again is None else again.start(self.by_progress)
+        redone, redone_s = self.redone(last_healthy)
+        return {
+            "detection_s": detection,
+            "last_healthy": last_healthy,
+            "recovered_at": back,
+            "recovery_s": None if back is None else max(back - failed_at, 0.0),
+            "lost_s": max((self.job_end if back is None else back) - last_healthy, 0.0),
+            "redone_iterations": redone,
+            "redone_s": redone_s,
+        }
 
     def redone(self, last_healthy: float) -> tuple[int | None, float | None]:
         """Iterations redone after the restart, and their time at the failed cycle's pace
@@ -200,9 +206,6 @@ def _from_events(
     rest = [e for e in in_cycle if id(e) not in grouped]
     hang = _hang_info(group) if first.event == "hang" else None
     culprit = hang_culprit(cycle, group, events) if hang else None
-    detection = hang.waited if hang else 0.0
-    last_healthy = timing.last_healthy(first.ts, detection)
-    redone, redone_s = timing.redone(last_healthy)
     ranks = tuple(sorted({e.get("rank") for e in group if isinstance(e.get("rank"), int)}))
     return Failure(
         number=number,
@@ -215,22 +218,10 @@ def _from_events(
         exit_code=first.get("code") if first.event == "worker_exited" else None,
         signal=first.get("signal"),
         hang=hang,
-        detection_s=detection,
-        last_healthy=last_healthy,
-        recovered_at=timing.recovered_at,
-        recovery_s=timing.recovery(first.ts),
-        lost_s=timing.lost(last_healthy),
         secondary=tuple(f"{describe([e], None)} (+{e.ts - first.ts:.2f}s)" for e in rest),
         notes=tuple(_stale_hang_notes(group, events)),
-        redone_iterations=redone,
-        redone_s=redone_s,
+        **timing.costs(first.ts, hang.waited if hang else 0.0),
     )
-
-
-def _lost_nodes(events: Sequence[Event], cycle: int) -> list[str]:
-    """Nodes lost in `cycle` (a survivor tells it with the next round's `node_lost`)."""
-    return [n for e in events if e.event == "node_lost" and e.get("lost_cycle") == cycle
-            for n in e.get("nodes", [])]  # fmt: skip
 
 
 def _causes_first(in_cycle: Sequence[Event], events: Sequence[Event]) -> list[Event]:
@@ -265,8 +256,6 @@ def _restart_without_failure(
     causes = [e.get("cause") for e in restarts if e.get("cause")]
     ts = min(stops) if stops else (restarts[0].ts if restarts else timing.job_end)
     cause = causes[0] if causes else "restart with no failure event (scale-up or spawn failure)"
-    last_healthy = timing.last_healthy(ts, 0.0)
-    redone, redone_s = timing.redone(last_healthy)
     return Failure(
         number=number,
         cycle=cycle,
@@ -278,15 +267,9 @@ def _restart_without_failure(
         exit_code=None,
         signal=None,
         hang=None,
-        detection_s=0.0,
-        last_healthy=last_healthy,
-        recovered_at=timing.recovered_at,
-        recovery_s=timing.recovery(ts),
-        lost_s=timing.lost(last_healthy),
         secondary=(),
         notes=(),
-        redone_iterations=redone,
-        redone_s=redone_s,
+        **timing.costs(ts, 0.0),
     )
 
 
@@ -298,12 +281,11 @@ def _kind(event: Event) -> str:
 
 def _hang_info(hangs: Sequence[Event]) -> HangInfo:
     first = hangs[0]
-    timeout = first.get("timeout")
     latencies = [e.num("detection_latency") for e in hangs if "detection_latency" in e.fields]
     return HangInfo(
         kind=first.get("kind"),
         section=first.get("section"),
-        timeout=float(timeout) if isinstance(timeout, (int, float)) else None,
+        timeout=first.num("timeout", None),
         waited=max(e.num("waited") for e in hangs),
         detection_latency=max(latencies) if latencies else None,
         stack_files=tuple(str(e.get("stack_file")) for e in hangs if e.get("stack_file")),

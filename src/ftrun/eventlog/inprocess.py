@@ -31,8 +31,7 @@ def inprocess_restarts(events: Sequence[Event]) -> tuple[InprocessRestart, ...]:
     by_iteration: dict[tuple[int, int], InprocessRestart] = {}
     for e in (e for e in events if e.event == "inprocess_recovered"):
         key = (e.cycle, int(e.get("iteration", -1)))
-        seconds = e.get("seconds")
-        seconds = float(seconds) if isinstance(seconds, (int, float)) else None
+        seconds = e.num("seconds", None)
         rank = e.get("from_rank")
         rank = int(rank) if isinstance(rank, int) else None
         known = by_iteration.get(key)
@@ -44,4 +43,3 @@ def inprocess_restarts(events: Sequence[Event]) -> tuple[InprocessRestart, ...]:
         by_iteration[key] = InprocessRestart(e.cycle, key[1], kind, rank,
                                              str(e.get("why", "")), seconds, tier)  # fmt: skip
     return tuple(by_iteration[k] for k in sorted(by_iteration))
-

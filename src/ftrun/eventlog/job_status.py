@@ -15,18 +15,13 @@ from typing import Any
 
 from ftrun.eventlog.node_view import NodeState, NodeView
 from ftrun.eventlog.reader import Event, EventSet
-from ftrun.eventlog.report import build_report, duration_text
+from ftrun.eventlog.report import build_report, duration_text, node_order
 
 SCHEMA = 1
 SHOWN_FAILURES = 10
 SHOWN_STRAGGLERS = 8
 SILENT_AFTER_S = 15.0
 """A running node whose live record is older than this is shown as silent."""
-
-
-def record_of(event: Event) -> dict[str, Any]:
-    """A parsed event as the record `EventLog` wrote (what `NodeView.apply` takes)."""
-    return {"event": event.event, "ts": event.ts, "cycle": event.cycle, **event.fields}
 
 
 def job_status(
@@ -42,6 +37,7 @@ def job_status(
     report = build_report(EventSet(Path("."), nodes, ()), now=None if over else now)
     _mark_lost(views, [e for evs in nodes.values() for e in evs if e.event == "node_lost"])
     cycle = max(v.cycle for v in views.values())
+    in_rank_order = sorted(views.values(), key=lambda v: node_order(v.group_rank, v.node))
     return {
         "schema": SCHEMA,
         "job": job,
@@ -55,7 +51,7 @@ def job_status(
         "lost_s": max(report.wall_s - report.effective_s, 0.0),
         "ettr": report.effective_ratio,
         "progress_reported": report.progress_reported,
-        "nodes": [_node(views[n], live.get(n, {}), now) for n in _order(views)],
+        "nodes": [_node(view, live.get(view.node, {}), now) for view in in_rank_order],
         "failures": [dataclasses.asdict(a) for a in report.attributions[-SHOWN_FAILURES:]][::-1],
         "stragglers": _stragglers(views.values()),
         "checkpoints": _tiers(views.values(), cycle),
@@ -64,8 +60,8 @@ def job_status(
 
 def _view(name: str, events: Sequence[Event]) -> NodeView:
     view = NodeView(name)
-    for event in events:
-        view.apply(record_of(event))
+    for event in events:  # as the record `EventLog` wrote, which `NodeView.apply` takes
+        view.apply({"event": event.event, "ts": event.ts, "cycle": event.cycle, **event.fields})
     return view
 
 
@@ -75,14 +71,6 @@ def _mark_lost(views: Mapping[str, NodeView], told: Sequence[Event]) -> None:
             view = views.get(name)
             if view is not None and view.since <= event.ts and view.state is not NodeState.EXITED:
                 view.state, view.since = NodeState.LOST, event.ts
-
-
-def _order(views: Mapping[str, NodeView]) -> list[str]:
-    def key(name: str) -> tuple[bool, int, str]:
-        rank = views[name].group_rank
-        return rank is None, rank or 0, name
-
-    return sorted(views, key=key)
 
 
 def _node(view: NodeView, live: Mapping[str, Any], now: float) -> dict[str, Any]:

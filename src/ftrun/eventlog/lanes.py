@@ -67,8 +67,7 @@ class Lane:
         elif kind == "stepping" and self.state == STARTING:
             self._switch(RUNNING, event.num("progress_ts", event.ts), event.cycle)
         elif kind == "last_progress" and event.get("before") == "stop" and self.state == RUNNING:
-            last = event.get("progress_ts")
-            if isinstance(last, (int, float)) and not isinstance(last, bool):
+            if (last := event.num("progress_ts", None)) is not None:
                 self._switch(STALLED, min(last, event.ts), event.cycle)
         elif kind == "worker_exited" and event.get("code") == 0 and self.state in _WORKING:
             self.unfinished.discard(event.get("rank"))

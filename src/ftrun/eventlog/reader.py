@@ -135,6 +135,13 @@ def parse_line(line: str) -> Event | None:
     )
 
 
+def ints(value: object) -> tuple[int, ...]:
+    """The integers of a JSON list field (true and false are not integers); () if not a list."""
+    if not isinstance(value, list):
+        return ()
+    return tuple(v for v in value if isinstance(v, int) and not isinstance(v, bool))
+
+
 def _valid(record: Mapping[str, Any], schema: Mapping[str, str]) -> bool:
     return all(has_type(record.get(key), kind) for key, kind in schema.items())
 

@@ -23,7 +23,7 @@ from ftrun.eventlog.attribution import Attribution, RerunVerdict, attribute, rer
 from ftrun.eventlog.failures import CycleTimes, Failure, find_failures
 from ftrun.eventlog.inprocess import InprocessRestart, inprocess_restarts
 from ftrun.eventlog.lanes import FINISHED, RENDEZVOUS, Lane, Span
-from ftrun.eventlog.reader import Event, EventSet
+from ftrun.eventlog.reader import Event, EventSet, ints
 from ftrun.eventlog.startup import StartupSplit, startup_splits
 
 
@@ -112,7 +112,7 @@ def build_report(events: EventSet, now: float | None = None) -> Report:
     nodes = tuple(
         sorted(
             (_node_info(node, evs) for node, evs in events.nodes.items()),
-            key=lambda n: (n.group_rank is None, n.group_rank or 0, n.name),  # rank order
+            key=lambda n: node_order(n.group_rank, n.name),
         )
     )
     cycle_numbers = sorted({e.cycle for e in all_events if e.event == "rendezvous_done"})
@@ -175,6 +175,11 @@ def _node_info(node: str, events: Sequence[Event]) -> NodeInfo:
     )
 
 
+def node_order(group_rank: int | None, name: str) -> tuple[bool, int, str]:
+    """Nodes by group rank (those without one last), then by name."""
+    return group_rank is None, group_rank or 0, name
+
+
 def _outcome(nodes: Iterable[NodeInfo]) -> str:
     """The job's verdict: the worst node's, and INCOMPLETE when a node never said goodbye."""
     codes = [n.exit_code for n in nodes]
@@ -201,8 +206,8 @@ def _cycle_times(events: Sequence[Event], cycle: int) -> CycleTimes:
     stepping = {e.node: e for e in mine if e.event == "stepping"}
     last = [e for e in mine if e.event == "last_progress"]
     progress = [t for e in last if (t := e.num("progress_ts", None)) is not None]
-    firsts = _iterations(stepping.values())
-    lasts = _iterations(last)
+    firsts = [i for e in stepping.values() for i in ints(e.get("iterations"))]
+    lasts = [i for e in last for i in ints(e.get("iterations"))]
     return CycleTimes(
         running_at=max(starts.values()) if starts and nodes <= set(starts) else None,
         stepping_at=(
@@ -214,15 +219,6 @@ def _cycle_times(events: Sequence[Event], cycle: int) -> CycleTimes:
         first_iteration=min(firsts) if firsts else None,
         last_iteration=max(lasts) if lasts else None,
     )
-
-
-def _iterations(events: Iterable[Event]) -> list[int]:
-    found = []
-    for event in events:
-        values = event.get("iterations")
-        if isinstance(values, list):
-            found += [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
-    return found
 
 
 def _cycle(

@@ -13,11 +13,9 @@ Torch-free and cheap to import: `ftrun report` runs where training does not.
 from __future__ import annotations
 
 import dataclasses
-import logging
+import functools
 from collections.abc import Mapping
 from typing import Any
-
-log = logging.getLogger("ftrun.agent")
 
 EVENTS_GLOB = "events-*.jsonl"
 
@@ -37,16 +35,12 @@ class Field:
 
     name: str
     kind: str
-    required: bool = False
     doc: str = ""
+    required: bool = False
 
 
-def _req(name: str, kind: str, doc: str = "") -> Field:
-    return Field(name, kind, True, doc)
-
-
-def _opt(name: str, kind: str, doc: str = "") -> Field:
-    return Field(name, kind, False, doc)
+_req = functools.partial(Field, required=True)
+_opt = Field
 
 
 COMMON: tuple[Field, ...] = (
@@ -214,10 +208,13 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
         _opt("seconds", NUM, "from the fault to every rank ready at the iteration's barrier"),
     ),
     "inprocess_left": (
-        _req("rank", INT), _req("iteration", INT), _opt("why", STR, "why the rank left"),
+        _req("rank", INT),
+        _req("iteration", INT),
+        _opt("why", STR, "why the rank left"),
     ),
     "inprocess_gave_up": (
-        _req("rank", INT), _req("iteration", INT),
+        _req("rank", INT),
+        _req("iteration", INT),
         _opt("why", STR, "why in-process restart cannot cure it (the in-job restart follows)"),
     ),
     "rank_replaced": (
@@ -284,23 +281,18 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
 }
 
 
+_PYTHON_TYPES: Mapping[str, type | tuple[type, ...]] = {
+    NUM: (int, float), INT: int, STR: str, LIST: list, BOOL: bool, ANY: object,
+}  # fmt: skip
+
+
 def has_type(value: Any, kind: str) -> bool:
     """Whether a JSON value has the schema type `kind` (true/false are not numbers)."""
-    if kind == ANY:
-        return True
-    if kind == BOOL:
-        return isinstance(value, bool)
-    if isinstance(value, bool):
+    if kind not in _PYTHON_TYPES:
+        raise ValueError(f"unknown field type {kind!r}")
+    if isinstance(value, bool) and kind not in (BOOL, ANY):
         return False
-    if kind == NUM:
-        return isinstance(value, (int, float))
-    if kind == INT:
-        return isinstance(value, int)
-    if kind == STR:
-        return isinstance(value, str)
-    if kind == LIST:
-        return isinstance(value, list)
-    raise ValueError(f"unknown field type {kind!r}")
+    return isinstance(value, _PYTHON_TYPES[kind])
 
 
 def problems(event: str, fields: Mapping[str, Any]) -> list[str]:

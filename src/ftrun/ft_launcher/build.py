@@ -283,9 +283,7 @@ def _entrypoint(opts: Resolved, line: CommandLine, environ: Mapping[str, str]) -
     if opts["module"] and (opts["no_python"] or opts["run_path"]):
         other = "--no-python" if opts["no_python"] else "--run-path"
         raise ConfigError(f"{other} and --module cannot be used together")
-    if opts["run_path"]:
-        return (python, "-u", script, *args)
-    if opts["no_python"]:
+    if opts["no_python"] and not opts["run_path"]:  # --run-path beats --no-python
         return (script, *args)
     if opts["module"]:
         return (python, "-u", "-m", script, *args)

@@ -40,19 +40,6 @@ def _refused(name: str, help: str, instead: str, nvrx_default: Any = "unset", **
     return ft_option(name, None, v.optional_text, help, rejected=instead, harmless=harmless, **kw)
 
 
-def _term_timeout() -> Option:
-    """NVRx's grace after a forwarded signal: ftrun's one grace (`--workers-stop-timeout`)
-    serves every stop, so it is what NVRx asks only where the two are set alike."""
-    return ft_option(
-        "term_timeout", None, v.optional(v.non_negative_number),
-        "NVRx's grace from a signal forwarded to the workers (preemption) to SIGKILL.",
-        prefix="", in_yaml=False, metavar="SECONDS", same_as="workers_stop_timeout",
-        rejected="ftrun has one grace from the stop signal to SIGKILL, for a preemption as for "
-        "a restart: give it with --workers-stop-timeout (--term-timeout is accepted where it "
-        "equals that)",
-    )  # fmt: skip
-
-
 _LOGS = "ftrun writes per-cycle, per-rank logs under --log-dir and prefixes console lines"
 _ATTRIBUTION = (
     "ftrun attributes failures itself: `ftrun report LOG_DIR` reads the launchers' events "
@@ -140,6 +127,13 @@ NVRX_OPTIONS: tuple[Option, ...] = (
              "private directory)", nvrx_default=None),
     _refused("cycle_info_job_id", "NVRx's job id in the cycle info files.",
              "the cycle info file's job_id is the rendezvous id (--rdzv-id)", nvrx_default=None),
-    _term_timeout(),
+    # NVRx's grace after a forwarded signal: ftrun's one grace (--workers-stop-timeout) serves
+    # every stop, so it is what NVRx asks only where the two are set alike.
+    ft_option("term_timeout", None, v.optional(v.non_negative_number),
+              "NVRx's grace from a signal forwarded to the workers (preemption) to SIGKILL.",
+              prefix="", in_yaml=False, metavar="SECONDS", same_as="workers_stop_timeout",
+              rejected="ftrun has one grace from the stop signal to SIGKILL, for a preemption as "
+              "for a restart: give it with --workers-stop-timeout (--term-timeout is accepted "
+              "where it equals that)"),
 )
 # fmt: on

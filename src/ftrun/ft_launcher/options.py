@@ -106,7 +106,7 @@ TORCHRUN_OPTIONS: tuple[Option, ...] = (
               "NVML is missing.", env=None),
     _torchrun("signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT", v.signal_list,
               "Signals caught and forwarded to the workers.", metavar="SIG,..."),
-    _torchrun("shutdown_timeout", None, v.optional_non_negative_int,
+    _torchrun("shutdown_timeout", None, v.optional(v.non_negative_int),
               "torchrun's name for --workers-stop-timeout.", metavar="SECONDS"),
     _torchrun("virtual_local_rank", False, v.boolean, "LOCAL_RANK=0 in every worker, and "
               "CUDA_VISIBLE_DEVICES naming only its own GPU (entry LOCAL_RANK of the launcher's "

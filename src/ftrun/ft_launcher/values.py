@@ -58,17 +58,6 @@ def integer(raw: Any) -> int:
         raise ValueError(f"expected an integer, got {raw!r}") from None
 
 
-def non_negative_int(raw: Any) -> int:
-    value = integer(raw)
-    if value < 0:
-        raise ValueError(f"must be >= 0, got {raw!r}")
-    return value
-
-
-def optional_non_negative_int(raw: Any) -> int | None:
-    return None if raw is None else non_negative_int(raw)
-
-
 def number(raw: Any) -> float:
     """A finite real number."""
     if isinstance(raw, bool):
@@ -82,18 +71,21 @@ def number(raw: Any) -> float:
     return value
 
 
-def positive_number(raw: Any) -> float:
-    value = number(raw)
-    if value <= 0:
-        raise ValueError(f"must be > 0, got {raw!r}")
-    return value
+def _bounded(parse: Callable[[Any], Any], positive: bool) -> Callable[[Any], Any]:
+    """`parse`, then a check that the value is > 0 (`positive`) or >= 0."""
+
+    def parse_bounded(raw: Any) -> Any:
+        value = parse(raw)
+        if value < 0 or (positive and value == 0):
+            raise ValueError(f"must be {'>' if positive else '>='} 0, got {raw!r}")
+        return value
+
+    return parse_bounded
 
 
-def non_negative_number(raw: Any) -> float:
-    value = number(raw)
-    if value < 0:
-        raise ValueError(f"must be >= 0, got {raw!r}")
-    return value
+non_negative_int = _bounded(integer, positive=False)
+positive_number = _bounded(number, positive=True)
+non_negative_number = _bounded(number, positive=False)
 
 
 def timeout(raw: Any) -> float | None:
@@ -175,12 +167,11 @@ def rank_set(raw: Any) -> frozenset[int] | None:
     if raw is None or str(raw).strip() == "":
         return None
     try:
-        ranks = frozenset(non_negative_int(part) for part in str(raw).split(","))
+        return frozenset(non_negative_int(part) for part in str(raw).split(","))
     except ValueError:
         raise ValueError(
             f"expected comma-separated local ranks (e.g. 0,1,2), got {raw!r}"
         ) from None
-    return ranks
 
 
 def comma_list(raw: Any) -> tuple[str, ...]:

@@ -34,12 +34,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from ftrun.eventlog.job_status import SHOWN_STRAGGLERS
 from ftrun.eventlog.node_view import NodeState, NodeView
 from ftrun.nvml import GpuSnapshot
 from ftrun.observe.timings import Buckets, NodeTimings
 from ftrun.rank_monitor.records import ProgressSnapshot
-
-SHOWN_STRAGGLERS = 8
 
 
 class NodeMetrics(Collector):
@@ -82,45 +81,45 @@ class NodeMetrics(Collector):
         if status and not status.get("waiting"):
             yield from self._job_series(status)
 
-    def _family(self, kind: type, name: str, doc: str, *labels: str) -> Any:
-        return kind(name, doc, labels=["job", "node", *labels])
+    def _family(
+        self, kind: type, name: str, doc: str, *labels: str,
+        values: Mapping[tuple[Any, ...], float] | None = None,
+    ) -> Any:  # fmt: skip
+        """A family of this node's series; `values`: each series' value by its `labels`' values."""
+        family = kind(name, doc, labels=["job", "node", *labels])
+        for key, value in (values or {}).items():
+            family.add_metric([self._job, self._node, *key], value)
+        return family
 
     def _node_series(self, view: NodeView) -> Iterator[Metric]:
-        base = [self._job, self._node]
-        cycle = self._family(GaugeMetricFamily, "ftrun_cycle", "The job-wide cycle number.")
-        cycle.add_metric(base, view.cycle)
-        state = self._family(
-            GaugeMetricFamily, "ftrun_node_state", "1 for the node's current state.", "state"
-        )
-        for each in NodeState:
-            state.add_metric([*base, each.value], 1.0 if each is view.state else 0.0)
-        restarts = self._family(
-            CounterMetricFamily, "ftrun_restarts", "Restarts this node went through, by the "
-            "kind of its own failure in that cycle ('another node': none of its own).", "cause",
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        yield self._family(gauge, "ftrun_cycle", "The job-wide cycle number.",
+                           values={(): view.cycle})  # fmt: skip
+        yield self._family(
+            gauge, "ftrun_node_state", "1 for the node's current state.", "state",
+            values={(each.value,): 1.0 if each is view.state else 0.0 for each in NodeState},
         )  # fmt: skip
-        for cause, n in view.restarts.items():
-            restarts.add_metric([*base, cause], n)
-        failures = self._family(
-            CounterMetricFamily, "ftrun_failures", "This node's own failures, by kind.", "kind"
-        )
-        for kind, n in view.failures.items():
-            failures.add_metric([*base, kind], n)
-        health = self._family(
-            CounterMetricFamily, "ftrun_health_findings", "Health findings while training "
-            "(fault: acted on; else a degradation, logged).", "finding", "fault",
+        yield self._family(
+            counter, "ftrun_restarts", "Restarts this node went through, by the kind of its own "
+            "failure in that cycle ('another node': none of its own).", "cause",
+            values={(cause,): n for cause, n in view.restarts.items()},
         )  # fmt: skip
-        for (finding, fault), n in view.health.items():
-            health.add_metric([*base, finding, str(fault).lower()], n)
-        ranks = self._family(
-            GaugeMetricFamily, "ftrun_ranks", "The node's ranks in the current cycle."
-        )
-        ranks.add_metric(base, len(view.ranks))
-        stepping = self._family(
-            GaugeMetricFamily, "ftrun_ranks_stepping", "The node's ranks stepping now: every "
-            "one has shown progress this cycle (0 outside the stepping state).",
+        yield self._family(
+            counter, "ftrun_failures", "This node's own failures, by kind.", "kind",
+            values={(kind,): n for kind, n in view.failures.items()},
         )  # fmt: skip
-        stepping.add_metric(base, len(view.stepping) if view.state is NodeState.STEPPING else 0)
-        yield from (cycle, state, restarts, failures, health, ranks, stepping)
+        yield self._family(
+            counter, "ftrun_health_findings", "Health findings while training (fault: acted on; "
+            "else a degradation, logged).", "finding", "fault",
+            values={(f, str(fault).lower()): n for (f, fault), n in view.health.items()},
+        )  # fmt: skip
+        yield self._family(gauge, "ftrun_ranks", "The node's ranks in the current cycle.",
+                           values={(): len(view.ranks)})  # fmt: skip
+        stepping = len(view.stepping) if view.state is NodeState.STEPPING else 0
+        yield self._family(
+            gauge, "ftrun_ranks_stepping", "The node's ranks stepping now: every one has shown "
+            "progress this cycle (0 outside the stepping state).", values={(): stepping},
+        )  # fmt: skip
 
     def _checkpoint_series(self, view: NodeView) -> Iterator[Metric]:
         base = [self._job, self._node]
@@ -158,15 +157,11 @@ class NodeMetrics(Collector):
         yield score
 
     def _timing_series(self, timings: NodeTimings) -> Iterator[Metric]:
-        base = [self._job, self._node]
-        recoveries = self._family(
+        yield self._family(
             CounterMetricFamily, "ftrun_recoveries", "This node's own failures by the rung of "
             "the escalation ladder the policy chose (tier) and their kind (cause).",
-            "tier", "cause",
+            "tier", "cause", values=timings.recoveries,
         )  # fmt: skip
-        for (tier, cause), n in timings.recoveries.items():
-            recoveries.add_metric([*base, tier, cause], n)
-        yield recoveries
         yield self._histogram(
             "ftrun_recovery_duration_seconds", "From the node's last progress before a failure "
             "stopped its workers to its ranks stepping again.", timings.recovery,
@@ -186,41 +181,35 @@ class NodeMetrics(Collector):
         return family
 
     def _rank_series(self, snapshot: Sequence[ProgressSnapshot], now: float) -> Iterator[Metric]:
-        base = [self._job, self._node]
-        iteration = self._family(
-            GaugeMetricFamily, "ftrun_rank_iteration", "The iteration the rank last reported.",
-            "rank",
+        gauge = GaugeMetricFamily
+        yield self._family(
+            gauge, "ftrun_rank_iteration", "The iteration the rank last reported.", "rank",
+            values={(str(r.rank),): r.last_iteration for r in snapshot
+                    if r.last_iteration is not None},
         )  # fmt: skip
-        age = self._family(
-            GaugeMetricFamily, "ftrun_rank_last_progress_age_seconds",
+        yield self._family(
+            gauge, "ftrun_rank_last_progress_age_seconds",
             "Seconds since the rank's last heartbeat or section end.", "rank",
+            values={(str(r.rank),): max(now - r.last_progress, 0.0) for r in snapshot
+                    if r.last_progress is not None},
         )  # fmt: skip
-        heartbeat = self._family(
-            GaugeMetricFamily, "ftrun_heartbeat_timeout_seconds",
-            "The heartbeat timeout in force (the longest of the node's ranks).",
-        )  # fmt: skip
-        section = self._family(
-            GaugeMetricFamily, "ftrun_section_timeout_seconds",
-            "Section timeouts in force (the longest of the node's ranks).", "section",
-        )  # fmt: skip
-        heartbeats: list[float] = []
+        in_force = [r.timeouts for r in snapshot if r.timeouts is not None]
+        heartbeats = [t.heartbeat for t in in_force if t.heartbeat]
         sections: dict[str, float] = {}
-        for rank in snapshot:
-            labels = [*base, str(rank.rank)]
-            if rank.last_iteration is not None:
-                iteration.add_metric(labels, rank.last_iteration)
-            if rank.last_progress is not None:
-                age.add_metric(labels, max(now - rank.last_progress, 0.0))
-            if rank.timeouts is not None:
-                heartbeats += [rank.timeouts.heartbeat] if rank.timeouts.heartbeat else []
-                for name, value in rank.timeouts.sections.items():
-                    if value is not None:
-                        sections[name] = max(value, sections.get(name, 0.0))
-        if heartbeats:
-            heartbeat.add_metric(base, max(heartbeats))
-        for name, value in sections.items():
-            section.add_metric([*base, name], value)
-        yield from (iteration, age, heartbeat, section)
+        for timeouts in in_force:
+            for name, value in timeouts.sections.items():
+                if value is not None:
+                    sections[name] = max(value, sections.get(name, 0.0))
+        yield self._family(
+            gauge, "ftrun_heartbeat_timeout_seconds",
+            "The heartbeat timeout in force (the longest of the node's ranks).",
+            values={(): max(heartbeats)} if heartbeats else None,
+        )  # fmt: skip
+        yield self._family(
+            gauge, "ftrun_section_timeout_seconds",
+            "Section timeouts in force (the longest of the node's ranks).", "section",
+            values={(name,): value for name, value in sections.items()},
+        )  # fmt: skip
 
     def _gpu_series(self, gpus: Sequence[GpuSnapshot]) -> Iterator[Metric]:
         """Each GPU the health watch reads (this launcher's own: `gpu` is NVML's index)."""
@@ -235,21 +224,15 @@ class NodeMetrics(Collector):
              "uncorrected_ecc"),
         ]  # fmt: skip
         for name, doc, field in gauges:
-            family = self._family(GaugeMetricFamily, name, doc, "gpu")
-            for gpu in gpus:
-                if (value := getattr(gpu, field)) is not None:
-                    family.add_metric([self._job, self._node, str(gpu.gpu)], value)
-            yield family
-        xids = self._family(CounterMetricFamily, "ftrun_gpu_xid_events", "Xid events since "
-                            "the launcher started.", "gpu")  # fmt: skip
-        throttled = self._family(GaugeMetricFamily, "ftrun_gpu_throttled", "1 for each "
-                                 "slowdown reason in force.", "gpu", "reason")  # fmt: skip
-        for gpu in gpus:
-            xids.add_metric([self._job, self._node, str(gpu.gpu)], gpu.xids)
-            for reason in gpu.throttled:
-                throttled.add_metric([self._job, self._node, str(gpu.gpu), reason], 1)
-        yield xids
-        yield throttled
+            yield self._family(GaugeMetricFamily, name, doc, "gpu", values={
+                (str(gpu.gpu),): value for gpu in gpus
+                if (value := getattr(gpu, field)) is not None})  # fmt: skip
+        yield self._family(CounterMetricFamily, "ftrun_gpu_xid_events", "Xid events since the "
+                           "launcher started.", "gpu",
+                           values={(str(gpu.gpu),): gpu.xids for gpu in gpus})  # fmt: skip
+        throttled = {(str(gpu.gpu), reason): 1 for gpu in gpus for reason in gpu.throttled}
+        yield self._family(GaugeMetricFamily, "ftrun_gpu_throttled", "1 for each slowdown "
+                           "reason in force.", "gpu", "reason", values=throttled)  # fmt: skip
 
     def _job_series(self, status: Mapping[str, Any]) -> Iterator[Metric]:
         job = [self._job]

@@ -177,11 +177,8 @@ class FeedThread:
         if not self._registered:
             self._writer.register()
             self._registered = True
-        while True:
-            try:
-                self._pending.append(self.queue.get_nowait())
-            except queue.Empty:
-                break
+        while not self.queue.empty():  # this thread is its only reader
+            self._pending.append(self.queue.get_nowait())
         if self._pending:
             self._cycle = int(self._pending[-1].get("cycle", self._cycle))
             self._writer.events(self._pending)  # rewrites the same keys after an error

@@ -20,27 +20,29 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import itertools
 from collections.abc import Mapping
 from typing import Any
+
+from ftrun.eventlog.schema import NUM, has_type
 
 RECOVERY_BOUNDS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 RENDEZVOUS_BOUNDS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 DEFAULT_TIER = "restart"
+"""A failure event without a decision (written before the policy named it): a restart, as
+`ftrun report` reads it."""
 INPROCESS_TIER = "in-process"
 """Faults the wrapped ranks recovered without a cycle (`inprocess_recovered`; its `kind` is the
 cause: EXCEPTION, UNRESPONSIVE, TERMINATED for a rank whose process was started again)."""
-"""A failure event without a decision (written before the policy named it): a restart, as
-`ftrun report` reads it."""
 
 
 @dataclasses.dataclass
 class Buckets:
-    """A histogram's state: the count at or below each bound (not cumulative), sum and count."""
+    """A histogram's state: the count at or below each bound (not cumulative), and the sum."""
 
     bounds: tuple[float, ...]
     counts: list[int] = dataclasses.field(default_factory=list)
     total: float = 0.0
-    count: int = 0
 
     def __post_init__(self) -> None:
         self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (+Inf)
@@ -48,15 +50,11 @@ class Buckets:
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.total += value
-        self.count += 1
 
     def cumulative(self) -> list[tuple[float, int]]:
         """(upper bound, observations at or below it), the last bound +Inf."""
-        found, running = [], 0
-        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            running += n
-            found.append((bound, running))
-        return found
+        bounds = (*self.bounds, float("inf"))
+        return list(zip(bounds, itertools.accumulate(self.counts), strict=True))
 
 
 @dataclasses.dataclass
@@ -107,6 +105,4 @@ class NodeTimings:
 
 
 def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
+    return float(value) if has_type(value, NUM) else None

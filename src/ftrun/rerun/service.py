@@ -54,17 +54,14 @@ class RerunService(NodeService):
         self._thread.start()
 
     def on_stopped(self, rnd: Round | None, pids: Iterable[int]) -> None:
-        self._halt()
-        self.sweep()
+        self._last_sweep()
 
     def on_finished(self, rnd: Round) -> None:
         """A verdict the ranks wrote just before they finished still excludes its node."""
-        self._halt()
-        self.sweep()
+        self._last_sweep()
 
     def close(self) -> None:
-        self._halt()
-        self.sweep()
+        self._last_sweep()
 
     def sweep(self) -> None:
         """Act on every fact the ranks wrote since the last sweep."""
@@ -109,11 +106,13 @@ class RerunService(NodeService):
                 log.exception("reading the ranks' re-run facts failed")
                 return
 
-    def _halt(self) -> None:
+    def _last_sweep(self) -> None:
+        """Stop polling, then act on what the ranks wrote since the last poll."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(POLL_S + 5.0)
             self._thread = None
+        self.sweep()
 
 
 def rerun_service(context: ServiceContext) -> RerunService:

@@ -12,7 +12,7 @@ the ranks gave `Detector.initialize` (NVRx's `report_time_interval` and `node_na
   (and write events with) their own node names.
 
 A disagreement (ranks among themselves, or with the launcher's setting) is one warning line per
-agent and distinct disagreement (`Warnings`), never one per report.
+agent and distinct disagreement (`Choice.key`), never one per report.
 """
 
 from __future__ import annotations
@@ -90,20 +90,6 @@ def published_interval(data: Mapping[str, object]) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         return None
     return float(value) if value < float("inf") else None
-
-
-class Warnings:
-    """Remembers the disagreements already warned about."""
-
-    def __init__(self) -> None:
-        self._seen: set[Hashable] = set()
-
-    def new(self, key: Hashable) -> bool:
-        """True the first time `key` is seen."""
-        if key in self._seen:
-            return False
-        self._seen.add(key)
-        return True
 
 
 def _asked(asks: Mapping[int, float]) -> str:

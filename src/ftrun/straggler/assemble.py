@@ -43,16 +43,12 @@ def rank_record(
     for (name, on_gpu), values in durations.items():
         if values:
             (gpu if on_gpu else cpu)[name] = summarise(values)
-    cpu_ind = {}
-    for name, summary in cpu.items():
-        score = history.score(rank, name, False, summary.median)
-        if score is not None:
-            cpu_ind[name] = score
-    gpu_ind = {}
-    for name, summary in gpu.items():
-        score = history.score(rank, name, True, summary.median)
-        if score is not None:
-            gpu_ind[name] = score
+
+    def individual(summaries: dict[str, Summary], on_gpu: bool) -> dict[str, float]:
+        scores = {n: history.score(rank, n, on_gpu, s.median) for n, s in summaries.items()}
+        return {name: score for name, score in scores.items() if score is not None}
+
+    cpu_ind, gpu_ind = individual(cpu, False), individual(gpu, True)
     gpu_score = weighted(gpu_ind, {n: gpu[n].total for n in gpu_ind}) if gpu_ind else None
     return RankRecord(node, cpu, gpu, cpu_ind, gpu_score)
 

@@ -48,10 +48,6 @@ class MonitorChannel:
         self._ctx = zmq.Context()  # its own: `close` terms it, which flushes the last batch
         self._sender = MonitorSender(address, self._ctx)
 
-    @property
-    def dropped(self) -> int:
-        return self._sender.dropped
-
     def announce(self, settings: DetectorSettings) -> None:
         """Tell the node's agent what this rank's detector was given (once, at initialize)."""
         self._sender.send(wire.Timings(self.rank, self.pid, (), settings))

@@ -102,7 +102,6 @@ class CudaTimer:
         self.events = events
         self._pool: list[Any] = []
         self._pending: list[tuple[Any, Any, Any]] = []  # (section, start, end)
-        self.dropped = 0
 
     def start(self) -> Any:
         event = self._event()
@@ -116,7 +115,6 @@ class CudaTimer:
         pending.append((section, start, end))
         if len(pending) > MAX_PENDING:
             del pending[0]  # its events are dropped, not reused: they may still be queued
-            self.dropped += 1
 
     def _event(self) -> Any:
         """A pooled event; with the pool empty, the oldest sections the GPU has finished are
@@ -129,23 +127,24 @@ class CudaTimer:
     def _reclaim(self, most: int) -> None:
         pending, events, done = self._pending, self.events, 0
         while done < most and done < len(pending) and events.done(pending[done][2]):
-            section, start, end = pending[done]
-            section.gpu.append(int(events.elapsed_ms(start, end) * 1e6))
-            self._pool += (start, end)
+            self._finish(*pending[done])
             done += 1
         del pending[:done]
 
     def resolve(self) -> None:
         """Append the GPU time of every completed section to its `gpu` list."""
         kept = []
-        events = self.events
         for section, start, end in self._pending:
-            if events.done(end):
-                section.gpu.append(int(events.elapsed_ms(start, end) * 1e6))
-                self._pool += (start, end)
+            if self.events.done(end):
+                self._finish(section, start, end)
             else:
                 kept.append((section, start, end))
         self._pending = kept
+
+    def _finish(self, section: Any, start: Any, end: Any) -> None:
+        """A completed section: its GPU time (ns) to its `gpu` list, its events to the pool."""
+        section.gpu.append(int(self.events.elapsed_ms(start, end) * 1e6))
+        self._pool += (start, end)
 
     def close(self) -> None:
         """Give the pooled events back (pending ones may still be queued: left alone)."""

@@ -57,20 +57,13 @@ def findings(
     as the report does."""
     nodes = report.rank_to_node if agents is None else agents
     found: list[Finding] = []
-
-    def scan(
-        kind: str, section: str | None, scores: dict[int, float] | object, limit: float
-    ) -> None:
-        for rank, score in scores.items():  # type: ignore[attr-defined]
-            if score < limit:
-                found.append(Finding(rank, nodes.get(rank, "<unk>"), kind, section, score, limit))
-
-    scan("gpu_relative", None, report.gpu_relative_perf_scores, config.gpu_relative_threshold)
-    scan("gpu_individual", None, report.gpu_individual_perf_scores, config.gpu_individual_threshold)
-    for name, scores in report.section_relative_perf_scores.items():
-        scan("section_relative", name, scores, config.section_relative_threshold)
-    for name, scores in report.section_individual_perf_scores.items():
-        scan("section_individual", name, scores, config.section_individual_threshold)
+    for kind, section, scores in report.score_kinds():
+        limit = getattr(config, f"{kind}_threshold")
+        found += [
+            Finding(rank, nodes.get(rank, "<unk>"), kind, section, score, limit)
+            for rank, score in scores.items()
+            if score < limit
+        ]
     found.sort(key=lambda f: (f.score, f.rank))
     return found
 

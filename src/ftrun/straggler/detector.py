@@ -37,7 +37,7 @@ from ftrun.errors import ProtocolError
 from ftrun.rank_monitor.timings import parse_settings
 from ftrun.straggler.channel import MonitorChannel, ReportFile, launcher_env
 from ftrun.straggler.cuda import cuda_timer
-from ftrun.straggler.local import IntervalTracker, LocalSink, local_report
+from ftrun.straggler.local import IntervalTracker, LocalSink, initialized_dist, local_report
 from ftrun.straggler.recorder import Recorder, Section
 from ftrun.straggler.report import Report
 from ftrun.straggler.scores import History
@@ -79,9 +79,9 @@ class _State:
     gather_on_rank0: bool
     scores: frozenset[str]
     tracker: IntervalTracker
+    local: LocalSink
     channel: MonitorChannel | None = None
     report_file: ReportFile | None = None
-    local: LocalSink | None = None
     history: History = dataclasses.field(default_factory=History)
     originals: list[tuple[CallableId, Any]] = dataclasses.field(default_factory=list)
     last_seq: int | None = None
@@ -119,8 +119,9 @@ class Detector:
         if channel is not None:
             _announce(channel, report_time_interval, node_name)
         local = LocalSink()
-        sink: Any = _Both(channel, local) if channel else local
-        recorder = Recorder(sink, profiling_interval, cuda_timer())
+        # Under the launcher: batches to the agent, and a copy for `generate_report()`.
+        sinks = (channel, local) if channel else (local,)
+        recorder = Recorder(sinks, profiling_interval, cuda_timer())
         cls._state = _State(
             recorder=recorder,
             rank=env[2] if env else _rank(),
@@ -154,9 +155,7 @@ class Detector:
     @classmethod
     def detection_section(cls, name: str | None = None, profile_cuda: bool = True) -> Section:
         """A context manager timing its block as section `name` (default: file:line)."""
-        state = cls._state
-        if state is None:
-            raise RuntimeError("Detector is not initialized.")
+        state = cls._require()
         if name is None:
             caller = sys._getframe(1)
             name = f"{caller.f_code.co_filename}:{caller.f_lineno}"
@@ -189,7 +188,6 @@ class Detector:
         several ranks is initialized: call it on every rank), shaped as NVRx's."""
         state = cls._require()
         state.recorder.flush()
-        assert state.local is not None
         report = local_report(state.local, state.rank, state.node, state.history)
         return _shaped(report, state)
 
@@ -237,17 +235,6 @@ class Detector:
         return cls._state
 
 
-class _Both:
-    """Under the launcher: batches to the agent, and a copy for `generate_report()`."""
-
-    def __init__(self, channel: MonitorChannel, local: LocalSink) -> None:
-        self.channel, self.local = channel, local
-
-    def take(self, batch: Any) -> None:
-        self.channel.take(batch)
-        self.local.take(batch)
-
-
 def _announce(channel: MonitorChannel, report_time_interval: float, node_name: str | None) -> None:
     """Tell the node's agent what this rank was given, checked here as the agent checks it:
     settings it could not adopt are one warning in this rank's log (NVRx takes any value, and
@@ -290,8 +277,5 @@ def _shaped(report: Report, state: _State) -> Report | None:
 def _rank() -> int:
     import os
 
-    torch = sys.modules.get("torch")
-    dist = getattr(torch, "distributed", None) if torch is not None else None
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
+    dist = initialized_dist()
+    return dist.get_rank() if dist is not None else int(os.environ.get("RANK", "0"))

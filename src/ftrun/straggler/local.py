@@ -55,13 +55,17 @@ class LocalSink:
         return merge(batches)
 
 
+def initialized_dist() -> Any:
+    """torch.distributed if the script imported torch and initialized a process group, else
+    None (this never imports torch)."""
+    dist = getattr(sys.modules.get("torch"), "distributed", None)
+    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+
+
 def _group() -> Any:
     """torch.distributed if a process group of more than one rank is initialized, else None."""
-    torch = sys.modules.get("torch")
-    dist = getattr(torch, "distributed", None) if torch is not None else None
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return None
-    return dist if dist.get_world_size() > 1 else None
+    dist = initialized_dist()
+    return dist if dist is not None and dist.get_world_size() > 1 else None
 
 
 def local_report(sink: LocalSink, rank: int, node: str, history: History) -> Report:

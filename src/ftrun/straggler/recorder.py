@@ -3,9 +3,10 @@
 A section is a reused context-manager object per (name, profile_cuda): entering it reads
 `perf_counter_ns` (and, for a CUDA section, records a CUDA event on the current stream);
 leaving it appends the CPU duration to a list, and once per `flush_every_ns` hands every
-section's new durations to the sink in one batch (the monitor channel under the launcher: one
-non-blocking send). CUDA events are resolved at that flush with `query()`: an event the GPU has
-not reached yet waits for a later flush; nothing ever synchronizes the stream.
+section's new durations to the sinks in one batch (under the launcher the monitor channel, one
+non-blocking send, and the local copy). CUDA events are resolved at that flush with `query()`:
+an event the GPU has not reached yet waits for a later flush; nothing ever synchronizes the
+stream.
 """
 
 from __future__ import annotations
@@ -71,17 +72,17 @@ class Section(contextlib.ContextDecorator):
 
 
 class Recorder:
-    """Every section of this process, and where their batches go."""
+    """Every section of this process, and where their batches go (each sink takes each)."""
 
     def __init__(
         self,
-        sink: Sink,
+        sinks: Sequence[Sink],
         interval: int = 1,
         cuda: CudaTimer | None = None,
         flush_every_s: float = FLUSH_EVERY_S,
         clock: Callable[[], int] = _now,
     ) -> None:
-        self.sink = sink
+        self.sinks = sinks
         self.interval = max(1, int(interval))
         self.cuda = cuda
         self.sections: dict[tuple[str, bool], Section] = {}
@@ -112,7 +113,8 @@ class Recorder:
                 batch.append((section.name, True, section.gpu))
                 section.gpu = []
         if batch:
-            self.sink.take(batch)
+            for sink in self.sinks:
+                sink.take(batch)
 
 
 def merge(batches: Sequence[Batch]) -> dict[tuple[str, bool], list[int]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ftrun.config.straggler import DEFAULT_THRESHOLD
@@ -71,6 +71,18 @@ class Report:
                 self.section_individual_perf_scores, section_indiv_threshold
             ),
         }
+
+    def score_kinds(self) -> Iterator[tuple[str, str | None, Mapping[int, float]]]:
+        """Every score map as (kind, section or None, rank -> score): 'gpu_relative',
+        'gpu_individual', then 'section_relative' and 'section_individual' by section name."""
+        yield "gpu_relative", None, self.gpu_relative_perf_scores
+        yield "gpu_individual", None, self.gpu_individual_perf_scores
+        for kind, sections in (
+            ("section_relative", self.section_relative_perf_scores),
+            ("section_individual", self.section_individual_perf_scores),
+        ):
+            for name, scores in sorted(sections.items()):
+                yield kind, name, scores
 
     def _below(self, scores: Mapping[int, float], threshold: float) -> set[StragglerId]:
         node = self.rank_to_node
@@ -176,16 +188,9 @@ def format_scores(
 def report_text(report: Report, count: int = 5) -> str:
     """The whole report as the launcher logs it: one block per score kind that has scores."""
     blocks = []
-    nodes = report.rank_to_node
-    kinds: list[tuple[str, Mapping[int, float]]] = [
-        ("GPU relative performance", report.gpu_relative_perf_scores),
-        ("GPU individual performance", report.gpu_individual_perf_scores),
-    ]
-    for name, scores in sorted(report.section_relative_perf_scores.items()):
-        kinds.append((f"Section {name!r} relative performance", scores))
-    for name, scores in sorted(report.section_individual_perf_scores.items()):
-        kinds.append((f"Section {name!r} individual performance", scores))
-    for title, scores in kinds:
+    for kind, section, scores in report.score_kinds():
         if scores:
-            blocks.append(f"{title}:\n{format_scores(scores, nodes, count)}")
+            what = "GPU" if section is None else f"Section {section!r}"
+            title = f"{what} {kind.partition('_')[2]} performance"
+            blocks.append(f"{title}:\n{format_scores(scores, report.rank_to_node, count)}")
     return "".join(blocks)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -29,13 +30,9 @@ class Summary(NamedTuple):
 
 def summarise(durations: Sequence[int]) -> Summary:
     """The median (the mean of the middle two for an even count), count and sum."""
-    ordered = sorted(durations)
-    n = len(ordered)
-    if n == 0:
+    if not durations:
         raise ValueError("no durations to summarise")
-    mid = n // 2
-    median = ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-    return Summary(float(median), n, float(sum(ordered)))
+    return Summary(float(statistics.median(durations)), len(durations), float(sum(durations)))
 
 
 def weighted(scores: Mapping[str, float], totals: Mapping[str, float]) -> float:

@@ -26,7 +26,7 @@ import queue
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,6 @@ from ftrun.rendezvous.ranks import Round
 from ftrun.services import NodeService, ServiceContext, ServiceRequest
 from ftrun.straggler.adopt import (
     Choice,
-    Warnings,
     choose_interval,
     choose_name,
     followed,
@@ -88,7 +87,7 @@ class StragglerService(NodeService):
         self._asks: dict[int, DetectorSettings] = {}  # this cycle's ranks' settings
         self._published: float | None = None  # the reporting node's interval, this cycle
         self._label: str | None = None  # the node's name in reports (its ranks' node_name)
-        self._warnings = Warnings()
+        self._warned: set[Hashable] = set()  # the disagreements (`Choice.key`) warned about
         self.interval = config.report_interval or DEFAULT_REPORT_INTERVAL
         self._board = Board(store, run_id)
         self._node, self._job_dir, self._min_nodes = node, job_dir, min_nodes
@@ -156,11 +155,8 @@ class StragglerService(NodeService):
         """Take the queued batches: settings to `_asks`, durations to the collector."""
         with self._lock:
             rnd = self._round
-            while True:
-                try:
-                    batch = self._batches.get_nowait()
-                except queue.Empty:
-                    break
+            while not self._batches.empty():  # this thread is its only reader
+                batch = self._batches.get_nowait()
                 if rnd is None:
                     continue
                 if batch.settings is not None:
@@ -209,7 +205,8 @@ class StragglerService(NodeService):
         return own, name
 
     def _warn(self, choice: Choice) -> None:
-        if choice.conflict is not None and self._warnings.new(choice.key):
+        if choice.conflict is not None and choice.key not in self._warned:
+            self._warned.add(choice.key)
             log.warning("straggler detector: %s", choice.conflict)
 
     def _retune(self) -> None:
@@ -316,10 +313,7 @@ def _scores_event(report: Report, agents: Mapping[int, str]) -> dict[str, Any]:
     """The interval's worst ranks (each by its lowest score of any kind, with its agent's
     node) and the median."""
     lowest: dict[int, float] = {}
-    kinds = [report.gpu_relative_perf_scores, report.gpu_individual_perf_scores]
-    kinds += [*report.section_relative_perf_scores.values()]
-    kinds += [*report.section_individual_perf_scores.values()]
-    for scores in kinds:
+    for _, _, scores in report.score_kinds():
         for rank, score in scores.items():
             lowest[rank] = min(score, lowest.get(rank, score))
     worst = sorted(lowest.items(), key=lambda item: (item[1], item[0]))[:_WORST_IN_EVENTS]

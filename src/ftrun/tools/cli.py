@@ -10,6 +10,7 @@ with a line saying how to get the picture, and the command succeeds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -105,13 +106,8 @@ def straggler(
 ) -> None:
     """Change the straggler detection of the job logging to LOG_DIR while it runs (every agent
     reads LOG_DIR/straggler.json within one report interval)."""
-    overrides: dict[str, object] = {}
-    if enabled is not None:
-        overrides["enabled"] = enabled
-    if interval is not None:
-        overrides["report_interval"] = interval
-    if action is not None:
-        overrides["action"] = action
+    given = {"enabled": enabled, "report_interval": interval, "action": action}
+    overrides: dict[str, object] = {key: value for key, value in given.items() if value is not None}
     for item in thresholds:
         kind, _, value = item.partition("=")
         try:
@@ -156,7 +152,7 @@ def status(log_dir: Path | None, endpoint: str | None, watch: float | None, as_j
         _fail("give one of --log-dir DIR or --endpoint HOST:PORT", EXIT_BAD_INPUT, "status")
     if watch is not None and watch <= 0:
         _fail("--watch: SECONDS must be positive", EXIT_BAD_INPUT, "status")
-    try:
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends --watch
         while True:
             try:
                 doc = from_log_dir(log_dir) if log_dir else from_endpoint(str(endpoint))
@@ -170,8 +166,6 @@ def status(log_dir: Path | None, endpoint: str | None, watch: float | None, as_j
                 return
             click.echo(CLEAR_SCREEN + text, nl=False)
             time.sleep(watch)
-    except KeyboardInterrupt:
-        return
 
 
 @main.command()

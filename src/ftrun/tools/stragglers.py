@@ -9,9 +9,7 @@ detector.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-from ftrun.eventlog.reader import Event, EventSet
+from ftrun.eventlog.reader import EventSet
 
 MAX_ROWS = 16
 MAX_COLUMNS = 60
@@ -24,8 +22,9 @@ def shade(score: float) -> str:
 
 def scores_picture(events: EventSet) -> str:
     """The picture, or "" when no straggler report was written."""
-    reports = sorted(_reports(events.nodes.values()), key=lambda e: (e.cycle, e.ts))
-    reports = reports[-MAX_COLUMNS:]
+    every = [e for node_events in events.nodes.values() for e in node_events]
+    reports = [e for e in every if e.event == "straggler_report"]
+    reports = sorted(reports, key=lambda e: (e.cycle, e.ts))[-MAX_COLUMNS:]
     if not reports:
         return ""
     cells: dict[tuple[int, str], dict[int, float]] = {}
@@ -40,10 +39,6 @@ def scores_picture(events: EventSet) -> str:
         bar = "".join(shade(by_column[c]) if c in by_column else " " for c in range(len(reports)))
         label = f"{rank} {node}".ljust(width)
         lines.append(f"  {label} |{bar}| min {min(by_column.values()):.2f}")
-    found = sum(1 for events in events.nodes.values() for e in events if e.event == "straggler")
+    found = sum(1 for e in every if e.event == "straggler")
     lines.append(f"  {found} report(s) named stragglers")
     return "\n".join(lines) + "\n"
-
-
-def _reports(per_node: Iterable[tuple[Event, ...]]) -> list[Event]:
-    return [e for events in per_node for e in events if e.event == "straggler_report"]

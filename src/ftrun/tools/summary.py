@@ -11,7 +11,7 @@ import dataclasses
 import datetime
 import json
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ftrun.eventlog.failures import Failure, ranks_text
@@ -41,12 +41,12 @@ def to_text(report: Report, timeline: str | None, timeline_note: str | None = No
 
 
 def _lines(report: Report, timeline: str | None, timeline_note: str | None) -> Iterator[str]:
-    clock = _Clock(report.start, report.end)
+    clock = _clock(report.start, report.end)
     yield f"ftrun report: {report.log_dir}"
     yield f"Outcome    {report.outcome}: {_exit_summary(report.nodes)}"
     yield (
         f"Wall time  {duration_text(report.wall_s)}  "
-        f"({clock.full(report.start)} -> {clock.full(report.end)})"
+        f"({clock_text(report.start)} -> {clock_text(report.end)})"
     )
     yield from _training_lines(report)
     kinds = Counter(f.kind for f in report.failures)
@@ -143,14 +143,14 @@ def _cycle_lines(cycles: tuple[Cycle, ...], clock: _Clock, by_progress: bool) ->
         yield "Cycles: none (no rendezvous completed)"
         return
     yield f"Cycles ({len(cycles)})"
-    width = max([len(clock.short(c.start)) for c in cycles] + [5])
+    width = max([len(clock(c.start)) for c in cycles] + [5])
     middle = "   start-up     training" if by_progress else "  all running"
     yield f"  cycle  {'start':<{width}}  rendezvous{middle}        stop  ended"
     for cycle in cycles:
         stop = "-" if cycle.stop_s is None else duration_text(cycle.stop_s)
         killed = f"; {cycle.killed} worker(s) SIGKILLed at the stop timeout" if cycle.killed else ""
         yield (
-            f"  {cycle.number:>5}  {clock.short(cycle.start):<{width}}  "
+            f"  {cycle.number:>5}  {clock(cycle.start):<{width}}  "
             f"{duration_text(cycle.rendezvous_s):>10}  {_cycle_middle(cycle, by_progress)}  "
             f"{stop:>10}  {cycle.ended}{killed}"
         )
@@ -179,19 +179,15 @@ def _failure_lines(
     if not failures:
         return
     yield ""
-    if by_progress:
-        yield (
-            f"Failures ({len(failures)})  recovery: to every rank stepping again; "
-            "time lost: from the last progress"
-        )
-    else:
-        yield (
-            f"Failures ({len(failures)})  process times: recovery to every worker started "
-            "again, not to training"
-        )
+    measured = (
+        "recovery: to every rank stepping again; time lost: from the last progress"
+        if by_progress
+        else "process times: recovery to every worker started again, not to training"
+    )
+    yield f"Failures ({len(failures)})  {measured}"
     for failure in failures:
         yield (
-            f"  #{failure.number} cycle {failure.cycle} at {clock.short(failure.ts)}  "
+            f"  #{failure.number} cycle {failure.cycle} at {clock(failure.ts)}  "
             f"{failure.kind.upper()}: {failure.cause}"
         )
         recovery = (
@@ -203,18 +199,19 @@ def _failure_lines(
             f"     detection {_detection(failure)} | {recovery} | "
             f"time lost {duration_text(failure.lost_s)}{_redone(failure)}"
         )
-        if failure.hang and failure.hang.where:
-            yield f"     where: {failure.hang.where[0]}"
-            for line in failure.hang.where[1:]:
-                yield f"            {line}"
-        if failure.hang and failure.hang.stack_files:
-            yield f"     stacks: {failure.hang.stack_files[0]}"
-            for path in failure.hang.stack_files[1:]:
-                yield f"             {path}"
+        if failure.hang:
+            yield from _listed("where", failure.hang.where)
+            yield from _listed("stacks", failure.hang.stack_files)
         for line in failure.secondary:
             yield f"     then: {line}"
         for note in failure.notes:
             yield f"     NOTE: {note}"
+
+
+def _listed(label: str, lines: tuple[str, ...]) -> Iterator[str]:
+    """`label: first`, the others aligned under it."""
+    for i, line in enumerate(lines):
+        yield f"     {label}: {line}" if i == 0 else f"{'':{len(label) + 7}}{line}"
 
 
 def _attribution_lines(report: Report) -> Iterator[str]:
@@ -275,19 +272,6 @@ def _detection(failure: Failure) -> str:
     return f"{parts[0]} ({', '.join(parts[1:])})" if len(parts) > 1 else parts[0]
 
 
-class _Clock:
-    """Local wall-clock times; the date only where a job crosses midnight needs it."""
-
-    def __init__(self, start: float, end: float) -> None:
-        self._multi_day = _local(start).date() != _local(end).date()
-
-    def full(self, ts: float) -> str:
-        return _local(ts).strftime("%Y-%m-%d %H:%M:%S")
-
-    def short(self, ts: float) -> str:
-        return _local(ts).strftime("%m-%d %H:%M:%S" if self._multi_day else "%H:%M:%S")
-
-
 def _local(ts: float) -> datetime.datetime:
     return datetime.datetime.fromtimestamp(ts).astimezone()
 
@@ -295,3 +279,12 @@ def _local(ts: float) -> datetime.datetime:
 def clock_text(ts: float) -> str:
     """A local date and time, for titles."""
     return _local(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+_Clock = Callable[[float], str]
+
+
+def _clock(start: float, end: float) -> _Clock:
+    """Local wall-clock times, short: the date only where a job crosses midnight needs it."""
+    multi_day = _local(start).date() != _local(end).date()
+    return lambda ts: _local(ts).strftime("%m-%d %H:%M:%S" if multi_day else "%H:%M:%S")

@@ -11,7 +11,7 @@ no global state is left behind, and importing this module is the only place matp
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
 from pathlib import Path
 
 from matplotlib.axes import Axes
@@ -24,7 +24,7 @@ from matplotlib.ticker import FuncFormatter, MultipleLocator
 
 from ftrun.eventlog.failures import CRASH, HANG, SIGNAL, Failure, ranks_text
 from ftrun.eventlog.lanes import FINISHED, RENDEZVOUS, RUNNING, STALLED, STARTING, STOPPING
-from ftrun.eventlog.report import Report, duration_text
+from ftrun.eventlog.report import NodeInfo, Report, duration_text
 from ftrun.tools.summary import clock_text
 
 STATE_STYLE = {  # (colour, legend label); colour-blind-safe hues, "bad" states warm
@@ -52,7 +52,8 @@ _TICK_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10
 
 def draw_timeline(report: Report, path: Path) -> None:
     """Write the timeline PNG of `report` to `path`."""
-    lanes = _lane_order(report)
+    # Nodes top to bottom in the report's order: by group rank, so ranks read downwards.
+    lanes = {node.name: i for i, node in enumerate(report.nodes)}
     height = min(2.6 + 0.55 * len(lanes), 40.0)
     fig = Figure(figsize=(13, height), layout="constrained")
     FigureCanvasAgg(fig)
@@ -65,11 +66,6 @@ def draw_timeline(report: Report, path: Path) -> None:
     _draw_unhealthy(ax, report, lanes)
     _decorate(ax, fig, report, lanes)
     fig.savefig(path, dpi=110)
-
-
-def _lane_order(report: Report) -> dict[str, int]:
-    """Nodes top to bottom in the report's order: by group rank, so ranks read downwards."""
-    return {node.name: i for i, node in enumerate(report.nodes)}
 
 
 def _draw_lanes(ax: Axes, report: Report, lanes: dict[str, int]) -> None:
@@ -134,22 +130,12 @@ def _draw_failure(ax: Axes, report: Report, failure: Failure, lanes: dict[str, i
         zorder=5,
     )
     _shade_lost(ax, report, failure, len(lanes))
-    right_side = x > 0.7 * _span(report)  # labels near the end grow leftwards, staying inside
-    ax.annotate(
-        # a night of many restarts: numbers only, the text report has the details
-        f"#{failure.number}"
-        + ("" if len(report.failures) > _MAX_LABELLED else f" {_short_label(failure)}"),
-        xy=(x, min(rows)),
-        xytext=(-8 if right_side else 8, 14 if failure.number % 2 else -18),  # neighbours alternate
-        textcoords="offset points",
-        ha="right" if right_side else "left",
-        va="center",
-        fontsize=8.5,
-        color=colour,
-        fontweight="bold",
-        zorder=6,
-        bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": colour, "alpha": 0.85},
-    )
+    # a night of many restarts: numbers only, the text report has the details
+    text = f"#{failure.number}"
+    if len(report.failures) <= _MAX_LABELLED:
+        text += f" {_short_label(failure)}"
+    above = 14 if failure.number % 2 else -18  # neighbours alternate
+    _note(ax, report, (x, min(rows)), above, text, colour, va="center", fontweight="bold")
 
 
 def _draw_unhealthy(ax: Axes, report: Report, lanes: dict[str, int]) -> None:
@@ -162,18 +148,28 @@ def _draw_unhealthy(ax: Axes, report: Report, lanes: dict[str, int]) -> None:
         ax.scatter([x], [lanes[node.name]], marker=marker, s=150, color=colour, zorder=5)
         reason = node.unhealthy or ""
         reason = reason if len(reason) <= 40 else reason[:39] + "..."
-        right_side = x > 0.7 * _span(report)
-        ax.annotate(
-            f"unhealthy: {reason}",
-            xy=(x, lanes[node.name]),
-            xytext=(-8 if right_side else 8, 14),
-            textcoords="offset points",
-            ha="right" if right_side else "left",
-            fontsize=8.5,
-            color=colour,
-            zorder=6,
-            bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": colour, "alpha": 0.85},
-        )
+        _note(ax, report, (x, lanes[node.name]), 14, f"unhealthy: {reason}", colour)
+
+
+def _note(
+    ax: Axes, report: Report, xy: tuple[float, float], above: float, text: str, colour: str,
+    **style: str,
+) -> None:  # fmt: skip
+    """A boxed label `above` points over `xy`, beside it; near the end of the time axis it
+    grows leftwards, staying inside."""
+    right_side = xy[0] > 0.7 * _span(report)
+    ax.annotate(
+        text,
+        xy=xy,
+        xytext=(-8 if right_side else 8, above),
+        textcoords="offset points",
+        ha="right" if right_side else "left",
+        fontsize=8.5,
+        color=colour,
+        zorder=6,
+        bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": colour, "alpha": 0.85},
+        **style,
+    )
 
 
 def _shade_startup(ax: Axes, report: Report, n_lanes: int) -> None:
@@ -244,7 +240,8 @@ def _decorate(ax: Axes, fig: Figure, report: Report, lanes: dict[str, int]) -> N
     ax.set_axisbelow(True)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    failures = ", ".join(f"{n} {k}" for k, n in _kinds(report.failures).items()) or "none"
+    kinds = Counter(f.kind for f in report.failures)
+    failures = ", ".join(f"{n} {k}" for k, n in kinds.items()) or "none"
     fig.suptitle(
         f"Job {report.outcome}: {len(report.nodes)} node(s), {len(report.cycles)} cycle(s), "
         f"{len(report.failures)} failure(s) ({failures})",
@@ -268,17 +265,9 @@ def _decorate(ax: Axes, fig: Figure, report: Report, lanes: dict[str, int]) -> N
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 5))
 
 
-def _lane_label(node: object) -> str:
-    name = getattr(node, "name", "?")
-    ranks = ranks_text(getattr(node, "ranks", ()))
-    return f"{name}\nranks {ranks}" if ranks else name
-
-
-def _kinds(failures: Sequence[Failure]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for failure in failures:
-        counts[failure.kind] = counts.get(failure.kind, 0) + 1
-    return counts
+def _lane_label(node: NodeInfo) -> str:
+    ranks = ranks_text(node.ranks)
+    return f"{node.name}\nranks {ranks}" if ranks else node.name
 
 
 def _legend_handles(report: Report) -> list[Patch | Line2D]:
@@ -292,17 +281,14 @@ def _legend_handles(report: Report) -> list[Patch | Line2D]:
         for state, (colour, label) in STATE_STYLE.items()
         if state in shown or state in (RENDEZVOUS, RUNNING)
     ]
-    for kind in _kinds(failures):
-        marker, colour = MARKERS.get(kind, _OTHER_MARKER)
-        handles.append(
-            Line2D([], [], marker=marker, color=colour, linestyle="", markersize=10, label=kind)
-        )
+    kinds = dict.fromkeys(f.kind for f in failures)
+    marks = [(*MARKERS.get(kind, _OTHER_MARKER), kind) for kind in kinds]
     if any(node.unhealthy_at is not None for node in report.nodes):
-        marker, colour = _UNHEALTHY_MARKER
-        handles.append(
-            Line2D([], [], marker=marker, color=colour, linestyle="", markersize=10,
-                   label="unhealthy node")
-        )  # fmt: skip
+        marks.append((*_UNHEALTHY_MARKER, "unhealthy node"))
+    handles += [
+        Line2D([], [], marker=marker, color=colour, linestyle="", markersize=10, label=label)
+        for marker, colour, label in marks
+    ]
     if failures:
         handles.append(Line2D([], [], color="#555555", linestyle="--", label="cycle ends"))
     if failures or report.progress_reported:
