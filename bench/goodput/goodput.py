@@ -30,6 +30,7 @@ saves held the training, per fault interval.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -45,6 +46,7 @@ import psutil
 from bench.common import WORKERS, smoke
 from bench.common.jobs import FT, NVRX, TORCHRUN_NO_SHARE, WORLD, Job, Launcher, job, take_charge
 from bench.common.report import load_average, machine_line, progress, table
+from bench.restart.spares import active_non_host
 
 WORKER = WORKERS / "goodput_worker.py"
 KINDS = ("raise", "kill", "stop", "node")
@@ -160,31 +162,21 @@ def _pid_of_rank(run: Job, rank: int) -> int | None:
 
 
 def _lose_a_node(run: Job) -> set[int]:
-    """SIGKILL the process group of a launcher that runs ranks and does not host the store."""
-    for proc in run.procs[1:]:
-        if proc.poll() is None:
-            try:
-                kids = psutil.Process(proc.pid).children(recursive=True)
-            except psutil.Error:
-                continue
-            if any("goodput_worker" in " ".join(k.cmdline()) for k in kids if _quiet(k)):
-                ended = {k.pid for k in kids}
-                os.killpg(proc.pid, signal.SIGKILL)
-                return ended
-    return set()
-
-
-def _quiet(proc: psutil.Process) -> bool:
-    try:
-        proc.cmdline()
-        return True
-    except psutil.Error:
-        return False
+    """SIGKILL the process group of a launcher that runs ranks and does not host the store (as
+    bench/restart/spares.py loses one); the pids it ended."""
+    victim = active_non_host(run, Lines.read(run.out).pids(float("inf")))
+    if victim is None:
+        return set()
+    ended = {victim.pid, *(p.pid for p in victim.children(recursive=True))}
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(victim.pid, signal.SIGKILL)
+    return ended
 
 
 def one_run(setting: Setting, args: argparse.Namespace) -> tuple[float, list[Fault], float]:
     """(goodput at `args.step_s`, the faults, the save stall per fault interval)."""
-    extra = ["--nnodes=2", *(setting.launcher.hang_args or ())]
+    # Every fault is a restart: the budget must outlast the schedule (the last flag wins).
+    extra = ["--nnodes=2", "--max-restarts=1000", *(setting.launcher.hang_args or ())]
     if setting.launcher is not TORCHRUN_NO_SHARE:
         extra.append("--ft-rank-heartbeat-timeout=" + str(args.hb_timeout))
     env_client = "nvrx" if setting.launcher is NVRX else "ftrun"

@@ -53,9 +53,10 @@ def parse_args() -> argparse.Namespace:
     return smoke.parse_args(parser, {"runs": 1, "train_s": 2.0, "launchers": ["ft"]})
 
 
-def active_non_host(run: Job) -> psutil.Process | None:
-    """A launcher whose workers train and that does not listen on the rendezvous port."""
-    training = user_pids(run.out)
+def active_non_host(run: Job, training: set[int] | None = None) -> psutil.Process | None:
+    """A launcher whose workers (`training`: by default, those that logged) train and that does
+    not listen on the rendezvous port."""
+    training = user_pids(run.out) if training is None else training
     for proc in run.procs:
         launcher = psutil.Process(proc.pid)
         family = [launcher, *launcher.children(recursive=True)]

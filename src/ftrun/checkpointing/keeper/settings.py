@@ -14,8 +14,10 @@ class KeeperSettings:
     worker's manager keeps by default: with one, a node that dies right after its ranks
     finished iteration k (and peers dropped their copies of k-1) while other ranks were still
     writing k would leave no iteration complete for every rank."""
-    poll_s: float = 0.2
-    """How often the replicator lists the directory for new parts."""
+    poll_s: float = 0.05
+    """How often the replicator lists the directory for new parts (names only). With a
+    snapshot every step (`StepSnapshot`), a lost node redoes the steps its replicas lag
+    behind: this poll, plus the push."""
     gather_s: float = 30.0
     """Longest wait for the other nodes' messages in the store (holdings, decisions)."""
     fetch_s: float = 120.0
