@@ -7,12 +7,12 @@ from __future__ import annotations
 import abc
 import datetime
 import logging
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from ftrun.aside import Aside
 from ftrun.inprocess import exception
 from ftrun.inprocess.state import FrozenState
 
@@ -54,24 +54,15 @@ class ThreadedFinalize(Finalize):
         # The device is per thread in CUDA: hand the caller's to the worker thread, so that fn
         # runs on the device this rank uses. Only if CUDA is already up: never initialize it.
         device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-        errors: list[BaseException] = []
 
         def run() -> None:
-            try:
-                if device is not None:
-                    torch.cuda.set_device(device)
-                self.fn(*self.args, **self.kwargs)
-            except BaseException as exc:
-                errors.append(exc)
+            if device is not None:
+                torch.cuda.set_device(device)
+            self.fn(*self.args, **self.kwargs)
 
-        thread = threading.Thread(
-            target=run, name=f"{type(self).__name__}-{state.rank}", daemon=True
-        )
-        thread.start()
-        thread.join(self.timeout.total_seconds())
-        if thread.is_alive():
+        call = Aside(run, f"{type(self).__name__}-{state.rank}")
+        if not call.done(self.timeout.total_seconds()):
             log.warning("%s: %r still running after %s", type(self).__name__, self.fn, self.timeout)
             raise exception.TimeoutError(f"finalize {self.fn!r} did not finish in {self.timeout}")
-        if errors:
-            raise errors[0]
+        call.result()
         return state

@@ -16,12 +16,12 @@ import abc
 import datetime
 import logging
 import os
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ftrun.aside import Aside
 from ftrun.infiniband import IB_ROOT, PCI_ROOT, ib_ports_down, nearest_ib_device
 from ftrun.inprocess import exception
 from ftrun.inprocess.compose import Compose
@@ -61,24 +61,13 @@ class CudaHealthCheck(HealthCheck):
         if not torch.cuda.is_initialized():
             return state
         device = torch.cuda.current_device()
-        errors: list[BaseException] = []
-
-        def sync() -> None:
-            try:
-                torch.cuda.synchronize(device)
-            except BaseException as exc:
-                errors.append(exc)
-
         # Pending kernels cannot be cancelled: waiting for them, bounded, is the only way to
         # learn whether the context survived the fault.
-        thread = threading.Thread(target=sync, name="ftrun-cuda-health", daemon=True)
-        thread.start()
-        thread.join(self.timeout.total_seconds())
-        if thread.is_alive():
+        sync = Aside(lambda: torch.cuda.synchronize(device), "ftrun-cuda-health")
+        if not sync.done(self.timeout.total_seconds()):
             raise HealthCheckTimeoutError(f"cuda:{device} did not synchronize in {self.timeout}")
         try:
-            if errors:
-                raise errors[0]
+            sync.result()
             torch.cuda.synchronize(device)  # a context broken by the first sync fails here
         except Exception as exc:
             raise exception.HealthCheckError(f"cuda:{device} is unhealthy: {exc}") from exc

@@ -22,11 +22,11 @@ import functools
 import gc
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ftrun.aside import Aside
 from ftrun.inprocess import events
 from ftrun.inprocess import store as stores
 from ftrun.inprocess.abort import Abort, AbortTorchDistributed, pin_gloo_groups
@@ -342,23 +342,15 @@ def _describe(error: BaseException) -> str:
 def _bounded(step: Callable[[], object], bound_s: float, what: str) -> None:
     """Run `step` within `bound_s` (on a daemon thread: a user's abort, or an NCCL abort, can
     hang); give up on in-process restart if it does not return in time or times out."""
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            step()
-        except BaseException as error:  # handed to the caller's thread
-            failed.append(error)
-
-    thread = threading.Thread(target=run, name="ftrun-inprocess-abort", daemon=True)
-    thread.start()
-    thread.join(bound_s)
-    if thread.is_alive():
+    call = Aside(step, "ftrun-inprocess-abort")
+    if not call.done(bound_s):
         _give_up(f"{what} did not finish within {bound_s:g}s")
-    if failed and isinstance(failed[0], RestartTimeoutError):
-        _give_up(f"{what} did not finish: {failed[0]}")
-    if failed:
-        log.warning("in-process restart: %s failed: %s", what, _describe(failed[0]))
+    try:
+        call.result()
+    except RestartTimeoutError as error:
+        _give_up(f"{what} did not finish: {error}")
+    except BaseException as error:
+        log.warning("in-process restart: %s failed: %s", what, _describe(error))
 
 
 _ALONE = RestartBudget(max_restarts=0, same_in_a_row=3)
