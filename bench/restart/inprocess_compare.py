@@ -16,6 +16,8 @@ launched with `--standalone --nproc-per-node=N --max-restarts=3` in a fresh dire
 - `ftrun-inprocess-peer`, `nvrx-inprocess-peer`: `--restore peer`, `memory` where a rank without
   the snapshot (a replaced rank's new process) takes it from a peer by broadcast over NCCL;
   `-peer-dev`: also `--init-on-device` (the model built on the GPU, not moved there);
+- `ftrun-inprocess-snap`, `nvrx-inprocess-snap`: `--restore snapshot`, ftrun's `StepSnapshot`
+  of every step in node memory (what the two recipes above become as an API);
 - `ftrun-injob`, `torchrun-injob`: the unwrapped gpu_user_worker.py, crashing at the same step,
   under ft_launcher / torchrun (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see NO_SHARE): every
   rank's process is replaced.
@@ -100,6 +102,7 @@ class Contender:
 
 MEMORY = ("--restore", "memory")
 PEER_STATE = ("--restore", "peer")
+STEP_SNAPSHOT = ("--restore", "snapshot")
 NVRX_ENV = (*INPROCESS_ENV, ("NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE", "1"))
 
 
@@ -118,6 +121,10 @@ CONTENDERS = {c.key: c for c in (
               env=NVRX_ENV, worker_args=PEER_STATE),
     Contender("nvrx-inprocess-peer-dev", TORCHRUN, "nvrx", ("raise", "kill"), fresh_caches=True,
               env=NVRX_ENV, worker_args=(*PEER_STATE, "--init-on-device")),
+    Contender("ftrun-inprocess-snap", FT, "ftrun", ("raise", "kill"), env=INPROCESS_ENV,
+              worker_args=STEP_SNAPSHOT, peer="nvrx-inprocess-snap"),
+    Contender("nvrx-inprocess-snap", TORCHRUN, "nvrx", ("raise", "kill"), fresh_caches=True,
+              env=NVRX_ENV, worker_args=STEP_SNAPSHOT),
     Contender("ftrun-injob", FT, None, ("raise",)),
     Contender("torchrun-injob", TORCHRUN, None, ("raise",), fresh_caches=True, env=NO_SHARE),
 )}  # fmt: skip

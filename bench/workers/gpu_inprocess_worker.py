@@ -7,7 +7,9 @@ optimizer, a TCPStore at MASTER_PORT + 2) is built once, outside the wrapped fun
 process group (on a PrefixStore per restart iteration) and DDP are built inside it, and each
 call loads the newest checkpoint (`--restore disk`, as NVRx's examples do), or, with `--restore
 memory`, copies back the snapshot every rank keeps on its device at each checkpoint step (a
-replaced rank's new process has none and reads the file); `--restore peer` is `memory` where a
+replaced rank's new process has none and reads the file); `--restore snapshot` is
+`ftrun.checkpointing.StepSnapshot`, every step, in node memory (a replaced rank's new process
+reads it there too); `--restore peer` is `memory` where a
 rank without the snapshot takes it from a rank that has one, over the new process group (DDP's
 ranks hold the same state: a broadcast over NVLink instead of a 1.8 GB read). `--init-on-device`
 builds the model directly on the GPU instead of on the CPU and then moving it (a new process's
@@ -71,10 +73,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fault-step", type=int, default=15)
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--steps", type=int, default=25, help="train this many steps in all")
-    parser.add_argument("--restore", choices=["disk", "memory", "peer"], default="disk",
+    parser.add_argument("--restore", choices=["disk", "memory", "peer", "snapshot"], default="disk",
                         help="where a restart gets the last checkpoint's state")  # fmt: skip
-    parser.add_argument("--init-on-device", action="store_true",
-                        help="build the model on its device, not on the CPU, then moved")
+    parser.add_argument(
+        "--init-on-device",
+        action="store_true",
+        help="build the model on its device, not on the CPU, then moved",
+    )
     add_model_args(parser)
     parser.add_argument("--out", type=Path, help="also append the lines to DIR/rank<RANK>.log")
     return parser.parse_args()
@@ -145,6 +150,11 @@ class MemorySnapshot:
 
 
 SNAPSHOT = MemorySnapshot()
+STEP_SNAPSHOT = None
+if ARGS.restore == "snapshot":  # imported only here: the other modes' start-up stays as it was
+    from ftrun.checkpointing import StepSnapshot
+
+    STEP_SNAPSHOT = StepSnapshot()
 
 
 @torch.no_grad()
@@ -207,7 +217,9 @@ def train(
     ckpt_path = ARGS.ckpt_dir / CKPT_NAME
     start_step = 0
     restored = None
-    if ARGS.restore == "memory":
+    if ARGS.restore == "snapshot":
+        restored = STEP_SNAPSHOT.restore({"model": model, "optimizer": optimizer}) or None
+    elif ARGS.restore == "memory":
         restored = SNAPSHOT.restore(model, optimizer)
     elif ARGS.restore == "peer":
         restored = restore_from_peers(model, optimizer, device)
@@ -235,6 +247,8 @@ def train(
         value = loss.item()  # waits for the step on the device
         call_wrapper.ping()
         log(f"step={step} it={it} loss={value:.5f}")
+        if ARGS.restore == "snapshot":
+            STEP_SNAPSHOT.save({"model": model, "optimizer": optimizer}, step)
         if ARGS.ckpt_every and step % ARGS.ckpt_every == 0:
             with call_wrapper.atomic():
                 save(model, optimizer, step, rank, ckpt_path)
@@ -247,7 +261,7 @@ def save(
 ) -> None:
     """A checkpoint step: rank 0 writes the file; with `--restore memory` every rank also
     keeps its snapshot."""
-    if ARGS.restore != "disk":
+    if ARGS.restore in ("memory", "peer"):
         SNAPSHOT.take(model, optimizer, step)
     if rank == 0:
         checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
