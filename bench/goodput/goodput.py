@@ -13,7 +13,9 @@ side by side in one run, interleaved run by run:
 - ft_launcher + the same torch.save (ftrun's recovery, the script's checkpoints);
 - ft_launcher + `StepSnapshot` every step, a spare launcher (ftrun's recovery and goodput).
 
-Hangs are detected from heartbeats, at the same `--hb-timeout` for NVRx and ftrun.
+Hangs are detected from heartbeats, for NVRx and ftrun alike: `--hb-timeout` until each life of
+the script has made 20 steps, then the timeouts its client computes
+(`calculate_and_set_hb_timeouts`).
 
 Goodput = (steps gained in the window) x (the script's own step time) / (the window's length):
 the window opens at the first step of the job and lasts `--duration`; the script's own step time

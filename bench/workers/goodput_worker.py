@@ -9,7 +9,9 @@ AdamW, one fixed batch; 151M on a GPU by default), saved the way its setting say
 Lines (to `--out DIR/rank<R>.log`): `mark=ready from=<step>` once restored, `step=<n>` after each
 step, `save=<s>` after each save with the seconds it held the step. A fault the bench asks for
 by file: `DIR/raise-rank<R>` makes that rank raise at its next step (the file is removed).
-Signals (SIGKILL, SIGSTOP) and lost nodes come from the bench itself.
+Signals (SIGKILL, SIGSTOP) and lost nodes come from the bench itself. Under a launcher with a
+rank monitor (`FTRUN_BENCH_CLIENT`), each life sends a heartbeat a step and, after 20 steps, sets
+its heartbeat timeouts from what it saw (`calculate_and_set_hb_timeouts`), as NVRx's examples.
 """
 
 import time
@@ -29,6 +31,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_user_worker import Log, add_model_args, build_model, monitor_client  # noqa: E402
+
+TIMEOUTS_AFTER = 20  # steps of each life before the heartbeat timeouts are calculated
 
 
 def parse_args() -> argparse.Namespace:
@@ -90,6 +94,8 @@ def main() -> None:
         loss.item()
         if client is not None:
             client.send_heartbeat()
+            if step == start + TIMEOUTS_AFTER:  # as NVRx's examples: timeouts from what was seen
+                client.calculate_and_set_hb_timeouts()
         log(f"step={step}")
         saved_at = time.perf_counter()
         if snapshot is not None and snapshot.save(state, step):
