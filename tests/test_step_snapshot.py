@@ -3,6 +3,7 @@ fence, the skip rule, and a restore into a fresh model and optimizer that is bit
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 from ftrun.checkpointing import StepSnapshot
 from ftrun.checkpointing import part_write as part_write_module
 from ftrun.checkpointing.errors import CheckpointUsageError
+from ftrun.checkpointing.snapshot import default_directory
 
 
 def trainer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -137,3 +139,19 @@ def test_fsdp2_shards_are_saved_as_local_tensors_and_restored_into_them(tmp_path
         assert local and same(again, local)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_default_directory_is_this_users_0700_and_refuses_anything_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job/1")
+    made = default_directory(tmp_path)
+    assert made == tmp_path / f"ftrun-snapshots-{os.getuid()}" / "job_1"
+    assert made.stat().st_mode & 0o777 == 0o700
+    made.chmod(0o755)  # another user could read the state
+    with pytest.raises(CheckpointUsageError, match="not a 0700 directory"):
+        default_directory(tmp_path)
+    made.rmdir()
+    made.symlink_to(tmp_path)  # a link planted in its place
+    with pytest.raises(CheckpointUsageError, match="not a 0700 directory"):
+        default_directory(tmp_path)

@@ -41,9 +41,9 @@ with zero gradients before it is restored (its values are then overwritten).
 
 from __future__ import annotations
 
-import getpass
 import logging
 import os
+import stat
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -156,14 +156,15 @@ class StepSnapshot:
         self._manager.fence()
 
 
-def default_directory() -> Path:
+def default_directory(shm: Path = Path("/dev/shm")) -> Path:
     """Node memory: the agent's under ft_launcher (the manager finds it itself); else
-    /dev/shm/ftrun-snapshots-<user>/<job>, 0700, surviving the workers' restarts."""
+    /dev/shm/ftrun-snapshots-<uid>/<job>, 0700, surviving the workers' restarts."""
     job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or "local"
-    root = Path("/dev/shm") / f"ftrun-snapshots-{getpass.getuser()}"
+    root = shm / f"ftrun-snapshots-{os.getuid()}"
     for directory in (root, root / job.replace("/", "_")):
         directory.mkdir(mode=0o700, exist_ok=True)
-        if directory.stat().st_uid != os.getuid() or directory.stat().st_mode & 0o077:
+        found = directory.lstat()  # not a link another user planted: this user's, 0700
+        if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o077:
             raise CheckpointUsageError(f"{directory}: not a 0700 directory of this user")
     return root / job.replace("/", "_")
 
