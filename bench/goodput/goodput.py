@@ -11,7 +11,7 @@ side by side in one run, interleaved run by run:
   timeout, `--pg-timeout`: torchrun has no other hang detection);
 - NVRx 0.7's ft_launcher + the same torch.save (where NVRx is installed: the device);
 - ft_launcher + the same torch.save (ftrun's recovery, the script's checkpoints);
-- ft_launcher + `StepSnapshot` every step, a spare launcher (ftrun's recovery and goodput).
+- ft_launcher + `StepSnapshot` every step (and every 5 steps), a spare launcher.
 
 Hangs are detected from heartbeats, for NVRx and ftrun alike: `--hb-timeout` until each life of
 the script has made 20 steps, then the timeouts its client computes
@@ -19,11 +19,12 @@ the script has made 20 steps, then the timeouts its client computes
 
 Goodput = (steps gained in the window) x (the script's own step time) / (the window's length):
 the window opens at the first step of the job and lasts `--duration`; the script's own step time
-is the median gap between consecutive steps with no save, over the torch.save settings. Each
+is the median step of the same script without saves, in a job of its own first. Each
 fault's lost seconds are split into: detect (the fault to the first worker the launcher
 stopped: a process of the job, not the faulted one, ending), recover (to every rank's first step
 after the restart), redo (the steps done again, at the script's step time). Stall: the seconds
-saves held the training, per fault interval.
+the steps took beyond the script's own step time, between faults (the saves' stalls and what
+their background work takes from training), per fault interval.
 
     python -m bench.goodput.goodput [--duration 90] [--every 15] [--runs 1] [--device cpu]
         [--settings torchrun,nvrx,ft-torch,ft-snapshot] [--markdown] [--smoke]
@@ -61,6 +62,7 @@ class Setting:
     launcher: Launcher
     save: str
     spare: bool = False
+    every: int = 1  # StepSnapshot's
 
 
 SETTINGS = (
@@ -68,6 +70,14 @@ SETTINGS = (
     Setting("nvrx", "NVRx 0.7 ft_launcher + torch.save", NVRX, "torch"),
     Setting("ft-torch", "ft_launcher + torch.save", FT, "torch"),
     Setting("ft-snapshot", "ft_launcher + StepSnapshot, a spare", FT, "snapshot", spare=True),
+    Setting(
+        "ft-snapshot-5",
+        "ft_launcher + StepSnapshot every 5, a spare",
+        FT,
+        "snapshot",
+        spare=True,
+        every=5,
+    ),
 )
 
 
@@ -182,7 +192,8 @@ def one_run(setting: Setting, args: argparse.Namespace) -> tuple[float, list[Fau
     if setting.launcher is not TORCHRUN_NO_SHARE:
         extra.append("--ft-rank-heartbeat-timeout=" + str(args.hb_timeout))
     env_client = "nvrx" if setting.launcher is NVRX else "ftrun"
-    worker = [*model_args(args), "--save", setting.save, "--ckpt-every", str(args.ckpt_every)]
+    worker = [*model_args(args), "--save", setting.save, "--ckpt-every", str(args.ckpt_every),
+              "--snapshot-every", str(setting.every)]  # fmt: skip
     client = "none" if setting.launcher is TORCHRUN_NO_SHARE else env_client
     os.environ["FTRUN_BENCH_CLIENT"] = client
     launchers = 3 if setting.spare else 2
@@ -209,9 +220,24 @@ def one_run(setting: Setting, args: argparse.Namespace) -> tuple[float, list[Fau
         gained = lines.newest_step(opened + args.duration)
         for i, fault in enumerate(faults):
             analyse(fault, lines, exits.ended, own[i], args.step_s)
-        saves = [v for ts, _, k, v in lines.rows if k == "save" and ts <= opened + args.duration]
-        stall = sum(saves) / WORLD / max(1, len(faults))  # every rank logs its saves
-    return gained * args.step_s / args.duration, faults, stall
+        stall = slower_steps(lines, faults, args.step_s, opened + args.duration)
+    return gained * args.step_s / args.duration, faults, stall / max(1, len(faults))
+
+
+def slower_steps(lines: Lines, faults: list[Fault], step_s: float, until: float) -> float:
+    """Seconds the steps took beyond the script's own step time, a rank's on average: every
+    gap between a process's consecutive steps with no fault in it (the saves' stalls, and
+    whatever their background work takes from the training)."""
+    last: dict[int, tuple[float, float]] = {}
+    extra = 0.0
+    for ts, pid, key, value in lines.rows:
+        if key != "step" or ts > until:
+            continue
+        before = last.get(pid)
+        last[pid] = (ts, value)
+        if before and value == before[1] + 1 and not any(before[0] < f.at < ts for f in faults):
+            extra += ts - before[0] - step_s
+    return max(0.0, extra / WORLD)
 
 
 def stepping_again(run: Job, faults: list[Fault], until: float) -> bool:

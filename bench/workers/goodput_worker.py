@@ -3,7 +3,8 @@ AdamW, one fixed batch; 151M on a GPU by default), saved the way its setting say
 
 - `--save torch`: rank 0 `torch.save`s model + optimizer + step every `--ckpt-every` steps to
   `--out DIR/ckpt.pt`; every rank resumes from the file (the script people write);
-- `--save snapshot`: `ftrun.checkpointing.StepSnapshot` every step, `restore` at start;
+- `--save snapshot`: `ftrun.checkpointing.StepSnapshot` every step (`--snapshot-every`),
+  `restore` at start;
 - `--save none`: nothing (the script's own step time).
 
 Lines (to `--out DIR/rank<R>.log`): `mark=ready from=<step>` once restored, `step=<n>` after each
@@ -39,6 +40,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10**9)
     parser.add_argument("--save", choices=["torch", "snapshot", "none"], default="torch")
+    parser.add_argument("--snapshot-every", type=int, default=1, help="StepSnapshot's every")
     parser.add_argument("--pg-timeout", type=float, default=600, help="collective timeout, s")
     parser.add_argument("--out", type=Path, required=True)
     add_model_args(parser)
@@ -50,7 +52,7 @@ def restore(args: argparse.Namespace, state: dict, path: Path, device: torch.dev
     if args.save == "snapshot":
         from ftrun.checkpointing import StepSnapshot
 
-        snapshot = StepSnapshot()
+        snapshot = StepSnapshot(every=args.snapshot_every)
         return snapshot, snapshot.restore(state)
     if args.save == "torch" and path.exists():
         saved = torch.load(path, map_location=device)
