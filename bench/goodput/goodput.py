@@ -47,12 +47,22 @@ from pathlib import Path
 import psutil
 
 from bench.common import WORKERS, smoke
-from bench.common.jobs import FT, NVRX, TORCHRUN_NO_SHARE, WORLD, Job, Launcher, job, take_charge
+from bench.common.jobs import FT, NVRX, TORCHRUN_NO_SHARE, Job, Launcher, job, take_charge
 from bench.common.report import load_average, machine_line, progress, table
 from bench.restart.spares import active_non_host
 
 WORKER = WORKERS / "goodput_worker.py"
 KINDS = ("raise", "kill", "stop", "node")
+# The job's shape, `--layout NxP`: N launchers ("nodes") x P ranks; main() sets it.
+LAYOUT = {"nnodes": 2, "nproc": 2}
+
+
+def world() -> int:
+    return LAYOUT["nnodes"] * LAYOUT["nproc"]
+
+
+def layout_args() -> list[str]:
+    return [f"--nnodes={LAYOUT['nnodes']}", f"--nproc-per-node={LAYOUT['nproc']}"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +78,7 @@ class Setting:
 SETTINGS = (
     Setting("torchrun", "torchrun + torch.save", TORCHRUN_NO_SHARE, "torch"),
     Setting("nvrx", "NVRx 0.7 ft_launcher + torch.save", NVRX, "torch"),
+    Setting("nvrx-local", "NVRx 0.7 ft_launcher + its local checkpoints", NVRX, "nvrx-local"),
     Setting("ft-torch", "ft_launcher + torch.save", FT, "torch"),
     Setting("ft-snapshot", "ft_launcher + StepSnapshot, a spare", FT, "snapshot", spare=True),
     Setting(
@@ -106,7 +117,7 @@ class Lines:
     @classmethod
     def read(cls, out: Path) -> Lines:
         rows = []
-        for rank in range(WORLD):
+        for rank in range(world()):
             path = out / f"rank{rank}.log"
             text = path.read_text(errors="replace") if path.exists() else ""
             for line in text.split("\n")[:-1]:
@@ -125,10 +136,11 @@ class Lines:
 
 
 class Exits:
-    """When each process of the job ended, seen by polling its launchers' descendants."""
+    """When each process of the job was first seen and when it ended, by polling its launchers'
+    descendants."""
 
     def __init__(self, run: Job) -> None:
-        self._run, self.ended, self._seen = run, {}, set()
+        self._run, self.ended, self.seen = run, {}, {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
@@ -141,9 +153,10 @@ class Exits:
                     alive |= {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
                 except psutil.Error:
                     continue
-            for pid in self._seen - alive:
+            for pid in self.seen.keys() - alive:
                 self.ended.setdefault(pid, now)
-            self._seen |= alive
+            for pid in alive:
+                self.seen.setdefault(pid, now)
 
     def stop(self) -> None:
         self._stop.set()
@@ -188,7 +201,7 @@ def _lose_a_node(run: Job) -> set[int]:
 def one_run(setting: Setting, args: argparse.Namespace) -> tuple[float, list[Fault], float]:
     """(goodput at `args.step_s`, the faults, the save stall per fault interval)."""
     # Every fault is a restart: the budget must outlast the schedule (the last flag wins).
-    extra = ["--nnodes=2", "--max-restarts=1000", *(setting.launcher.hang_args or ())]
+    extra = [*layout_args(), "--max-restarts=1000", *(setting.launcher.hang_args or ())]
     if setting.launcher is not TORCHRUN_NO_SHARE:
         extra.append("--ft-rank-heartbeat-timeout=" + str(args.hb_timeout))
     env_client = "nvrx" if setting.launcher is NVRX else "ftrun"
@@ -196,7 +209,8 @@ def one_run(setting: Setting, args: argparse.Namespace) -> tuple[float, list[Fau
               "--snapshot-every", str(setting.every)]  # fmt: skip
     client = "none" if setting.launcher is TORCHRUN_NO_SHARE else env_client
     os.environ["FTRUN_BENCH_CLIENT"] = client
-    launchers = 3 if setting.spare else 2
+    # A spare only where a node can be lost (a second node holds the replicas).
+    launchers = LAYOUT["nnodes"] + (1 if setting.spare and LAYOUT["nnodes"] > 1 else 0)
     with job(setting.launcher, extra, worker, WORKER, launchers=launchers) as run:
         exits = Exits(run)
         first = run.wait(lambda: Lines.read(run.out).newest_step() >= 1 or None, 300)
@@ -205,13 +219,12 @@ def one_run(setting: Setting, args: argparse.Namespace) -> tuple[float, list[Fau
         opened = min(ts for ts, _, k, _ in Lines.read(run.out).rows if k == "step")
         faults, own = [], {}
         for index, at in enumerate(range(args.every, int(args.duration), args.every)):
-            kind = KINDS[index % len(KINDS)]
-            kind = "kill" if kind == "node" and not setting.spare else kind
+            kind = fault_kind(index, setting)
             run.wait(lambda at=at: None if time.time() < opened + at else True, args.duration)
             if not stepping_again(run, faults, opened + args.duration):
                 break
             lines = Lines.read(run.out)
-            fault = Fault(kind, time.time(), rank=(index + 1) % WORLD, before=lines.newest_step())
+            fault = Fault(kind, time.time(), rank=(index + 1) % world(), before=lines.newest_step())
             own[len(faults)] = fire(run, fault)
             faults.append(fault)
         run.wait(lambda: None if time.time() < opened + args.duration else True, args.duration)
@@ -219,9 +232,21 @@ def one_run(setting: Setting, args: argparse.Namespace) -> tuple[float, list[Fau
         lines = Lines.read(run.out)
         gained = lines.newest_step(opened + args.duration)
         for i, fault in enumerate(faults):
-            analyse(fault, lines, exits.ended, own[i], args.step_s)
+            analyse(fault, lines, exits, own[i], args.step_s)
         stall = slower_steps(lines, faults, args.step_s, opened + args.duration)
     return gained * args.step_s / args.duration, faults, stall / max(1, len(faults))
+
+
+def fault_kind(index: int, setting: Setting) -> str:
+    """The kinds in turn; a SIGKILLed rank where the kind cannot happen or be seen: a lost node
+    without a spare (or a second node to hold its replica), a hung rank under torchrun in a
+    one-rank job (no collective waits on it: nothing would ever notice)."""
+    kind = KINDS[index % len(KINDS)]
+    if kind == "node" and not (setting.spare and LAYOUT["nnodes"] > 1):
+        return "kill"
+    if kind == "stop" and setting.launcher is TORCHRUN_NO_SHARE and world() == 1:
+        return "kill"
+    return kind
 
 
 def slower_steps(lines: Lines, faults: list[Fault], step_s: float, until: float) -> float:
@@ -237,7 +262,7 @@ def slower_steps(lines: Lines, faults: list[Fault], step_s: float, until: float)
         last[pid] = (ts, value)
         if before and value == before[1] + 1 and not any(before[0] < f.at < ts for f in faults):
             extra += ts - before[0] - step_s
-    return max(0.0, extra / WORLD)
+    return max(0.0, extra / world())
 
 
 def stepping_again(run: Job, faults: list[Fault], until: float) -> bool:
@@ -248,14 +273,18 @@ def stepping_again(run: Job, faults: list[Fault], until: float) -> bool:
     def ready() -> bool | None:
         lines = Lines.read(run.out)
         stepped = {pid for ts, pid, k, _ in lines.rows if k == "step" and ts > since}
-        live = [_pid_of_rank(run, rank) for rank in range(WORLD)]
+        live = [_pid_of_rank(run, rank) for rank in range(world())]
         return all(pid in stepped for pid in live) or None
 
     return bool(run.wait(ready, max(0.0, until - time.time())))
 
 
-def analyse(fault: Fault, lines: Lines, ended: dict[int, float], own: set[int], step_s: float):
-    stopped = [t for pid, t in ended.items() if t >= fault.at and pid not in own]
+def analyse(fault: Fault, lines: Lines, exits: Exits, own: set[int], step_s: float):
+    # Processes of the job when the fault fired (not a later life's) that ended after it.
+    ended = {pid: t for pid, t in exits.ended.items() if t >= fault.at > exits.seen[pid]}
+    stopped = [t for pid, t in ended.items() if pid not in own]
+    # A one-rank job has no other worker to stop: the faulted process's own end is the sign.
+    stopped = stopped or list(ended.values())
     detected = min(stopped, default=None)
     resumed = [(ts, v) for ts, _, k, v in lines.rows if k == "from" and ts > fault.at]
     if detected is None or not resumed:
@@ -278,10 +307,11 @@ def script_step_time(args: argparse.Namespace) -> float:
     """The script's own step time: a short job of it without saves, the median step gap."""
     os.environ["FTRUN_BENCH_CLIENT"] = "none"
     worker = [*model_args(args), "--save", "none"]
-    with job(TORCHRUN_NO_SHARE, ["--nnodes=2"], worker, WORKER) as run:
+    with job(TORCHRUN_NO_SHARE, layout_args(), worker, WORKER, LAYOUT["nnodes"]) as run:
         run.wait(lambda: Lines.read(run.out).newest_step() >= args.calibrate_steps or None, 300)
         steps = [ts for ts, _, k, _ in Lines.read(run.out).rows if k == "step"]
-    gaps = [b - a for a, b in zip(steps[::WORLD], steps[WORLD::WORLD], strict=False)]
+    every = world()
+    gaps = [b - a for a, b in zip(steps[::every], steps[every::every], strict=False)]
     return statistics.median(gaps[2:] or gaps)
 
 
@@ -304,8 +334,9 @@ def report(results: dict[str, list[tuple[float, list[Fault], float]]], args) -> 
     headers = ["setting", "goodput", "fault", "n", "detect s", "recover s", "steps redone",
                "lost s", "stall s / interval"]  # fmt: skip
     print(table(headers, rows, args.markdown))
-    print(f"script step time {args.step_s * 1e3:.0f} ms; a fault every {args.every} s for "
-          f"{args.duration:.0f} s; {machine_line(args.load_before)}")  # fmt: skip
+    print(f"{args.layout} ranks; script step time {args.step_s * 1e3:.0f} ms; a fault every "
+          f"{args.every} s for {args.duration:.0f} s; "
+          f"{machine_line(args.load_before)}")  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -322,6 +353,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--hb-timeout", type=float, default=3)
     parser.add_argument("--pg-timeout", type=float, default=30)
     parser.add_argument("--calibrate-steps", type=int, default=20)
+    parser.add_argument("--layout", default="2x2", help="launchers x ranks each (1x1: one GPU)")
     keys = [s.key for s in SETTINGS]
     parser.add_argument("--settings", default=",".join(keys), help=f"comma-separated: {keys}")
     parser.add_argument("--step-time", type=float, help="the script's step time, s (not measured)")
@@ -332,6 +364,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     sizes = {"duration": 10, "every": 5, "d_model": 32, "layers": 1, "seq": 16,
              "settings": "ft-snapshot", "step_time": 0.02}  # fmt: skip
     args = smoke.parse_args(parser, sizes, argv)
+    LAYOUT["nnodes"], LAYOUT["nproc"] = (int(n) for n in args.layout.split("x"))
     take_charge()
     args.load_before = load_average()
     args.step_s = args.step_time or script_step_time(args)

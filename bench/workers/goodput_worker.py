@@ -5,6 +5,10 @@ AdamW, one fixed batch; 151M on a GPU by default), saved the way its setting say
   `--out DIR/ckpt.pt`; every rank resumes from the file (the script people write);
 - `--save snapshot`: `ftrun.checkpointing.StepSnapshot` every step (`--snapshot-every`),
   `restore` at start;
+- `--save nvrx-local`: NVRx 0.7's `LocalCheckpointManager` (in /dev/shm, as its examples) every
+  `--ckpt-every` steps, `is_async=True` through its `AsyncCallsQueue`, finalized each step;
+  `find_latest` + `load` at start. Its `BasicTensorAwareStateDict` takes CUDA tensors only, so
+  AdamW's step counters go to the GPU in the saved copy (the one line a user adds);
 - `--save none`: nothing (the script's own step time).
 
 Lines (to `--out DIR/rank<R>.log`): `mark=ready from=<step>` once restored, `step=<n>` after each
@@ -39,7 +43,8 @@ TIMEOUTS_AFTER = 20  # steps of each life before the heartbeat timeouts are calc
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10**9)
-    parser.add_argument("--save", choices=["torch", "snapshot", "none"], default="torch")
+    saves = ["torch", "snapshot", "nvrx-local", "none"]
+    parser.add_argument("--save", choices=saves, default="torch")
     parser.add_argument("--snapshot-every", type=int, default=1, help="StepSnapshot's every")
     parser.add_argument("--pg-timeout", type=float, default=600, help="collective timeout, s")
     parser.add_argument("--out", type=Path, required=True)
@@ -54,12 +59,56 @@ def restore(args: argparse.Namespace, state: dict, path: Path, device: torch.dev
 
         snapshot = StepSnapshot(every=args.snapshot_every)
         return snapshot, snapshot.restore(state)
+    if args.save == "nvrx-local":
+        local = NVRxLocal(args.ckpt_every)
+        return local, local.restore(state)
     if args.save == "torch" and path.exists():
         saved = torch.load(path, map_location=device)
         state["model"].load_state_dict(saved["model"])
         state["optimizer"].load_state_dict(saved["optimizer"])
         return None, saved["step"]
     return None, 0
+
+
+class NVRxLocal:
+    """NVRx 0.7's local checkpoints, as its `examples/checkpointing/local_ckpt.py` uses them."""
+
+    def __init__(self, every: int) -> None:
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
+        from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import (
+            BasicTensorAwareStateDict,
+        )
+        from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
+            LocalCheckpointManager,
+        )
+
+        root = Path("/dev/shm") / f"nvrx-local-{os.environ['TORCHELASTIC_RUN_ID']}"
+        self.manager = LocalCheckpointManager(root)
+        self.queue, self.wrap, self.every = AsyncCallsQueue(), BasicTensorAwareStateDict, every
+
+    def restore(self, state: dict) -> int:
+        iteration = self.manager.find_latest()
+        if iteration == -1:
+            return 0
+        loaded, _ = self.manager.load()
+        state["model"].load_state_dict(loaded.state_dict["model"])
+        state["optimizer"].load_state_dict(loaded.state_dict["optimizer"])
+        return iteration
+
+    def save(self, state: dict, step: int) -> bool:
+        self.queue.maybe_finalize_async_calls(blocking=False)
+        if step % self.every:
+            return False
+        optimizer = state["optimizer"].state_dict()
+        # New containers: NVRx replaces the tensors in them with CPU copies, in place.
+        optimizer["state"] = {
+            index: {**per_param, "step": per_param["step"].cuda()}
+            for index, per_param in optimizer["state"].items()
+        }
+        payload = {"model": state["model"].state_dict(), "optimizer": optimizer}
+        request = self.manager.save(self.wrap(payload), step, is_async=True)
+        self.queue.schedule_async_request(request)
+        return True
 
 
 def main() -> None:
