@@ -322,13 +322,18 @@ def report(results: dict[str, list[tuple[float, list[Fault], float]]], args) -> 
         faults = [f for _, fs, _ in runs for f in fs]
         for kind in KINDS:
             mine = [f for f in faults if f.kind == kind and f.detect is not None]
+            # Fired, but the job was not stepping again when the window closed.
+            lost = sum(1 for f in faults if f.kind == kind and f.detect is None)
+            count = f"{len(mine)}" + (f" (+{lost} not back)" if lost else "")
             if not mine:
+                if lost:
+                    rows.append([name, goodputs, kind, count, *["-"] * 5])
                 continue
             med = statistics.median
             detect, recover = med([f.detect for f in mine]), med([f.recover for f in mine])
             redone = med([f.redone for f in mine])
             lost = detect + recover + redone * args.step_s
-            rows.append([name, goodputs, kind, str(len(mine)), f"{detect:.2f}", f"{recover:.2f}",
+            rows.append([name, goodputs, kind, count, f"{detect:.2f}", f"{recover:.2f}",
                          f"{redone:.1f}", f"{lost:.2f}",
                          f"{statistics.median(s for _, _, s in runs):.2f}"])  # fmt: skip
     headers = ["setting", "goodput", "fault", "n", "detect s", "recover s", "steps redone",
