@@ -274,6 +274,46 @@ def test_the_io_resumes_from_the_newest_good_copy(tmp_path):
                      str(tmp_path / "global" / "step=6.ckpt")]  # fmt: skip
 
 
+class Weights(Callback):
+    """The model's and the optimizer's tensors after every step, by step."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, list[torch.Tensor]] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.seen[trainer.global_step] = tensors_of(pl_module, trainer.optimizers[0])
+
+
+def tensors_of(module: Any, optimizer: Any) -> list[torch.Tensor]:
+    states = [v for s in optimizer.state.values() for v in s.values()]
+    return [t.detach().clone() for t in [*module.parameters(), *states]]
+
+
+def test_the_io_saves_every_step_behind_the_training_and_resumes_bit_equal(tmp_path):
+    """`overlap=True`, every step: every step saved or skipped (never waited for), and a resume
+    loads the newest saved step's model and optimizer exactly."""
+    io = HierarchicalCheckpointIO(tmp_path / "local", every_n_train_steps=1, overlap=True)
+    weights = Weights()
+    fit(tmp_path, [io.callback(), weights], plugins=[io], max_steps=12)
+    newest = io.manager.find_latest()
+    assert newest >= 12 - io.skipped - 1 and io.skipped < 12
+    fresh = HierarchicalCheckpointIO(tmp_path / "local", every_n_train_steps=100)
+    fresh.resume_path(tmp_path / "global")
+    restored = {}
+
+    class Restored(Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            restored["step"] = trainer.global_step
+            restored["tensors"] = tensors_of(pl_module, trainer.optimizers[0])
+
+    fit(tmp_path, [Restored()], plugins=[fresh], max_steps=newest + 1, ckpt_path=NEWEST,
+        enable_checkpointing=False)  # fmt: skip
+    assert fresh.loaded_from == f"local:{newest}" and restored["step"] == newest
+    expected = weights.seen[newest]
+    assert len(restored["tensors"]) == len(expected)
+    assert all(torch.equal(a, b) for a, b in zip(restored["tensors"], expected, strict=True))
+
+
 class NVRxStyleIO(HierarchicalCheckpointIO):
     """As NVRx's users write it: the two hooks NVRx leaves abstract."""
 

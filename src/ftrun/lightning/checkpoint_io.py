@@ -24,6 +24,10 @@ trainer.fit(model, ckpt_path=io.resume_path(ckpt_dir))
   skipping one that fails to load (every rank reads the same file, so all skip it). Under
   ft_launcher a corrupt local part is raised, as `LocalCheckpointManager` does: the restart
   lets the agents choose a replica or an older iteration.
+- **Every step** (`overlap=True`, with `every_n_train_steps=1`): `StepSnapshot`'s way of saving
+  (see `ftrun.checkpointing.snapshot`). A local save then holds the step only for building the
+  dict; the copies run behind the next step, every optimizer's `step()` waits until they are
+  done, and a save that finds the previous one still running is skipped (`skipped`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import os
 import re
 from pathlib import Path
 from typing import Any
+
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ftrun.checkpointing import (
     BasicTensorAwareStateDict,
@@ -59,7 +65,8 @@ class HierarchicalCheckpointIO(CheckpointIO):
 
     `local_ckpt_dir`: the local manager's root; `session_id`, `repl_strategy`,
     `persist_to_disk`: `LocalCheckpointManager`'s; `checkpoint_io`: the global IO;
-    `async_save`: local saves return after the copy of the bytes (the write finishes behind).
+    `async_save`: local saves return after the copy of the bytes (the write finishes behind);
+    `overlap`: the copy too runs behind (every step's saves: see the module).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -67,6 +74,7 @@ class HierarchicalCheckpointIO(CheckpointIO):
         session_id="lightning", repl_strategy=None, persist_to_disk=True, async_save=True)`, or
         NVRx's `(wrapped_checkpoint_io, local_ckpt_manager, get_global_ckpt_iteration_fn,
         async_save=False)` (see `nvrx_io`), told apart by the first argument's type."""
+        self.overlap, self.skipped = False, 0  # ftrun's form may set them
         if nvrx_io.is_nvrx_form(args, kwargs):
             nvrx_io.init_nvrx_form(self, *args, **kwargs)
         else:
@@ -85,6 +93,7 @@ class HierarchicalCheckpointIO(CheckpointIO):
         repl_strategy: Any = None,
         persist_to_disk: bool = True,
         async_save: bool = True,
+        overlap: bool = False,
     ) -> None:
         if type(every_n_train_steps) is not int or every_n_train_steps < 1:
             raise LightningUsageError(
@@ -97,6 +106,9 @@ class HierarchicalCheckpointIO(CheckpointIO):
         )
         self.async_save = async_save
         self.get_global_ckpt_iteration_fn: Any = None
+        self.overlap = overlap
+        if overlap:  # the saved tensors stay as they were until their copies are done
+            self._fence = register_optimizer_step_pre_hook(lambda *_: self.manager.fence())
 
     @classmethod
     def get_partial_wrapper_constructor(
@@ -131,6 +143,11 @@ class HierarchicalCheckpointIO(CheckpointIO):
                 f"{type(wrapped).__name__} (ftrun stores no pickled objects)"
             )
         storable = BasicTensorAwareStateDict(state_codec.encode(wrapped.state_dict))
+        if self.overlap:
+            if self.manager.saving:  # the training never waits for node memory
+                self.skipped += 1
+                return None
+            return self.manager.save(storable, step, overlap=True)
         async_save = self.async_save if is_async is None else is_async
         return self.manager.save(storable, step, is_async=async_save)
 
@@ -170,7 +187,10 @@ class HierarchicalCheckpointIO(CheckpointIO):
         _note_step(Path(path), None)
 
     def teardown(self) -> None:
+        self.manager.fence()
         self.manager.wait()  # an async local save in flight becomes complete (or raises)
+        if self.overlap:
+            self._fence.remove()
         self.checkpoint_io.teardown()
 
     # ---- resume ----------------------------------------------------------------------------
