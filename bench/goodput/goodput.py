@@ -378,10 +378,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     for run in range(args.runs):
         for setting in settings(args):
             progress(f"run {run + 1}: {setting.name}")
-            results.setdefault(setting.name, []).append(one_run(setting, args))
+            try:
+                result = one_run(setting, args)
+            except RuntimeError as exc:  # one setting's failure leaves the others' figures
+                progress(f"  failed: {exc}")
+                continue
+            results.setdefault(setting.name, []).append(result)
+            progress(summary(*result))
     report(results, args)
     if args.json:
         write_json(results, args)
+
+
+def summary(goodput: float, faults: list[Fault], stall: float) -> str:
+    """One run's figures on one line, as they come (a killed bench keeps its output)."""
+    lost = [
+        f"{f.kind} {f.detect or 0:.2f}+{f.recover or 0:.2f} s, {f.redone} redone" for f in faults
+    ]
+    return f"  goodput {goodput:.3f}, stall {stall:.2f} s an interval; " + "; ".join(lost)
 
 
 def write_json(results: dict[str, list], args: argparse.Namespace) -> None:
