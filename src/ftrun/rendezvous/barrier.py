@@ -46,6 +46,7 @@ from ftrun.rendezvous.slots import Arrival, RoundView, plan_round, standbys
 from ftrun.store.ops import (
     add_then_wait_on,
     existing_keys,
+    get_if_exists,
     get_within,
     wait_for_keys,
     waits_are_requests,
@@ -341,9 +342,8 @@ class BarrierRendezvousHandler(RendezvousHandler):
         self._store.compare_set(self._key(cycle, "closed"), "", blob)
 
     def _published_or_none(self, cycle: int) -> PublishedRound | None:
-        if not self._store.check([self._key(cycle, "closed")]):
-            return None
-        return self._published(cycle)
+        blob = get_if_exists(self._store, self._key(cycle, "closed"))
+        return None if blob is None else self._published(cycle, blob)
 
     def _await_next(self, cycle: int, deadline: float, interrupted: Callable[[], bool]) -> None:
         """A standby node's wait through a cycle (hours): on etcd, a look every 3 s (a watch and
@@ -356,10 +356,9 @@ class BarrierRendezvousHandler(RendezvousHandler):
     def _raise_if_excluded(self) -> None:
         """A standby node excluded while it waited (a re-run found it faulty) leaves with 5,
         also when the job ended meanwhile: the exclusion was said first."""
-        key = self.control.gone_key(self._descriptor().node)
-        if self._store.check([key]):
-            reason = self._store.get(key).decode()
-            raise NodeExcludedError(f"excluded while standing by: {reason}")
+        reason = get_if_exists(self._store, self.control.gone_key(self._descriptor().node))
+        if reason is not None:
+            raise NodeExcludedError(f"excluded while standing by: {reason.decode()}")
 
     def _check_waiting(
         self, deadline: float, interrupted: Callable[[], bool], ask_store: bool = True

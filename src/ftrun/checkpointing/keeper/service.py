@@ -139,18 +139,10 @@ class KeeperService(NodeService):
             log.error("checkpoint keeper: the job restores nothing: %s", decision.aborted)
         for session in sorted(set(decision.choices) | set(self.tier.sessions())):
             iteration = self._apply(rnd, session, decision)
-            got = run.fetched.get(session)
-            self._emit(
-                "ckpt_restore",
-                session=session,
-                iteration=iteration,
-                world_size=rnd.world_size,
-                fetched=got.parts if got else 0,
-                sources=got.sources if got else [],
-                bytes=got.bytes if got else 0,
-                seconds=seconds,
-                attempts=run.attempts,
-            )
+            got = run.fetched[session]  # a `Fetched` of nothing where nothing was fetched
+            self._emit("ckpt_restore", session=session, iteration=iteration,
+                       world_size=rnd.world_size, fetched=got.parts, sources=got.sources,
+                       bytes=got.bytes, seconds=seconds, attempts=run.attempts)  # fmt: skip
 
     def _apply(self, rnd: Round, session: str, decision: Decision) -> int:
         """Write the session's decision and drop the parts it leaves behind; the iteration."""

@@ -70,13 +70,8 @@ class PartServer:
         finally:
             with self._lock:
                 self._receiving.discard(slot)
-        log.debug(
-            "checkpoint keeper: got %s of session %s from %s (%d bytes)",
-            label(key),
-            session,
-            request.peer,
-            request.nbytes,
-        )
+        log.debug("checkpoint keeper: got %s of session %s from %s (%d bytes)", label(key), session,
+                  request.peer, request.nbytes)  # fmt: skip
         return {"stored": True}
 
     def handle_fetch(self, request: Request) -> Reply:
