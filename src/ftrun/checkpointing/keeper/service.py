@@ -124,11 +124,8 @@ class KeeperService(NodeService):
             self.tier.clear_restore()
             decision = run.run()
         except Exception as exc:
-            log.error(
-                "checkpoint keeper: restore failed (%s): the workers of this node restore nothing",
-                exc,
-                exc_info=True,
-            )
+            log.error("checkpoint keeper: restore failed (%s): the workers of this node restore "
+                      "nothing", exc, exc_info=True)  # fmt: skip
             with contextlib.suppress(Exception):
                 run.abort(f"restore failed: {exc}")
             for session in self.tier.sessions():
@@ -155,13 +152,9 @@ class KeeperService(NodeService):
             and not self.tier.has(session, PartKey(choice.iteration, r, choice.world_size))
         ]
         if missing:  # cannot happen when every node follows the protocol: say so loudly
-            log.error(
-                "checkpoint keeper: session %s: iteration %d was agreed but ranks %s have "
-                "no part here: they restore nothing",
-                session,
-                choice.iteration,
-                missing,
-            )
+            log.error("checkpoint keeper: session %s: iteration %d was agreed but ranks %s "
+                      "have no part here: they restore nothing", session, choice.iteration,
+                      missing)  # fmt: skip
             self.tier.write_restore(session, RestoreDecision(-1, rnd.world_size))
             return -1
         self.tier.write_restore(session, RestoreDecision(choice.iteration, choice.world_size))
