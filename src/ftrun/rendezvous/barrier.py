@@ -241,13 +241,11 @@ class BarrierRendezvousHandler(RendezvousHandler):
         chosen = arrivals if error else plan_round(view)
         if chosen is None:
             return
-        published = PublishedRound(
-            rows=tuple(planning.rows[a.index] for a in chosen),
-            indices=tuple(a.index for a in chosen),
-            standby=tuple(a.node for a in standbys(arrivals, chosen, view.by_infra, view.aside)),
-            progress=self._progress(planning),
-            error=error,
-        )
+        spares = standbys(arrivals, chosen, view.by_infra, view.aside)
+        published = PublishedRound(rows=tuple(planning.rows[a.index] for a in chosen),
+                                   indices=tuple(a.index for a in chosen),
+                                   standby=tuple(a.node for a in spares),
+                                   progress=self._progress(planning), error=error)  # fmt: skip
         self._store.compare_set(self._key(cycle, "closed"), "", published.encode())
 
     def _view(self, planning: _Planning, arrivals: tuple[Arrival, ...], probe: bool) -> RoundView:
@@ -263,19 +261,12 @@ class BarrierRendezvousHandler(RendezvousHandler):
         waited = planning.min_since is not None and (
             time.monotonic() - planning.min_since >= config.last_call_timeout
         )
-        return RoundView(
-            max_nodes=config.max_nodes,
-            min_nodes=config.min_nodes,
-            arrivals=arrivals,
-            owners=owners,
-            by_infra=config.use_infra_group_rank,
-            gone=frozenset(planning.gone),
-            capacity=config.max_nodes - unhealthy - len(planning.gone - planning.gone_unhealthy),
-            last_call_over=waited,
-            aside=self.control.stepped_aside(planning.cycle)
-            if previous is not None
-            else frozenset(),
-        )
+        capacity = config.max_nodes - unhealthy - len(planning.gone - planning.gone_unhealthy)
+        aside = self.control.stepped_aside(planning.cycle) if previous is not None else frozenset()
+        return RoundView(max_nodes=config.max_nodes, min_nodes=config.min_nodes, arrivals=arrivals,
+                         owners=owners, by_infra=config.use_infra_group_rank,
+                         gone=frozenset(planning.gone), capacity=capacity, last_call_over=waited,
+                         aside=aside)  # fmt: skip
 
     def _find_gone(self, planning: _Planning, arrived: set[str]) -> None:
         """Previous members not back yet that left, reported themselves unhealthy, or whose

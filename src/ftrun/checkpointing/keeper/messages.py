@@ -78,14 +78,9 @@ def decode_decision(raw: bytes | str) -> Decision:
     choices = fields["choices"]
     if not isinstance(choices, dict):
         raise RestoreError("decision: choices is not an object")
-    return Decision(
-        attempt,
-        final,
-        {s: _choice(s, c) for s, c in choices.items()},
-        tuple(_nodes(fields["sources"])),
-        frozenset(_nodes(fields["excluded"])),
-        aborted,
-    )
+    return Decision(attempt, final, {s: _choice(s, c) for s, c in choices.items()},
+                    tuple(_nodes(fields["sources"])), frozenset(_nodes(fields["excluded"])),
+                    aborted)  # fmt: skip
 
 
 def encode_outcome(outcome: Outcome) -> str:

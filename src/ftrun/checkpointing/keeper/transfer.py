@@ -114,13 +114,8 @@ def push_part(
 ) -> bool:
     """Send the part open as `fd` with `sendfile`; True once the peer stored it. Raises
     `PeerError` (`PeerRemoteError` carries the peer's refusal)."""
-    reply = client.push(
-        *address,
-        PUSH,
-        part_request(session, key, cycle=cycle),
-        FileRegion(fd, 0, nbytes),
-        timeout=timeout,
-    )
+    reply = client.push(*address, PUSH, part_request(session, key, cycle=cycle),
+                        FileRegion(fd, 0, nbytes), timeout=timeout)  # fmt: skip
     return bool(reply.get("stored"))
 
 
