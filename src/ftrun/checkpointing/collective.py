@@ -3,23 +3,23 @@
 Under plain torchrun, when `torch.distributed` is initialized, `LocalCheckpointManager`'s
 `find_latest` and `load` are collective (every rank must call them, as in NVRx): `min_max`
 all-reduces (MIN) a CPU int64 tensor on the default group, a CUDA one if that group is
-NCCL-only; gloo needs nothing else. Without `torch.distributed`, each function answers for
-this process alone.
+NCCL-only (`async_progress.agree_min`); gloo needs nothing else. Without `torch.distributed`,
+each function answers for this process alone.
 """
 
 from __future__ import annotations
 
 import os
 
-import torch
 import torch.distributed as dist
 
+from ftrun.checkpointing.async_progress import agree_min, distributed
 from ftrun.checkpointing.errors import CheckpointUsageError
 
 
 def rank_and_world_size() -> tuple[int, int]:
     """From torch.distributed when initialized, else torchrun's RANK/WORLD_SIZE, else 0 of 1."""
-    if _distributed():
+    if distributed():
         return dist.get_rank(), dist.get_world_size()
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     if not 0 <= rank < world_size:
@@ -29,11 +29,8 @@ def rank_and_world_size() -> tuple[int, int]:
 
 def min_max(value: int) -> tuple[int, int]:
     """(min, max) of `value` over all ranks: one all-reduce MIN of (value, -value)."""
-    if not _distributed():
-        return value, value
-    both = torch.tensor([value, -value], dtype=torch.int64, device=_collective_device())
-    dist.all_reduce(both, op=dist.ReduceOp.MIN)
-    return int(both[0]), -int(both[1])
+    low, neg_high = agree_min([value, -value])
+    return low, -neg_high
 
 
 def all_true(flag: bool) -> bool:
@@ -49,14 +46,3 @@ def _env_int(name: str, default: int) -> int:
         return int(text)
     except ValueError:
         raise CheckpointUsageError(f"{name}={text!r} is not an integer") from None
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _collective_device() -> torch.device:
-    """CPU, unless the default group only speaks NCCL (which cannot reduce CPU tensors)."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -160,15 +160,10 @@ def _read_header(fd: int, size: int, path: Path) -> Header:
 
 
 def part_info(path: Path, size: int, header: Header, verified: bool) -> PartInfo:
-    return PartInfo(
-        path=str(path),
-        iteration=header.iteration,
-        nbytes=size,
-        tensor_count=len(header.entries),
-        tensor_bytes=size - PREFIX_BYTES - header.header_len,
-        checksums_verified=verified,
-        metadata=header.user_metadata,
-    )
+    return PartInfo(path=str(path), iteration=header.iteration, nbytes=size,
+                    tensor_count=len(header.entries),
+                    tensor_bytes=size - PREFIX_BYTES - header.header_len,
+                    checksums_verified=verified, metadata=header.user_metadata)  # fmt: skip
 
 
 def _open_for_reading(path: Path) -> int:

@@ -93,10 +93,7 @@ def files_of_rank(names: Iterable[str], rank: int, world_size: int) -> list[str]
 
 
 def encode_entries(entries: Mapping[str, FileEntry]) -> bytes:
-    return json.dumps(
-        {name: [e.size, f"{e.crc32c:08x}"] for name, e in sorted(entries.items())},
-        separators=(",", ":"),
-    ).encode()
+    return json.dumps(_as_json(entries), separators=(",", ":")).encode()
 
 
 def decode_entries(raw: bytes) -> dict[str, FileEntry]:
@@ -111,7 +108,12 @@ def decode_entries(raw: bytes) -> dict[str, FileEntry]:
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
-    body = _manifest_body(manifest)
+    body: dict[str, Any] = {
+        "format": MANIFEST_FORMAT,
+        "iteration": manifest.iteration,
+        "world_size": manifest.world_size,
+        "files": _as_json(manifest.files),
+    }
     body["manifest_crc32c"] = f"{checksum(canonical(body)):08x}"
     return canonical(body) + b"\n"
 
@@ -144,13 +146,8 @@ def retention(visible: Iterable[int], saved: int, keep_last: int) -> list[int]:
     return at_or_below[: max(0, len(at_or_below) - keep_last)] + newer
 
 
-def _manifest_body(manifest: Manifest) -> dict[str, Any]:
-    return {
-        "format": MANIFEST_FORMAT,
-        "iteration": manifest.iteration,
-        "world_size": manifest.world_size,
-        "files": {n: [e.size, f"{e.crc32c:08x}"] for n, e in sorted(manifest.files.items())},
-    }
+def _as_json(entries: Mapping[str, FileEntry]) -> dict[str, list[Any]]:
+    return {name: [e.size, f"{e.crc32c:08x}"] for name, e in sorted(entries.items())}
 
 
 def _entry(name: Any, value: Any) -> FileEntry:

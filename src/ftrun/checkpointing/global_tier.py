@@ -125,13 +125,8 @@ class GlobalCheckpointManager:
         writer = FileSystemWriter(
             tmp, sync_files=self.config.sync_files, thread_count=self.config.thread_count
         )
-        future = dcp.async_save(
-            state_dict,
-            storage_writer=writer,
-            async_stager=self._stager,
-            process_group=self._pg,
-            no_dist=self._pg is None,
-        )
+        future = dcp.async_save(state_dict, storage_writer=writer, async_stager=self._stager,
+                                process_group=self._pg, no_dist=self._pg is None)  # fmt: skip
         request = AsyncRequest(
             self._checksum_own_files, (future, tmp), [partial(self._publish, iteration, tmp)]
         )
@@ -193,13 +188,9 @@ class GlobalCheckpointManager:
         if agree_min([0 if problem else 1])[0] == 0:
             self._set_aside(iteration, problem or "a file failed its check on another rank")
         try:
-            dcp.load(
-                state_dict,
-                storage_reader=SafeFileSystemReader(directory),
-                planner=SafeLoadPlanner(),
-                process_group=self._pg,
-                no_dist=self._pg is None,
-            )
+            dcp.load(state_dict, storage_reader=SafeFileSystemReader(directory),
+                     planner=SafeLoadPlanner(), process_group=self._pg,
+                     no_dist=self._pg is None)  # fmt: skip
         except Exception as e:  # DCP gathers every rank's error: all ranks are here
             self._set_aside(iteration, f"DCP could not load it: {type(e).__name__}: {e}")
         logger.info("loaded global checkpoint %d from %s", iteration, directory)

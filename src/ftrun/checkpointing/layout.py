@@ -199,16 +199,12 @@ def decode_header(raw: bytes, data_size: int) -> Header:
     del header[METADATA]
     entries = _entries(header)
     _check_packed(entries, data_size)
-    return Header(
-        entries=entries,
-        iteration=_parse_int(metadata.get(KEY_ITERATION), KEY_ITERATION),
-        skeleton_json=_required(metadata, KEY_SKELETON),
-        crcs=_parse_crcs(_required(metadata, KEY_CRC), len(entries)),
-        user_metadata=MappingProxyType(
-            {k: v for k, v in metadata.items() if not k.startswith(RESERVED)}
-        ),
-        header_len=len(raw),
-    )
+    user = {k: v for k, v in metadata.items() if not k.startswith(RESERVED)}
+    return Header(entries=entries,
+                  iteration=_parse_int(metadata.get(KEY_ITERATION), KEY_ITERATION),
+                  skeleton_json=_required(metadata, KEY_SKELETON),
+                  crcs=_parse_crcs(_required(metadata, KEY_CRC), len(entries)),
+                  user_metadata=MappingProxyType(user), header_len=len(raw))  # fmt: skip
 
 
 def _header(

@@ -156,17 +156,11 @@ class PendingPart:
             if isinstance(e, OSError):
                 raise _write_error(self.path, e) from e
             raise
-        return PartInfo(
-            path=str(self.path),
-            iteration=int(layout.metadata[KEY_ITERATION]),
-            nbytes=layout.total,
-            tensor_count=len(layout.entries),
-            tensor_bytes=layout.data_size,
-            checksums_verified=True,
-            metadata=MappingProxyType(
-                {k: v for k, v in layout.metadata.items() if not k.startswith(RESERVED)}
-            ),
-        )
+        user = {k: v for k, v in layout.metadata.items() if not k.startswith(RESERVED)}
+        return PartInfo(path=str(self.path), iteration=int(layout.metadata[KEY_ITERATION]),
+                        nbytes=layout.total, tensor_count=len(layout.entries),
+                        tensor_bytes=layout.data_size, checksums_verified=True,
+                        metadata=MappingProxyType(user))  # fmt: skip
 
     def abort(self) -> None:
         """Drop the temp file; the part at `path`, if any, stays as it was."""

@@ -55,11 +55,6 @@ class CliqueReplicationStrategy:
         first = rank // block * block + rank % jump
         return tuple(first + i * jump for i in range(factor))
 
-    def cliques(self, world_size: int) -> tuple[tuple[int, ...], ...]:
-        """Every clique of a job of `world_size` ranks, ordered by their first rank."""
-        self.check_world_size(world_size)
-        return tuple(sorted({self.clique_of(rank, world_size) for rank in range(world_size)}))
-
     def check_world_size(self, world_size: int) -> None:
         """Raise `CheckpointUsageError` unless `world_size` splits into whole cliques."""
         block = self.replication_jump * self.replication_factor

@@ -112,7 +112,9 @@ class DirectoryStore:
         return f"DirectoryStore({str(self.root)!r})"
 
     def path_of(self, key: PartKey) -> Path:
-        return self.root / f"iter_{key.iteration:07d}" / _part_name(key.rank, key.world_size)
+        return (
+            self.root / iteration_dir_name(key.iteration) / part_file_name(key.rank, key.world_size)
+        )
 
     def prepare(
         self, key: PartKey, state: Any, metadata: Mapping[str, str], defer_copy: bool = False
@@ -147,7 +149,7 @@ class DirectoryStore:
         return _check_iteration(key, read_info(self.path_of(key)))
 
     def list(self, rank: int, world_size: int, complete_only: bool = True) -> list[PartKey]:
-        name = _part_name(rank, world_size)
+        name = part_file_name(rank, world_size)
         found = []
         for directory in _iteration_dirs(self.root):
             key = PartKey(int(directory.name[len("iter_") :]), rank, world_size)
@@ -203,7 +205,11 @@ class _Kept:
         self._pending.copy_host_tensors()
 
 
-def _part_name(rank: int, world_size: int) -> str:
+def iteration_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def part_file_name(rank: int, world_size: int) -> str:
     return f"rank{rank}-of{world_size}{SUFFIX}"
 
 

@@ -46,6 +46,7 @@ from ftrun.rendezvous.slots import Arrival, RoundView, plan_round, standbys
 from ftrun.store.ops import (
     add_then_wait_on,
     existing_keys,
+    get_if_exists,
     get_within,
     wait_for_keys,
     waits_are_requests,
@@ -240,13 +241,11 @@ class BarrierRendezvousHandler(RendezvousHandler):
         chosen = arrivals if error else plan_round(view)
         if chosen is None:
             return
-        published = PublishedRound(
-            rows=tuple(planning.rows[a.index] for a in chosen),
-            indices=tuple(a.index for a in chosen),
-            standby=tuple(a.node for a in standbys(arrivals, chosen, view.by_infra, view.aside)),
-            progress=self._progress(planning),
-            error=error,
-        )
+        spares = standbys(arrivals, chosen, view.by_infra, view.aside)
+        published = PublishedRound(rows=tuple(planning.rows[a.index] for a in chosen),
+                                   indices=tuple(a.index for a in chosen),
+                                   standby=tuple(a.node for a in spares),
+                                   progress=self._progress(planning), error=error)  # fmt: skip
         self._store.compare_set(self._key(cycle, "closed"), "", published.encode())
 
     def _view(self, planning: _Planning, arrivals: tuple[Arrival, ...], probe: bool) -> RoundView:
@@ -262,19 +261,12 @@ class BarrierRendezvousHandler(RendezvousHandler):
         waited = planning.min_since is not None and (
             time.monotonic() - planning.min_since >= config.last_call_timeout
         )
-        return RoundView(
-            max_nodes=config.max_nodes,
-            min_nodes=config.min_nodes,
-            arrivals=arrivals,
-            owners=owners,
-            by_infra=config.use_infra_group_rank,
-            gone=frozenset(planning.gone),
-            capacity=config.max_nodes - unhealthy - len(planning.gone - planning.gone_unhealthy),
-            last_call_over=waited,
-            aside=self.control.stepped_aside(planning.cycle)
-            if previous is not None
-            else frozenset(),
-        )
+        capacity = config.max_nodes - unhealthy - len(planning.gone - planning.gone_unhealthy)
+        aside = self.control.stepped_aside(planning.cycle) if previous is not None else frozenset()
+        return RoundView(max_nodes=config.max_nodes, min_nodes=config.min_nodes, arrivals=arrivals,
+                         owners=owners, by_infra=config.use_infra_group_rank,
+                         gone=frozenset(planning.gone), capacity=capacity, last_call_over=waited,
+                         aside=aside)  # fmt: skip
 
     def _find_gone(self, planning: _Planning, arrived: set[str]) -> None:
         """Previous members not back yet that left, reported themselves unhealthy, or whose
@@ -341,9 +333,8 @@ class BarrierRendezvousHandler(RendezvousHandler):
         self._store.compare_set(self._key(cycle, "closed"), "", blob)
 
     def _published_or_none(self, cycle: int) -> PublishedRound | None:
-        if not self._store.check([self._key(cycle, "closed")]):
-            return None
-        return self._published(cycle)
+        blob = get_if_exists(self._store, self._key(cycle, "closed"))
+        return None if blob is None else self._published(cycle, blob)
 
     def _await_next(self, cycle: int, deadline: float, interrupted: Callable[[], bool]) -> None:
         """A standby node's wait through a cycle (hours): on etcd, a look every 3 s (a watch and
@@ -356,10 +347,9 @@ class BarrierRendezvousHandler(RendezvousHandler):
     def _raise_if_excluded(self) -> None:
         """A standby node excluded while it waited (a re-run found it faulty) leaves with 5,
         also when the job ended meanwhile: the exclusion was said first."""
-        key = self.control.gone_key(self._descriptor().node)
-        if self._store.check([key]):
-            reason = self._store.get(key).decode()
-            raise NodeExcludedError(f"excluded while standing by: {reason}")
+        reason = get_if_exists(self._store, self.control.gone_key(self._descriptor().node))
+        if reason is not None:
+            raise NodeExcludedError(f"excluded while standing by: {reason.decode()}")
 
     def _check_waiting(
         self, deadline: float, interrupted: Callable[[], bool], ask_store: bool = True

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from torch.distributed import Store
 
 from ftrun.errors import ExitCode, RendezvousFailedError
-from ftrun.store.ops import existing_keys, read_now, wait_for_key, wait_for_keys
+from ftrun.store.ops import existing_keys, get_if_exists, read_now, wait_for_key, wait_for_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,8 +149,8 @@ class JobControl:
 
     def cause_of(self, cycle: int) -> str | None:
         """Why `cycle` ended; None while it has not (never waits: `get` would, on a missing key)."""
-        key = self._key(f"c{cycle}/cause")
-        return self._store.get(key).decode() if self._store.check([key]) else None
+        cause = get_if_exists(self._store, self._key(f"c{cycle}/cause"))
+        return None if cause is None else cause.decode()
 
     def wait_restart(self, cycle: int, timeout: float) -> bool:
         """Block until `cycle` ends or `timeout` passes; True if it ended."""
@@ -166,9 +166,7 @@ class JobControl:
         return current
 
     def shutdown_requested(self) -> Shutdown | None:
-        if not self._store.check([self._key("shutdown")]):
-            return None
-        return self._shutdown(self._store.get(self._key("shutdown")))
+        return self._shutdown(get_if_exists(self._store, self._key("shutdown")))
 
     def shutdown_and_cycle(self) -> tuple[Shutdown | None, int]:
         """`shutdown_requested()` and `cycle()`, in one request on a store that reads several
@@ -239,10 +237,8 @@ class JobControl:
 
     def stepped_aside(self, cycle: int) -> frozenset[str]:
         """The nodes that give up their slot in `cycle` (one read, whatever the job's size)."""
-        key = self._key(f"c{cycle}/aside")
-        if not self._store.check([key]):
-            return frozenset()
-        return frozenset(filter(None, self._store.get(key).decode().splitlines()))
+        aside = get_if_exists(self._store, self._key(f"c{cycle}/aside")) or b""
+        return frozenset(filter(None, aside.decode().splitlines()))
 
     def restarted_for_rerun(self, cycle: int) -> bool:
         """Whether `cycle` ended with a restart for a re-run elsewhere (`request_restart`)."""
@@ -299,12 +295,11 @@ class JobControl:
 
     def failure_history(self) -> tuple[FailureRecord, ...]:
         """The job's failures so far, oldest first (kept in the store for the job's life)."""
-        key = self._key("failure_log")
-        if not self._store.check([key]):
+        raw = get_if_exists(self._store, self._key("failure_log"))
+        if raw is None:
             return ()
-        self.known.failure_log = self._store.get(key)
-        lines = self.known.failure_log.decode().splitlines()
-        return tuple(map(FailureRecord.from_line, lines))
+        self.known.failure_log = raw
+        return tuple(map(FailureRecord.from_line, raw.decode().splitlines()))
 
     def request_collectives(self, cycle: int) -> None:
         """A hang in `cycle`: every node dumps its ranks' flight recorders before its stop."""

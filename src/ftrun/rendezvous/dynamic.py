@@ -47,19 +47,14 @@ class DynamicRendezvous:
         self.control = job_control(store, config.run_id)
         self._prefix = self.control.prefix
         self._descriptor = descriptor
+        timeout = RendezvousTimeout(join=_seconds(config.join_timeout),
+                                    last_call=_seconds(config.last_call_timeout),
+                                    close=_seconds(config.close_timeout))  # fmt: skip
         self.handler = DynamicRendezvousHandler.from_backend(
-            run_id=config.run_id,
-            store=store,
-            backend=C10dRendezvousBackend(store, config.run_id),
-            min_nodes=config.min_nodes,
-            max_nodes=config.max_nodes,
-            local_addr=config.local_addr,
-            timeout=RendezvousTimeout(
-                join=_seconds(config.join_timeout),
-                last_call=_seconds(config.last_call_timeout),
-                close=_seconds(config.close_timeout),
-            ),
-        )
+            run_id=config.run_id, store=store, backend=C10dRendezvousBackend(store, config.run_id),
+            min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
+            timeout=timeout,
+        )  # fmt: skip
 
     def join(self, interrupted: Callable[[], bool]) -> Round:
         """One torch round, then the descriptor exchange for the job's current cycle."""

@@ -77,13 +77,9 @@ class PublishedRound:
         body = json.loads(zlib.decompress(raw))
         if not isinstance(body, dict):  # a list of rows: a release before spares closed it
             raise DescriptorVersionError("the node that closed the round", "older than 3")
-        return cls(
-            rows=tuple(body["rows"]),
-            indices=tuple(body["indices"]),
-            standby=tuple(body["standby"]),
-            progress=Progress(body["best"], body["stalled"]),
-            error=body["error"],
-        )
+        return cls(rows=tuple(body["rows"]), indices=tuple(body["indices"]),
+                   standby=tuple(body["standby"]), progress=Progress(body["best"], body["stalled"]),
+                   error=body["error"])  # fmt: skip
 
     def nodes(self) -> tuple[NodeDescriptor, ...]:
         if self.error is not None:
@@ -95,11 +91,6 @@ class PublishedRound:
         nodes = self.nodes()  # raises for every participant and standby alike
         if index not in self.indices:
             return None
-        return Round(
-            cycle,
-            nodes,
-            self.indices.index(index),
-            standby=self.standby,
-            stalled_cycles=self.progress.stalled_cycles,
-            progress_known=self.progress.best_iteration is not None,
-        )
+        return Round(cycle, nodes, self.indices.index(index), standby=self.standby,
+                     stalled_cycles=self.progress.stalled_cycles,
+                     progress_known=self.progress.best_iteration is not None)  # fmt: skip

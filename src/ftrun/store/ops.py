@@ -31,6 +31,11 @@ def wait_for_keys(store: Store, keys: list[str], timeout: float) -> bool:
     return True
 
 
+def get_if_exists(store: Store, key: str) -> bytes | None:
+    """`key`'s value, or None when it does not exist (never waits: `get` would)."""
+    return store.get(key) if store.check([key]) else None
+
+
 def get_within(store: Store, key: str, timeout: float) -> bytes | None:
     """`key`'s value once it exists, or None after `timeout`. A store that hands the value over
     as it waits (`EtcdStore.get_within`: its watch carries it) does so in one request; any

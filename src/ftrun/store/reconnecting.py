@@ -28,6 +28,8 @@ from typing import TypeVar
 
 from torch.distributed import DistError, DistNetworkError, Store
 
+from ftrun.store.ops import get_if_exists
+
 log = logging.getLogger("ftrun.rendezvous")
 
 EPOCH_KEY = "ftrun-store/epoch"
@@ -148,7 +150,7 @@ class ReconnectingStore(Store):
                         self._where, first, self._window)  # fmt: skip
             try:
                 client = self._connect(self._window)
-                epoch = client.get(EPOCH_KEY) if client.check([EPOCH_KEY]) else None
+                epoch = get_if_exists(client, EPOCH_KEY)
             except (RuntimeError, TimeoutError, ValueError) as exc:
                 log.error("the rendezvous store at %s did not come back: %s", self._where, exc)
                 self._gone = f"{first} (and no store again: {exc})"

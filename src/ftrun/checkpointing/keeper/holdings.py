@@ -129,12 +129,8 @@ def choose(
         return Choice(-1, world_size, "no iteration is complete for every rank")
     iteration, size = max(complete, key=lambda c: (c[0], c[1] == world_size, c[1]))
     if size != world_size:
-        return Choice(
-            -1,
-            world_size,
-            f"the newest complete iteration, {iteration}, was saved by {size} ranks and this "
-            f"round has {world_size}: not restoring",
-        )
+        why = f"the newest complete iteration, {iteration}, was saved by {size} ranks"
+        return Choice(-1, world_size, f"{why} and this round has {world_size}: not restoring")
     return Choice(iteration, world_size)
 
 

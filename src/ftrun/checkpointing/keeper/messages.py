@@ -17,6 +17,7 @@ ignored: a message from another release must fail loudly.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -60,19 +61,10 @@ def decode_holdings(raw: bytes | str) -> Holdings:
 
 
 def encode_decision(decision: Decision) -> str:
-    return json.dumps(
-        {
-            "v": VERSION,
-            "attempt": decision.attempt,
-            "final": decision.final,
-            "sources": list(decision.sources),
-            "excluded": sorted(decision.excluded),
-            "aborted": decision.aborted,
-            "choices": {
-                s: [c.iteration, c.world_size, c.note] for s, c in sorted(decision.choices.items())
-            },
-        }
-    )
+    choices = {s: [c.iteration, c.world_size, c.note] for s, c in sorted(decision.choices.items())}
+    return json.dumps({"v": VERSION, "attempt": decision.attempt, "final": decision.final,
+                       "sources": list(decision.sources), "excluded": sorted(decision.excluded),
+                       "aborted": decision.aborted, "choices": choices})  # fmt: skip
 
 
 def decode_decision(raw: bytes | str) -> Decision:
@@ -86,14 +78,9 @@ def decode_decision(raw: bytes | str) -> Decision:
     choices = fields["choices"]
     if not isinstance(choices, dict):
         raise RestoreError("decision: choices is not an object")
-    return Decision(
-        attempt,
-        final,
-        {s: _choice(s, c) for s, c in choices.items()},
-        tuple(_nodes(fields["sources"])),
-        frozenset(_nodes(fields["excluded"])),
-        aborted,
-    )
+    return Decision(attempt, final, {s: _choice(s, c) for s, c in choices.items()},
+                    tuple(_nodes(fields["sources"])), frozenset(_nodes(fields["excluded"])),
+                    aborted)  # fmt: skip
 
 
 def encode_outcome(outcome: Outcome) -> str:
@@ -115,17 +102,8 @@ def part_request(
     session: str, key: PartKey, *, cycle: int | None = None, nbytes: int | None = None
 ) -> dict[str, Any]:
     """The fields of a push (with `cycle`) or a fetch (with `nbytes`) of one part."""
-    fields: dict[str, Any] = {
-        "session": session,
-        "iteration": key.iteration,
-        "rank": key.rank,
-        "world_size": key.world_size,
-    }
-    if cycle is not None:
-        fields["cycle"] = cycle
-    if nbytes is not None:
-        fields["nbytes"] = nbytes
-    return fields
+    extra = {name: n for name, n in (("cycle", cycle), ("nbytes", nbytes)) if n is not None}
+    return {"session": session, **dataclasses.asdict(key), **extra}
 
 
 def parse_part_request(header: Mapping[str, Any], extra: str) -> tuple[str, PartKey, int]:

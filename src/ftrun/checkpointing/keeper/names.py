@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from ftrun.checkpointing.store import SUFFIX, PartKey
+from ftrun.checkpointing.store import SUFFIX, PartKey, iteration_dir_name, part_file_name
 
 SESSION_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _ITERATION_DIR_RE = re.compile(r"iter_(\d{7,18})")
@@ -47,14 +47,6 @@ def valid_key(iteration: object, rank: object, world_size: object) -> bool:
         and 1 <= world_size <= MAX_WORLD_SIZE  # type: ignore[operator]
         and 0 <= rank < world_size  # type: ignore[operator]
     )
-
-
-def iteration_dir_name(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
-
-
-def part_file_name(rank: int, world_size: int) -> str:
-    return f"rank{rank}-of{world_size}{SUFFIX}"
 
 
 def parse_iteration_dir(name: str) -> int | None:

@@ -197,19 +197,12 @@ class Replicator:
             )
             return
         started, sent = time.monotonic(), []
+        timeout = self._settings.transfer_timeout(nbytes)
         for target in targets:
             node = rnd.nodes[target]
+            address = (node.host, node.peer_port)
             try:
-                push_part(
-                    self._client,
-                    (node.host, node.peer_port),
-                    session,
-                    key,
-                    rnd.number,
-                    fd,
-                    nbytes,
-                    self._settings.transfer_timeout(nbytes),
-                )
+                push_part(self._client, address, session, key, rnd.number, fd, nbytes, timeout)
             except PeerError as exc:
                 log.warning(
                     "checkpoint keeper: could not copy %s to %s: %s", label(key), node.node, exc
@@ -217,16 +210,9 @@ class Replicator:
                 continue
             sent.append(node.node)
         if sent:
-            self._emit(
-                "ckpt_replicated",
-                session=session,
-                iteration=key.iteration,
-                rank=key.rank,
-                to=sent,
-                bytes=nbytes,
-                seconds=round(time.monotonic() - started, 6),
-                lag=round(max(time.time() - os.fstat(fd).st_mtime, 0.0), 6),
-            )
+            self._emit("ckpt_replicated", session=session, iteration=key.iteration, rank=key.rank,
+                       to=sent, bytes=nbytes, seconds=round(time.monotonic() - started, 6),
+                       lag=round(max(time.time() - os.fstat(fd).st_mtime, 0.0), 6))  # fmt: skip
 
     def _complain(self, topic: str, message: str, *args: Any) -> None:
         """Log a problem once while it stays the same (a poll every 0.2 s must not flood)."""

@@ -231,24 +231,12 @@ class RestoreRun:
             if timeout <= 0 or nbytes > self._settings.max_part_bytes:
                 log.warning("checkpoint keeper: no time (or room) left to fetch %s", label(key))
                 return blamed
+            address = (node.host, node.peer_port)
             try:
-                fetch_part(
-                    self._client,
-                    self._tier,
-                    (node.host, node.peer_port),
-                    session,
-                    key,
-                    nbytes,
-                    timeout,
-                )
+                fetch_part(self._client, self._tier, address, session, key, nbytes, timeout)
             except (PeerError, PartRejectedError, CheckpointError) as exc:
-                log.warning(
-                    "checkpoint keeper: fetching %s of session %s from %s failed: %s",
-                    label(key),
-                    session,
-                    node.node,
-                    exc,
-                )
+                log.warning("checkpoint keeper: fetching %s of session %s from %s failed: %s",
+                            label(key), session, node.node, exc)  # fmt: skip
                 blamed.add(holder)
                 continue
             except OSError as exc:  # this node's filesystem: another holder will not help
@@ -267,12 +255,6 @@ def _log_fallbacks(prev: Decision, settled: Decision) -> None:
     for session, choice in sorted(settled.choices.items()):
         before = prev.choices.get(session)
         if before is not None and before.iteration != choice.iteration:
-            log.warning(
-                "checkpoint keeper: session %s: iteration %d did not reach every node; "
-                "attempt %d restores %d%s",
-                session,
-                before.iteration,
-                settled.attempt,
-                choice.iteration,
-                f" ({choice.note})" if choice.note else "",
-            )
+            log.warning("checkpoint keeper: session %s: iteration %d did not reach every node; "
+                        "attempt %d restores %d%s", session, before.iteration, settled.attempt,
+                        choice.iteration, f" ({choice.note})" if choice.note else "")  # fmt: skip

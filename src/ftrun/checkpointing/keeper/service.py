@@ -124,11 +124,8 @@ class KeeperService(NodeService):
             self.tier.clear_restore()
             decision = run.run()
         except Exception as exc:
-            log.error(
-                "checkpoint keeper: restore failed (%s): the workers of this node restore nothing",
-                exc,
-                exc_info=True,
-            )
+            log.error("checkpoint keeper: restore failed (%s): the workers of this node restore "
+                      "nothing", exc, exc_info=True)  # fmt: skip
             with contextlib.suppress(Exception):
                 run.abort(f"restore failed: {exc}")
             for session in self.tier.sessions():
@@ -139,18 +136,10 @@ class KeeperService(NodeService):
             log.error("checkpoint keeper: the job restores nothing: %s", decision.aborted)
         for session in sorted(set(decision.choices) | set(self.tier.sessions())):
             iteration = self._apply(rnd, session, decision)
-            got = run.fetched.get(session)
-            self._emit(
-                "ckpt_restore",
-                session=session,
-                iteration=iteration,
-                world_size=rnd.world_size,
-                fetched=got.parts if got else 0,
-                sources=got.sources if got else [],
-                bytes=got.bytes if got else 0,
-                seconds=seconds,
-                attempts=run.attempts,
-            )
+            got = run.fetched[session]  # a `Fetched` of nothing where nothing was fetched
+            self._emit("ckpt_restore", session=session, iteration=iteration,
+                       world_size=rnd.world_size, fetched=got.parts, sources=got.sources,
+                       bytes=got.bytes, seconds=seconds, attempts=run.attempts)  # fmt: skip
 
     def _apply(self, rnd: Round, session: str, decision: Decision) -> int:
         """Write the session's decision and drop the parts it leaves behind; the iteration."""
@@ -163,13 +152,9 @@ class KeeperService(NodeService):
             and not self.tier.has(session, PartKey(choice.iteration, r, choice.world_size))
         ]
         if missing:  # cannot happen when every node follows the protocol: say so loudly
-            log.error(
-                "checkpoint keeper: session %s: iteration %d was agreed but ranks %s have "
-                "no part here: they restore nothing",
-                session,
-                choice.iteration,
-                missing,
-            )
+            log.error("checkpoint keeper: session %s: iteration %d was agreed but ranks %s "
+                      "have no part here: they restore nothing", session, choice.iteration,
+                      missing)  # fmt: skip
             self.tier.write_restore(session, RestoreDecision(-1, rnd.world_size))
             return -1
         self.tier.write_restore(session, RestoreDecision(choice.iteration, choice.world_size))

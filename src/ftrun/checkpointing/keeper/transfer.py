@@ -70,13 +70,8 @@ class PartServer:
         finally:
             with self._lock:
                 self._receiving.discard(slot)
-        log.debug(
-            "checkpoint keeper: got %s of session %s from %s (%d bytes)",
-            label(key),
-            session,
-            request.peer,
-            request.nbytes,
-        )
+        log.debug("checkpoint keeper: got %s of session %s from %s (%d bytes)", label(key), session,
+                  request.peer, request.nbytes)  # fmt: skip
         return {"stored": True}
 
     def handle_fetch(self, request: Request) -> Reply:
@@ -119,13 +114,8 @@ def push_part(
 ) -> bool:
     """Send the part open as `fd` with `sendfile`; True once the peer stored it. Raises
     `PeerError` (`PeerRemoteError` carries the peer's refusal)."""
-    reply = client.push(
-        *address,
-        PUSH,
-        part_request(session, key, cycle=cycle),
-        FileRegion(fd, 0, nbytes),
-        timeout=timeout,
-    )
+    reply = client.push(*address, PUSH, part_request(session, key, cycle=cycle),
+                        FileRegion(fd, 0, nbytes), timeout=timeout)  # fmt: skip
     return bool(reply.get("stored"))
 
 
