@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrun.errors import ConfigError
+from ftrun.owned_dir import replace_file
 
 DEFAULT_THRESHOLD = 0.75
 """NVRx's `identify_stragglers` default for every score kind."""
@@ -152,9 +153,7 @@ def write_control(log_dir: Path, overrides: Mapping[str, Any], base: StragglerCo
         current = ControlFile(path).changed() or {}
     merged = {**current, **overrides}
     base.with_overrides(merged)  # refuse what the agents would refuse
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    replace_file(path, json.dumps(merged, indent=1, sort_keys=True) + "\n")
     return path
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ from ftrun.lightning import nvrx_io, state_codec
 from ftrun.lightning._compat import CheckpointIO, TorchCheckpointIO
 from ftrun.lightning.errors import LightningUsageError
 from ftrun.lightning.local_callback import LocalCheckpointCallback
+from ftrun.owned_dir import replace_file
 
 log = logging.getLogger("ftrun.lightning")
 
@@ -267,9 +267,7 @@ def _note_step(path: Path, step: Any) -> None:
         index[path.name] = step
     else:
         return
-    tmp = path.parent / f".{INDEX_FILE}.{os.getpid()}.tmp"
     try:
-        tmp.write_text(json.dumps(index))
-        os.replace(tmp, path.parent / INDEX_FILE)
+        replace_file(path.parent / INDEX_FILE, json.dumps(index))
     except OSError as exc:  # the index is a hint: a missing one only costs name parsing
         log.warning("could not update %s: %s", path.parent / INDEX_FILE, exc)
