@@ -191,11 +191,7 @@ class _Timing:
 
 
 def _from_events(
-    number: int,
-    cycle: int,
-    in_cycle: Sequence[Event],
-    events: Sequence[Event],
-    timing: _Timing,
+    number: int, cycle: int, in_cycle: Sequence[Event], events: Sequence[Event], timing: _Timing
 ) -> Failure:
     """The first failure event is the cause; hangs of one cycle are one incident (the monitor
     flags every rank blocked behind the culprit at once: the flight recorders, or a stopped

@@ -138,10 +138,7 @@ class FeedThread:
     """The thread that copies the node's events and progress into the store."""
 
     def __init__(
-        self,
-        writer: FeedWriter,
-        progress: Callable[[], list[ProgressSnapshot]],
-        interval: float,
+        self, writer: FeedWriter, progress: Callable[[], list[ProgressSnapshot]], interval: float
     ) -> None:
         self.queue: queue.SimpleQueue[Mapping[str, Any]] = queue.SimpleQueue()
         self._writer, self._progress, self._interval = writer, progress, interval

@@ -43,13 +43,7 @@ from ftrun.rank_monitor.timings import DetectorSettings, TimingBatch
 from ftrun.rank_monitor.workload import WorkloadAction
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import NodeService, ServiceContext, ServiceRequest
-from ftrun.straggler.adopt import (
-    Choice,
-    choose_interval,
-    choose_name,
-    followed,
-    published_interval,
-)
+from ftrun.straggler.adopt import Choice, choose_interval, choose_name, followed, published_interval
 from ftrun.straggler.assemble import (
     Columns,
     asked_intervals,
