@@ -188,13 +188,11 @@ class HierarchicalCheckpointIO(CheckpointIO):
             if local >= step:
                 break
             if (loaded := self._try_global(path, map_location, weights_only)) is not None:
-                self.loaded_from = str(path)
                 return loaded
         if local >= 0 and (loaded := self._try_local()) is not None:
             return loaded
         for _step, path in _global_candidates(self._global_dirs):
             if (loaded := self._try_global(path, map_location, weights_only)) is not None:
-                self.loaded_from = str(path)
                 return loaded
         raise CheckpointNotFoundError(
             f"no loadable checkpoint: none local, none good in {list(map(str, self._global_dirs))}"
@@ -222,6 +220,7 @@ class HierarchicalCheckpointIO(CheckpointIO):
             log.warning("skipping checkpoint %s: %s: %s", path, type(exc).__name__, exc)
             return None
         log.info("resuming from %s (step %s)", path, loaded.get("global_step"))
+        self.loaded_from = str(path)
         return loaded
 
     def _load_global(
@@ -252,9 +251,7 @@ def _read_index(directory: Path) -> dict[str, int]:
         raw = json.loads((directory / INDEX_FILE).read_text())
     except (OSError, ValueError):
         return {}
-    if not isinstance(raw, dict):
-        return {}
-    return {k: v for k, v in raw.items() if type(v) is int}
+    return {k: v for k, v in raw.items() if type(v) is int} if isinstance(raw, dict) else {}
 
 
 def _note_step(path: Path, step: Any) -> None:
