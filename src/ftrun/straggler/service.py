@@ -190,11 +190,8 @@ class StragglerService(NodeService):
         self._label = name.value
         interval = followed(flag, own, self._published)
         if interval != self.interval:
-            log.info(
-                "straggler detector: a report every %g s (%s)",
-                interval,
-                _source(own, self._published),
-            )
+            why = _source(own, self._published)
+            log.info("straggler detector: a report every %g s (%s)", interval, why)
             self.interval = interval
         return own, name
 
