@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from ftrun.errors import ConfigError
-from ftrun.owned_dir import replace_file
 
 DEFAULT_THRESHOLD = 0.75
 """NVRx's `identify_stragglers` default for every score kind."""
@@ -153,7 +152,9 @@ def write_control(log_dir: Path, overrides: Mapping[str, Any], base: StragglerCo
         current = ControlFile(path).changed() or {}
     merged = {**current, **overrides}
     base.with_overrides(merged)  # refuse what the agents would refuse
-    replace_file(path, json.dumps(merged, indent=1, sort_keys=True) + "\n")
+    tmp = path.with_suffix(f".tmp{os.getpid()}")  # not owned_dir.replace_file: config is data
+    tmp.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(path)
     return path
 
 
