@@ -72,8 +72,7 @@ MEANINGS: dict[Env, str] = {
     "when both are installed",
     Env.MONITOR_REQUEST_TIMEOUT: "read by RankMonitorClient (when imported): seconds a request "
     "to the node's monitor may take (default 30)",
-    Env.NIC_SYSFS_ROOT: "read by the launcher: the NIC check's sysfs root "
-    "(`--ft-nic-sysfs-root`)",
+    Env.NIC_SYSFS_ROOT: "read by the launcher: the NIC check's sysfs root (`--ft-nic-sysfs-root`)",
 }
 
 

@@ -91,3 +91,11 @@ def _abandoned(
     finally:
         os.close(fd)  # also releases the lock just taken
     return True
+
+
+def replace_file(path: Path, data: str | bytes) -> None:
+    """Write `path` whole or not at all: a temp file of this process beside it, then a rename
+    (readers see the old file or the new one, never half of one)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    os.replace(tmp, path)

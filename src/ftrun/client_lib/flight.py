@@ -23,6 +23,8 @@ import sys
 import threading
 from pathlib import Path
 
+from ftrun.owned_dir import replace_file
+
 FR_DIR = "fr"
 """Under the job's IPC directory: the FIFOs and the dumps."""
 BUFFER_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
@@ -114,7 +116,5 @@ def _dump(target: Path) -> None:
             data = _recorded(torch._C._distributed_c10d)
         except Exception as exc:
             data = json.dumps({"unavailable": f"{type(exc).__name__}: {exc}"}).encode()
-    tmp = target.with_suffix(".tmp")
     with contextlib.suppress(OSError):
-        tmp.write_bytes(data if isinstance(data, bytes) else str(data).encode())
-        os.replace(tmp, target)
+        replace_file(target, data if isinstance(data, bytes) else str(data))

@@ -152,7 +152,7 @@ def write_control(log_dir: Path, overrides: Mapping[str, Any], base: StragglerCo
         current = ControlFile(path).changed() or {}
     merged = {**current, **overrides}
     base.with_overrides(merged)  # refuse what the agents would refuse
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp = path.with_suffix(f".tmp{os.getpid()}")  # not owned_dir.replace_file: config is data
     tmp.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     tmp.replace(path)
     return path

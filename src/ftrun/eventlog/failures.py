@@ -65,7 +65,7 @@ class CycleTimes:
         return self.stepping_at if by_progress else self.running_at
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Failure:
     """What ended a cycle, where, and what it cost. `kind` "restart": no failure event at all."""
 
@@ -74,11 +74,11 @@ class Failure:
     kind: str
     ts: float
     nodes: tuple[str, ...]
-    ranks: tuple[int, ...]
+    ranks: tuple[int, ...] = ()
     cause: str
-    exit_code: int | None
-    signal: str | None
-    hang: HangInfo | None
+    exit_code: int | None = None
+    signal: str | None = None
+    hang: HangInfo | None = None
     detection_s: float
     last_healthy: float
     """The last progress before the failure (process mode: its estimate)."""
@@ -86,8 +86,8 @@ class Failure:
     """Every rank stepping again (process mode: every worker started again); None: never."""
     recovery_s: float | None
     lost_s: float
-    secondary: tuple[str, ...]
-    notes: tuple[str, ...]
+    secondary: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
     redone_iterations: int | None = None
     """Iterations done again after the restart (None: the ranks report no iterations)."""
     redone_s: float | None = None
@@ -191,11 +191,7 @@ class _Timing:
 
 
 def _from_events(
-    number: int,
-    cycle: int,
-    in_cycle: Sequence[Event],
-    events: Sequence[Event],
-    timing: _Timing,
+    number: int, cycle: int, in_cycle: Sequence[Event], events: Sequence[Event], timing: _Timing
 ) -> Failure:
     """The first failure event is the cause; hangs of one cycle are one incident (the monitor
     flags every rank blocked behind the culprit at once: the flight recorders, or a stopped
@@ -262,13 +258,7 @@ def _restart_without_failure(
         kind=RESTART,
         ts=ts,
         nodes=tuple(dict.fromkeys(e.node for e in restarts)),
-        ranks=(),
         cause=cause,
-        exit_code=None,
-        signal=None,
-        hang=None,
-        secondary=(),
-        notes=(),
         **timing.costs(ts, 0.0),
     )
 

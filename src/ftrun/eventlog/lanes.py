@@ -9,14 +9,8 @@ from collections.abc import Sequence
 
 from ftrun.eventlog.reader import Event
 
-RENDEZVOUS, STARTING, RUNNING, STALLED, STOPPING, FINISHED = (
-    "rendezvous",
-    "starting",
-    "running",
-    "stalled",
-    "stopping",
-    "finished",
-)
+RENDEZVOUS, STARTING, RUNNING = "rendezvous", "starting", "running"
+STALLED, STOPPING, FINISHED = "stalled", "stopping", "finished"
 """Lane states. STARTING: workers up, not every local rank has stepped yet; RUNNING: stepping
 (without a progress report: workers up); STALLED: after the last progress, until stopped."""
 

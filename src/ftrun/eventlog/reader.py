@@ -124,15 +124,9 @@ def parse_line(line: str) -> Event | None:
     required = _REQUIRED.get(record["event"], {})  # unknown events are kept, for later tools
     if not _valid(record, required):
         return None
-    fields = {k: v for k, v in record.items() if k not in _COMMON}
-    return Event(
-        event=record["event"],
-        ts=float(record["ts"]),
-        mono=float(record["mono"]),
-        node=record["node"],
-        cycle=record["cycle"],
-        fields=types.MappingProxyType(fields),
-    )
+    fields = types.MappingProxyType({k: v for k, v in record.items() if k not in _COMMON})
+    ts, mono = float(record["ts"]), float(record["mono"])
+    return Event(record["event"], ts, mono, record["node"], record["cycle"], fields)
 
 
 def ints(value: object) -> tuple[int, ...]:

@@ -193,11 +193,7 @@ SCHEMA: Mapping[str, tuple[Field, ...]] = {
         _opt("survivors", INT),
         _opt("stopped", INT, "stopped processes sent SIGKILL at once, without the grace"),
     ),
-    "gpu_memory_reclaimed": (
-        _req("duration", NUM),
-        _opt("released", BOOL),
-        _opt("excess_mb", NUM),
-    ),
+    "gpu_memory_reclaimed": (_req("duration", NUM), _opt("released", BOOL), _opt("excess_mb", NUM)),
     "unhealthy": (_req("reason", STR),),
     "restart": (_opt("cause", STR),),
     "inprocess_recovered": (

@@ -35,7 +35,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -51,6 +50,7 @@ from ftrun.lightning import nvrx_io, state_codec
 from ftrun.lightning._compat import CheckpointIO, TorchCheckpointIO
 from ftrun.lightning.errors import LightningUsageError
 from ftrun.lightning.local_callback import LocalCheckpointCallback
+from ftrun.owned_dir import replace_file
 
 log = logging.getLogger("ftrun.lightning")
 
@@ -208,13 +208,11 @@ class HierarchicalCheckpointIO(CheckpointIO):
             if local >= step:
                 break
             if (loaded := self._try_global(path, map_location, weights_only)) is not None:
-                self.loaded_from = str(path)
                 return loaded
         if local >= 0 and (loaded := self._try_local()) is not None:
             return loaded
         for _step, path in _global_candidates(self._global_dirs):
             if (loaded := self._try_global(path, map_location, weights_only)) is not None:
-                self.loaded_from = str(path)
                 return loaded
         raise CheckpointNotFoundError(
             f"no loadable checkpoint: none local, none good in {list(map(str, self._global_dirs))}"
@@ -242,6 +240,7 @@ class HierarchicalCheckpointIO(CheckpointIO):
             log.warning("skipping checkpoint %s: %s: %s", path, type(exc).__name__, exc)
             return None
         log.info("resuming from %s (step %s)", path, loaded.get("global_step"))
+        self.loaded_from = str(path)
         return loaded
 
     def _load_global(
@@ -272,9 +271,7 @@ def _read_index(directory: Path) -> dict[str, int]:
         raw = json.loads((directory / INDEX_FILE).read_text())
     except (OSError, ValueError):
         return {}
-    if not isinstance(raw, dict):
-        return {}
-    return {k: v for k, v in raw.items() if type(v) is int}
+    return {k: v for k, v in raw.items() if type(v) is int} if isinstance(raw, dict) else {}
 
 
 def _note_step(path: Path, step: Any) -> None:
@@ -287,9 +284,7 @@ def _note_step(path: Path, step: Any) -> None:
         index[path.name] = step
     else:
         return
-    tmp = path.parent / f".{INDEX_FILE}.{os.getpid()}.tmp"
     try:
-        tmp.write_text(json.dumps(index))
-        os.replace(tmp, path.parent / INDEX_FILE)
+        replace_file(path.parent / INDEX_FILE, json.dumps(index))
     except OSError as exc:  # the index is a hint: a missing one only costs name parsing
         log.warning("could not update %s: %s", path.parent / INDEX_FILE, exc)

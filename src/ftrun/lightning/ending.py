@@ -31,6 +31,7 @@ from typing import Any
 
 from ftrun.environment import Env
 from ftrun.lightning._compat import EarlyStopping, Timer
+from ftrun.owned_dir import replace_file
 
 FLAG_NAME = "FINISHED"
 
@@ -107,6 +108,4 @@ def write_finished_flag(path: Path, ending: Ending, trainer: Any) -> None:
         "time": time.time(),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record) + "\n")
-    os.replace(tmp, path)
+    replace_file(path, json.dumps(record) + "\n")

@@ -63,12 +63,6 @@ class _TimeoutReadiness:
         self.saves_done = 0
         self.heartbeats_after_save = 0
 
-    def on_load(self) -> None:
-        self.loaded = True
-
-    def on_save_started(self) -> None:
-        self.saving = True
-
     def on_save_done(self) -> None:
         if self.saving:
             self.saving = False
@@ -77,9 +71,6 @@ class _TimeoutReadiness:
     def on_heartbeat(self) -> None:
         if self.saves_done and not self.saving:
             self.heartbeats_after_save += 1
-
-    def on_step(self) -> None:
-        self.steps += 1
 
     @property
     def ready(self) -> bool:
@@ -208,7 +199,7 @@ class FaultToleranceCallback(Callback):
                 fault.fire()  # inside the "step" section, where a real hang would be
         client.end_section(STEP_SECTION, iteration=step)
         self._heartbeat(step)
-        self._readiness.on_step()
+        self._readiness.steps += 1
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self.client is not None:
@@ -237,10 +228,10 @@ class FaultToleranceCallback(Callback):
             checkpoint[STATE_KEY] = {"timeouts": client.state_dict()}
         client.start_section(CHECKPOINT_SECTION)
         self._in_checkpointing = True
-        self._readiness.on_save_started()
+        self._readiness.saving = True
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        self._readiness.on_load()
+        self._readiness.loaded = True
         saved = checkpoint.get(STATE_KEY, {}).get("timeouts")
         if not saved or not self.calculate_timeouts or self.client is None:
             return
@@ -277,9 +268,8 @@ class FaultToleranceCallback(Callback):
             if merged != calculated:
                 client.load_state_dict(merged)
         if trainer.is_global_zero:
-            self.logger.info(
-                "fault tolerance: calculated timeouts: %s", client.calculated_timeouts()
-            )
+            calculated = client.calculated_timeouts()
+            self.logger.info("fault tolerance: calculated timeouts: %s", calculated)
 
     def _shutdown(self) -> None:
         client, self.client = self.client, None

@@ -55,32 +55,20 @@ class StragglerDetectionCallback(Callback):
         enable_ptl_logging: bool = True,
         profiling_interval: int = 1,
     ) -> None:
-        _check(
-            _number(report_time_interval) and report_time_interval > 0,
-            "report_time_interval must be a number > 0",
-            report_time_interval,
-        )
-        _check(
-            calc_relative_gpu_perf or calc_individual_gpu_perf,
-            "calc_relative_gpu_perf or calc_individual_gpu_perf must be True",
-            False,
-        )
-        _check(
-            type(num_gpu_perf_scores_to_print) is int and num_gpu_perf_scores_to_print >= 0,
-            "num_gpu_perf_scores_to_print must be an int >= 0",
-            num_gpu_perf_scores_to_print,
-        )
-        thresholds = {
-            "gpu_relative_perf_threshold": gpu_relative_perf_threshold,
-            "gpu_individual_perf_threshold": gpu_individual_perf_threshold,
-        }
-        for name, value in thresholds.items():
+        _check(_number(report_time_interval) and report_time_interval > 0,
+               "report_time_interval must be a number > 0", report_time_interval)  # fmt: skip
+        what = "calc_relative_gpu_perf or calc_individual_gpu_perf must be True"
+        _check(calc_relative_gpu_perf or calc_individual_gpu_perf, what, False)
+        _check(type(num_gpu_perf_scores_to_print) is int and num_gpu_perf_scores_to_print >= 0,
+               "num_gpu_perf_scores_to_print must be an int >= 0",
+               num_gpu_perf_scores_to_print)  # fmt: skip
+        for name, value in (
+            ("gpu_relative_perf_threshold", gpu_relative_perf_threshold),
+            ("gpu_individual_perf_threshold", gpu_individual_perf_threshold),
+        ):
             _check(_number(value) and 0 <= value <= 1, f"{name} must be in [0, 1]", value)
-        _check(
-            type(profiling_interval) is int and profiling_interval >= 1,
-            "profiling_interval must be an int >= 1",
-            profiling_interval,
-        )
+        _check(type(profiling_interval) is int and profiling_interval >= 1,
+               "profiling_interval must be an int >= 1", profiling_interval)  # fmt: skip
         self.report_time_interval = float(report_time_interval)
         self.calc_relative_gpu_perf = calc_relative_gpu_perf
         self.calc_individual_gpu_perf = calc_individual_gpu_perf

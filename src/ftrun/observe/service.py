@@ -68,23 +68,19 @@ class ObserveService(NodeService):
 
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self.metrics)
-        bind = self._config.bind
-        self._metrics_server = self._listen(
-            "metrics",
-            "metrics",
-            "/metrics",
-            port,
-            lambda: start_http_server(port, bind, registry)[0],
-        )
+
+        def start() -> Any:
+            return start_http_server(port, self._config.bind, registry)[0]
+
+        self._metrics_server = self._listen("metrics", "metrics", "/metrics", port, start)
 
     def on_round(self, rnd: Round) -> None:
         if self._feed is not None:
             if rnd.group_rank == 0:
                 self._serve_page()
             elif self._page is not None:
-                log.info(
-                    "status page: group rank 0 is now %s; it serves the page", rnd.nodes[0].node
-                )
+                moved = rnd.nodes[0].node
+                log.info("status page: group rank 0 is now %s; it serves the page", moved)
                 self._stop_page()
 
     def _page_status(self) -> Mapping[str, Any] | None:
@@ -138,10 +134,7 @@ class FeedThread:
     """The thread that copies the node's events and progress into the store."""
 
     def __init__(
-        self,
-        writer: FeedWriter,
-        progress: Callable[[], list[ProgressSnapshot]],
-        interval: float,
+        self, writer: FeedWriter, progress: Callable[[], list[ProgressSnapshot]], interval: float
     ) -> None:
         self.queue: queue.SimpleQueue[Mapping[str, Any]] = queue.SimpleQueue()
         self._writer, self._progress, self._interval = writer, progress, interval

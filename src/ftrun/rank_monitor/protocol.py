@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any, TypeAlias
 
 import msgpack
@@ -215,6 +216,10 @@ _TAGS: dict[type, str] = {
 }
 
 
+_LAST_FIELD_SINCE: dict[type, int] = {Hello: 2, Heartbeat: 2, SectionEnd: 2, Timings: 3}
+"""Messages whose last field came with a version: without it (None), the older frame."""
+
+
 def encode(message: Message) -> bytes:
     """The one frame that carries `message`, in the lowest version that can express it."""
     tag = _TAGS[type(message)]
@@ -229,17 +234,11 @@ def encode(message: Message) -> bytes:
             value = list(value)
         fields.append(value)
     version = 1
-    if isinstance(message, (Heartbeat, SectionEnd, Hello)):
-        last = message.warmup_iterations if isinstance(message, Hello) else message.iteration
-        if last is None:
-            fields.pop()  # the version-1 frame
+    if type(message) in _LAST_FIELD_SINCE:
+        if fields[-1] is None:
+            fields.pop()  # the older frame
         else:
-            version = 2
-    elif isinstance(message, Timings):
-        if message.settings is None:
-            fields.pop()  # the version-1 frame
-        else:
-            version = 3
+            version = _LAST_FIELD_SINCE[type(message)]
     return msgpack.packb([version, tag, *fields], use_bin_type=True)
 
 
@@ -256,20 +255,14 @@ def decode(frame: bytes) -> Message:
     version, tag, *fields = raw
     if type(version) is not int or not MIN_VERSION <= version <= VERSION:
         raise ProtocolError(f"unsupported protocol version {version!r}")
-    parser = _PARSERS.get(tag) if isinstance(tag, str) else None
-    if parser is None:
+    arities = _ARITIES.get(tag) if isinstance(tag, str) else None
+    if arities is None:
         raise ProtocolError(f"unknown message type {tag!r}")
-    if version >= 3 and tag in _V3_PARSERS:
-        parser = _V3_PARSERS[tag]
-    elif version >= 2 and tag in _V2_PARSERS:
-        parser = _V2_PARSERS[tag]
-    return parser(fields)
-
-
-def _arity(fields: list[Any], count: int, tag: str) -> list[Any]:
-    if len(fields) != count:
-        raise ProtocolError(f"{tag!r} takes {count} fields, got {len(fields)}")
-    return fields
+    allowed = arities[max(since for since in arities if since <= version)]
+    if len(fields) not in allowed:
+        counts = " or ".join(map(str, allowed))
+        raise ProtocolError(f"{tag!r} takes {counts} fields, got {len(fields)}")
+    return _PARSERS[tag](fields)
 
 
 def _int(value: object, what: str, low: int = 0, high: int = 2**62) -> int:
@@ -302,8 +295,12 @@ def _iteration(value: object) -> int:
     return _int(value, "iteration", high=MAX_ITERATION)
 
 
+def _rank(value: object) -> int:
+    return _int(value, "rank", high=2**31)
+
+
 def _parse_calc(fields: list[Any]) -> CalcTimeouts:
-    seq, heartbeat, sections, out_of_section, skip = _arity(fields, 5, "calc")
+    seq, heartbeat, sections, out_of_section, skip = fields
     if sections is not None:
         if not isinstance(sections, list) or len(sections) > MAX_SECTIONS:
             raise ProtocolError("calc sections must be nil or a list of names")
@@ -318,32 +315,24 @@ def _parse_calc(fields: list[Any]) -> CalcTimeouts:
 
 
 def _parse_reply(fields: list[Any]) -> Reply:
-    seq, ok, error, data = _arity(fields, 4, "reply")
+    seq, ok, error, data = fields
     if not isinstance(error, str) or len(error) > MAX_ERROR_LEN:
         raise ProtocolError("reply error must be a short string")
     return Reply(seq=_int(seq, "seq"), ok=_bool(ok, "reply ok"), error=error, data=data)
 
 
 def _parse_hello(fields: list[Any]) -> Hello:
-    """3 fields (version 1), or 4 with the warm-up iterations (version 2)."""
     seq, rank, pid, *warmup = fields
     return Hello(
-        seq=_int(seq, "seq"),
-        rank=_int(rank, "rank", high=2**31),
-        pid=_int(pid, "pid"),
-        warmup_iterations=_int(warmup[0], "warmup iterations", high=MAX_ITERATION)
-        if warmup
-        else None,
+        _int(seq, "seq"),
+        _rank(rank),
+        _int(pid, "pid"),
+        *(_int(n, "warmup iterations", high=MAX_ITERATION) for n in warmup),
     )
 
 
-def _parse_set(fields: list[Any]) -> SetTimeouts:
-    seq, timeouts = _arity(fields, 2, "set")
-    return SetTimeouts(seq=_int(seq, "seq"), timeouts=Timeouts.from_wire(timeouts))
-
-
 def _parse_control(fields: list[Any]) -> Control:
-    seq, action, description = _arity(fields, 3, "ctl")
+    seq, action, description = fields
     if type(action) is not int or action not in _ACTIONS:
         raise ProtocolError(f"a workload action must be one of {sorted(_ACTIONS)}")
     if not isinstance(description, str) or len(description) > MAX_DESCRIPTION_LEN:
@@ -352,57 +341,42 @@ def _parse_control(fields: list[Any]) -> Control:
 
 
 def _parse_timings(fields: list[Any]) -> Timings:
-    """3 fields (version 1), or 4 with the detector's settings (version 3)."""
     rank, pid, sections, *settings = fields
     return Timings(
-        rank=_int(rank, "rank", high=2**31),
-        pid=_int(pid, "pid"),
-        sections=parse_sections(sections, _name),
-        settings=parse_settings(settings[0]) if settings else None,
+        _rank(rank),
+        _int(pid, "pid"),
+        parse_sections(sections, _name),
+        *(parse_settings(s) for s in settings),
     )
 
 
-def _parse_inprocess(fields: list[Any]) -> InprocessNote:
-    rank, pid, report = fields
-    return InprocessNote(_int(rank, "rank", high=2**31), _int(pid, "pid"), Report.from_wire(report))
-
-
-def _bare(message: Message, tag: str):
-    def parse(fields: list[Any]) -> Message:
-        _arity(fields, 0, tag)
-        return message
-
-    return parse
-
-
-_PARSERS = {
-    "hello": lambda fields: _parse_hello(_arity(fields, 3, "hello")),
-    "hb": _bare(Heartbeat(), "hb"),
-    "ss": lambda fields: SectionStart(_name(_arity(fields, 1, "ss")[0])),
-    "se": lambda fields: SectionEnd(_name(_arity(fields, 1, "se")[0])),
-    "ea": _bare(EndAllSections(), "ea"),
+_ARITIES: dict[str, dict[int, tuple[int, ...]]] = {
+    "hello": {1: (3,), 2: (3, 4)},  # version 2: the warm-up iterations, optional
+    "hb": {1: (0,), 2: (1,)},  # version 2: the iteration
+    "ss": {1: (1,)},
+    "se": {1: (1,), 2: (2,)},  # version 2: the iteration
+    "ea": {1: (0,)},
+    "calc": {1: (5,)},
+    "set": {1: (2,)},
+    "ctl": {1: (3,)},
+    "tm": {1: (3,), 3: (4,)},  # version 3: the detector's settings
+    "ip": {1: (3,)},
+    "bye": {1: (0,)},
+    "reply": {1: (4,)},
+}
+"""Each message's field counts, by the version that set them: a frame of version v has those of
+the newest entry at or below v."""
+_PARSERS: dict[str, Callable[[list[Any]], Message]] = {
+    "hello": _parse_hello,
+    "hb": lambda fields: Heartbeat(*map(_iteration, fields)),
+    "ss": lambda fields: SectionStart(_name(fields[0])),
+    "se": lambda fields: SectionEnd(_name(fields[0]), *map(_iteration, fields[1:])),
+    "ea": lambda fields: EndAllSections(),
     "calc": _parse_calc,
-    "set": _parse_set,
+    "set": lambda fields: SetTimeouts(_int(fields[0], "seq"), Timeouts.from_wire(fields[1])),
     "ctl": _parse_control,
-    "tm": lambda fields: _parse_timings(_arity(fields, 3, "tm")),
-    "ip": lambda fields: _parse_inprocess(_arity(fields, 3, "ip")),
-    "bye": _bare(Goodbye(), "bye"),
+    "tm": _parse_timings,
+    "ip": lambda f: InprocessNote(_rank(f[0]), _int(f[1], "pid"), Report.from_wire(f[2])),
+    "bye": lambda fields: Goodbye(),
     "reply": _parse_reply,
 }
-# Messages whose fields changed in version 2; the others read the same in every version.
-_V2_PARSERS = {
-    "hello": lambda fields: _parse_hello(
-        fields if len(fields) == 4 else _arity(fields, 3, "hello")
-    ),
-    "hb": lambda fields: Heartbeat(_iteration(_arity(fields, 1, "hb")[0])),
-    "se": lambda fields: _parse_section_end(_arity(fields, 2, "se")),
-}
-
-
-# Messages whose fields changed in version 3.
-_V3_PARSERS = {"tm": lambda fields: _parse_timings(_arity(fields, 4, "tm"))}
-
-
-def _parse_section_end(fields: list[Any]) -> SectionEnd:
-    name, iteration = fields
-    return SectionEnd(_name(name), _iteration(iteration))

@@ -58,6 +58,9 @@ _MAX_SLEEP_MS = 1000
 _CATCH_UP_S = 0.5
 _Hung = list[tuple[Peer, Overdue, float]]
 """Ranks judged hung at once: each registration, why, and when it was judged."""
+_Noted = tuple[Callable[..., None] | None, object, tuple[bytes, int] | None]
+"""For the owner: the callback, what it gets, and whom to acknowledge (identity, seq) once it
+took it (a control request) or not."""
 
 
 class RankMonitorServer:
@@ -95,12 +98,9 @@ class RankMonitorServer:
         self._capturer = StackCapturer(capture, config.stack_signal, config.stack_capture_timeout)
         self._status = status
         self._senders = TimingSenders(is_self_or_descendant)  # timings and in-process notes
-        self._timings: list[TimingBatch] = []  # likewise
-        self._inprocess: list[wire.InprocessNote] = []  # likewise
         self._lock = threading.Lock()
         self._ranks = RankRegistry()  # who may register, and who did
-        self._first_progress: list[FirstProgress] = []  # noted under the lock, sent after it
-        self._controls: list[tuple[bytes, int, WorkloadControl]] = []  # likewise, with whom to ack
+        self._noted: list[_Noted] = []  # under the lock, delivered after it
         self._deadlines = Deadlines()
         self._ctx = zmq.Context.instance()
         self._thread: threading.Thread | None = None
@@ -207,27 +207,20 @@ class RankMonitorServer:
             now = time.monotonic()
             with self._lock:
                 self._handle(frames, now)
-            if self._first_progress or self._controls or self._timings or self._inprocess:
+            if self._noted:
                 self._deliver()
         return True
 
     def _deliver(self) -> None:
         """Hand the owner what `_handle` noted; a control request is acknowledged once its
         callback took it, so the owner has it when the rank's call returns."""
-        noted, self._first_progress = self._first_progress, []
-        controls, self._controls = self._controls, []
-        timings, self._timings = self._timings, []
-        reports, self._inprocess = self._inprocess, []
-        for batch in timings:
-            self._call(self._on_timings, batch)
-        for report in reports:
-            self._call(self._on_inprocess, report)
-        for note in noted:
-            self._call(self._on_progress, note)
-        for identity, seq, control in controls:
-            log.info("%s", control.describe())
-            ok = self._call(self._on_control, control)
-            self._reply(identity, seq, error="" if ok else "the launcher did not take it")
+        noted, self._noted = self._noted, []
+        for callback, item, ack in noted:
+            if ack is not None:
+                log.info("%s", item.describe())  # type: ignore[attr-defined]
+            ok = self._call(callback, item)
+            if ack is not None:
+                self._reply(*ack, error="" if ok else "the launcher did not take it")
 
     def _call(self, callback: Callable[..., None] | None, item: object) -> bool:
         if callback is not None:
@@ -256,7 +249,7 @@ class RankMonitorServer:
             return
         if isinstance(message, wire.InprocessNote):
             if self._on_inprocess and self._sent_by_a_worker(identity, message.rank, message.pid):
-                self._inprocess.append(message)
+                self._noted.append((self._on_inprocess, message, None))
             return
         peer = self._ranks.peers.get(identity)
         if peer is None:
@@ -288,7 +281,7 @@ class RankMonitorServer:
             case wire.Control(seq=seq, action=action, description=text):
                 p, what = progress, WorkloadAction(action)
                 control = WorkloadControl(p.rank, p.pid, peer.spawned_pid, what, text, now)
-                self._controls.append((identity, seq, control))
+                self._noted.append((self._on_control, control, (identity, seq)))
             case wire.Goodbye():
                 del self._ranks.peers[identity]
                 return
@@ -299,7 +292,8 @@ class RankMonitorServer:
 
     def _note_first_progress(self, peer: Peer, now: float, iteration: int | None) -> None:
         p = peer.progress
-        self._first_progress.append(FirstProgress(p.rank, p.pid, peer.spawned_pid, now, iteration))
+        note = FirstProgress(p.rank, p.pid, peer.spawned_pid, now, iteration)
+        self._noted.append((self._on_progress, note, None))
 
     def _note_timings(self, identity: bytes, message: wire.Timings, now: float) -> None:
         if self._on_timings is None:
@@ -308,7 +302,7 @@ class RankMonitorServer:
         if spawned is None:
             return
         batch = TimingBatch(message.rank, spawned, message.sections, now, message.settings)
-        self._timings.append(batch)
+        self._noted.append((self._on_timings, batch, None))
 
     def _sent_by_a_worker(self, identity: bytes, rank: int, pid: int) -> int | None:
         """The pid spawned for `rank` if `pid` is it or its descendant (once per connection),
@@ -326,11 +320,8 @@ class RankMonitorServer:
             self._reply(identity, hello.seq, error=f"rank {hello.rank} is not expected here")
             return
         progress = RankProgress(hello.rank, hello.pid, now, initial_timeouts(self.config))
-        progress.warmup_iterations = (
-            self.config.num_warmup_iterations
-            if hello.warmup_iterations is None
-            else hello.warmup_iterations
-        )
+        warmup = hello.warmup_iterations
+        progress.warmup_iterations = self.config.num_warmup_iterations if warmup is None else warmup
         self._ranks.register(identity, progress, spawned_pid)
         self._reply(identity, hello.seq, data=progress.timeouts.to_wire())
         self._arm(identity, progress)
@@ -338,12 +329,9 @@ class RankMonitorServer:
     def _calculate(self, identity: bytes, progress: RankProgress, req: wire.CalcTimeouts) -> None:
         try:
             calculated = progress.calculated_timeouts(
-                self.config.safety_factor,
-                req.heartbeat,
-                req.sections,
-                req.out_of_section,
+                self.config.safety_factor, req.heartbeat, req.sections, req.out_of_section,
                 req.skip_if_not_ready,
-            )
+            )  # fmt: skip
             progress.timeouts = floored(self.config, calculated)
         except NotReadyError as exc:
             self._reply(identity, req.seq, error=str(exc))

@@ -119,25 +119,17 @@ class RankProgress:
 
     def next_overdue(self) -> Overdue | None:
         """The earliest deadline among the enabled checks, or None if nothing is watched."""
-        candidates = [c for c in self._candidates() if c is not None]
-        return min(candidates, key=lambda c: c.deadline, default=None)
-
-    def _candidates(self) -> list[Overdue | None]:
         t = self.timeouts
-        found: list[Overdue | None] = []
         if self.last_heartbeat is None:
-            found.append(
-                _overdue(HangKind.NO_FIRST_HEARTBEAT, self.registered_at, t.initial_heartbeat)
-            )
+            found = [_overdue(HangKind.NO_FIRST_HEARTBEAT, self.registered_at, t.initial_heartbeat)]
         else:
-            found.append(_overdue(HangKind.HEARTBEAT, self.last_heartbeat, t.heartbeat))
+            found = [_overdue(HangKind.HEARTBEAT, self.last_heartbeat, t.heartbeat)]
         for name, started in self.open_sections.items():
             found.append(_overdue(HangKind.SECTION, started, self._section_timeout(name), name))
         if self.out_of_section_since is not None:
-            found.append(
-                _overdue(HangKind.OUT_OF_SECTION, self.out_of_section_since, t.out_of_section)
-            )
-        return found
+            since = self.out_of_section_since
+            found.append(_overdue(HangKind.OUT_OF_SECTION, since, t.out_of_section))
+        return min((c for c in found if c is not None), key=lambda c: c.deadline, default=None)
 
     def _section_timeout(self, name: str) -> float | None:
         sections = self.timeouts.sections
@@ -212,6 +204,7 @@ def floored(config: RankMonitorConfig, timeouts: Timeouts) -> Timeouts:
         },
         out_of_section=floor(timeouts.out_of_section, given.out_of_section),
     )
+
 
 def initial_timeouts(config: RankMonitorConfig) -> Timeouts:
     """The timeouts a rank starts with, before any calculation or loaded state."""

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrun.environment import Env
+from ftrun.owned_dir import replace_file
 
 DIR = "rerun"
 _MAX_BYTES = 64 * 1024
@@ -51,9 +52,7 @@ def tell(fact: RerunFact, environ: os._Environ[str] | dict[str, str] = os.enviro
     folder = Path(ipc) / DIR
     folder.mkdir(mode=0o700, exist_ok=True)
     name = f"{fact.kind}-rank{fact.rank}-iter{fact.iteration}-{os.getpid()}.json"
-    tmp = folder / f".{name}.tmp"
-    tmp.write_text(json.dumps(dataclasses.asdict(fact)))
-    os.replace(tmp, folder / name)
+    replace_file(folder / name, json.dumps(dataclasses.asdict(fact)))
 
 
 def collect(job_dir: Path) -> list[RerunFact]:

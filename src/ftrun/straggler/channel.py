@@ -20,6 +20,7 @@ import zmq
 
 from ftrun.config.monitor import ENV_RANK
 from ftrun.environment import Env
+from ftrun.owned_dir import replace_file
 from ftrun.rank_monitor import protocol as wire
 from ftrun.rank_monitor.sender import MonitorSender
 from ftrun.rank_monitor.timings import DetectorSettings, SectionTimes
@@ -106,7 +107,4 @@ class ReportFile:
 
 def write_report(job_dir: Path, data: dict[str, Any]) -> None:
     """Atomically replace the node's report file (the agent's side of `ReportFile`)."""
-    path = job_dir / REPORT_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data), encoding="utf-8")
-    tmp.replace(path)
+    replace_file(job_dir / REPORT_FILE, json.dumps(data))

@@ -82,9 +82,7 @@ def local_report(sink: LocalSink, rank: int, node: str, history: History) -> Rep
     cpu = {name: durations[name, False] for name, gpu in durations if not gpu}
     gpu = {name: durations[name, True] for name, on in durations if on}
     return dataclasses.replace(
-        report,
-        local_section_summaries=_stats(cpu),
-        local_kernel_summaries=_stats(gpu),
+        report, local_section_summaries=_stats(cpu), local_kernel_summaries=_stats(gpu)
     )
 
 

@@ -43,13 +43,7 @@ from ftrun.rank_monitor.timings import DetectorSettings, TimingBatch
 from ftrun.rank_monitor.workload import WorkloadAction
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import NodeService, ServiceContext, ServiceRequest
-from ftrun.straggler.adopt import (
-    Choice,
-    choose_interval,
-    choose_name,
-    followed,
-    published_interval,
-)
+from ftrun.straggler.adopt import Choice, choose_interval, choose_name, followed, published_interval
 from ftrun.straggler.assemble import (
     Columns,
     asked_intervals,
@@ -196,11 +190,8 @@ class StragglerService(NodeService):
         self._label = name.value
         interval = followed(flag, own, self._published)
         if interval != self.interval:
-            log.info(
-                "straggler detector: a report every %g s (%s)",
-                interval,
-                _source(own, self._published),
-            )
+            why = _source(own, self._published)
+            log.info("straggler detector: a report every %g s (%s)", interval, why)
             self.interval = interval
         return own, name
 

@@ -81,14 +81,8 @@ def _draw_lanes(ax: Axes, report: Report, lanes: dict[str, int]) -> None:
                 if s.node == node and s.state == state
             ]
             if bars:
-                ax.broken_barh(
-                    bars,
-                    (lane - _BAR_HEIGHT / 2, _BAR_HEIGHT),
-                    facecolors=colour,
-                    edgecolor="white",
-                    linewidth=0.5,
-                    zorder=2,
-                )
+                ax.broken_barh(bars, (lane - _BAR_HEIGHT / 2, _BAR_HEIGHT), facecolors=colour,
+                               edgecolor="white", linewidth=0.5, zorder=2)  # fmt: skip
 
 
 def _draw_cycles(ax: Axes, report: Report) -> None:
@@ -100,17 +94,10 @@ def _draw_cycles(ax: Axes, report: Report) -> None:
         if i % 2:
             ax.axvspan(start, end, color="#000000", alpha=0.04, linewidth=0, zorder=0)
         ax.annotate(
-            f"cycle {cycle.number}",
-            xy=((start + end) / 2, 1.0),
-            xycoords=("data", "axes fraction"),
-            xytext=(0, 3),
-            textcoords="offset points",
-            ha="center",
-            va="bottom",
-            fontsize=9,
-            color="#444444",
-            annotation_clip=False,
-        )
+            f"cycle {cycle.number}", xy=((start + end) / 2, 1.0),
+            xycoords=("data", "axes fraction"), xytext=(0, 3), textcoords="offset points",
+            ha="center", va="bottom", fontsize=9, color="#444444", annotation_clip=False,
+        )  # fmt: skip
 
 
 def _draw_failure(ax: Axes, report: Report, failure: Failure, lanes: dict[str, int]) -> None:
@@ -119,16 +106,8 @@ def _draw_failure(ax: Axes, report: Report, failure: Failure, lanes: dict[str, i
     marker, colour = MARKERS.get(failure.kind, _OTHER_MARKER)
     ax.axvline(x, color=colour, linestyle="--", linewidth=1.1, alpha=0.8, zorder=3)
     rows = [lanes[n] for n in failure.nodes if n in lanes] or [len(lanes) - 0.5]
-    ax.scatter(
-        [x] * len(rows),
-        rows,
-        marker=marker,
-        s=150,
-        color=colour,
-        edgecolors="white",
-        linewidths=0.8,
-        zorder=5,
-    )
+    ax.scatter([x] * len(rows), rows, marker=marker, s=150, color=colour, edgecolors="white",
+               linewidths=0.8, zorder=5)  # fmt: skip
     _shade_lost(ax, report, failure, len(lanes))
     # a night of many restarts: numbers only, the text report has the details
     text = f"#{failure.number}"
@@ -159,17 +138,10 @@ def _note(
     grows leftwards, staying inside."""
     right_side = xy[0] > 0.7 * _span(report)
     ax.annotate(
-        text,
-        xy=xy,
-        xytext=(-8 if right_side else 8, above),
-        textcoords="offset points",
-        ha="right" if right_side else "left",
-        fontsize=8.5,
-        color=colour,
-        zorder=6,
-        bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": colour, "alpha": 0.85},
-        **style,
-    )
+        text, xy=xy, xytext=(-8 if right_side else 8, above), textcoords="offset points",
+        ha="right" if right_side else "left", fontsize=8.5, color=colour, zorder=6,
+        bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": colour, "alpha": 0.85}, **style,
+    )  # fmt: skip
 
 
 def _shade_startup(ax: Axes, report: Report, n_lanes: int) -> None:
@@ -188,30 +160,13 @@ def _shade_lost(ax: Axes, report: Report, failure: Failure, n_lanes: int) -> Non
 
 def _hatch(ax: Axes, report: Report, start: float, end: float, label: str, n_lanes: int) -> None:
     end = max(end, start + _MIN_WIDTH * _span(report))
-    ax.axvspan(
-        start,
-        end,
-        ymin=0,
-        ymax=1,
-        facecolor=_LOST_COLOUR,
-        alpha=0.10,
-        hatch="///",
-        edgecolor=_LOST_COLOUR,
-        linewidth=0,
-        zorder=1,
-    )
+    ax.axvspan(start, end, ymin=0, ymax=1, facecolor=_LOST_COLOUR, alpha=0.10, hatch="///",
+               edgecolor=_LOST_COLOUR, linewidth=0, zorder=1)  # fmt: skip
     ax.annotate(
-        label,
-        xy=((start + end) / 2, n_lanes - 0.5),
-        xytext=(0, 2),
-        textcoords="offset points",
-        ha="center",
-        va="bottom",
-        fontsize=8,
-        color=_LOST_COLOUR,
-        zorder=6,
+        label, xy=((start + end) / 2, n_lanes - 0.5), xytext=(0, 2), textcoords="offset points",
+        ha="center", va="bottom", fontsize=8, color=_LOST_COLOUR, zorder=6,
         bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8},
-    )
+    )  # fmt: skip
 
 
 def _short_label(failure: Failure) -> str:
@@ -244,10 +199,8 @@ def _decorate(ax: Axes, fig: Figure, report: Report, lanes: dict[str, int]) -> N
     failures = ", ".join(f"{n} {k}" for k, n in kinds.items()) or "none"
     fig.suptitle(
         f"Job {report.outcome}: {len(report.nodes)} node(s), {len(report.cycles)} cycle(s), "
-        f"{len(report.failures)} failure(s) ({failures})",
-        fontsize=13,
-        fontweight="bold",
-    )
+        f"{len(report.failures)} failure(s) ({failures})", fontsize=13, fontweight="bold",
+    )  # fmt: skip
     if report.progress_reported:
         ratio = f"{report.effective_ratio:.0%} effective training (ETTR, from progress)"
     else:
@@ -255,12 +208,8 @@ def _decorate(ax: Axes, fig: Figure, report: Report, lanes: dict[str, int]) -> N
             f"no training progress reported: {report.effective_ratio:.0%} with workers up "
             "(process time)"
         )
-    ax.set_title(
-        f"{report.log_dir}  |  wall {duration_text(report.wall_s)}, {ratio}",
-        fontsize=9.5,
-        color="#444444",
-        pad=16,
-    )
+    title = f"{report.log_dir}  |  wall {duration_text(report.wall_s)}, {ratio}"
+    ax.set_title(title, fontsize=9.5, color="#444444", pad=16)
     handles = _legend_handles(report)
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 5))
 
