@@ -34,15 +34,10 @@ class CycleReport:
         self._started = 0.0
 
     def worker_exit(self, item: WorkerExited) -> None:
-        fields: dict[str, object] = {
-            "rank": item.rank,
-            "local_rank": item.local_rank,
-            "pid": item.pid,
-            "code": item.returncode,
-        }
-        if item.returncode < 0:
-            fields["signal"] = signal.Signals(-item.returncode).name
-        self.events.emit("worker_exited", **fields)
+        code = item.returncode
+        killed = {"signal": signal.Signals(-code).name} if code < 0 else {}
+        self.events.emit("worker_exited", rank=item.rank, local_rank=item.local_rank,
+                         pid=item.pid, code=code, **killed)  # fmt: skip
 
     def failure(self, signature: Signature, decision: str, reason: str) -> None:
         """A failure of this node, named, and what the policy made of it: an event, and a line
