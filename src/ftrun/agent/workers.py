@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from ftrun.agent.exits import ExitWaiter
+from ftrun.agent.output import FilteredCopy, filtered_log
 from ftrun.agent.placement.binding import prepare_binding
 from ftrun.agent.termination import die_with_parent
 from ftrun.config.agent import AgentConfig, Std
@@ -182,8 +183,6 @@ class WorkerGroup:
         self._events.put(WorkerExited(worker.local_rank, worker.rank, worker.proc.pid, code))
 
     def _relay(self, worker: Worker) -> None:
-        from ftrun.agent.output import filtered_log
-
         cfg = self._config
         for stream, flag, name, console, filters in (
             (worker.proc.stdout, Std.OUT, "stdout", sys.stdout, cfg.duplicate_stdout_filters),
@@ -192,13 +191,14 @@ class WorkerGroup:
             assert stream is not None
             show = self._shows(worker.local_rank, flag)
             prefix = f"[{cfg.role}{worker.rank}]:".encode()
-            target = worker.log_dir / f"{name}.log"
+            log = worker.log_dir / f"{name}.log"
             # --duplicate-*-filters: matching console lines, one file per stream and cycle
             filtered = filtered_log(worker.log_dir.parent, name) if show and filters else None
-            thread = self._start_thread(
-                functools.partial(_pump, stream, target, console, show, prefix, filters, filtered),
-                f"relay-{name}-rank{worker.rank}",
-            )
+            args = (stream, log, console, show, prefix, filters, filtered)
+            thread = threading.Thread(target=_pump, args=args, daemon=True,
+                                      name=f"relay-{name}-rank{worker.rank}")  # fmt: skip
+            thread.start()
+            self._threads.append(thread)
             if name == "stderr":
                 worker.stderr_relay = thread
 
@@ -226,12 +226,6 @@ class WorkerGroup:
         except OSError:
             return ""
 
-    def _start_thread(self, target: object, name: str) -> threading.Thread:
-        thread = threading.Thread(target=target, name=name, daemon=True)  # type: ignore[arg-type]
-        thread.start()
-        self._threads.append(thread)
-        return thread
-
 
 def _pump(
     stream: IO[bytes],
@@ -244,8 +238,6 @@ def _pump(
 ) -> None:
     """Copy one worker stream to its log file, the console (when `show`) and, for the lines
     matching `filters`, the shared `filtered` file (`ftrun.agent.output`)."""
-    from ftrun.agent.output import FilteredCopy
-
     out = console.buffer if show else None
     with path.open("ab") as log_file, stream, FilteredCopy(filtered, filters, prefix) as copy:
         for line in iter(stream.readline, b""):

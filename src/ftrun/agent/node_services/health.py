@@ -132,11 +132,8 @@ def _reap(proc: subprocess.Popen[bytes]) -> None:
     try:
         proc.wait(timeout=_REAP_S)
     except subprocess.TimeoutExpired:
-        log.warning(
-            "health command (pid %d) still there %gs after SIGKILL; going on without it",
-            proc.pid,
-            _REAP_S,
-        )
+        log.warning("health command (pid %d) still there %gs after SIGKILL; going on without it",
+                    proc.pid, _REAP_S)  # fmt: skip
 
 
 def _last_line(output: IO[bytes]) -> str:

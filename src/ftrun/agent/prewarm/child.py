@@ -183,11 +183,8 @@ def _run(module: bool, target: str, args: list[str]) -> int | str:
             except IsADirectoryError:
                 source = None
             except OSError as exc:
-                print(
-                    f"{sys.executable}: can't open file {path!r}: "
-                    f"[Errno {exc.errno}] {exc.strerror}",
-                    file=sys.stderr,
-                )
+                print(f"{sys.executable}: can't open file {path!r}: [Errno {exc.errno}] "
+                      f"{exc.strerror}", file=sys.stderr)  # fmt: skip
                 return 2
             sys.argv = [target, *args]
             if source is None or _is_zip(path):  # a directory or zip app with a __main__.py
@@ -219,14 +216,9 @@ def _exec_main(path: str, source: bytes) -> None:
     from importlib.machinery import SourceFileLoader
 
     main = types.ModuleType("__main__")
-    main.__dict__.update(
-        __file__=path,
-        __cached__=None,
-        __loader__=SourceFileLoader("__main__", path),
-        __spec__=None,
-        __package__=None,
-        __builtins__=builtins,
-    )
+    main.__dict__.update(__file__=path, __cached__=None, __spec__=None, __package__=None,
+                         __loader__=SourceFileLoader("__main__", path),
+                         __builtins__=builtins)  # fmt: skip
     sys.modules["__main__"] = main
     exec(compile(source, path, "exec", dont_inherit=True), main.__dict__)
 

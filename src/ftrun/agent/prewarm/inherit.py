@@ -111,13 +111,8 @@ def _unbuffered_stdio() -> None:
             continue
         raw = io.FileIO(fd, "w", closefd=False)
         raw.name = f"<{name}>"  # type: ignore[misc]
-        new = io.TextIOWrapper(
-            raw,  # type: ignore[arg-type]
-            encoding=old.encoding,
-            errors=old.errors,
-            newline="\n",
-            write_through=True,
-        )
+        new = io.TextIOWrapper(raw, encoding=old.encoding, errors=old.errors,  # type: ignore[arg-type]
+                               newline="\n", write_through=True)  # fmt: skip
         new.mode = "w"  # type: ignore[misc]
         setattr(sys, f"__{name}__", new)
         setattr(sys, name, new)
