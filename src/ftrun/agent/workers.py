@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Protocol
 
-from ftrun.agent.exits import ExitWaiter
+from ftrun.agent.exits import Ending, ExitWaiter
 from ftrun.agent.output import FilteredCopy, filtered_log
 from ftrun.agent.placement.binding import prepare_binding
 from ftrun.agent.termination import die_with_parent
@@ -36,16 +36,11 @@ class WorkerExited:
     returncode: int
 
 
-class WorkerProcess(Protocol):
+class WorkerProcess(Ending, Protocol):
     """What the group needs of a started worker: `subprocess.Popen`'s shape."""
 
-    pid: int
     stdout: IO[bytes] | None
     stderr: IO[bytes] | None
-
-    def poll(self) -> int | None: ...
-
-    def wait(self, timeout: float | None = None) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,13 +25,8 @@ ETCD_PORT = 2379
 LOCAL_STORE = "127.0.0.1:0"
 """--standalone: a store on this host, on a port the OS picks."""
 _CONF_TIMEOUTS = ("join_timeout", "last_call_timeout", "close_timeout")
-_CONF_TORCH_ONLY = (
-    "heartbeat_timeout",
-    "keep_alive_interval",
-    "keep_alive_max_attempt",
-    "store_type",
-    "timeout",
-)
+_CONF_TORCH_ONLY = ("heartbeat_timeout", "keep_alive_interval", "keep_alive_max_attempt",
+                    "store_type", "timeout")  # fmt: skip
 """--rdzv-conf keys that torch's c10d/static rendezvous reads and ftrun's does not."""
 _CONF_KNOWN = (*_CONF_TIMEOUTS, "is_host", "read_timeout", *_CONF_TORCH_ONLY)
 

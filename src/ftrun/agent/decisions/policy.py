@@ -48,7 +48,7 @@ import dataclasses
 import signal
 
 from ftrun.agent.decisions import ladder
-from ftrun.agent.decisions.attribution import Signature
+from ftrun.agent.decisions.attribution import Signature, signal_name
 from ftrun.agent.decisions.observed import (
     AgentEvent,
     ControlRequested,
@@ -406,12 +406,7 @@ def _restart(cause: str) -> Action:
 
 def exit_text(code: int) -> str:
     """'exited with code 3' / 'was killed by SIGKILL'."""
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
+    return f"was killed by {signal_name(-code)}" if code < 0 else f"exited with code {code}"
 
 
 _S = AgentState
