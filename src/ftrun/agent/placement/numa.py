@@ -245,12 +245,8 @@ def _memory(nvml: Any, handle: Any, words: int, scope: int) -> frozenset[int]:
 
 def _bits(words: Iterable[int]) -> frozenset[int]:
     """NVML's bitmask (word i, bit b: item 64*i + b) as the set of items."""
-    return frozenset(
-        i * _WORD_BITS + bit
-        for i, word in enumerate(words)
-        for bit in range(_WORD_BITS)
-        if int(word) >> bit & 1
-    )
+    return frozenset(i * _WORD_BITS + bit for i, word in enumerate(words)
+                     for bit in range(_WORD_BITS) if int(word) >> bit & 1)  # fmt: skip
 
 
 def _read_cores(cpus: Iterable[int]) -> dict[int, int]:
