@@ -86,16 +86,10 @@ def spawn_process(
     # Parsed and looked up here: the child only makes system calls (see placement.binding).
     bind = prepare_binding(env)
     preexec = die_with_parent if bind is None else functools.partial(_bound_child, bind)
-    return subprocess.Popen(
-        list(argv),
-        env=dict(env),
-        stdin=stdin,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-        # Only prctl() and the binding's calls through preloaded libc: no lock after fork.
-        preexec_fn=preexec,  # noqa: PLW1509
-    )
+    # preexec_fn: only prctl() and the binding's calls through preloaded libc: no lock after fork.
+    return subprocess.Popen(list(argv), env=dict(env), stdin=stdin, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=preexec)  # noqa: PLW1509  # fmt: skip
 
 
 def _bound_child(bind: Callable[[], None]) -> None:

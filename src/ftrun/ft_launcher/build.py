@@ -136,15 +136,11 @@ def _health(opts: Resolved, environ: Mapping[str, str], notes: list[str]) -> Hea
     if opts.is_set("nic_sysfs_root") and not opts["enable_nic_healthcheck"]:
         notes.append(f"{opts.labels['nic_sysfs_root']} is ignored: the NIC health check is off")
     return HealthCheckConfig(
-        gpu=opts["gpu_health_check"],
-        nvlink=opts["gpu_health_check_nvlink"],
-        storage_paths=opts["storage_health_check_path"],
-        command=opts["node_health_check_cmd"],
-        nic=opts["enable_nic_healthcheck"],
-        nic_sysfs_root=opts["nic_sysfs_root"],
-        watch_interval=opts["health_interval"],
-        gpus=environ.get("CUDA_VISIBLE_DEVICES"),
-    )
+        gpu=opts["gpu_health_check"], nvlink=opts["gpu_health_check_nvlink"],
+        storage_paths=opts["storage_health_check_path"], command=opts["node_health_check_cmd"],
+        nic=opts["enable_nic_healthcheck"], nic_sysfs_root=opts["nic_sysfs_root"],
+        watch_interval=opts["health_interval"], gpus=environ.get("CUDA_VISIBLE_DEVICES"),
+    )  # fmt: skip
 
 
 # --- agent ------------------------------------------------------------------------------------

@@ -68,20 +68,13 @@ def rendezvous_config(opts: Resolved, notes: list[str]) -> RendezvousConfig:
             "window the store is `ftrun store`'s, and no agent serves it"
         )
     return RendezvousConfig(
-        endpoint=meeting.endpoint,
-        run_id=meeting.run_id,
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        impl=impl,
-        backend=meeting.backend,
-        is_host=True if meeting.local else is_host,
-        store_reconnect_timeout=reconnect,
-        use_infra_group_rank=opts["use_infra_group_rank"],
-        node_rank=meeting.node_rank,
-        local_addr=opts["local_addr"],
-        conf=MappingProxyType(conf),
+        endpoint=meeting.endpoint, run_id=meeting.run_id, min_nodes=min_nodes,
+        max_nodes=max_nodes, impl=impl, backend=meeting.backend,
+        is_host=True if meeting.local else is_host, store_reconnect_timeout=reconnect,
+        use_infra_group_rank=opts["use_infra_group_rank"], node_rank=meeting.node_rank,
+        local_addr=opts["local_addr"], conf=MappingProxyType(conf),
         **{key: value for key, value in timeouts.items() if value is not None},
-    )
+    )  # fmt: skip
 
 
 def _check_conf_keys(conf: Mapping[str, str], label: str, notes: list[str]) -> None:

@@ -97,13 +97,9 @@ class AgentRuntime:
 
     def descriptor(self) -> NodeDescriptor:
         return NodeDescriptor(
-            node=self.node,
-            host=self.host,
-            local_world_size=self.config.agent.nproc_per_node,
-            master_port=free_port(self.host),
-            infra_rank=self.infra_rank,
-            peer_port=self.peer_port,
-        )
+            node=self.node, host=self.host, local_world_size=self.config.agent.nproc_per_node,
+            master_port=free_port(self.host), infra_rank=self.infra_rank, peer_port=self.peer_port,
+        )  # fmt: skip
 
     def standing_by(self, cycle: int, active: tuple[str, ...]) -> None:
         self.stood_by = (cycle, len(active))
