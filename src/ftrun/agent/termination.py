@@ -135,18 +135,6 @@ class Termination(Protocol):
     def kill_now(self, pid: int) -> None: ...
 
 
-class _Processes:
-    """`Termination` over real processes (`terminate`, `kill_group_now`)."""
-
-    def terminate(
-        self, leaders: list[int], delivery: Delivery, keep: frozenset[int] = frozenset()
-    ) -> StopResult:
-        return terminate(leaders, delivery, keep)
-
-    def kill_now(self, pid: int) -> None:
-        kill_group_now(pid)
-
-
 def kill_group_now(pid: int) -> None:
     """SIGKILL the process group `pid` leads, and `pid` itself (in case it does not lead one
     yet); a process already gone is not an error."""
@@ -249,6 +237,13 @@ def _signal_all(leaders: list[int], procs: list[psutil.Process], sig: signal.Sig
     for proc in procs:
         with contextlib.suppress(psutil.Error):
             proc.send_signal(sig)
+
+
+class _Processes:
+    """`Termination` over real processes."""
+
+    terminate = staticmethod(terminate)
+    kill_now = staticmethod(kill_group_now)
 
 
 PROCESSES: Termination = _Processes()

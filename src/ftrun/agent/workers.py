@@ -19,7 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Protocol
 
-from ftrun.agent.exits import ExitWaiter
+from ftrun.agent.exits import Ending, ExitWaiter
+from ftrun.agent.output import FilteredCopy, filtered_log
 from ftrun.agent.placement.binding import prepare_binding
 from ftrun.agent.termination import die_with_parent
 from ftrun.config.agent import AgentConfig, Std
@@ -35,16 +36,11 @@ class WorkerExited:
     returncode: int
 
 
-class WorkerProcess(Protocol):
+class WorkerProcess(Ending, Protocol):
     """What the group needs of a started worker: `subprocess.Popen`'s shape."""
 
-    pid: int
     stdout: IO[bytes] | None
     stderr: IO[bytes] | None
-
-    def poll(self) -> int | None: ...
-
-    def wait(self, timeout: float | None = None) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,16 +86,10 @@ def spawn_process(
     # Parsed and looked up here: the child only makes system calls (see placement.binding).
     bind = prepare_binding(env)
     preexec = die_with_parent if bind is None else functools.partial(_bound_child, bind)
-    return subprocess.Popen(
-        list(argv),
-        env=dict(env),
-        stdin=stdin,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-        # Only prctl() and the binding's calls through preloaded libc: no lock after fork.
-        preexec_fn=preexec,  # noqa: PLW1509
-    )
+    # preexec_fn: only prctl() and the binding's calls through preloaded libc: no lock after fork.
+    return subprocess.Popen(list(argv), env=dict(env), stdin=stdin, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=preexec)  # noqa: PLW1509  # fmt: skip
 
 
 def _bound_child(bind: Callable[[], None]) -> None:
@@ -182,8 +172,6 @@ class WorkerGroup:
         self._events.put(WorkerExited(worker.local_rank, worker.rank, worker.proc.pid, code))
 
     def _relay(self, worker: Worker) -> None:
-        from ftrun.agent.output import filtered_log
-
         cfg = self._config
         for stream, flag, name, console, filters in (
             (worker.proc.stdout, Std.OUT, "stdout", sys.stdout, cfg.duplicate_stdout_filters),
@@ -192,13 +180,14 @@ class WorkerGroup:
             assert stream is not None
             show = self._shows(worker.local_rank, flag)
             prefix = f"[{cfg.role}{worker.rank}]:".encode()
-            target = worker.log_dir / f"{name}.log"
+            log = worker.log_dir / f"{name}.log"
             # --duplicate-*-filters: matching console lines, one file per stream and cycle
             filtered = filtered_log(worker.log_dir.parent, name) if show and filters else None
-            thread = self._start_thread(
-                functools.partial(_pump, stream, target, console, show, prefix, filters, filtered),
-                f"relay-{name}-rank{worker.rank}",
-            )
+            args = (stream, log, console, show, prefix, filters, filtered)
+            thread = threading.Thread(target=_pump, args=args, daemon=True,
+                                      name=f"relay-{name}-rank{worker.rank}")  # fmt: skip
+            thread.start()
+            self._threads.append(thread)
             if name == "stderr":
                 worker.stderr_relay = thread
 
@@ -226,12 +215,6 @@ class WorkerGroup:
         except OSError:
             return ""
 
-    def _start_thread(self, target: object, name: str) -> threading.Thread:
-        thread = threading.Thread(target=target, name=name, daemon=True)  # type: ignore[arg-type]
-        thread.start()
-        self._threads.append(thread)
-        return thread
-
 
 def _pump(
     stream: IO[bytes],
@@ -244,8 +227,6 @@ def _pump(
 ) -> None:
     """Copy one worker stream to its log file, the console (when `show`) and, for the lines
     matching `filters`, the shared `filtered` file (`ftrun.agent.output`)."""
-    from ftrun.agent.output import FilteredCopy
-
     out = console.buffer if show else None
     with path.open("ab") as log_file, stream, FilteredCopy(filtered, filters, prefix) as copy:
         for line in iter(stream.readline, b""):

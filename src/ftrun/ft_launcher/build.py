@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 from ftrun.agent.placement.numa import NumaError, NumaPlan, plan_launch
 from ftrun.config.agent import AgentConfig, HealthCheckConfig
@@ -85,32 +86,24 @@ def config_from(
         agent=_agent(opts, line, environ, devices, notes),
         rendezvous=rendezvous_config(opts, notes),
         monitor=RankMonitorConfig(
-            initial_rank_heartbeat_timeout=opts["initial_rank_heartbeat_timeout"],
-            rank_heartbeat_timeout=opts["rank_heartbeat_timeout"],
-            rank_section_timeouts=opts["rank_section_timeouts"],
-            rank_out_of_section_timeout=opts["rank_out_of_section_timeout"],
-            safety_factor=opts["safety_factor"],
+            **_same(opts, "initial_rank_heartbeat_timeout", "rank_heartbeat_timeout",
+                    "rank_section_timeouts", "rank_out_of_section_timeout", "safety_factor",
+                    "num_warmup_iterations"),
             calculated_timeout_floor=opts["workload_check_interval"],
-            num_warmup_iterations=opts["num_warmup_iterations"],
         ),
         health=_health(opts, environ, notes),
         log_level=opts["log_level"],
         warnings=tuple(notes),
         straggler=StragglerConfig(
             enabled=opts["straggler_detection"],
-            report_interval=opts["straggler_report_interval"],
-            gpu_relative_threshold=opts["straggler_gpu_relative_threshold"],
-            gpu_individual_threshold=opts["straggler_gpu_individual_threshold"],
-            section_relative_threshold=opts["straggler_section_relative_threshold"],
-            section_individual_threshold=opts["straggler_section_individual_threshold"],
             action=StragglerAction(opts["straggler_action"]),
+            **{field: opts[f"straggler_{field}"] for field in (
+                "report_interval", "gpu_relative_threshold", "gpu_individual_threshold",
+                "section_relative_threshold", "section_individual_threshold")},
         ),
-        observe=ObserveConfig(
-            metrics_port=opts["metrics_port"],
-            status_port=opts["status_port"],
-            bind=opts["status_bind"],
-        ),
-    )
+        observe=ObserveConfig(**_same(opts, "metrics_port", "status_port"),
+                              bind=opts["status_bind"]),
+    )  # fmt: skip
 
 
 def _unsupported(opts: Resolved) -> list[str]:
@@ -143,15 +136,11 @@ def _health(opts: Resolved, environ: Mapping[str, str], notes: list[str]) -> Hea
     if opts.is_set("nic_sysfs_root") and not opts["enable_nic_healthcheck"]:
         notes.append(f"{opts.labels['nic_sysfs_root']} is ignored: the NIC health check is off")
     return HealthCheckConfig(
-        gpu=opts["gpu_health_check"],
-        nvlink=opts["gpu_health_check_nvlink"],
-        storage_paths=opts["storage_health_check_path"],
-        command=opts["node_health_check_cmd"],
-        nic=opts["enable_nic_healthcheck"],
-        nic_sysfs_root=opts["nic_sysfs_root"],
-        watch_interval=opts["health_interval"],
-        gpus=environ.get("CUDA_VISIBLE_DEVICES"),
-    )
+        gpu=opts["gpu_health_check"], nvlink=opts["gpu_health_check_nvlink"],
+        storage_paths=opts["storage_health_check_path"], command=opts["node_health_check_cmd"],
+        nic=opts["enable_nic_healthcheck"], nic_sysfs_root=opts["nic_sysfs_root"],
+        watch_interval=opts["health_interval"], gpus=environ.get("CUDA_VISIBLE_DEVICES"),
+    )  # fmt: skip
 
 
 # --- agent ------------------------------------------------------------------------------------
@@ -179,33 +168,26 @@ def _agent(
     return AgentConfig(
         entrypoint=_entrypoint(opts, line, environ),
         nproc_per_node=nproc,
-        role=opts["role"],
-        max_restarts=opts["max_restarts"],
-        max_no_progress_cycles=opts["max_no_progress_cycles"],
-        max_same_failure=opts["max_same_failure"],
-        inprocess_max_restarts=opts["inprocess_max_restarts"],
-        inprocess_restart_window=opts["inprocess_restart_window"],
-        inprocess_abort_timeout=opts["inprocess_abort_timeout"],
-        health_action=opts["health_action"],
-        monitor_interval=opts["monitor_interval"],
         log_dir=Path(opts["log_dir"]) if opts["log_dir"] else None,
         redirects=_per_rank(opts["redirects"], nproc),
         tee=_per_rank(opts["tee"], nproc),
-        local_ranks_filter=opts["local_ranks_filter"],
         workers_stop_timeout=_stop_timeout(opts),
         termination_signal=_termination_signal(opts, notes),
-        signals_to_handle=opts["signals_to_handle"],
-        gpu_memory_reclaim_timeout=opts["gpu_memory_reclaim_timeout"],
-        gpu_memory_tolerance_mb=opts["gpu_memory_tolerance_mb"],
-        prewarm_modules=opts["prewarm_modules"],
-        prewarm_deep_modules=opts["prewarm_deep_modules"],
         prestart_workers=_prestart_workers(opts["prestart_workers"], environ),
         extra_env=MappingProxyType(extra_env),
-        duplicate_stdout_filters=opts["duplicate_stdout_filters"],
-        duplicate_stderr_filters=opts["duplicate_stderr_filters"],
-        virtual_local_rank=opts["virtual_local_rank"],
         numa_binding=_numa_plan(opts, nproc, environ),
-    )
+        **_same(opts, "role", "max_restarts", "max_no_progress_cycles", "max_same_failure",
+                "inprocess_max_restarts", "inprocess_restart_window", "inprocess_abort_timeout",
+                "health_action", "monitor_interval", "local_ranks_filter", "signals_to_handle",
+                "gpu_memory_reclaim_timeout", "gpu_memory_tolerance_mb", "prewarm_modules",
+                "prewarm_deep_modules", "duplicate_stdout_filters", "duplicate_stderr_filters",
+                "virtual_local_rank"),
+    )  # fmt: skip
+
+
+def _same(opts: Resolved, *names: str) -> dict[str, Any]:
+    """The values of the options `names`, by name: for the config fields named as they are."""
+    return {name: opts[name] for name in names}
 
 
 def _termination_signal(opts: Resolved, notes: list[str]) -> signal.Signals:

@@ -25,13 +25,8 @@ ETCD_PORT = 2379
 LOCAL_STORE = "127.0.0.1:0"
 """--standalone: a store on this host, on a port the OS picks."""
 _CONF_TIMEOUTS = ("join_timeout", "last_call_timeout", "close_timeout")
-_CONF_TORCH_ONLY = (
-    "heartbeat_timeout",
-    "keep_alive_interval",
-    "keep_alive_max_attempt",
-    "store_type",
-    "timeout",
-)
+_CONF_TORCH_ONLY = ("heartbeat_timeout", "keep_alive_interval", "keep_alive_max_attempt",
+                    "store_type", "timeout")  # fmt: skip
 """--rdzv-conf keys that torch's c10d/static rendezvous reads and ftrun's does not."""
 _CONF_KNOWN = (*_CONF_TIMEOUTS, "is_host", "read_timeout", *_CONF_TORCH_ONLY)
 
@@ -73,20 +68,13 @@ def rendezvous_config(opts: Resolved, notes: list[str]) -> RendezvousConfig:
             "window the store is `ftrun store`'s, and no agent serves it"
         )
     return RendezvousConfig(
-        endpoint=meeting.endpoint,
-        run_id=meeting.run_id,
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        impl=impl,
-        backend=meeting.backend,
-        is_host=True if meeting.local else is_host,
-        store_reconnect_timeout=reconnect,
-        use_infra_group_rank=opts["use_infra_group_rank"],
-        node_rank=meeting.node_rank,
-        local_addr=opts["local_addr"],
-        conf=MappingProxyType(conf),
+        endpoint=meeting.endpoint, run_id=meeting.run_id, min_nodes=min_nodes,
+        max_nodes=max_nodes, impl=impl, backend=meeting.backend,
+        is_host=True if meeting.local else is_host, store_reconnect_timeout=reconnect,
+        use_infra_group_rank=opts["use_infra_group_rank"], node_rank=meeting.node_rank,
+        local_addr=opts["local_addr"], conf=MappingProxyType(conf),
         **{key: value for key, value in timeouts.items() if value is not None},
-    )
+    )  # fmt: skip
 
 
 def _check_conf_keys(conf: Mapping[str, str], label: str, notes: list[str]) -> None:

@@ -88,11 +88,8 @@ def command() -> click.Command:
     params: list[click.Parameter] = [_click_param(opt) for opt in OPTIONS]
     params.append(click.Option(["help", "-h", "--help"], is_flag=True, help="Show this and exit."))
     params.append(click.Argument(["training_script"], required=False, metavar="SCRIPT"))
-    params.append(
-        click.Argument(
-            ["training_script_args"], nargs=-1, type=click.UNPROCESSED, metavar="[SCRIPT_ARGS]..."
-        )
-    )
+    params.append(click.Argument(["training_script_args"], nargs=-1, type=click.UNPROCESSED,
+                                 metavar="[SCRIPT_ARGS]..."))  # fmt: skip
     return click.Command(
         PROG,
         params=params,
@@ -145,17 +142,11 @@ def parse_argv(argv: Sequence[str]) -> CommandLine:
         ctx = command().make_context(PROG, _with_nvrx_forms(argv))
     except click.ClickException as err:
         raise ConfigError(" ".join(err.format_message().split())) from None
-    given = {
-        opt.name: ctx.params[opt.name]
-        for opt in OPTIONS
-        if ctx.get_parameter_source(opt.name) == ParameterSource.COMMANDLINE
-    }
-    return CommandLine(
-        given=given,
-        script=ctx.params["training_script"],
-        script_args=tuple(ctx.params["training_script_args"]),
-        help=bool(ctx.params["help"]),
-    )
+    given = {opt.name: ctx.params[opt.name] for opt in OPTIONS
+             if ctx.get_parameter_source(opt.name) == ParameterSource.COMMANDLINE}  # fmt: skip
+    params = ctx.params
+    return CommandLine(given, params["training_script"], tuple(params["training_script_args"]),
+                       bool(params["help"]))  # fmt: skip
 
 
 def help_text() -> str:

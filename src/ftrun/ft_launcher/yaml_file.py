@@ -62,18 +62,11 @@ def _find_sections(document: Any) -> list[tuple[str, Mapping[str, Any] | None]]:
         children = []
         for key, child in items:
             where = f"{location}[{key}]" if isinstance(node, list) else f"{location}.{key}"
-            if not _is_section(node, key, child):
+            section = isinstance(node, dict) and key == YAML_SECTION
+            if not (section and (child is None or isinstance(child, dict))):
                 children.append((where, child))
             elif child is None or id(child) not in found_ids:
                 found.append((where.lstrip("."), child))
                 found_ids.add(id(child))
         stack.extend(reversed(children))
     return found
-
-
-def _is_section(parent: dict[Any, Any] | list[Any], key: Any, child: Any) -> bool:
-    return (
-        isinstance(parent, dict)
-        and key == YAML_SECTION
-        and (child is None or isinstance(child, dict))
-    )

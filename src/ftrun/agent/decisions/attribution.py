@@ -119,7 +119,7 @@ def _exit(returncode: int, stderr_tail: str) -> Signature:
         return error
     fatal = _fatal_error(stderr_tail)
     if returncode < 0:
-        name = _signal_name(-returncode)
+        name = signal_name(-returncode)
         if fatal is not None:
             return dataclasses.replace(fatal, kind=Kind.SIGNAL, detail=name)
         hint = "the kernel's OOM killer or a person" if -returncode == signal.SIGKILL else ""
@@ -228,7 +228,8 @@ def _innermost_user(frames: list[re.Match[str]]) -> str:
     return ""
 
 
-def _signal_name(number: int) -> str:
+def signal_name(number: int) -> str:
+    """'SIGKILL', or 'signal 99' for a number that names none."""
     try:
         return signal.Signals(number).name
     except ValueError:

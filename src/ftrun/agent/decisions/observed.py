@@ -155,26 +155,10 @@ class RungFailed:
 
 
 AgentEvent = (
-    HealthChecked
-    | JoinReady
-    | Joined
-    | JoinFailed
-    | WorkersStarted
-    | SpawnFailed
-    | WorkerEnded
-    | HangsFound
-    | HealthFound
-    | ControlRequested
-    | Signalled
-    | CycleEnded
-    | NeighbourGone
-    | NodesWaiting
-    | StoreLost
-    | StoreRestarted
-    | WorkersStopped
-    | PeersFinished
-    | RungFailed
-)
+    HealthChecked | JoinReady | Joined | JoinFailed | WorkersStarted | SpawnFailed | WorkerEnded
+    | HangsFound | HealthFound | ControlRequested | Signalled | CycleEnded | NeighbourGone
+    | NodesWaiting | StoreLost | StoreRestarted | WorkersStopped | PeersFinished | RungFailed
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

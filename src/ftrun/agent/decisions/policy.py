@@ -48,7 +48,7 @@ import dataclasses
 import signal
 
 from ftrun.agent.decisions import ladder
-from ftrun.agent.decisions.attribution import Signature
+from ftrun.agent.decisions.attribution import Signature, signal_name
 from ftrun.agent.decisions.observed import (
     AgentEvent,
     ControlRequested,
@@ -181,12 +181,8 @@ class Policy:
     def _health(self, event: HealthChecked, facts: Facts) -> Action:
         if event.problem is None:
             return Action(AgentState.RENDEZVOUS)
-        reason = f"node unhealthy: {event.problem}"
-        return Action(
-            AgentState.EXITING,
-            report_unhealthy=event.problem,
-            outcome=Outcome(event.code, reason),
-        )
+        unhealthy = _exit(event.code, f"node unhealthy: {event.problem}")
+        return dataclasses.replace(unhealthy, report_unhealthy=event.problem)
 
     def _before_join(self, _event: JoinReady, facts: Facts) -> Action:
         if facts.shutdown is not None:
@@ -291,12 +287,8 @@ class Policy:
         asked = f"{event.by or f'rank {event.rank}'} on {facts.node} asked to"
         if event.action is WorkloadAction.ExcludeThisNode:
             why = f"{asked} exclude its node: {event.description}"
-            return Action(
-                AgentState.STOPPING,
-                leave=why,
-                vote=RestartVote(why, failure=False),
-                outcome=Outcome(ExitCode.EXCLUDED, why),
-            )
+            return Action(AgentState.STOPPING, leave=why, vote=RestartVote(why, failure=False),
+                          outcome=Outcome(ExitCode.EXCLUDED, why))  # fmt: skip
         if event.action is WorkloadAction.ShutdownWorkload:
             why = f"{asked} shut the workload down: {event.description}"
             return Action(AgentState.STOPPING, shutdown=Outcome(ExitCode.DO_NOT_RELAUNCH, why))
@@ -344,13 +336,11 @@ class Policy:
 
     def _signalled(self, state: AgentState, event: Signalled, facts: Facts) -> Action:
         """Preemption: the job ends with 75 (relaunch me), wherever this node was."""
-        name = signal.Signals(event.signum).name
-        ask = Outcome(ExitCode.PREEMPTED, f"{name} on node {facts.node}")
+        sig = signal.Signals(event.signum)
+        ask = Outcome(ExitCode.PREEMPTED, f"{sig.name} on node {facts.node}")
         if state in (AgentState.RUNNING, AgentState.STARTING):
             # Forwarded: the workers may checkpoint before they go.
-            return Action(
-                AgentState.STOPPING, shutdown=ask, stop_signal=signal.Signals(event.signum)
-            )
+            return Action(AgentState.STOPPING, shutdown=ask, stop_signal=sig)
         if state is AgentState.STOPPING:
             return Action(None, shutdown=ask)  # already stopping: end with the shutdown after
         return Action(AgentState.EXITING, shutdown=ask)
@@ -416,12 +406,7 @@ def _restart(cause: str) -> Action:
 
 def exit_text(code: int) -> str:
     """'exited with code 3' / 'was killed by SIGKILL'."""
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
+    return f"was killed by {signal_name(-code)}" if code < 0 else f"exited with code {code}"
 
 
 _S = AgentState

@@ -22,14 +22,11 @@ def read_facts(
     rt: AgentRuntime, event: p.AgentEvent, rnd: Round | None, after_stop: Outcome | None
 ) -> p.Facts:
     facts = p.Facts(
-        node=rt.node,
-        cycle=rnd.number if rnd else -1,
-        round_size=len(rnd.nodes) if rnd else 0,
-        max_nodes=rt.config.rendezvous.max_nodes,
-        after_stop=after_stop,
+        node=rt.node, cycle=rnd.number if rnd else -1, round_size=len(rnd.nodes) if rnd else 0,
+        max_nodes=rt.config.rendezvous.max_nodes, after_stop=after_stop,
         stalled_cycles=rnd.stalled_cycles if rnd else 0,
         progress_known=rnd.progress_known if rnd else False,
-    )
+    )  # fmt: skip
     if isinstance(event, _READS_JOB_STATE):
         control = rt.control
         facts = dataclasses.replace(

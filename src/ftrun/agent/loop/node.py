@@ -192,15 +192,11 @@ class NodeAgent:
         if rnd.arrived_at is not None:
             started = max(started, rnd.arrived_at)
         self.events.emit(
-            "rendezvous_done",
-            duration=round(time.monotonic() - started, 6),
-            group_rank=rnd.group_rank,
-            nodes=[n.node for n in rnd.nodes],
-            world_size=rnd.world_size,
-            store_host=self.rt.is_store_host,
-            standby=list(rnd.standby),
-            stalled_cycles=rnd.stalled_cycles,
-        )
+            "rendezvous_done", duration=round(time.monotonic() - started, 6),
+            group_rank=rnd.group_rank, nodes=[n.node for n in rnd.nodes],
+            world_size=rnd.world_size, store_host=self.rt.is_store_host,
+            standby=list(rnd.standby), stalled_cycles=rnd.stalled_cycles,
+        )  # fmt: skip
         log.info("cycle %d: group rank %d of %d nodes, world size %d",
                  rnd.number, rnd.group_rank, len(rnd.nodes), rnd.world_size)  # fmt: skip
         self.evidence.lost_nodes(before, rnd)
@@ -279,13 +275,8 @@ class NodeAgent:
         # None: stopped already, when the store restarted during this step and it runs again.
         result = self._stop_workers() if self._group is not None else StopResult(0.0, 0, 0)
         self.evidence.after_stop(self._round)
-        self.events.emit(
-            "stop_done",
-            duration=round(result.duration, 6),
-            killed=result.killed,
-            survivors=result.survivors,
-            stopped=result.stopped,
-        )
+        self.events.emit("stop_done", duration=round(result.duration, 6), killed=result.killed,
+                         survivors=result.survivors, stopped=result.stopped)  # fmt: skip
         self._stop_signal, self._drain = self.cfg.termination_signal, False
         if self._after_stop is None:
             self.rt.services.on_stopped(self._round, pids)

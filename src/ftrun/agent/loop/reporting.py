@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import time
 from collections.abc import Sequence
 
 from ftrun.agent.decisions.attribution import Signature
 from ftrun.agent.loop.runtime import AgentRuntime
-from ftrun.agent.prewarm.marks import forget_marks, read_marks
+from ftrun.agent.prewarm.marks import append, forget_marks, read_marks
 from ftrun.agent.workers import WorkerExited
 from ftrun.rank_monitor import FirstProgress, ProgressSnapshot, Verdict
 from ftrun.rendezvous.ranks import Round
@@ -34,15 +33,10 @@ class CycleReport:
         self._started = 0.0
 
     def worker_exit(self, item: WorkerExited) -> None:
-        fields: dict[str, object] = {
-            "rank": item.rank,
-            "local_rank": item.local_rank,
-            "pid": item.pid,
-            "code": item.returncode,
-        }
-        if item.returncode < 0:
-            fields["signal"] = signal.Signals(-item.returncode).name
-        self.events.emit("worker_exited", **fields)
+        code = item.returncode
+        killed = {"signal": signal.Signals(-code).name} if code < 0 else {}
+        self.events.emit("worker_exited", rank=item.rank, local_rank=item.local_rank,
+                         pid=item.pid, code=code, **killed)  # fmt: skip
 
     def failure(self, signature: Signature, decision: str, reason: str) -> None:
         """A failure of this node, named, and what the policy made of it: an event, and a line
@@ -55,11 +49,7 @@ class CycleReport:
         data = (json.dumps(line | fields) + "\n").encode()
         path = self.rt.node_log_dir.parent / FAILURES_FILE
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
+            append(path, data, 0o644)
         except OSError as exc:
             log.warning("could not append to %s: %s", path, exc)
 
@@ -83,19 +73,12 @@ class CycleReport:
             stuck_text or "no stack dump", dump,
         )  # fmt: skip
         self.events.emit(
-            "hang",
-            rank=verdict.rank,
-            pid=verdict.pid,
-            kind=verdict.kind.value,
-            section=verdict.section,
-            timeout=verdict.timeout,
-            waited=round(verdict.waited, 6),
+            "hang", rank=verdict.rank, pid=verdict.pid, kind=verdict.kind.value,
+            section=verdict.section, timeout=verdict.timeout, waited=round(verdict.waited, 6),
             detection_latency=round(verdict.detected_at - verdict.deadline, 6),
-            stack_file=str(dump),
-            where=stuck_text,
-            in_library=stuck.in_library if stuck else None,
-            stopped=verdict.stopped,
-        )
+            stack_file=str(dump), where=stuck_text,
+            in_library=stuck.in_library if stuck else None, stopped=verdict.stopped,
+        )  # fmt: skip
 
     # ---- training progress (from the rank monitor) -------------------------------------------
 
@@ -123,13 +106,9 @@ class CycleReport:
         at = max(p.at for p in self._first.values())
         startup = at - self._started
         self.events.emit(
-            "stepping",
-            ranks=ranks,
-            progress_ts=_wall(at),
-            progress_mono=round(at, 6),
-            iterations=[self._first[r].iteration for r in ranks],
-            startup=round(startup, 6),
-        )
+            "stepping", ranks=ranks, progress_ts=_wall(at), progress_mono=round(at, 6),
+            iterations=[self._first[r].iteration for r in ranks], startup=round(startup, 6),
+        )  # fmt: skip
         log.info(
             "cycle %d: all %d local rank(s) stepping, %.2fs after their start",
             self.events.cycle, len(ranks), startup,
@@ -145,15 +124,10 @@ class CycleReport:
             return None if at is None else round(max(0.0, at - self._started), 6)
 
         self.events.emit(
-            "rank_startup",
-            rank=rank,
-            pid=pid,
-            path="forked" if "script" in marks else "spawned",
-            to_script=since_start(marks.get("script")),
-            to_cuda=since_start(marks.get("cuda")),
-            to_pg=since_start(marks.get("pg")),
-            to_first_step=since_start(first_step),
-        )
+            "rank_startup", rank=rank, pid=pid, path="forked" if "script" in marks else "spawned",
+            to_script=since_start(marks.get("script")), to_cuda=since_start(marks.get("cuda")),
+            to_pg=since_start(marks.get("pg")), to_first_step=since_start(first_step),
+        )  # fmt: skip
 
     def last_progress(self, snapshot: Sequence[ProgressSnapshot], before: str = "stop") -> None:
         """Where the local ranks last were, from `RankMonitorServer.progress_snapshot()` taken
@@ -168,13 +142,11 @@ class CycleReport:
         times = [s.last_progress for s in ranks if s.last_progress is not None]
         latest = max(times) if times else None
         self.events.emit(
-            "last_progress",
-            before=before,
-            ranks=[s.rank for s in ranks],
+            "last_progress", before=before, ranks=[s.rank for s in ranks],
             progress_ts=None if latest is None else _wall(latest),
             progress_mono=None if latest is None else round(latest, 6),
             iterations=[s.last_iteration for s in ranks],
-        )
+        )  # fmt: skip
 
 
 def _wall(mono: float) -> float:

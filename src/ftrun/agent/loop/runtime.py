@@ -97,13 +97,9 @@ class AgentRuntime:
 
     def descriptor(self) -> NodeDescriptor:
         return NodeDescriptor(
-            node=self.node,
-            host=self.host,
-            local_world_size=self.config.agent.nproc_per_node,
-            master_port=free_port(self.host),
-            infra_rank=self.infra_rank,
-            peer_port=self.peer_port,
-        )
+            node=self.node, host=self.host, local_world_size=self.config.agent.nproc_per_node,
+            master_port=free_port(self.host), infra_rank=self.infra_rank, peer_port=self.peer_port,
+        )  # fmt: skip
 
     def standing_by(self, cycle: int, active: tuple[str, ...]) -> None:
         self.stood_by = (cycle, len(active))
@@ -180,11 +176,8 @@ def open_runtime(
             inprocess=inprocess, peer_port=peer.port, restore_peer=peer.restore,
             answers=peer.answers,
         )  # fmt: skip
-        services.add(
-            CycleInfoService(
-                job_dir, config.rendezvous.run_id, environ, runtime.control.cause_of, described
-            )
-        )
+        services.add(CycleInfoService(job_dir, config.rendezvous.run_id, environ,
+                                      runtime.control.cause_of, described))  # fmt: skip
         bound = datetime.timedelta(seconds=restart_watch.CONNECT_S)
         own_client = functools.partial(another_client, store, config.rendezvous.store, environ,
                                        bound)  # fmt: skip
@@ -256,17 +249,14 @@ def _add_node_services(
     reclaim. `where`: the job directory and the job's store."""
     (job_dir, store), agent = where, config.agent
     services.add(WorkerStoreService())
-    link.monitor = services.add(
-        MonitorService(config.monitor, job_dir, inbox.put, link.on_timings())
-    )
+    link.monitor = services.add(MonitorService(config.monitor, job_dir, inbox.put,
+                                               link.on_timings()))  # fmt: skip
     if config.health.watch_interval > 0 and (config.health.gpu or config.health.nic):
         link.health = services.add(HealthWatch(config.health, events.emit, inbox.put))
     if agent.gpu_memory_reclaim_timeout > 0:
-        reclaim = GpuReclaimService(
-            agent.gpu_memory_reclaim_timeout, agent.gpu_memory_tolerance_mb, events.emit,
-            services.kept_pids,
-        )  # fmt: skip
-        services.add(reclaim)
+        services.add(GpuReclaimService(agent.gpu_memory_reclaim_timeout,
+                                       agent.gpu_memory_tolerance_mb, events.emit,
+                                       services.kept_pids))  # fmt: skip
     inprocess = InprocessLink(store, agent, config.rendezvous.run_id, events.emit)
     return link.monitor, services.add(inprocess)
 
@@ -280,18 +270,15 @@ def _spawner(
 ) -> Spawner:
     """Forked from the node's fork server (a service: it lives as long as the node) where it
     can serve, else spawned plainly."""
-    plain = PlainSpawner(config.agent.entrypoint, plain_reason(config))
+    agent = config.agent
+    plain = PlainSpawner(agent.entrypoint, plain_reason(config))
     server = fork_server or start_early(config, environ, node)
-    target = python_target(config.agent.entrypoint)
+    target = python_target(agent.entrypoint)
     if server is None or target is None:
         return plain
     start_env = shared_env(config, environ, {}, None, node)
-    return services.add(
-        PrewarmService(
-            server, target, config.agent.prewarm_deep_modules, start_env, plain,
-            prestart=config.agent.prestart_workers,
-        )
-    )  # fmt: skip
+    return services.add(PrewarmService(server, target, agent.prewarm_deep_modules, start_env,
+                                       plain, agent.prestart_workers))  # fmt: skip
 
 
 def _open_events(log_dir: Path, node: str) -> EventLog:

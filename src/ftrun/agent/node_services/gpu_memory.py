@@ -107,12 +107,8 @@ class GpuReclaimService(NodeService):
         reclaim = wait_until_released(
             self._baseline, list(pids), self._timeout, self._tolerance_mb, self._kept()
         )
-        self._emit(
-            "gpu_memory_reclaimed",
-            duration=round(reclaim.duration, 6),
-            released=reclaim.released,
-            excess_mb=round(reclaim.excess_mb, 1),
-        )
+        self._emit("gpu_memory_reclaimed", duration=round(reclaim.duration, 6),
+                   released=reclaim.released, excess_mb=round(reclaim.excess_mb, 1))  # fmt: skip
         if reclaim.released:
             log.info("GPU memory of the stopped workers released in %.3fs", reclaim.duration)
         else:

@@ -107,13 +107,9 @@ def _run_command(command: str, timeout: float) -> None:
     as long as it lives, so reading a pipe to its end could block the agent. The agent waits on
     the command's shell alone, with a deadline, and reads the file's tail once it is gone."""
     with tempfile.TemporaryFile() as output:
-        proc = subprocess.Popen(
-            command,
-            shell=True,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # so a timeout takes the command's children too
-        )
+        # A session of its own, so that a timeout takes the command's children too.
+        proc = subprocess.Popen(command, shell=True, stdout=output, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -132,11 +128,8 @@ def _reap(proc: subprocess.Popen[bytes]) -> None:
     try:
         proc.wait(timeout=_REAP_S)
     except subprocess.TimeoutExpired:
-        log.warning(
-            "health command (pid %d) still there %gs after SIGKILL; going on without it",
-            proc.pid,
-            _REAP_S,
-        )
+        log.warning("health command (pid %d) still there %gs after SIGKILL; going on without it",
+                    proc.pid, _REAP_S)  # fmt: skip
 
 
 def _last_line(output: IO[bytes]) -> str:

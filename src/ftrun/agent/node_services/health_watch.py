@@ -134,16 +134,12 @@ class GpuReadings:
                   for name in throttled]  # fmt: skip
         memory = _optional(nvml, "nvmlDeviceGetMemoryInfo", handle)
         rates = _optional(nvml, "nvmlDeviceGetUtilizationRates", handle)
-        snapshot = GpuSnapshot(
-            index,
-            memory_used_bytes=None if memory is None else int(memory.used),
+        return found, GpuSnapshot(
+            index, memory_used_bytes=None if memory is None else int(memory.used),
             memory_total_bytes=None if memory is None else int(memory.total),
-            utilization=None if rates is None else rates.gpu / 100,
-            throttled=throttled,
-            uncorrected_ecc=ecc,
-            xids=self._xid_counts.get(index, 0),
-        )
-        return found, snapshot
+            utilization=None if rates is None else rates.gpu / 100, throttled=throttled,
+            uncorrected_ecc=ecc, xids=self._xid_counts.get(index, 0),
+        )  # fmt: skip
 
     def _fault(self, index: int, what: str, reading: str = "") -> HealthFinding:
         text = f"GPU {index}" + (f": {reading}" if reading else "")

@@ -40,6 +40,8 @@ log = logging.getLogger("ftrun.agent")
 
 _CONNECT_TIMEOUT = datetime.timedelta(seconds=2)
 """The agent loop waits this long at most for the ranks' own store (then escalates)."""
+_ENDINGS = {ReportKind.LEFT: "inprocess_left", ReportKind.GAVE_UP: "inprocess_gave_up"}
+"""A rank's report that it left the iterations, or gave up on them: its event."""
 
 
 class InprocessLink(NodeService):
@@ -95,11 +97,8 @@ class InprocessLink(NodeService):
             self._wrapped = self._wrapped or report
         elif report.kind is ReportKind.RECOVERED and report.iteration not in self._seen:
             self._recovered(report)
-        elif report.kind is ReportKind.LEFT:
-            self._emit("inprocess_left", rank=note.rank, iteration=report.iteration,
-                       why=report.why)  # fmt: skip
-        elif report.kind is ReportKind.GAVE_UP:
-            self._emit("inprocess_gave_up", rank=note.rank, iteration=report.iteration,
+        elif report.kind in _ENDINGS:
+            self._emit(_ENDINGS[report.kind], rank=note.rank, iteration=report.iteration,
                        why=report.why)  # fmt: skip
 
     def _recovered(self, report: Report) -> None:

@@ -68,10 +68,8 @@ class NeighbourWatch(NodeService):
         if watched is None:
             return
         self._stop = threading.Event()
-        thread = threading.Thread(
-            target=self._watch, args=(rnd.number, watched, self._stop), daemon=True,
-            name=f"neighbour-watch-c{rnd.number}",
-        )  # fmt: skip
+        thread = threading.Thread(target=self._watch, args=(rnd.number, watched, self._stop),
+                                  daemon=True, name=f"neighbour-watch-c{rnd.number}")  # fmt: skip
         self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
 

@@ -42,7 +42,7 @@ class WorkerStoreService(NodeService):
         self._server: TCPStore | None = None
 
     def on_round(self, rnd: Round) -> None:
-        self._close()
+        self._server = None  # its destructor stops the listener
         if rnd.group_rank != 0:
             return
         from torch.distributed import TCPStore
@@ -61,10 +61,7 @@ class WorkerStoreService(NodeService):
         return {AGENT_STORE_ENV: str(self._server is not None)}
 
     def on_stopped(self, rnd: Round | None, pids: Iterable[int]) -> None:
-        self._close()
+        self._server = None
 
     def close(self) -> None:
-        self._close()
-
-    def _close(self) -> None:
-        self._server = None  # its destructor stops the listener
+        self._server = None

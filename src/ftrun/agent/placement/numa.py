@@ -136,8 +136,7 @@ def plan(
     if mode == "exclusive":
         bindings = _exclusive(topology, gpu_of_local_rank, allowed_cpus)
     else:
-        scope = "node" if mode == "node" else "socket"
-        bindings = [_whole(topology.gpus[gpu], scope, allowed_cpus) for gpu in gpu_of_local_rank]
+        bindings = [_whole(topology.gpus[gpu], mode, allowed_cpus) for gpu in gpu_of_local_rank]
     for rank, (gpu, binding) in enumerate(zip(gpu_of_local_rank, bindings, strict=True)):
         if not binding.cpus:
             affinity = topology.gpus[gpu]
@@ -150,8 +149,9 @@ def plan(
     return bindings
 
 
-def _whole(affinity: GpuAffinity, scope: str, allowed: frozenset[int]) -> Binding:
-    if scope == "node":
+def _whole(affinity: GpuAffinity, mode: str, allowed: frozenset[int]) -> Binding:
+    """Mode node or socket: every allowed CPU and memory node at that scope."""
+    if mode == "node":
         return Binding(affinity.node_cpus & allowed, affinity.node_mems)
     return Binding(affinity.socket_cpus & allowed, affinity.socket_mems)
 
@@ -245,12 +245,8 @@ def _memory(nvml: Any, handle: Any, words: int, scope: int) -> frozenset[int]:
 
 def _bits(words: Iterable[int]) -> frozenset[int]:
     """NVML's bitmask (word i, bit b: item 64*i + b) as the set of items."""
-    return frozenset(
-        i * _WORD_BITS + bit
-        for i, word in enumerate(words)
-        for bit in range(_WORD_BITS)
-        if int(word) >> bit & 1
-    )
+    return frozenset(i * _WORD_BITS + bit for i, word in enumerate(words)
+                     for bit in range(_WORD_BITS) if int(word) >> bit & 1)  # fmt: skip
 
 
 def _read_cores(cpus: Iterable[int]) -> dict[int, int]:

@@ -10,20 +10,5 @@ thread pools, `marks.py` records its start-up.
 
 This package's import stays empty: `python -m ftrun.agent.prewarm.forkserver` imports it first,
 and whatever it imported would end up in every forked worker (and `client` brings psutil,
-subprocess and logging with it). The names below load `client` on first use.
+subprocess and logging with it).
 """
-
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-from ftrun.lazy import lazy_getattr
-
-if TYPE_CHECKING:
-    from ftrun.agent.prewarm.client import ForkServer, ForkServerError
-    from ftrun.agent.prewarm.forked import ForkedWorker
-
-__all__ = ["ForkServer", "ForkServerError", "ForkedWorker"]
-
-
-__getattr__ = lazy_getattr(__name__, dict.fromkeys(__all__, "ftrun.agent.prewarm.client"))

@@ -11,7 +11,6 @@ what the agent's "preload" names). Standard library only, like the server.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import sys
@@ -21,12 +20,11 @@ from typing import Any, Protocol
 from ftrun.agent.placement.binding import apply_binding
 from ftrun.agent.prewarm import marks
 from ftrun.agent.prewarm.pools import restore_thread_pools
-from ftrun.agent.prewarm.wire import read_gate
+from ftrun.agent.prewarm.wire import close_fds, read_gate
+from ftrun.agent.termination import die_with_parent
 
-_PR_SET_PDEATHSIG = 1
 CHILD_BROKEN = 70
 """Exit code of a child that could not become the worker (EX_SOFTWARE)."""
-_libc = ctypes.CDLL(None, use_errno=True)  # loaded now: no dlopen between fork and run
 
 
 class ServerState(Protocol):
@@ -57,7 +55,7 @@ def is_open(fd: int) -> bool:
 def become_worker(server: ServerState, msg: dict[str, Any], fds: list[int]) -> None:
     """Turn this fresh fork into the worker and run it; never returns."""
     os.setsid()
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    die_with_parent()  # through a libc loaded at import: no dlopen between fork and run
     if os.getppid() != server.pid:  # the server died before PDEATHSIG was armed
         os.kill(os.getpid(), signal.SIGKILL)
     # Undo the server's signal set-up before anything can arrive for the worker.
@@ -71,10 +69,7 @@ def become_worker(server: ServerState, msg: dict[str, Any], fds: list[int]) -> N
     os.dup2(devnull, 0)
     os.dup2(out, 1)
     os.dup2(err, 2)
-    keep = {0, 1, 2, *gate, *server.keep_fds}
-    for fd in open_fds() - keep:
-        with contextlib.suppress(OSError):
-            os.close(fd)
+    close_fds(*(open_fds() - {0, 1, 2, *gate, *server.keep_fds}))
     sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__
     for stream in (sys.stdout, sys.stderr):  # as `python -u` makes them
         with contextlib.suppress(AttributeError, ValueError):
@@ -188,11 +183,8 @@ def _run(module: bool, target: str, args: list[str]) -> int | str:
             except IsADirectoryError:
                 source = None
             except OSError as exc:
-                print(
-                    f"{sys.executable}: can't open file {path!r}: "
-                    f"[Errno {exc.errno}] {exc.strerror}",
-                    file=sys.stderr,
-                )
+                print(f"{sys.executable}: can't open file {path!r}: [Errno {exc.errno}] "
+                      f"{exc.strerror}", file=sys.stderr)  # fmt: skip
                 return 2
             sys.argv = [target, *args]
             if source is None or _is_zip(path):  # a directory or zip app with a __main__.py
@@ -224,14 +216,9 @@ def _exec_main(path: str, source: bytes) -> None:
     from importlib.machinery import SourceFileLoader
 
     main = types.ModuleType("__main__")
-    main.__dict__.update(
-        __file__=path,
-        __cached__=None,
-        __loader__=SourceFileLoader("__main__", path),
-        __spec__=None,
-        __package__=None,
-        __builtins__=builtins,
-    )
+    main.__dict__.update(__file__=path, __cached__=None, __spec__=None, __package__=None,
+                         __loader__=SourceFileLoader("__main__", path),
+                         __builtins__=builtins)  # fmt: skip
     sys.modules["__main__"] = main
     exec(compile(source, path, "exec", dont_inherit=True), main.__dict__)
 

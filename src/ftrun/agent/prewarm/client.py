@@ -305,16 +305,10 @@ class ForkServer:
                     rid = next(self._ids)
                     self._requests[rid] = req
                 frame = proto.encode(
-                    "spawn",
-                    id=rid,
-                    module=target.module,
-                    target=target.target,
-                    args=list(target.args),
-                    env=dict(env),
-                    cwd=str(cwd),
-                    gate=gated,
+                    "spawn", id=rid, module=target.module, target=target.target,
+                    args=list(target.args), env=dict(env), cwd=str(cwd), gate=gated,
                     cuda_device=cuda_device,
-                )
+                )  # fmt: skip
                 proto.send_frame(self._sock, frame, fds)
         except BaseException as exc:
             with self._lock:
@@ -405,13 +399,9 @@ class ForkServer:
             req.done.set()  # no worker: spawn() raises
         self._kill_server()
         if not self._closed or workers:
-            log.warning(
-                "fork server (pid %d) gone, exit code %s: %s; %d worker(s) died with it",
-                self._proc.pid,
-                self._proc.returncode,
-                self._error,
-                len(workers),
-            )
+            proc = self._proc
+            log.warning("fork server (pid %d) gone, exit code %s: %s; %d worker(s) died with it",
+                        proc.pid, proc.returncode, self._error, len(workers))  # fmt: skip
         deadline = time.monotonic() + GONE_TIMEOUT
         for worker in workers:
             worker._resolve(await_death(worker.pid, deadline))

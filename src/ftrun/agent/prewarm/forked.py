@@ -42,7 +42,6 @@ class ForkedWorker:
     def __init__(self, pid: int, stdout_fd: int, stderr_fd: int, args: list[str]) -> None:
         self.pid = pid
         self.args = args
-        self.stdin: BinaryIO | None = None
         self.stdout: BinaryIO = open(stdout_fd, "rb")  # noqa: SIM115 - owned like Popen's pipes
         self.stderr: BinaryIO = open(stderr_fd, "rb")  # noqa: SIM115
         self.returncode: int | None = None
@@ -71,25 +70,6 @@ class ForkedWorker:
                 self._done.wait(step if deadline is None else deadline - time.monotonic())
         assert self.returncode is not None
         return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def __enter__(self) -> ForkedWorker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for stream in (self.stdout, self.stderr):
-            stream.close()
-        self.wait()
 
     def __repr__(self) -> str:
         return f"<ForkedWorker pid={self.pid} returncode={self.returncode}>"

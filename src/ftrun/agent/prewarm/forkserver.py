@@ -291,7 +291,7 @@ def main(argv: list[str]) -> int:
 
 
 def _parse(argv: list[str]) -> tuple[int, int | None, str | None, list[str]]:
-    fd, parent, path0 = -1, None, None
+    given: dict[str, str] = {}
     args = list(argv)
     while args and args[0].startswith("--"):
         flag = args.pop(0)
@@ -299,18 +299,13 @@ def _parse(argv: list[str]) -> tuple[int, int | None, str | None, list[str]]:
             break
         if not args:
             raise SystemExit(f"usage: {flag} needs a value")
-        value = args.pop(0)
-        if flag == "--fd":
-            fd = int(value)
-        elif flag == "--parent":
-            parent = int(value)
-        elif flag == "--path0":
-            path0 = value
-        else:
+        if flag not in ("--fd", "--parent", "--path0"):
             raise SystemExit(f"usage: unknown option {flag}")
+        given[flag] = args.pop(0)
+    fd, parent = int(given.get("--fd", -1)), given.get("--parent")
     if fd < 0:
         raise SystemExit("usage: python -m ftrun.agent.prewarm.forkserver --fd N [MODULE...]")
-    return fd, parent, path0, args
+    return fd, None if parent is None else int(parent), given.get("--path0"), args
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from typing import NoReturn
 from ftrun.agent.prewarm import forkserver
 from ftrun.agent.prewarm.child import CHILD_BROKEN, open_fds
 from ftrun.agent.prewarm.pools import SERVER_ONLY_ENV
+from ftrun.agent.prewarm.wire import close_fds
 from ftrun.agent.termination import die_with_parent
 
 __all__ = ["CHILD_BROKEN", "serve"]
@@ -96,9 +97,7 @@ def _forget_fds(sock_fd: int) -> None:
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)
-    for fd in open_fds() - {0, 1, 2, sock_fd}:
-        with contextlib.suppress(OSError):
-            os.close(fd)
+    close_fds(*(open_fds() - {0, 1, 2, sock_fd}))
 
 
 def _unbuffered_stdio() -> None:
@@ -112,13 +111,8 @@ def _unbuffered_stdio() -> None:
             continue
         raw = io.FileIO(fd, "w", closefd=False)
         raw.name = f"<{name}>"  # type: ignore[misc]
-        new = io.TextIOWrapper(
-            raw,  # type: ignore[arg-type]
-            encoding=old.encoding,
-            errors=old.errors,
-            newline="\n",
-            write_through=True,
-        )
+        new = io.TextIOWrapper(raw, encoding=old.encoding, errors=old.errors,  # type: ignore[arg-type]
+                               newline="\n", write_through=True)  # fmt: skip
         new.mode = "w"  # type: ignore[misc]
         setattr(sys, f"__{name}__", new)
         setattr(sys, name, new)

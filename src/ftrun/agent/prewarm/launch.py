@@ -68,16 +68,12 @@ def spawn_server(
         argv += ["--path0", path0]
     argv += ["--", *modules]
     try:
-        proc = subprocess.Popen(
-            argv,
-            env={**env, **SERVER_ONLY_ENV},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,  # its own errors go to the agent's stderr
-            pass_fds=[theirs.fileno()],
-            start_new_session=True,
-            # Only a prctl() through a preloaded libc: nothing that takes a lock after fork.
-            preexec_fn=die_with_parent,  # noqa: PLW1509
-        )
+        # stdout: its own errors go to the agent's stderr; preexec_fn: only a prctl() through a
+        # preloaded libc, nothing that takes a lock after fork.
+        proc = subprocess.Popen(argv, env={**env, **SERVER_ONLY_ENV}, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, pass_fds=[theirs.fileno()],
+                                start_new_session=True,
+                                preexec_fn=die_with_parent)  # noqa: PLW1509  # fmt: skip
     except OSError:
         ours.close()
         raise

@@ -46,7 +46,7 @@ def install(env: Mapping[str, str]) -> None:
     job_dir = env.get(Env.JOB_DIR)
     if not job_dir:
         return
-    mark = functools.partial(_append, marks_path(job_dir, os.getpid()))
+    mark = functools.partial(_mark, marks_path(job_dir, os.getpid()))
     mark("script")
     cuda = sys.modules.get("torch.cuda")
     lazy_call = getattr(cuda, "_lazy_call", None)
@@ -102,14 +102,19 @@ def _wrap_torch_compile(flag: Path) -> None:
     torch.compile = compile_marked  # type: ignore[union-attr]
 
 
-def _append(path: Path, name: str) -> None:
-    line = f"{name} {time.monotonic():.6f}\n".encode()
+def _mark(path: Path, name: str) -> None:
     with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
+        append(path, f"{name} {time.monotonic():.6f}\n".encode())
+
+
+def append(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Append `data` to `path` (created with `mode`) in one O_APPEND write: the lines of
+    several writers never interleave."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, mode)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
 
 
 def read_marks(job_dir: str | Path, pid: int) -> dict[str, float]:

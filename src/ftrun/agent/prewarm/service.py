@@ -197,7 +197,5 @@ class PrewarmService(NodeService):
             return
         broken.close()
         self._server = fresh
-        log.warning(
-            "fork server replaced (%s)%s",
-            broken.error, "" if self._deep else " (without deep imports)",
-        )  # fmt: skip
+        log.warning("fork server replaced (%s)%s", broken.error,
+                    "" if self._deep else " (without deep imports)")  # fmt: skip

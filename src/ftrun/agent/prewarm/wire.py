@@ -44,28 +44,19 @@ _OPT_INT = "int|None"
 _OPT_STR = "str|None"
 
 TO_SERVER: dict[str, dict[str, object]] = {
-    "spawn": {
-        "id": int,
-        "module": bool,
-        "target": str,
-        "args": _STR_LIST,
-        "env": _STR_MAP,
-        "cwd": str,
-        "gate": bool,
-        "cuda_device": _OPT_INT,
-    },
+    "spawn": {"id": int, "module": bool, "target": str, "args": _STR_LIST, "env": _STR_MAP,
+              "cwd": str, "gate": bool, "cuda_device": _OPT_INT},
     "deepen": {"modules": _STR_LIST},
-}
+}  # fmt: skip
+_IMPORTS = {"imported": _STR_LIST, "failed": _STR_LIST, "unforkable": _OPT_STR}
 TO_AGENT: dict[str, dict[str, object]] = {
     "hello": {"pid": int},
-    "ready": {"imported": _STR_LIST, "failed": _STR_LIST, "unforkable": _OPT_STR},
+    "ready": _IMPORTS,
     "spawned": {"id": int, "pid": int},
     "error": {"id": _OPT_INT, "error": str},
     "exit": {"pid": int, "code": int},
-    "deepened": {"imported": _STR_LIST, "failed": _STR_LIST, "unforkable": _OPT_STR},
+    "deepened": _IMPORTS,
 }
-
-
 TO_CHILD: dict[str, dict[str, object]] = {
     "preload": {"modules": _STR_LIST},
     "go": {"env": _STR_MAP},
