@@ -77,11 +77,8 @@ class Interruption:
 
     @classmethod
     def decode(cls, raw: bytes) -> Interruption:
-        return cls.from_fields(json.loads(raw))
-
-    @classmethod
-    def from_fields(cls, fields: dict[str, Any]) -> Interruption:
-        """From `encode`'s fields (also as a rank's records carry them), missing ones filled."""
+        """From `encode`'s bytes, missing fields filled."""
+        fields = json.loads(raw)
         rank = fields.get("rank")
         return cls(rank=rank if isinstance(rank, int) else None,
                    kind=str(fields.get("kind", "?")), why=str(fields.get("why", "")),
@@ -249,16 +246,12 @@ class Report:
             kind = ReportKind(kind)
         except ValueError:
             raise ProtocolError(f"unknown in-process report {kind!r}") from None
-        return cls(
-            kind=kind,
-            cycle=None if cycle is None else _count(cycle, "cycle"),
-            iteration=_count(iteration, "iteration"),
-            why=_text(why, "why", MAX_TEXT_LEN),
-            cause=None if cause is None else _interruption(cause),
-            seconds=None if seconds is None else _seconds(seconds),
-            address=_text(address, "address", MAX_ADDRESS_LEN),
-            prefix=_text(prefix, "prefix", MAX_ADDRESS_LEN),
-        )
+        return cls(kind=kind, cycle=None if cycle is None else _count(cycle, "cycle"),
+                   iteration=_count(iteration, "iteration"), why=_text(why, "why", MAX_TEXT_LEN),
+                   cause=None if cause is None else _interruption(cause),
+                   seconds=None if seconds is None else _seconds(seconds),
+                   address=_text(address, "address", MAX_ADDRESS_LEN),
+                   prefix=_text(prefix, "prefix", MAX_ADDRESS_LEN))  # fmt: skip
 
 
 def _count(value: object, what: str) -> int:
@@ -305,23 +298,15 @@ class RestartBudget:
     window_s: float = 120.0
     same_in_a_row: int = 3
 
-    def spent(self, restarts: Iterable[float], now: float) -> bool:
-        """Whether another restart would exceed the budget (`restarts`: their times)."""
-        recent = sum(1 for at in restarts if now - at <= self.window_s)
-        return 0 < self.max_restarts <= recent
-
-    def repeated(self, causes: Sequence[str]) -> bool:
-        """Whether the newest of `causes` (one per ended iteration, oldest first) ended the
-        last `same_in_a_row` iterations alike."""
-        n = self.same_in_a_row
-        return 0 < n <= len(causes) and len(set(causes[-n:])) == 1
-
     def exceeded(self, restarts: Iterable[float], causes: Sequence[str], now: float) -> str | None:
-        """Why no further in-process restart is made, or None (`causes`: `cause_text` of each
-        ended iteration's root cause, oldest first)."""
-        if self.repeated(causes):
-            return f"the same fault ended {self.same_in_a_row} iterations in a row: {causes[-1]}"
-        if self.spent(restarts, now):
+        """Why no further in-process restart is made, or None: the newest of `causes`
+        (`cause_text` of each ended iteration's root cause, oldest first) ended the last
+        `same_in_a_row` iterations alike, or another restart would exceed the budget
+        (`restarts`: their times)."""
+        n = self.same_in_a_row
+        if 0 < n <= len(causes) and len(set(causes[-n:])) == 1:
+            return f"the same fault ended {n} iterations in a row: {causes[-1]}"
+        if 0 < self.max_restarts <= sum(1 for at in restarts if now - at <= self.window_s):
             return (f"{self.max_restarts} in-process restarts within {self.window_s:g}s did not "
                     f"cure it (last: {causes[-1] if causes else 'unknown'})")  # fmt: skip
         return None

@@ -57,9 +57,8 @@ def job_secret(store: Store, prefix: str, known: bytes | None = None) -> bytes:
 def check_secret(secret: bytes) -> bytes:
     """The job secret, refused if too short to bind anything (a configuration mistake)."""
     if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(
-            f"the peer channel needs a job secret of at least {MIN_SECRET_BYTES} bytes"
-        )
+        raise ValueError("the peer channel needs a job secret of at least "
+                         f"{MIN_SECRET_BYTES} bytes")  # fmt: skip
     return secret
 
 
@@ -70,18 +69,16 @@ def client_handshake(stream: Stream, secret: bytes, job_id: str) -> None:
     stream.send("hello", {"proto": version, "job": job_id, "nonce": client_nonce})
     challenge = _expect(stream, "challenge")
     if challenge.get("proto") != version:
-        raise PeerHandshakeError(
-            f"{stream.peer} speaks peer protocol version {_show(challenge.get('proto'))}, "
-            f"this agent {version}"
-        )
+        theirs = _show(challenge.get("proto"))
+        raise PeerHandshakeError(f"{stream.peer} speaks peer protocol version {theirs}, "
+                                 f"this agent {version}")  # fmt: skip
     server_nonce = _nonce(challenge.get("nonce"))
     nonces = (client_nonce, server_nonce)
     stream.send("auth", {"mac": _mac(secret, "client", job_id, *nonces)})
     welcome = _expect(stream, "welcome")
     if not _same(welcome.get("mac"), _mac(secret, "server", job_id, *nonces)):
-        raise PeerHandshakeError(
-            f"{stream.peer} failed to prove it is an agent of job {job_id!r} (another secret)"
-        )
+        raise PeerHandshakeError(f"{stream.peer} failed to prove it is an agent of job "
+                                 f"{job_id!r} (another secret)")  # fmt: skip
 
 
 def server_handshake(stream: Stream, secret: bytes, job_id: str) -> None:
@@ -131,11 +128,8 @@ def _same(received: object, expected: str) -> bool:
 
 
 def _nonce(value: object) -> str:
-    if (
-        not isinstance(value, str)
-        or len(value) != 2 * NONCE_BYTES
-        or not set(value) <= set(string.hexdigits)
-    ):
+    if not (isinstance(value, str) and len(value) == 2 * NONCE_BYTES
+            and set(value) <= set(string.hexdigits)):  # fmt: skip
         raise PeerProtocolError("the handshake nonce is not 16 bytes in hex")
     return value
 

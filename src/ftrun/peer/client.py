@@ -41,14 +41,8 @@ DEFAULT_TIMEOUT_S = 60.0
 class PeerClient:
     """Talks to the peer servers of job `job_id`, proving itself with the job's `secret`."""
 
-    def __init__(
-        self,
-        secret: bytes,
-        job_id: str,
-        *,
-        max_idle_per_peer: int = 4,
-        idle_ttl: float = 30.0,
-    ) -> None:
+    def __init__(self, secret: bytes, job_id: str, *, max_idle_per_peer: int = 4,
+                 idle_ttl: float = 30.0) -> None:  # fmt: skip
         self._secret = check_secret(secret)
         self._job_id = job_id
         self._max_idle = max_idle_per_peer
@@ -59,14 +53,9 @@ class PeerClient:
         self._closed = False
 
     def request(
-        self,
-        host: str,
-        port: int,
-        kind: str,
-        header: Mapping[str, Any] | None = None,
-        payload: Payload = None,
-        timeout: float = DEFAULT_TIMEOUT_S,
-    ) -> tuple[dict[str, Any], bytearray | None]:
+        self, host: str, port: int, kind: str, header: Mapping[str, Any] | None = None,
+        payload: Payload = None, timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> tuple[dict[str, Any], bytearray | None]:  # fmt: skip
         """Send a request (with optional bulk bytes); the reply's header and bulk bytes."""
 
         def receive(stream: Stream, frame: Frame) -> bytearray | None:
@@ -79,23 +68,16 @@ class PeerClient:
         return self._call(host, port, kind, header, payload, timeout, receive)
 
     def fetch_into(
-        self,
-        host: str,
-        port: int,
-        kind: str,
-        header: Mapping[str, Any] | None,
-        dest: Buffer,
+        self, host: str, port: int, kind: str, header: Mapping[str, Any] | None, dest: Buffer,
         timeout: float = DEFAULT_TIMEOUT_S,
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any]:  # fmt: skip
         """Ask for bulk bytes and receive exactly `len(dest)` of them straight into `dest`."""
         view = byte_view(dest, writable=True)
 
         def receive(stream: Stream, frame: Frame) -> None:
             if frame.nbytes != view.nbytes:
-                raise PeerProtocolError(
-                    f"{stream.peer} replied with {frame.nbytes} bulk bytes, "
-                    f"{view.nbytes} were expected"
-                )
+                raise PeerProtocolError(f"{stream.peer} replied with {frame.nbytes} bulk bytes, "
+                                        f"{view.nbytes} were expected")  # fmt: skip
             stream.recv_into(view)
 
         try:
@@ -104,14 +86,9 @@ class PeerClient:
             view.release()
 
     def push(
-        self,
-        host: str,
-        port: int,
-        kind: str,
-        header: Mapping[str, Any] | None,
-        payload: Payload,
-        timeout: float = DEFAULT_TIMEOUT_S,
-    ) -> dict[str, Any]:
+        self, host: str, port: int, kind: str, header: Mapping[str, Any] | None,
+        payload: Payload, timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> dict[str, Any]:  # fmt: skip
         """Send bulk bytes (buffers or `FileRegion`s, not copied); the reply's header."""
 
         def receive(stream: Stream, frame: Frame) -> None:
@@ -138,15 +115,9 @@ class PeerClient:
     # ---- one call ------------------------------------------------------------------------------
 
     def _call(
-        self,
-        host: str,
-        port: int,
-        kind: str,
-        header: Mapping[str, Any] | None,
-        payload: Payload,
-        timeout: float,
-        receive: Callable[[Stream, Frame], T],
-    ) -> tuple[dict[str, Any], T]:
+        self, host: str, port: int, kind: str, header: Mapping[str, Any] | None,
+        payload: Payload, timeout: float, receive: Callable[[Stream, Frame], T],
+    ) -> tuple[dict[str, Any], T]:  # fmt: skip
         request_kind(kind)
         peer = address(host, port)
         budget = deadline_budget(timeout, f"{peer} did not answer within {timeout:g}s")

@@ -35,9 +35,8 @@ MAX_HEADER_BYTES = 64 * 1024
 MAX_PAYLOAD_BYTES = 1 << 44
 """16 TiB: a sanity bound on `n`; receivers check it against what they expect."""
 MAX_KIND_LEN = 64
-HANDSHAKE_KINDS = frozenset({"hello", "challenge", "auth", "welcome", "reject"})
-REPLY_KINDS = frozenset({"reply", "error"})
-RESERVED_KINDS = HANDSHAKE_KINDS | REPLY_KINDS
+RESERVED_KINDS = frozenset({"hello", "challenge", "auth", "welcome", "reject", "reply", "error"})
+"""The handshake's kinds, then a request's answers: no request may have them."""
 
 _CHUNK = 64 << 20  # bytes per send call: each waits at most one budget
 _INLINE = 16 << 10  # small payloads travel in the header's own send
@@ -115,10 +114,6 @@ def release_views(chunks: Sequence[Chunk]) -> None:
             chunk.release()
 
 
-def payload_size(chunks: Sequence[Chunk]) -> int:
-    return sum(c.nbytes for c in chunks)
-
-
 def request_kind(kind: object) -> str:
     """`kind` if a request may have it (ValueError if not): a client's or a handler's."""
     if not isinstance(kind, str) or not 0 < len(kind) <= MAX_KIND_LEN:
@@ -180,13 +175,12 @@ class Stream:
     """
 
     def __init__(self, sock: socket.socket, peer: str, budget: Callable[[], float]) -> None:
-        self.sock = sock
-        self.peer = peer
-        self.budget = budget
+        self.sock, self.peer, self.budget = sock, peer, budget
 
     def send(self, kind: str, header: dict[str, Any], payload: Sequence[Chunk] = ()) -> None:
-        head = encode_header(kind, payload_size(payload), header)
-        if payload and payload_size(payload) <= _INLINE and not _has_files(payload):
+        size = sum(c.nbytes for c in payload)
+        head = encode_header(kind, size, header)
+        if payload and size <= _INLINE and not any(isinstance(c, FileRegion) for c in payload):
             head, payload = b"".join([head, *payload]), ()
         try:
             self._sendall(memoryview(head))
@@ -276,7 +270,3 @@ class Stream:
         if isinstance(exc, TimeoutError):
             return PeerTimeoutError(f"timed out {doing} {self.peer}")
         return PeerError(f"connection to {self.peer} lost while {doing} it: {exc}")
-
-
-def _has_files(payload: Sequence[Chunk]) -> bool:
-    return any(isinstance(c, FileRegion) for c in payload)

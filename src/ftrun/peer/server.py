@@ -100,17 +100,9 @@ class PeerServer:
     """Serves `register`ed kinds to the agents of job `job_id` on `host`, port picked by the OS."""
 
     def __init__(
-        self,
-        host: str,
-        secret: bytes,
-        job_id: str,
-        *,
-        port: int = 0,
-        max_connections: int = 64,
-        handshake_timeout: float = 10.0,
-        io_timeout: float = 60.0,
-        idle_timeout: float = 600.0,
-    ) -> None:
+        self, host: str, secret: bytes, job_id: str, *, port: int = 0, max_connections: int = 64,
+        handshake_timeout: float = 10.0, io_timeout: float = 60.0, idle_timeout: float = 600.0,
+    ) -> None:  # fmt: skip
         self._secret = check_secret(secret)
         self._job_id = job_id
         self._max_connections = max_connections
@@ -127,9 +119,8 @@ class PeerServer:
         self._lock = threading.Lock()
         self._connections: dict[socket.socket, threading.Thread] = {}
         self._closing = False
-        self._accepter = threading.Thread(
-            target=self._accept_loop, name="ftrun-peer-accept", daemon=True
-        )
+        self._accepter = threading.Thread(target=self._accept_loop, name="ftrun-peer-accept",
+                                          daemon=True)  # fmt: skip
 
     def register(self, kind: str, handler: Handler) -> None:
         """Serve requests of `kind` with `handler` (called on the connection's thread)."""
@@ -202,22 +193,15 @@ class PeerServer:
             full = len(self._connections) >= self._max_connections
             if not (full or self._closing):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                thread = threading.Thread(
-                    target=self._serve,
-                    args=(sock, peer),
-                    name=f"ftrun-peer-conn {peer}",
-                    daemon=True,
-                )
+                thread = threading.Thread(target=self._serve, args=(sock, peer),
+                                          name=f"ftrun-peer-conn {peer}", daemon=True)  # fmt: skip
                 self._connections[sock] = thread
                 thread.start()
                 return
         sock.close()
         if full:
-            log.warning(
-                "peer channel: refused %s: %d connections open already",
-                peer,
-                self._max_connections,
-            )
+            log.warning("peer channel: refused %s: %d connections open already", peer,
+                        self._max_connections)  # fmt: skip
 
     # ---- one connection ----------------------------------------------------------------------
 
@@ -227,9 +211,8 @@ class PeerServer:
             try:
                 server_handshake(stream, self._secret, self._job_id)
             except PeerTimeoutError:
-                raise PeerTimeoutError(
-                    f"no handshake within {self._handshake_timeout:g}s"
-                ) from None
+                bound = self._handshake_timeout
+                raise PeerTimeoutError(f"no handshake within {bound:g}s") from None
             stream.budget = lambda: self._io_timeout
             while not self._closing and stream.readable(self._idle_timeout):
                 frame = stream.recv()
