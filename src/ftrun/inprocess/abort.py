@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import abc
 import ctypes
+import functools
 import importlib.util
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ftrun.aside import Aside
 from ftrun.environment import Env
 from ftrun.inprocess import exception
 from ftrun.inprocess.nccl_wake import ProxyWaker
@@ -61,12 +62,9 @@ class AbortTorchDistributed(Abort):
     """
 
     def __init__(
-        self,
-        torch_fr_trace_path: str | None = None,
-        *,
-        timeout: float = DEFAULT_ABORT_TIMEOUT_S,
+        self, torch_fr_trace_path: str | None = None, *, timeout: float = DEFAULT_ABORT_TIMEOUT_S,
         wake_nccl: bool = True,
-    ) -> None:
+    ) -> None:  # fmt: skip
         ours, nvrx = os.environ.get(Env.FR_TRACE_PATH), os.environ.get("NVRX_FR_TRACE_PATH")
         self.torch_fr_trace_path = torch_fr_trace_path or ours or nvrx or None
         self.timeout = timeout
@@ -144,9 +142,8 @@ def _dump_fr_trace(directory: str) -> None:
     """This rank's Flight Recorder entries as JSON (torch 2.13's `_dump_fr_trace_json`; older
     torch names it `_dump_nccl_trace_json`); skipped where torch has neither."""
     c10d = torch._C._distributed_c10d
-    dump = getattr(c10d, "_dump_fr_trace_json", None) or getattr(
-        c10d, "_dump_nccl_trace_json", None
-    )
+    dump = getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d, "_dump_nccl_trace_json",
+                                                                  None)  # fmt: skip
     if dump is None:
         log.info("abort: this torch cannot dump the Flight Recorder; no trace written")
         return
@@ -156,13 +153,6 @@ def _dump_fr_trace(directory: str) -> None:
     with open(target, "wb") as f:
         f.write(trace if isinstance(trace, bytes) else str(trace).encode())
     log.info("abort: Flight Recorder trace written to %s", target)
-
-
-def backends() -> Iterator[tuple[str, Any]]:
-    """`("<group>/<device>", backend)` for each backend of each live process group (a backend
-    two groups share comes once per group)."""
-    for _, where, backend in _group_backends():
-        yield where, backend
 
 
 def pin_gloo_groups() -> bool:
@@ -184,6 +174,8 @@ def pin_gloo_groups() -> bool:
 
 
 def _group_backends() -> Iterator[tuple[Any, str, Any]]:
+    """`(group, "<group>/<device>", backend)` for each backend of each live process group (a
+    backend two groups share comes once per group)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     for group, name in list(dist.distributed_c10d._world.pg_names.items()):
@@ -201,7 +193,7 @@ def is_gloo(backend: Any) -> bool:
 def _backend_aborts() -> dict[str, Callable[[], Any]]:
     """`{"<type> <group>/<device>": abort}` for each distinct backend of each process group."""
     found: dict[int, tuple[str, Callable[[], Any]]] = {}
-    for where, backend in backends():
+    for _, where, backend in _group_backends():
         if is_gloo(backend):
             continue  # see the class: its abort() returns nothing and breaks its destructor
         stop = getattr(backend, "abort", None) or getattr(backend, "shutdown", None)
@@ -214,19 +206,10 @@ def _bounded(steps: dict[str, Callable[[], Any]], deadline: float) -> list[str]:
     """Run each step in its own daemon thread; the names of those still running at `deadline`.
     A step that raises is logged, not re-raised: the next step (destroying the groups) must
     still run."""
-    threads = []
-    for name, step in steps.items():
-        thread = threading.Thread(
-            target=_logged, args=(name, step), name=f"ftrun-abort {name}", daemon=True
-        )
-        thread.start()
-        threads.append((name, thread))
-    late = []
-    for name, thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-        if thread.is_alive():
-            late.append(f"{name} still running at the deadline")
-    return late
+    calls = {name: Aside(functools.partial(_logged, name, step), f"ftrun-abort {name}")
+             for name, step in steps.items()}  # fmt: skip
+    return [f"{name} still running at the deadline" for name, call in calls.items()
+            if not call.done(max(0.0, deadline - time.monotonic()))]  # fmt: skip
 
 
 def _logged(name: str, step: Callable[[], Any]) -> None:

@@ -39,11 +39,8 @@ class Compose:
         for instance in reversed(self.instances):
             ret = instance(*args)
             if ret is None and args and args != (None,):
-                warnings.warn(
-                    f"{type(self).__name__}: {instance!r} returned None for {args!r}; "
-                    "the next stage gets None",
-                    stacklevel=2,
-                )
+                warnings.warn(f"{type(self).__name__}: {instance!r} returned None for {args!r}; "
+                              "the next stage gets None", stacklevel=2)  # fmt: skip
             if isinstance(ret, tuple):
                 args = ret
             elif ret is None and not args:

@@ -39,12 +39,9 @@ class ThreadedFinalize(Finalize):
     """
 
     def __init__(
-        self,
-        timeout: datetime.timedelta,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...] | None = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> None:
+        self, timeout: datetime.timedelta, fn: Callable[..., Any],
+        args: tuple[Any, ...] | None = (), kwargs: Mapping[str, Any] | None = None,
+    ) -> None:  # fmt: skip
         self.timeout = timeout
         self.fn = fn
         self.args = tuple(args or ())

@@ -91,9 +91,8 @@ class FaultCounter(HealthCheck):
             return state
         self.faults_count += 1
         if self.max_rank_faults is not None and self.faults_count > self.max_rank_faults:
-            raise FaultCounterExceeded(
-                f"{self.faults_count} faults on this rank, at most {self.max_rank_faults} allowed"
-            )
+            raise FaultCounterExceeded(f"{self.faults_count} faults on this rank, at most "
+                                       f"{self.max_rank_faults} allowed")  # fmt: skip
         return state
 
 

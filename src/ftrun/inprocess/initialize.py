@@ -26,12 +26,8 @@ class RetryController(Initialize):
     ftrun: an active world size not yet assigned (None) is no shortfall (NVRx: a TypeError).
     """
 
-    def __init__(
-        self,
-        max_iterations: int | None = None,
-        min_world_size: int = 1,
-        min_active_world_size: int = 1,
-    ) -> None:
+    def __init__(self, max_iterations: int | None = None, min_world_size: int = 1,
+                 min_active_world_size: int = 1) -> None:  # fmt: skip
         self.max_iterations = max_iterations
         self.min_world_size = min_world_size
         self.min_active_world_size = min_active_world_size

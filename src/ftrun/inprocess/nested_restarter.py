@@ -30,17 +30,13 @@ from ftrun.inprocess.terminate import Terminate
 LOGGER_NAME = "ftrun.inprocess"
 
 
-def _default_logger() -> Any:
-    return logging.getLogger(LOGGER_NAME)
-
-
 @dataclasses.dataclass
 class NestedRestarterCallback:
     """Writes one status line when the state's initial rank is `special_rank`."""
 
     restarter_state: str
     restarter_stage: str | None = None
-    logger: Any = dataclasses.field(default_factory=_default_logger)
+    logger: Any = dataclasses.field(default_factory=lambda: logging.getLogger(LOGGER_NAME))
     special_rank: int = 0
 
     def __call__(self, state: FrozenState) -> FrozenState:

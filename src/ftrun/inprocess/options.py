@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 from ftrun.environment import Env
-from ftrun.inprocess.abort import Abort, AbortTorchDistributed
+from ftrun.inprocess.abort import DEFAULT_ABORT_TIMEOUT_S, Abort, AbortTorchDistributed
 from ftrun.inprocess.completion import Completion
 from ftrun.inprocess.compose import Compose
 from ftrun.inprocess.finalize import Finalize
@@ -28,7 +28,7 @@ from ftrun.inprocess.terminate import Terminate
 
 log = logging.getLogger("ftrun.inprocess")
 
-DEFAULT_ABORT_TIMEOUT = timedelta(seconds=30)
+DEFAULT_ABORT_TIMEOUT = timedelta(seconds=DEFAULT_ABORT_TIMEOUT_S)
 """How long the process groups' abort may take before in-process restart gives up on this
 rank (an NCCL abort can hang): the launcher then restarts the workers."""
 

@@ -16,24 +16,16 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-
-class _Timeouts(Protocol):
-    @property
-    def soft_timeout(self): ...
-    @property
-    def hard_timeout(self): ...
-    @property
-    def termination_grace_time(self): ...
-    @property
-    def progress_watchdog_interval(self): ...
+if TYPE_CHECKING:
+    from ftrun.inprocess.options import WrapperOptions
 
 
 class ProgressWatchdog:
     """Judges this rank's pings on a thread of its own; `on_timeout(kind, why)` interrupts."""
 
-    def __init__(self, options: _Timeouts, on_timeout: Callable[[str, str], None]) -> None:
+    def __init__(self, options: WrapperOptions, on_timeout: Callable[[str, str], None]) -> None:
         self._soft = options.soft_timeout.total_seconds()
         self._hard = options.hard_timeout.total_seconds()
         self._grace = options.termination_grace_time.total_seconds()

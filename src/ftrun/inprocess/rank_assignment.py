@@ -51,9 +51,8 @@ class ActivateAllRanks(RankFilter):
 
     def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
         state = ctx.state
-        ctx.state = dataclasses.replace(
-            state, mode=Mode.ACTIVE, active_rank=state.rank, active_world_size=state.world_size
-        )
+        ctx.state = dataclasses.replace(state, mode=Mode.ACTIVE, active_rank=state.rank,
+                                        active_world_size=state.world_size)  # fmt: skip
         return ctx
 
 
@@ -94,9 +93,8 @@ class ShiftRanks(RankAssignment):
         rank = surviving_rank(state, terminated)
         new_rank = rank - sum(1 for dead in terminated if dead < rank)
         _log_move(rank, new_rank, "shifted")
-        ctx.state = dataclasses.replace(
-            state, rank=new_rank, world_size=state.world_size - len(terminated)
-        )
+        ctx.state = dataclasses.replace(state, rank=new_rank,
+                                        world_size=state.world_size - len(terminated))  # fmt: skip
         ctx.terminated_ranks = set()
         return ctx
 
@@ -135,11 +133,9 @@ class FilterCountGroupedByKey(RankAssignment):
     """
 
     def __init__(
-        self,
-        key_or_fn: KeyOrFn,
-        condition: Callable[[int], bool],
+        self, key_or_fn: KeyOrFn, condition: Callable[[int], bool],
         timeout: datetime.timedelta = datetime.timedelta(seconds=60),
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.key_or_fn = key_or_fn
         self.condition = condition
         self.timeout = timeout
@@ -170,9 +166,8 @@ def _activate_lowest(state: State, size: int, why: str) -> State:
     """Ranks below `size` active (keeping their numbers), the others inactive."""
     assert state.rank is not None
     if state.rank < size:
-        return dataclasses.replace(
-            state, mode=Mode.ACTIVE, active_rank=state.rank, active_world_size=size
-        )
+        return dataclasses.replace(state, mode=Mode.ACTIVE, active_rank=state.rank,
+                                   active_world_size=size)  # fmt: skip
     if state.mode == Mode.ACTIVE:
         log.info("[In-process] rank %d deactivated: %s", state.rank, why)
     return dataclasses.replace(state, mode=Mode.INACTIVE, active_rank=None, active_world_size=size)

@@ -51,10 +51,7 @@ class State:
     fn_exception: BaseException | None = None
 
     def __post_init__(self) -> None:
-        if self.initial_rank is None:
-            self.initial_rank = self.rank
-        if self.initial_world_size is None:
-            self.initial_world_size = self.world_size
+        _initial_defaults(self)
 
     @classmethod
     def from_env(cls) -> State:
@@ -78,7 +75,7 @@ class State:
     def freeze(self) -> FrozenState:
         """A read-only snapshot for user hooks. Shallow: `fn_exception` is the same object
         (NVRx deep-copies it, which fails for exceptions that cannot be copied)."""
-        return FrozenState(**_shallow_fields(self))
+        return FrozenState(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     def copy_from(self, other: State | FrozenState, fields: Iterable[str] | None = None) -> None:
         """Take `fields` (all of them when None) from `other`."""
@@ -88,12 +85,12 @@ class State:
                 setattr(self, field.name, getattr(other, field.name))
 
 
-def _frozen_defaults(self: object) -> None:
-    # The same defaults as State's, for a FrozenState made directly (tests, user code).
-    if self.initial_rank is None:  # type: ignore[attr-defined]
-        object.__setattr__(self, "initial_rank", self.rank)  # type: ignore[attr-defined]
-    if self.initial_world_size is None:  # type: ignore[attr-defined]
-        object.__setattr__(self, "initial_world_size", self.world_size)  # type: ignore[attr-defined]
+def _initial_defaults(state: object) -> None:
+    """`initial_rank`/`initial_world_size` default to `rank`/`world_size`: a `State`'s, and a
+    `FrozenState`'s made directly (tests, user code)."""
+    for initial, current in (("initial_rank", "rank"), ("initial_world_size", "world_size")):
+        if getattr(state, initial) is None:
+            object.__setattr__(state, initial, getattr(state, current))
 
 
 FrozenState = dataclasses.make_dataclass(
@@ -104,10 +101,6 @@ FrozenState = dataclasses.make_dataclass(
         for f in dataclasses.fields(State)
     ],
     frozen=True,
-    namespace={"__post_init__": _frozen_defaults, "__module__": __name__,
+    namespace={"__post_init__": _initial_defaults, "__module__": __name__,
                "__doc__": "`State` with every field read-only (what hooks get)."},
 )  # fmt: skip
-
-
-def _shallow_fields(obj: State | FrozenState) -> dict[str, object]:
-    return {field.name: getattr(obj, field.name) for field in dataclasses.fields(obj)}

@@ -63,11 +63,6 @@ class PrefixStore(dist.PrefixStore, StoreMixin):
     """NVRx's name for a store under a key prefix."""
 
 
-def launcher_store_address(environ: os._Environ[str] | dict[str, str] = os.environ) -> str | None:
-    """`host:port` of the agents' coordination store, when `ft_launcher` runs this rank."""
-    return environ.get(Env.INPROCESS_STORE) or None
-
-
 def prefix(environ: dict[str, str]) -> str:
     """The key prefix of this cycle's coordination (the launcher's, else the standalone one)."""
     return environ.get(Env.INPROCESS_PREFIX, STANDALONE_PREFIX)
@@ -78,8 +73,8 @@ def connect(
 ) -> tuple[dist.Store, Callable[[], dist.Store], str]:
     """The coordination store (under its prefix), a maker of more connections to it (the
     watcher blocks on its own), and its `host:port`."""
-    address = launcher_store_address(environ)
-    if address is None:
+    address = environ.get(Env.INPROCESS_STORE)  # the agents' store, under ft_launcher
+    if not address:
         base = factory(**kwargs)
         address = f"{base.host}:{base.port}" if isinstance(base, dist.TCPStore) else ""
         return (dist.PrefixStore(STANDALONE_PREFIX, base),

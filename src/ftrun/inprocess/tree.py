@@ -71,9 +71,8 @@ class Tree(RankAssignment):
     the last in tree order is taken (NVRx: the last one deactivated).
     """
 
-    def __init__(
-        self, layers: list[Layer], world_size_filter: Callable[[int], int] | None = None
-    ) -> None:
+    def __init__(self, layers: list[Layer],
+                 world_size_filter: Callable[[int], int] | None = None) -> None:  # fmt: skip
         if not layers:
             raise ValueError("Tree needs at least one Layer")
         self.layers = list(layers)

@@ -26,12 +26,8 @@ then, so that call returns at once unless the store is gone, when it fails about
 class Watcher:
     """Watches iteration after iteration, as `follow` hands them over."""
 
-    def __init__(
-        self,
-        interrupter: Interrupter,
-        abort: Callable[[], None],
-        entered: Callable[[int], None] | None = None,
-    ) -> None:
+    def __init__(self, interrupter: Interrupter, abort: Callable[[], None],
+                 entered: Callable[[int], None] | None = None) -> None:  # fmt: skip
         """`entered(number)`: called on this thread each time it starts watching iteration
         `number`, while the main thread runs the function (the wrapper forgets old keys)."""
         self._interrupter = interrupter
