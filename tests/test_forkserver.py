@@ -273,7 +273,8 @@ def test_killing_the_server_kills_its_workers() -> None:
             assert gone(worker.pid)
             worker.stdout.close()
             worker.stderr.close()
-        assert not fs.ready(0)
+        # The client's reader sees the server gone on its own thread, after the workers may.
+        wait_for(lambda: not fs.ready(0), DEADLINE, "the client to see the server gone")
         with pytest.raises(ForkServerError) as info:
             fs.spawn(probe("report"), BASE_ENV, "/")
         assert isinstance(info.value, FtrunError)
