@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import statistics
 import threading
@@ -234,6 +235,7 @@ def one_run(setting: Setting, args: argparse.Namespace) -> tuple[float, list[Fau
         for i, fault in enumerate(faults):
             analyse(fault, lines, exits, own[i], args.step_s)
         stall = slower_steps(lines, faults, args.step_s, opened + args.duration)
+    shutil.rmtree(f"/dev/shm/nvrx-local-{run.tmp.name}", ignore_errors=True)  # NVRx's parts
     return gained * args.step_s / args.duration, faults, stall / max(1, len(faults))
 
 

@@ -83,8 +83,11 @@ class StepSnapshot:
         self.stalls: list[float] = []
         """Seconds each taken save held the caller."""
         self._sharded: bool | None = None  # whether the first save found DTensors
-        root = Path(directory or default_directory())
         under_agent = Env.CKPT_DIR in os.environ
+        # Under the agent the parts go to its node memory (nothing persisted under `root`):
+        # no directory of our own to make.
+        fallback = os.environ.get(Env.CKPT_DIR) if under_agent else None
+        root = Path(directory or fallback or default_directory())
         self._manager = LocalCheckpointManager(
             root,
             SESSION,
