@@ -1,7 +1,7 @@
 """Goodput under a mixed fault schedule: what a fault costs end to end, setting by setting.
 
 One plain script (`bench/workers/goodput_worker.py`: the transformer of the GPU benches, DDP,
-AdamW), 2 launchers x 2 ranks, run for `--duration` seconds per setting while the bench injects
+AdamW), `--layout` launchers x ranks (2x2; 1x1 on one GPU, where no node can be lost), run for `--duration` seconds per setting while the bench injects
 a fault every `--every` seconds, kinds in turn: an exception, a SIGKILLed rank, a hung rank
 (SIGSTOP) and, for settings with a hot spare, a lost node (its launcher's process group
 SIGKILLed). A setting without a spare gets a SIGKILLed rank in the lost node's turn. Settings,
@@ -9,7 +9,8 @@ side by side in one run, interleaved run by run:
 
 - torchrun + torch.save every `--ckpt-every` steps (hangs end at the script's collective
   timeout, `--pg-timeout`: torchrun has no other hang detection);
-- NVRx 0.7's ft_launcher + the same torch.save (where NVRx is installed: the device);
+- NVRx 0.7's ft_launcher + the same torch.save, or + NVRx's own local checkpoints every
+  `--ckpt-every` steps (`nvrx-local`), where NVRx is installed (the device);
 - ft_launcher + the same torch.save (ftrun's recovery, the script's checkpoints);
 - ft_launcher + `StepSnapshot` every step (and every 5 steps), a spare launcher.
 
@@ -325,10 +326,10 @@ def report(results: dict[str, list[tuple[float, list[Fault], float]]], args) -> 
         for kind in KINDS:
             mine = [f for f in faults if f.kind == kind and f.detect is not None]
             # Fired, but the job was not stepping again when the window closed.
-            lost = sum(1 for f in faults if f.kind == kind and f.detect is None)
-            count = f"{len(mine)}" + (f" (+{lost} not back)" if lost else "")
+            missing = sum(1 for f in faults if f.kind == kind and f.detect is None)
+            count = f"{len(mine)}" + (f" (+{missing} not back)" if missing else "")
             if not mine:
-                if lost:
+                if missing:
                     rows.append([name, goodputs, kind, count, *["-"] * 5])
                 continue
             med = statistics.median
