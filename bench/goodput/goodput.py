@@ -1,7 +1,8 @@
 """Goodput under a mixed fault schedule: what a fault costs end to end, setting by setting.
 
 One plain script (`bench/workers/goodput_worker.py`: the transformer of the GPU benches, DDP,
-AdamW), `--layout` launchers x ranks (2x2; 1x1 on one GPU, where no node can be lost), run for `--duration` seconds per setting while the bench injects
+AdamW), `--layout` launchers x ranks (2x2; 1x1 on one GPU, where no node can be lost), run
+for `--duration` seconds per setting while the bench injects
 a fault every `--every` seconds, kinds in turn: an exception, a SIGKILLed rank, a hung rank
 (SIGSTOP) and, for settings with a hot spare, a lost node (its launcher's process group
 SIGKILLed). A setting without a spare gets a SIGKILLed rank in the lost node's turn. Settings,
