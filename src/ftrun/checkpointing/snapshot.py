@@ -86,8 +86,7 @@ class StepSnapshot:
         under_agent = Env.CKPT_DIR in os.environ
         # Under the agent the parts go to its node memory (nothing persisted under `root`):
         # no directory of our own to make.
-        fallback = os.environ.get(Env.CKPT_DIR) if under_agent else None
-        root = Path(directory or fallback or default_directory())
+        root = Path(directory or os.environ.get(Env.CKPT_DIR) or default_directory())
         self._manager = LocalCheckpointManager(
             root,
             SESSION,

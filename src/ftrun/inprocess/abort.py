@@ -142,8 +142,8 @@ def _dump_fr_trace(directory: str) -> None:
     """This rank's Flight Recorder entries as JSON (torch 2.13's `_dump_fr_trace_json`; older
     torch names it `_dump_nccl_trace_json`); skipped where torch has neither."""
     c10d = torch._C._distributed_c10d
-    dump = getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d, "_dump_nccl_trace_json",
-                                                                  None)  # fmt: skip
+    dump = getattr(c10d, "_dump_fr_trace_json", None)
+    dump = dump or getattr(c10d, "_dump_nccl_trace_json", None)
     if dump is None:
         log.info("abort: this torch cannot dump the Flight Recorder; no trace written")
         return

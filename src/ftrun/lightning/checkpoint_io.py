@@ -136,6 +136,8 @@ class HierarchicalCheckpointIO(CheckpointIO):
     ) -> Any:
         """Save this rank's copy of `checkpoint` as local iteration `step` (through
         `to_tensor_aware_state_dict`); NVRx's `AsyncRequest` when async."""
+        if self.skips_now():
+            return None
         wrapped = self.to_tensor_aware_state_dict(checkpoint)
         if not isinstance(wrapped, BasicTensorAwareStateDict):
             raise LightningUsageError(
@@ -144,12 +146,18 @@ class HierarchicalCheckpointIO(CheckpointIO):
             )
         storable = BasicTensorAwareStateDict(state_codec.encode(wrapped.state_dict))
         if self.overlap:
-            if self.manager.saving:  # the training never waits for node memory
-                self.skipped += 1
-                return None
             return self.manager.save(storable, step, overlap=True)
         async_save = self.async_save if is_async is None else is_async
         return self.manager.save(storable, step, is_async=async_save)
+
+    def skips_now(self) -> bool:
+        """With `overlap`, whether a local save now would be skipped (and count it): the
+        previous one is still running, and the training never waits for node memory. Asked
+        before the checkpoint dict is built, so a skipped step does not build it."""
+        if self.overlap and self.manager.saving:
+            self.skipped += 1
+            return True
+        return False
 
     def to_tensor_aware_state_dict(self, checkpoint: dict[str, Any]) -> Any:
         """NVRx's hook (abstract there): the Lightning checkpoint, wrapped."""

@@ -63,7 +63,7 @@ class LocalCheckpointCallback(Callback):
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
-        if step == self._last_step or not self._due(step):
+        if step == self._last_step or not self._due(step) or self.io.skips_now():
             return
         self._last_step, self._last_save = step, time.monotonic()
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
