@@ -1,6 +1,7 @@
-"""A call run aside, on a daemon thread of its own, for a caller that must not block with it: a
-hung network filesystem, a peer that never answers, torch's rendezvous until its deadline. The
-caller waits in steps of its choosing and may give up (the call runs on, abandoned)."""
+"""A call run aside, on a thread of its own, for a caller that must not block with it: a hung
+network filesystem, a peer that never answers, torch's rendezvous until its deadline, a
+checkpoint's background write. The caller waits in steps of its choosing and may give up (a
+daemon call runs on, abandoned; one that is not a daemon still completes before exit)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ T = TypeVar("T")
 
 
 class Aside(Generic[T]):
-    """`fn()` started on a daemon thread named `name`; `done` waits, `result` hands it over."""
+    """`fn()` started on a thread named `name` (a daemon unless told otherwise); `done` waits,
+    `result` hands it over."""
 
-    def __init__(self, fn: Callable[[], T], name: str) -> None:
+    def __init__(self, fn: Callable[[], T], name: str, *, daemon: bool = True) -> None:
         self._outcome: list[tuple[bool, object]] = []  # (returned, its value or exception)
 
         def run() -> None:
@@ -23,11 +25,12 @@ class Aside(Generic[T]):
             except BaseException as exc:  # handed to the caller's thread
                 self._outcome.append((False, exc))
 
-        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread = threading.Thread(target=run, name=name, daemon=daemon)
         self._thread.start()
 
-    def done(self, timeout: float) -> bool:
-        """Whether the call returned or raised, waiting at most `timeout` seconds for it."""
+    def done(self, timeout: float | None) -> bool:
+        """Whether the call returned or raised, waiting at most `timeout` seconds for it (None:
+        until it has)."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
 

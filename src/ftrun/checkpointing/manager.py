@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ftrun.aside import Aside
 from ftrun.checkpointing.async_calls import AsyncRequest
 from ftrun.checkpointing.collective import all_true, min_max, rank_and_world_size
 from ftrun.checkpointing.errors import (
@@ -114,7 +115,7 @@ class LocalCheckpointManager:
                 else DirectoryStore(self.root_local_ckpt_dir / session_id)
             )
         self._store = store
-        self._in_flight: _AsyncSave | None = None
+        self._in_flight: Aside[PartInfo] | None = None
         self._copy: OverlappedCopy | None = None  # an `overlap` save's, until `fence`
         self._joining = threading.Lock()  # `wait` (trainer) against `_join` (a queue's thread)
         self._bad: set[PartKey] = set()  # set aside: never read again, even if renaming failed
@@ -190,23 +191,23 @@ class LocalCheckpointManager:
     def saving(self) -> bool:
         """Whether a background save is still running."""
         job = self._in_flight
-        return job is not None and job.running
+        return job is not None and not job.done(0)
 
     def wait(self) -> PartInfo | None:
         """Wait for the async save in flight; its `PartInfo`, or None if there was none.
         Raises the save's error (once)."""
         with self._joining:
             job, self._in_flight = self._in_flight, None
-        return job.result() if job is not None else None
+        return _joined(job) if job is not None else None
 
-    def _join(self, job: _AsyncSave) -> PartInfo | None:
+    def _join(self, job: Aside[PartInfo]) -> PartInfo | None:
         """The returned request's fn (an `AsyncCallsQueue` thread): join `job` unless `wait`
         already did, so that its error reaches the caller once."""
         with self._joining:
             if self._in_flight is not job:
                 return None
             self._in_flight = None
-        return job.result()
+        return _joined(job)
 
     @property
     def local_ckpt_dir(self) -> Path:
@@ -291,9 +292,10 @@ class LocalCheckpointManager:
     @staticmethod
     def _in_background(
         iteration: int, work: Callable[[], PartInfo], undo: Callable[[], None]
-    ) -> _AsyncSave:
+    ) -> Aside[PartInfo]:
         try:
-            return _AsyncSave(iteration, work)
+            # Not a daemon: a save the caller was told had started completes before exit.
+            return Aside(work, f"ftrun-ckpt-save-{iteration}", daemon=False)
         except BaseException:  # no thread (e.g. none can be started): drop the temp file
             undo()
             raise
@@ -364,34 +366,10 @@ class LocalCheckpointManager:
         return PartKey(iteration, rank, world_size)
 
 
-class _AsyncSave:
-    """One background write; `result` joins it and re-raises what it raised."""
-
-    def __init__(self, iteration: int, work: Callable[[], PartInfo]) -> None:
-        self._info: PartInfo | None = None
-        self._error: BaseException | None = None
-        # Not a daemon: a save the caller was told had started completes before exit.
-        self._thread = threading.Thread(
-            target=self._run, args=(work,), name=f"ftrun-ckpt-save-{iteration}"
-        )
-        self._thread.start()
-
-    def _run(self, work: Callable[[], PartInfo]) -> None:
-        try:
-            self._info = work()
-        except BaseException as e:
-            self._error = e
-
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
-    def result(self) -> PartInfo:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        assert self._info is not None
-        return self._info
+def _joined(job: Aside[PartInfo]) -> PartInfo:
+    """The background write's `PartInfo` once it ends, or its error raised here."""
+    job.done(None)
+    return job.result()
 
 
 def _unwrap(state_dict: Any) -> tuple[Any, dict[str, str]]:
