@@ -133,7 +133,9 @@ def test_stopped_rank(fault: Fault):
     stopped_at = float((job.ckpt_dir / "stopped-rank3.txt").read_text())
     fault.stepping = round(max(first_step(job, rank, 1) for rank in range(4)) - stopped_at, 3)
     fault.time(fault.stepping, "SIGSTOP to every rank stepping again")
-    assert all(e["killed"] == 0 for e in job.events("stop_done"))  # no grace waited out
+    stops = job.events("stop_done")
+    sigkills = [ln for node in job.nodes for ln in node.text().splitlines() if "SIGKILL" in ln]
+    assert all(e["killed"] == 0 for e in stops), (stops, sigkills)  # no grace waited out
     cause = [f for f in job.failures() if not f.get("secondary")]
     assert [(f["rank"], f["kind"]) for f in cause] == [(3, "hang")]
     text = job.report()
