@@ -284,15 +284,17 @@ def stepping_again(run: Job, faults: list[Fault], until: float) -> bool:
 
 
 def analyse(fault: Fault, lines: Lines, exits: Exits, own: set[int], step_s: float):
-    # Processes of the job when the fault fired (not a later life's) that ended after it.
-    ended = {pid: t for pid, t in exits.ended.items() if t >= fault.at > exits.seen[pid]}
-    stopped = [t for pid, t in ended.items() if pid not in own]
-    # A one-rank job has no other worker to stop: the faulted process's own end is the sign.
-    stopped = stopped or list(ended.values())
-    detected = min(stopped, default=None)
     resumed = [(ts, v) for ts, _, k, v in lines.rows if k == "from" and ts > fault.at]
-    if detected is None or not resumed:
+    if not resumed:
         return
+    # Processes of the job when the fault fired (not a later life's) that ended after it and
+    # before the job resumed (not at a later fault).
+    ended = {pid: t for pid, t in exits.ended.items()
+             if resumed[0][0] > t >= fault.at > exits.seen[pid]}  # fmt: skip
+    stopped = [t for pid, t in ended.items() if pid not in own]
+    # A one-rank job has no other worker to stop: the faulted process's own end is the sign;
+    # none ended (an in-process restart): the raise was caught where it was raised.
+    detected = min(stopped or list(ended.values()) or [fault.at])
     restored_from = int(resumed[0][1])
     back = [ts for ts, _, k, v in lines.rows if k == "step" and ts > resumed[0][0]]
     fault.detect = detected - fault.at

@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--stagings", default="device,host", help="StepSnapshot stagings")
+    parser.add_argument("--stagings", default="host,device", help="StepSnapshot stagings")
     sizes = {"device": "cpu", "d_model": 32, "layers": 1, "batch": 2, "seq": 8, "steps": 4,
              "blocks": 1}  # fmt: skip
     args = smoke.parse_args(parser, sizes)

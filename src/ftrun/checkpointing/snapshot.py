@@ -14,10 +14,10 @@ written with `overlap`:
   `step()` until then (a global step pre-hook calling `LocalCheckpointManager.fence`: the host
   copies are waited for; for the device copies the current stream waits, not the host). Code
   that changes saved tensors in place outside an optimizer step calls `fence()` first.
-- Where GPU memory allows (`staging`), `save` first copies the CUDA tensors into GPU buffers
-  of the snapshot's own (a few milliseconds of HBM bandwidth, on a side stream): the optimizer
-  then waits only for that copy, and the copy to node memory reads the buffers while the next
-  step runs, however long PCIe takes. The buffers cost the state's CUDA bytes once.
+- With `staging="device"`, `save` first copies the CUDA tensors into GPU buffers of the
+  snapshot's own (HBM bandwidth, on a side stream): the optimizer then waits only for that
+  copy, and the copy to node memory reads the buffers however long PCIe takes. For states whose
+  PCIe copy outlasts a forward and backward pass; see `staging` for what it costs otherwise.
 - A save that finds the previous one still in the background is skipped (`skipped` counts them):
   the newest snapshot is then a step older, but the training never waits for node memory.
 - Where each copy lives: the part is a file in node memory, so it outlives the rank's process.
@@ -75,9 +75,8 @@ class StepSnapshot:
     `every`: save every `every` steps (1: every step). `directory`: where the parts go when not
     under ft_launcher (default: a 0700 directory under /dev/shm named after the job).
     `replicate`: under ft_launcher, copy each part to another node's agent (default: when the
-    job has at least two nodes' worth of ranks). `staging`: where the CUDA tensors are copied
-    first, so the next optimizer step need not wait for node memory: "auto" (the GPU when the
-    state fits in its free memory with a margin, see `staging`), "device" or "host"."""
+    job has at least two nodes' worth of ranks). `staging`: "host" (the CUDA tensors copied straight
+    to node memory) or "device" (into GPU buffers first, where they fit: see `staging`)."""
 
     def __init__(
         self,
@@ -85,7 +84,7 @@ class StepSnapshot:
         *,
         every: int = 1,
         replicate: bool = True,
-        staging: Staging = "auto",
+        staging: Staging = "host",
     ) -> None:
         if type(every) is not int or every < 1:
             raise CheckpointUsageError(f"every must be an int >= 1, not {every!r}")
@@ -216,7 +215,9 @@ def _local(value: Any, found: list[bool] | None = None) -> Any:
     if _is_dtensor(value):
         if found is not None:
             found.append(True)
-        return value.to_local()
+        # The shard itself: `to_local()` is an autograd function, 5-10 us a tensor on every save.
+        shard = getattr(value, "_local_tensor", None)
+        return shard if shard is not None else value.to_local()
     if isinstance(value, dict):
         return {key: _local(item, found) for key, item in value.items()}
     if isinstance(value, list | tuple):

@@ -9,10 +9,17 @@ for it (a stream wait, never a host wait), and the copy to node memory reads the
 buffers while the training goes on. The buffers are reused save after save (the next save
 joins the previous one first), so they cost the state's CUDA bytes once.
 
-`choose_staging` decides from free GPU memory: staging needs the state's CUDA bytes plus a
-margin (`STAGING_MARGIN` of the device, at least 1 GiB) free, counting what PyTorch's allocator
-holds unused. Host tensors in a staged save are cloned by the caller (a CPU optimizer's step
-counters, RNG states); a state with more than `HOST_CLONE_LIMIT` bytes of them is not staged.
+It is not the default: measured on an H100 (bench/RESULTS.md, "Snapshot stall"), the 151M
+script's copies to page-locked node memory finish within its forward and backward pass, so the
+optimizer hardly waits for them, while staging adds its own HBM copy and the caller's walk of
+the state (DDP +1.3 % a step straight to node memory, +5.6 % staged; FSDP2 +9.5 %, +15.2 %).
+It pays where the PCIe copy outlasts a forward and backward pass: a large state, short steps.
+
+Staging needs the state's CUDA bytes plus a margin (`STAGING_MARGIN` of the device, at least
+1 GiB) free, counting what PyTorch's allocator holds unused; where they do not fit, the saves
+go straight to node memory, said once. Host tensors in a staged save are cloned by the caller
+(a CPU optimizer's step counters, RNG states); a state with more than `HOST_CLONE_LIMIT` bytes
+of them is not staged.
 """
 
 from __future__ import annotations
@@ -27,8 +34,8 @@ from ftrun.checkpointing.errors import CheckpointUsageError
 
 logger = logging.getLogger(__name__)
 
-Staging = Literal["auto", "device", "host"]
-STAGINGS: tuple[str, ...] = ("auto", "device", "host")
+Staging = Literal["host", "device"]
+STAGINGS: tuple[str, ...] = ("host", "device")
 STAGING_MARGIN = 0.05
 """The share of the device's memory staging leaves free (at least 1 GiB)."""
 HOST_CLONE_LIMIT = 64 * 2**20
@@ -36,9 +43,9 @@ HOST_CLONE_LIMIT = 64 * 2**20
 
 class DeviceStaging:
     """GPU buffers for one rank's state, reused across saves; `stage` copies into them.
-    `mode`: "auto" (when they fit in free memory), "device" (always), "host" (never)."""
+    `mode`: "device" (when they fit in free memory) or "host" (never)."""
 
-    def __init__(self, mode: Staging = "auto") -> None:
+    def __init__(self, mode: Staging = "host") -> None:
         if mode not in STAGINGS:
             raise CheckpointUsageError(
                 f"staging must be one of {', '.join(STAGINGS)}, not {mode!r}"
@@ -79,12 +86,12 @@ class DeviceStaging:
 
     def _fit(self, sources: list[torch.Tensor], device: torch.device) -> bool:
         """Buffers shaped as `sources`, reusing the held ones when they match; False (and none
-        held) when the mode is "auto" and they do not fit in free memory."""
+        held) when they do not fit in free memory."""
         if [_shape(b) for b in self._buffers] == [_shape(s) for s in sources]:
             return True
         self._buffers = []
         needed = sum(s.numel() * s.element_size() for s in sources)
-        if self.mode == "auto" and not fits_on_device(needed, device):
+        if not fits_on_device(needed, device):
             gib = needed / 2**30
             logger.info("snapshots staged in host memory from now on: %.2f GiB of state "
                         "does not fit in free GPU memory with a margin", gib)  # fmt: skip
