@@ -166,3 +166,54 @@ def test_the_default_directory_is_this_users_0700_and_refuses_anything_else(
     made.symlink_to(tmp_path)  # a link planted in its place
     with pytest.raises(CheckpointUsageError, match="not a 0700 directory"):
         default_directory(tmp_path)
+
+
+PEER_RESTORE = """
+import sys, hashlib, torch, torch.distributed as dist
+from ftrun.checkpointing import StepSnapshot
+dist.init_process_group("gloo")
+rank, snap = dist.get_rank(), sys.argv[1]
+
+def trainer(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+def digest(model, optimizer):
+    found = [*model.state_dict().values()]
+    found += [v for s in optimizer.state.values() for v in s.values()]
+    return hashlib.sha256(b"".join(t.numpy().tobytes() for t in found)).hexdigest()[:16]
+
+model, optimizer = trainer(0)  # the same on both ranks, as under DDP
+snapshot = StepSnapshot(snap)
+for step in range(1, 4):
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+    model(x).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    optimizer.param_groups[0]["lr"] = 0.1 * step  # a scheduler's doing: not a tensor
+    if rank == 0 or step == 1:  # rank 1 lost its newer snapshots (a replaced node's rank)
+        snapshot.save({"model": model, "optimizer": optimizer}, step)
+        snapshot.wait()
+snapshot.close()
+trained = digest(model, optimizer)
+fresh, fresh_optimizer = trainer(1 + rank)
+state = {"model": fresh, "optimizer": fresh_optimizer}
+alone = StepSnapshot(snap).restore(state)  # no step every rank holds
+step = StepSnapshot(snap).restore(state, replicated=True)
+print(alone, step, trained, digest(fresh, fresh_optimizer), fresh_optimizer.param_groups[0]["lr"])
+dist.destroy_process_group()
+"""
+
+
+def test_a_replicated_state_comes_from_the_peer_holding_the_newest_step(tmp_path: Path):
+    """Rank 1 holds only step 1's snapshot, rank 0 steps 2 and 3: without `replicated` no step
+    is held by both (0: from the start); with it, rank 0 reads step 3 and broadcasts it, and
+    both ranks hold the trained state bit for bit, the optimizer's learning rate included."""
+    from support import run_gloo_ranks
+
+    lines = run_gloo_ranks(PEER_RESTORE, [str(tmp_path / "snap")], timeout=60)
+    rows = [line.split() for line in lines]
+    assert all(row[:2] == ["0", "3"] for row in rows), lines
+    assert all(row[2] == row[3] == rows[0][2] for row in rows), lines
+    assert all(float(row[4]) == pytest.approx(0.3) for row in rows), lines

@@ -9,15 +9,13 @@ launched with `--standalone --nproc-per-node=N --max-restarts=3` in a fresh dire
   under ft_launcher (`python -m ftrun.ft_launcher.cli`);
 - `nvrx-inprocess`: the same worker with `--wrapper nvrx`, under torchrun, as NVRx's usage guide
   runs its examples (`torchrun --nproc-per-node=N`; monitor interval at its default, 0.1 s);
-- `ftrun-inprocess-mem`, `nvrx-inprocess-mem`: the same two, the worker with `--restore memory`
-  (a restart in the same process copies back the state each rank kept on its GPU at the last
-  checkpoint step, instead of reading the file): the fast path a user can write for either
-  wrapper; their ratios are taken against each other;
-- `ftrun-inprocess-peer`, `nvrx-inprocess-peer`: `--restore peer`, `memory` where a rank without
-  the snapshot (a replaced rank's new process) takes it from a peer by broadcast over NCCL;
-  `-peer-dev`: also `--init-on-device` (the model built on the GPU, not moved there);
 - `ftrun-inprocess-snap`, `nvrx-inprocess-snap`: `--restore snapshot`, ftrun's `StepSnapshot`
-  of every step in node memory (what the two recipes above become as an API);
+  of every step in node memory, the same API under either wrapper; their ratios are taken
+  against each other;
+- `ftrun-inprocess-peer`, `nvrx-inprocess-peer`: `--restore peer`, the snapshot restored with
+  `replicated=True` (a rank without the newest step, a replaced rank's new process where node
+  memory lost it, takes it from a peer by broadcast over NCCL); `-peer-dev`: also
+  `--init-on-device` (the model built on the GPU, not moved there);
 - `ftrun-injob`, `torchrun-injob`: the unwrapped gpu_user_worker.py, crashing at the same step,
   under ft_launcher / torchrun (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see NO_SHARE): every
   rank's process is replaced.
@@ -100,7 +98,6 @@ class Contender:
     """The contender its ratios are taken against (run i / run i)."""
 
 
-MEMORY = ("--restore", "memory")
 PEER_STATE = ("--restore", "peer")
 STEP_SNAPSHOT = ("--restore", "snapshot")
 NVRX_ENV = (*INPROCESS_ENV, ("NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE", "1"))
@@ -109,10 +106,6 @@ NVRX_ENV = (*INPROCESS_ENV, ("NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE", "1"))
 CONTENDERS = {c.key: c for c in (
     Contender("ftrun-inprocess", FT, "ftrun", ("raise", "kill", "abort-hang"), env=INPROCESS_ENV),
     Contender(PEER, TORCHRUN, "nvrx", ("raise", "kill"), fresh_caches=True, env=NVRX_ENV),
-    Contender("ftrun-inprocess-mem", FT, "ftrun", ("raise", "kill"), env=INPROCESS_ENV,
-              worker_args=MEMORY, peer="nvrx-inprocess-mem"),
-    Contender("nvrx-inprocess-mem", TORCHRUN, "nvrx", ("raise", "kill"), fresh_caches=True,
-              env=NVRX_ENV, worker_args=MEMORY),
     Contender("ftrun-inprocess-peer", FT, "ftrun", ("raise", "kill"), env=INPROCESS_ENV,
               worker_args=PEER_STATE, peer="nvrx-inprocess-peer"),
     Contender("ftrun-inprocess-peer-dev", FT, "ftrun", ("raise", "kill"), env=INPROCESS_ENV,

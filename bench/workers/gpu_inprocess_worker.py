@@ -6,14 +6,12 @@ what does not depend on a process group (the model on its device, `torch.compile
 optimizer, a TCPStore at MASTER_PORT + 2) is built once, outside the wrapped function; the
 process group (on a PrefixStore per restart iteration) and DDP are built inside it, and each
 call loads the newest checkpoint (`--restore disk`, as NVRx's examples do), or, with `--restore
-memory`, copies back the snapshot every rank keeps on its device at each checkpoint step (a
-replaced rank's new process has none and reads the file); `--restore snapshot` is
-`ftrun.checkpointing.StepSnapshot`, every step, in node memory (a replaced rank's new process
-reads it there too); `--restore peer` is `memory` where a
-rank without the snapshot takes it from a rank that has one, over the new process group (DDP's
-ranks hold the same state: a broadcast over NVLink instead of a 1.8 GB read). `--init-on-device`
-builds the model directly on the GPU instead of on the CPU and then moving it (a new process's
-start-up). `--wrapper ftrun|nvrx` picks the import, and nothing else differs:
+snapshot`, `ftrun.checkpointing.StepSnapshot`'s of every step, in node memory (a replaced rank's
+new process reads it there too); `--restore peer` is the same restored with `replicated=True`: a
+rank without the newest snapshot takes it from a rank that has one, over the new process group
+(DDP's ranks hold the same state: a broadcast over NVLink instead of an older step).
+`--init-on-device` builds the model directly on the GPU instead of on the CPU and then moving
+it (a new process's start-up). `--wrapper ftrun|nvrx` picks the import, and nothing else differs:
 
     import ftrun.inprocess as inprocess                      # --wrapper ftrun
     import nvidia_resiliency_ext.inprocess as inprocess      # --wrapper nvrx
@@ -73,7 +71,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fault-step", type=int, default=15)
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--steps", type=int, default=25, help="train this many steps in all")
-    parser.add_argument("--restore", choices=["disk", "memory", "peer", "snapshot"], default="disk",
+    parser.add_argument("--restore", choices=["disk", "peer", "snapshot"], default="disk",
                         help="where a restart gets the last checkpoint's state")  # fmt: skip
     parser.add_argument(
         "--init-on-device",
@@ -112,84 +110,11 @@ def _hang(*_args: object) -> None:
     time.sleep(3600)
 
 
-class MemorySnapshot:
-    """The model's and optimizer's tensors at the last checkpoint step, kept where they live
-    (the GPU): a restart in the same process copies them back instead of reading the file."""
-
-    def __init__(self) -> None:
-        self.step: int | None = None
-        self._saved: list[torch.Tensor] = []
-
-    @staticmethod
-    def _live(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        live = list(model.state_dict().values())  # detached, sharing the parameters' storage
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                state = optimizer.state.get(param, {})
-                live += [state[k] for k in sorted(state) if torch.is_tensor(state[k])]
-        return live
-
-    @torch.no_grad()
-    def take(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
-        live = self._live(model, optimizer)
-        if len(live) != len(self._saved):
-            self._saved = [tensor.detach().clone() for tensor in live]
-        else:
-            for saved, tensor in zip(self._saved, live, strict=True):
-                saved.copy_(tensor)
-        self.step = step
-
-    @torch.no_grad()
-    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> int | None:
-        """The snapshot's step, its tensors copied back; None where there is none."""
-        if self.step is None:
-            return None
-        for tensor, saved in zip(self._live(model, optimizer), self._saved, strict=True):
-            tensor.copy_(saved)
-        return self.step
-
-
-SNAPSHOT = MemorySnapshot()
 STEP_SNAPSHOT = None
-if ARGS.restore == "snapshot":  # imported only here: the other modes' start-up stays as it was
+if ARGS.restore in ("snapshot", "peer"):  # imported only here: the file mode's start-up as it was
     from ftrun.checkpointing import StepSnapshot
 
     STEP_SNAPSHOT = StepSnapshot()
-
-
-@torch.no_grad()
-def restore_from_peers(
-    model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
-) -> int | None:
-    """`--restore peer`: every rank says which snapshot step it holds (one all-gather, the
-    group's first collective); the newest step wins. Ranks holding it copy it back; if a rank
-    lacks it (a replaced rank's new process), the lowest rank holding it broadcasts the state to
-    all. None where no rank holds one (then the file)."""
-    world = dist.get_world_size()
-    mine = torch.tensor([-1 if SNAPSHOT.step is None else SNAPSHOT.step], device=device)
-    held = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(held, mine)
-    steps = [int(t.item()) for t in held]
-    best = max(steps)
-    if best < 0:
-        return None
-    if SNAPSHOT.step == best:
-        SNAPSHOT.restore(model, optimizer)
-    if all(step == best for step in steps):
-        return best
-    if not optimizer.state:  # a new process: AdamW makes its state at the first step
-        for param in model.parameters():
-            param.grad = torch.zeros_like(param)
-        optimizer.step()  # overwritten below; also loads the step's kernels before the first
-        optimizer.zero_grad(set_to_none=True)
-    source = steps.index(best)
-    for tensor in MemorySnapshot._live(model, optimizer):
-        staged = tensor if tensor.device == device else tensor.to(device)
-        dist.broadcast(staged, src=source)
-        if staged is not tensor:  # AdamW's step count lives on the CPU
-            tensor.copy_(staged)
-    SNAPSHOT.take(model, optimizer, best)
-    return best
 
 
 def train(
@@ -217,12 +142,9 @@ def train(
     ckpt_path = ARGS.ckpt_dir / CKPT_NAME
     start_step = 0
     restored = None
-    if ARGS.restore == "snapshot":
-        restored = STEP_SNAPSHOT.restore({"model": model, "optimizer": optimizer}) or None
-    elif ARGS.restore == "memory":
-        restored = SNAPSHOT.restore(model, optimizer)
-    elif ARGS.restore == "peer":
-        restored = restore_from_peers(model, optimizer, device)
+    if STEP_SNAPSHOT is not None:
+        state = {"model": model, "optimizer": optimizer}
+        restored = STEP_SNAPSHOT.restore(state, replicated=ARGS.restore == "peer") or None
     if restored is not None:
         start_step = restored
     elif ckpt_path.exists():
@@ -247,7 +169,7 @@ def train(
         value = loss.item()  # waits for the step on the device
         call_wrapper.ping()
         log(f"step={step} it={it} loss={value:.5f}")
-        if ARGS.restore == "snapshot":
+        if STEP_SNAPSHOT is not None:
             STEP_SNAPSHOT.save({"model": model, "optimizer": optimizer}, step)
         if ARGS.ckpt_every and step % ARGS.ckpt_every == 0:
             with call_wrapper.atomic():
@@ -259,10 +181,7 @@ def train(
 def save(
     model: nn.Module, optimizer: torch.optim.Optimizer, step: int, rank: int, path: Path
 ) -> None:
-    """A checkpoint step: rank 0 writes the file; with `--restore memory` every rank also
-    keeps its snapshot."""
-    if ARGS.restore in ("memory", "peer"):
-        SNAPSHOT.take(model, optimizer, step)
+    """A checkpoint step: rank 0 writes the file."""
     if rank == 0:
         checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                       "step": step}  # fmt: skip

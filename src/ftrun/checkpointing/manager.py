@@ -255,6 +255,17 @@ class LocalCheckpointManager:
                 return low
             bound = low
 
+    def newest_own(self) -> int:
+        """This rank's newest complete part's iteration (header checked), or -1; not collective."""
+        self._settle()
+        return self._newest_at_most(_NO_BOUND, *rank_and_world_size())
+
+    def read_own(self, iteration: int, into: Any) -> Any:
+        """This rank's part of `iteration` read into `into` (checked as it lands); not
+        collective. Raises `CheckpointNotFoundError` / `CheckpointCorruptError`."""
+        key = PartKey(iteration, *rank_and_world_size())
+        return self._store.read(key, verify=True, into=_unwrap(into)[0])[0]
+
     def load(self, into: Any = None, *, collective: bool = False) -> tuple[Any, CkptID]:
         """Load this rank's part of `find_latest()`; collective when distributed.
 

@@ -59,6 +59,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ftrun.checkpointing.errors import CheckpointNotFoundError, CheckpointUsageError
 from ftrun.checkpointing.manager import LocalCheckpointManager
+from ftrun.checkpointing.peer_restore import restore_from_peer
 from ftrun.checkpointing.replication import CliqueReplicationStrategy
 from ftrun.checkpointing.staging import DeviceStaging, Staging
 from ftrun.checkpointing.store import DirectoryStore
@@ -130,27 +131,35 @@ class StepSnapshot:
         self.taken += 1
         return True
 
-    def restore(self, state: dict[str, Any]) -> int:
+    def restore(self, state: dict[str, Any], *, replicated: bool = False) -> int:
         """Load the newest step every rank holds into `state`; that step, or 0 when there is
-        none. Collective when torch.distributed is initialized (every rank calls it)."""
+        none. Collective when torch.distributed is initialized (every rank calls it).
+
+        `replicated`: `state` is the same on every rank (DDP's model and optimizer); a rank
+        lacking the newest step any rank holds gets it from the lowest rank holding it, by
+        broadcast (see `peer_restore`), instead of every rank going back to an older one."""
         self._manager.fence()
-        for value in state.values():
-            if isinstance(value, torch.optim.Optimizer):
-                _materialize_sharded(value)
-        live = {key: _state_of(value) for key, value in state.items()}
         collective = dist.is_available() and dist.is_initialized()
+        _materialize(state, sharded_only=True)
+        live = {key: _state_of(value) for key, value in state.items()}
         try:
-            loaded, ckpt = self._manager.load(into=_local(live), collective=collective)
+            found = None
+            if replicated and collective:
+                found = restore_from_peer(self._manager, _local(live), lambda: _prepared(state))
+            if found is None:
+                loaded, ckpt = self._manager.load(into=_local(live), collective=collective)
+                found = loaded, ckpt.iteration
         except CheckpointNotFoundError:
             return 0
+        loaded, step = found
         for key, value in state.items():
             restored = _with_dtensors(loaded[key], live[key])
             if _is_stateful(value):
                 value.load_state_dict(restored)
             else:
                 state[key] = restored
-        logger.info("restored the step snapshot of step %d", ckpt.iteration)
-        return ckpt.iteration
+        logger.info("restored the step snapshot of step %d", step)
+        return step
 
     def fence(self) -> None:
         """Before changing saved tensors in place outside an optimizer step."""
@@ -238,13 +247,26 @@ def _with_dtensors(loaded: Any, live: Any) -> Any:
     return loaded
 
 
+def _prepared(state: dict[str, Any]) -> dict[str, Any]:
+    """A peer restore's receiving side: every optimizer with state, then the live state."""
+    _materialize(state, sharded_only=False)
+    return _local({key: _state_of(value) for key, value in state.items()})
+
+
+def _materialize(state: dict[str, Any], sharded_only: bool) -> None:
+    for value in state.values():
+        if isinstance(value, torch.optim.Optimizer):
+            _materialize_optimizer(value, sharded_only)
+
+
 @torch.no_grad()
-def _materialize_sharded(optimizer: torch.optim.Optimizer) -> None:
-    """An optimizer of DTensor parameters without state: one step with zero gradients creates
-    its state as DTensors (which the restore then overwrites), as a plain tensor loaded into
-    it would not be."""
+def _materialize_optimizer(optimizer: torch.optim.Optimizer, sharded_only: bool) -> None:
+    """An optimizer without state: one step with zero gradients creates it (which the restore
+    then overwrites, the parameters' values too), so that it can be loaded into: needed for
+    DTensor parameters (a plain tensor loaded into it would not become a DTensor) and for a
+    state received from a peer (received into the live tensors)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if optimizer.state or not any(_is_dtensor(p) for p in params):
+    if optimizer.state or (sharded_only and not any(_is_dtensor(p) for p in params)):
         return
     for param in params:
         if param.grad is None:
