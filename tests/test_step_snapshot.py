@@ -76,17 +76,6 @@ def test_every_k_saves_only_due_steps(tmp_path: Path):
         StepSnapshot(tmp_path, every=0)
 
 
-def test_staging_is_checked_and_a_host_state_is_never_staged(tmp_path: Path):
-    model, optimizer = trainer()
-    with pytest.raises(CheckpointUsageError, match="staging must be one of"):
-        StepSnapshot(tmp_path, staging="gpu")  # type: ignore[arg-type]
-    snapshot = StepSnapshot(tmp_path, staging="device")
-    assert snapshot.save({"model": model, "optimizer": optimizer}, 1)
-    snapshot.close()
-    assert snapshot.staging.held_bytes == 0
-    assert StepSnapshot(tmp_path).restore({"model": model, "optimizer": optimizer}) == 1
-
-
 def test_a_save_still_copying_makes_the_next_skip_and_the_optimizer_step_wait(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):

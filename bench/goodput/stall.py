@@ -2,14 +2,13 @@
 FSDP2 with `--fsdp2`), AdamW, one process, blocks of steps without and with a snapshot every
 step, interleaved; medians of each block's steps, and the ratio pair by pair.
 
-Reported, for each staging (`--stagings`: the GPU copy first, or straight to node memory): the
-step time without and with snapshots, the overhead (with / without - 1), the time `save()`
-holds the caller, how many snapshots were taken (a save that finds the previous one still in
-the background is skipped), the GPU buffers staging holds; the state's size, the node memory a
-snapshot holds (/dev/shm) and what the state's own `state_dict()` calls cost.
+Reported: the step time without and with snapshots, the overhead (with / without - 1), the
+time `save()` holds the caller, how many snapshots were taken (a save that finds the previous
+one still in the background is skipped); the state's size, the node memory a snapshot holds
+(/dev/shm) and what the state's own `state_dict()` calls cost.
 
     python -m bench.goodput.stall [--device cuda|cpu] [--fsdp2] [--blocks 3] [--steps 20]
-        [--d-model 1024 --layers 12] [--stagings device,host] [--smoke]
+        [--d-model 1024 --layers 12] [--smoke]
 """
 
 from __future__ import annotations
@@ -71,7 +70,6 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--stagings", default="host,device", help="StepSnapshot stagings")
     sizes = {"device": "cpu", "d_model": 32, "layers": 1, "batch": 2, "seq": 8, "steps": 4,
              "blocks": 1}  # fmt: skip
     args = smoke.parse_args(parser, sizes)
@@ -108,46 +106,38 @@ def main() -> None:
 def measure(args, device, model, optimizer, step, directory: Path) -> None:
     state = {"model": model, "optimizer": optimizer}
     run_block(step, None, state, 1, 3)  # warm-up: kernels, the optimizer's state
-    cuda = device.type == "cuda"
-    modes = args.stagings.split(",") if cuda else ["host"]
-    snapshots = {mode: StepSnapshot(directory / mode, staging=mode) for mode in modes}
-    for snapshot in snapshots.values():  # the first save maps and page-locks node memory
-        run_block(step, snapshot, state, 1, 2)
+    snapshot = StepSnapshot(directory)
+    run_block(step, snapshot, state, 1, 2)  # the first save maps and page-locks node memory
     without: list[float] = []
-    with_: dict[str, list[float]] = {mode: [] for mode in modes}
-    taken = dict.fromkeys(modes, 0)
-    stalls_from = {mode: len(s.stalls) for mode, s in snapshots.items()}
-    for block in range(args.blocks):  # interleaved: without, then each staging
+    with_: list[float] = []
+    taken, stalls_from = 0, len(snapshot.stalls)
+    for block in range(args.blocks):  # interleaved: without, then with
         without.append(statistics.median(run_block(step, None, state, 1, args.steps)))
-        for mode, snapshot in snapshots.items():
-            before = snapshot.taken
-            first = 100 + block * args.steps  # steps not saved before: new parts, as in training
-            times = run_block(step, snapshot, state, first, args.steps)
-            with_[mode].append(statistics.median(times))
-            taken[mode] += snapshot.taken - before
-    for snapshot in snapshots.values():
-        snapshot.close()
+        before = snapshot.taken
+        first = 100 + block * args.steps  # steps not saved before: new parts, as in training
+        with_.append(statistics.median(run_block(step, snapshot, state, first, args.steps)))
+        taken += snapshot.taken - before
+    snapshot.close()
+    cuda = device.type == "cuda"
     name = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
     print(
         f"machine: {name}, torch {torch.__version__}; {'FSDP2' if args.fsdp2 else 'DDP'}, "
         f"d_model {args.d_model} x {args.layers} layers, batch {args.batch} x {args.seq}"
     )
-    held = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file()) / len(modes)
+    held = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
     print(
-        f"state: {state_bytes(model, optimizer) / 2**30:.2f} GiB; node memory held a snapshot"
-        f" (2 steps kept): {held / 2**30:.2f} GiB; step without: "
-        f"{statistics.median(without) * 1e3:.1f} ms; state_dict() calls: {state_dict_ms(state)}"
+        f"state: {state_bytes(model, optimizer) / 2**30:.2f} GiB; node memory held (2 steps "
+        f"kept): {held / 2**30:.2f} GiB; state_dict() calls: {state_dict_ms(state)}"
     )
-    for mode, snapshot in snapshots.items():
-        ratios = [w / b for w, b in zip(with_[mode], without, strict=True)]
-        stalls = sorted(snapshot.stalls[stalls_from[mode] :])
-        print(
-            f"staging {mode}: step {statistics.median(with_[mode]) * 1e3:.1f} ms, overhead "
-            f"(median of {args.blocks} pairs) {(statistics.median(ratios) - 1) * 100:+.1f} %; "
-            f"save() median {stalls[len(stalls) // 2] * 1e3:.2f} ms, max "
-            f"{stalls[-1] * 1e3:.2f} ms; taken {taken[mode]} of {args.blocks * args.steps}; "
-            f"GPU buffers {snapshot.staging.held_bytes / 2**30:.2f} GiB"
-        )
+    ratios = [w / b for w, b in zip(with_, without, strict=True)]
+    stalls = sorted(snapshot.stalls[stalls_from:])
+    print(
+        f"step without: {statistics.median(without) * 1e3:.1f} ms, with a snapshot each step: "
+        f"{statistics.median(with_) * 1e3:.1f} ms, overhead (median of {args.blocks} pairs) "
+        f"{(statistics.median(ratios) - 1) * 100:+.1f} %; save() median "
+        f"{stalls[len(stalls) // 2] * 1e3:.2f} ms, max {stalls[-1] * 1e3:.2f} ms; taken "
+        f"{taken} of {args.blocks * args.steps}"
+    )
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:

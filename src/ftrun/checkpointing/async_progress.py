@@ -234,12 +234,16 @@ def agree_min(values: tuple[int, ...] | list[int]) -> list[int]:
     """The element-wise MIN over all ranks (one all_reduce); `values` if not distributed."""
     if not distributed():
         return list(values)
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":  # NCCL-only default group: it cannot reduce CPU tensors
-        device = torch.device("cuda", torch.cuda.current_device())
-    tensor = torch.tensor(list(values), dtype=torch.int64, device=device)
+    tensor = torch.tensor(list(values), dtype=torch.int64, device=collective_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
     return [int(v) for v in tensor.tolist()]
+
+
+def collective_device() -> torch.device:
+    """Where the default group's collectives take tensors: an NCCL-only group, CUDA ones."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def distributed() -> bool:

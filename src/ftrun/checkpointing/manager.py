@@ -38,7 +38,6 @@ from ftrun.checkpointing.format import PartInfo
 from ftrun.checkpointing.overlapped import OverlappedCopy
 from ftrun.checkpointing.persist import copy_part
 from ftrun.checkpointing.retention import parts_to_remove
-from ftrun.checkpointing.staging import DeviceStaging
 from ftrun.checkpointing.state_dict import BasicTensorAwareStateDict, TensorAwareStateDict
 from ftrun.checkpointing.store import DirectoryStore, PartKey, PartStore, PreparedPart
 from ftrun.checkpointing.worker_tier import (
@@ -128,13 +127,7 @@ class LocalCheckpointManager:
             )
 
     def save(
-        self,
-        state_dict: Any,
-        iteration: int,
-        is_async: bool = False,
-        *,
-        overlap: bool = False,
-        staging: DeviceStaging | None = None,
+        self, state_dict: Any, iteration: int, is_async: bool = False, *, overlap: bool = False
     ) -> AsyncRequest | None:
         """Write this rank's part of `iteration`; with `is_async`, NVRx's `AsyncRequest` for
         the write in flight (schedule it on an `AsyncCallsQueue`, as NVRx's examples do, or
@@ -154,8 +147,7 @@ class LocalCheckpointManager:
         the background thread flattens, maps and copies (CUDA tensors on a side stream, as of
         this call, into page-locked node memory: see `overlapped`). The caller must not change
         the saved tensors in place before `fence()` (`StepSnapshot` calls it from the
-        optimizer's step). With `staging` too, the CUDA tensors are first copied into its GPU
-        buffers (when they fit: `staging.stage`), and only that copy must precede the change.
+        optimizer's step).
         """
         if type(iteration) is not int or iteration < 0:
             raise CheckpointUsageError(f"iteration must be a non-negative int, not {iteration!r}")
@@ -168,10 +160,7 @@ class LocalCheckpointManager:
             self._note_stall(key, started)
             return None
         if overlap:
-            staged = staging.stage(payload) if staging is not None else None
-            if staged is not None:
-                payload = staged[0]
-            copy = OverlappedCopy(staged[1] if staged is not None else None)
+            copy = OverlappedCopy()
             job = self._in_background(
                 iteration,
                 lambda: self._commit(key, copy.prepare(self._store, key, payload, metadata)),

@@ -11,9 +11,7 @@ device copies, and the part is committed as any other.
 The caller's next in-place change must come after the copies: `fence()` waits (on the host)
 until the background thread has queued the device copies and made the host ones, then makes
 the caller's current stream wait for the device copies, without a host wait. The background
-thread has a whole forward and backward pass for its part, so the fence rarely waits. A state
-staged on the device (`staging`) was copied by the caller's `save` already: the fence is then
-one stream wait for that copy, and the part is made from the staged buffers.
+thread has a whole forward and backward pass for its part, so the fence rarely waits.
 
 A value the part cannot hold (`CheckpointFormatError`) is raised by the next `save` or `wait`,
 not by the `save` that was given it.
@@ -33,11 +31,8 @@ from ftrun.checkpointing.store import PartKey, PartStore, PreparedPart
 class OverlappedCopy:
     """One overlapped save's copies; see the module docstring."""
 
-    def __init__(self, staged: Any = None) -> None:
-        """`staged`: the event after which a `DeviceStaging` copy of the state is complete
-        (the part is made from that copy: the caller's tensors are free once it passed)."""
-        self._staged = staged
-        self._after = staged if staged is not None else _caller_position()
+    def __init__(self) -> None:
+        self._after = _caller_position()
         self._copied = threading.Event()
         self._device_done: Any = None
 
@@ -68,9 +63,6 @@ class OverlappedCopy:
         self._copied.set()
 
     def fence(self) -> None:
-        if self._staged is not None:
-            torch.cuda.current_stream().wait_event(self._staged)
-            return
         self._copied.wait()
         if self._device_done is not None:
             torch.cuda.current_stream().wait_event(self._device_done)

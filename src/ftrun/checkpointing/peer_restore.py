@@ -14,6 +14,7 @@ a restore: pass only what is replicated, or restore the rest apart.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ftrun.checkpointing.async_progress import agree_min
+from ftrun.checkpointing.async_progress import agree_min, collective_device
 from ftrun.checkpointing.collective import all_true, min_max, rank_and_world_size
 from ftrun.checkpointing.errors import CheckpointError, CheckpointUsageError
 from ftrun.checkpointing.flatten import flatten, unflatten
@@ -43,12 +44,10 @@ def restore_from_peer(
     source = agree_min([rank if mine == high else world])[0]
     loaded = None
     if rank == source:
-        try:
+        with contextlib.suppress(CheckpointError):  # a bad part: the usual rule goes older
             loaded = manager.read_own(high, live)
-        except CheckpointError:
-            loaded = None
     if not all_true(rank != source or loaded is not None):
-        return None  # the source's part is bad: the usual rule picks an older step
+        return None
     header = _broadcast_header(loaded, source, rank)
     if rank != source:
         live = prepare()
@@ -72,13 +71,13 @@ def _broadcast_header(state: Any, source: int, rank: int) -> dict[str, Any]:
         flat = flatten(state)
         signature = [[list(t.shape), str(t.dtype)] for t in flat.tensors]
         data = json.dumps({"skeleton": flat.skeleton, "tensors": signature}).encode()
-    size = torch.tensor([len(data)], dtype=torch.int64, device=_device())
+    size = torch.tensor([len(data)], dtype=torch.int64, device=collective_device())
     dist.broadcast(size, source)
-    buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=_device())
+    buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=collective_device())
     if rank == source:
         buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     dist.broadcast(buffer, source)
-    return json.loads(bytes(buffer.cpu().numpy()))
+    return json.loads(bytes(buffer.cpu().tolist()))
 
 
 def _mismatch(header: dict[str, Any], tensors: tuple[torch.Tensor, ...]) -> str | None:
@@ -94,16 +93,10 @@ def _mismatch(header: dict[str, Any], tensors: tuple[torch.Tensor, ...]) -> str 
 def _broadcast_tensor(tensor: torch.Tensor, source: int) -> None:
     """In place; through a contiguous copy on the collectives' device where the tensor lives
     elsewhere (AdamW's step counters on the CPU under NCCL)."""
-    device = _device()
+    device = collective_device()
     if tensor.is_contiguous() and tensor.device.type == device.type:
         dist.broadcast(tensor, source)
         return
     staged = tensor.to(device)
     dist.broadcast(staged, source)
     tensor.copy_(staged)
-
-
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":  # an NCCL-only group carries CUDA tensors only
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -14,10 +14,6 @@ written with `overlap`:
   `step()` until then (a global step pre-hook calling `LocalCheckpointManager.fence`: the host
   copies are waited for; for the device copies the current stream waits, not the host). Code
   that changes saved tensors in place outside an optimizer step calls `fence()` first.
-- With `staging="device"`, `save` first copies the CUDA tensors into GPU buffers of the
-  snapshot's own (HBM bandwidth, on a side stream): the optimizer then waits only for that
-  copy, and the copy to node memory reads the buffers however long PCIe takes. For states whose
-  PCIe copy outlasts a forward and backward pass; see `staging` for what it costs otherwise.
 - A save that finds the previous one still in the background is skipped (`skipped` counts them):
   the newest snapshot is then a step older, but the training never waits for node memory.
 - Where each copy lives: the part is a file in node memory, so it outlives the rank's process.
@@ -61,7 +57,6 @@ from ftrun.checkpointing.errors import CheckpointNotFoundError, CheckpointUsageE
 from ftrun.checkpointing.manager import LocalCheckpointManager
 from ftrun.checkpointing.peer_restore import restore_from_peer
 from ftrun.checkpointing.replication import CliqueReplicationStrategy
-from ftrun.checkpointing.staging import DeviceStaging, Staging
 from ftrun.checkpointing.store import DirectoryStore
 from ftrun.environment import Env
 
@@ -76,21 +71,14 @@ class StepSnapshot:
     `every`: save every `every` steps (1: every step). `directory`: where the parts go when not
     under ft_launcher (default: a 0700 directory under /dev/shm named after the job).
     `replicate`: under ft_launcher, copy each part to another node's agent (default: when the
-    job has at least two nodes' worth of ranks). `staging`: "host" (the CUDA tensors copied straight
-    to node memory) or "device" (into GPU buffers first, where they fit: see `staging`)."""
+    job has at least two nodes' worth of ranks)."""
 
     def __init__(
-        self,
-        directory: str | Path | None = None,
-        *,
-        every: int = 1,
-        replicate: bool = True,
-        staging: Staging = "host",
+        self, directory: str | Path | None = None, *, every: int = 1, replicate: bool = True
     ) -> None:
         if type(every) is not int or every < 1:
             raise CheckpointUsageError(f"every must be an int >= 1, not {every!r}")
         self.every = every
-        self.staging = DeviceStaging(staging)
         self.taken = 0
         self.skipped = 0
         self.stalls: list[float] = []
@@ -126,7 +114,7 @@ class StepSnapshot:
             found: list[bool] = []
             saved = _local(saved, found)
             self._sharded = bool(found)
-        self._manager.save(saved, step, overlap=True, staging=self.staging)
+        self._manager.save(saved, step, overlap=True)
         self.stalls.append(time.perf_counter() - started)
         self.taken += 1
         return True
