@@ -7,7 +7,7 @@ TORCH_PIN := torch==2.13.0
 FAULT_REPEATS ?= 3
 COMPILED_EARLY := torch sympy networkx mpmath
 
-.PHONY: install test check lint demo bench bench-more bench-smoke bench-gpu faults clean
+.PHONY: install test check lint demo bench bench-more bench-smoke bench-gpu faults fuzz clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -92,6 +92,14 @@ bench-gpu:
 
 faults: $(STAMP)
 	$(VPY) tests/faults/run_matrix.py --repeats $(FAULT_REPEATS)
+
+# Every boundary's decoder fed FUZZ_EXAMPLES corrupted inputs (tests/fuzz; `make test` runs 300
+# each); the table of inputs tried a target goes to bench/RESULTS.md by hand.
+fuzz: $(STAMP)
+	rm -f bench/out/fuzz.jsonl; mkdir -p bench/out
+	FTRUN_FUZZ_EXAMPLES=$(or $(FUZZ_EXAMPLES),100000) FTRUN_FUZZ_REPORT=bench/out/fuzz.jsonl \
+	  $(VPY) -m pytest -q -n 2 -p no:cacheprovider tests/fuzz; status=$$?; \
+	  $(VPY) -m bench.common.fuzz_table bench/out/fuzz.jsonl; exit $$status
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

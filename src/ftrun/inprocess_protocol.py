@@ -77,12 +77,20 @@ class Interruption:
 
     @classmethod
     def decode(cls, raw: bytes) -> Interruption:
-        """From `encode`'s bytes, missing fields filled."""
-        fields = json.loads(raw)
-        rank = fields.get("rank")
-        return cls(rank=rank if isinstance(rank, int) else None,
-                   kind=str(fields.get("kind", "?")), why=str(fields.get("why", "")),
-                   at=float(fields.get("at", 0.0) or 0.0))  # fmt: skip
+        """From `encode`'s bytes, missing or malformed fields filled: a record in the job's
+        store that no rank wrote is still an interruption, never an error in the reader."""
+        try:
+            fields = json.loads(raw)
+        except (ValueError, RecursionError):
+            fields = None
+        if not isinstance(fields, dict):
+            return cls(rank=None, kind="?", why=f"an unreadable record ({bytes(raw[:40])!r})",
+                       at=0.0)  # fmt: skip
+        rank, at = fields.get("rank"), fields.get("at")
+        at = float(at) if type(at) in (int, float) and abs(at) < 1e18 else 0.0
+        return cls(rank=rank if type(rank) is int else None,
+                   kind=str(fields.get("kind", "?"))[:64], why=str(fields.get("why", ""))[:1000],
+                   at=at)  # fmt: skip
 
 
 def root_cause(causes: list[Interruption]) -> Interruption | None:
@@ -331,4 +339,3 @@ class RestartBudget:
         if budget.max_restarts < 0 or not budget.window_s > 0 or budget.same_in_a_row < 0:
             raise ValueError(f"{Env.INPROCESS_BUDGET}={raw!r}: out of range")
         return budget
-

@@ -14,6 +14,7 @@ import json
 import zlib
 from collections.abc import Sequence
 
+from ftrun.errors import ProtocolError
 from ftrun.rendezvous.errors import DescriptorVersionError, InfraRankError
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
 
@@ -74,9 +75,18 @@ class PublishedRound:
 
     @classmethod
     def decode(cls, raw: bytes) -> PublishedRound:
-        body = json.loads(zlib.decompress(raw))
-        if not isinstance(body, dict):  # a list of rows: a release before spares closed it
+        """`encode`'s bytes back; `ProtocolError` for anything else in the store's value."""
+        try:
+            body = json.loads(zlib.decompress(raw))
+        except (zlib.error, ValueError, RecursionError) as exc:
+            raise ProtocolError(f"the published round is unreadable ({exc})") from None
+        if isinstance(body, list):  # a list of rows: a release before spares closed it
             raise DescriptorVersionError("the node that closed the round", "older than 3")
+        if not (isinstance(body, dict)
+                and all(type(body.get(k)) is list for k in ("rows", "indices", "standby"))
+                and type(body.get("best")) in (int, type(None)) and type(body.get("stalled")) is int
+                and type(body.get("error")) in (str, type(None))):  # fmt: skip
+            raise ProtocolError("the published round is not a round record")
         return cls(rows=tuple(body["rows"]), indices=tuple(body["indices"]),
                    standby=tuple(body["standby"]), progress=Progress(body["best"], body["stalled"]),
                    error=body["error"])  # fmt: skip

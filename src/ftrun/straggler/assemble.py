@@ -184,6 +184,8 @@ def decode_node(raw: bytes) -> tuple[int, Columns]:
     """(seq, columns) of a node record; `ValueError` if malformed."""
     try:
         body = json.loads(raw)
+        if not isinstance(body, dict):
+            raise ValueError("not a JSON object")
         seq = int(body.pop("seq"))
         cols = Columns(**body)
         count = len(cols.ranks)

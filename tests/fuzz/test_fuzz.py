@@ -1,0 +1,54 @@
+"""Every boundary in `targets` fed corrupted input (Hypothesis): the decoder returns a value or
+raises one of its typed errors, within a bound of time, never anything else.
+
+`make test` runs each target at `FTRUN_FUZZ_EXAMPLES` inputs (default 300); `make fuzz` at
+100,000 and writes each target's count of inputs and failures to `FTRUN_FUZZ_REPORT`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from fuzz.targets import TARGETS, Target, corrupt
+
+EXAMPLES = int(os.environ.get("FTRUN_FUZZ_EXAMPLES", "300"))
+SLOW_S = 1.0
+"""A decode slower than this on one input counts as a hang (inputs are at most a few KiB)."""
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=[t.name for t in TARGETS])
+def test_a_corrupt_input_is_a_typed_error_or_a_value(target: Target):
+    tried = [0]
+
+    @settings(max_examples=EXAMPLES, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(corrupt(target.seeds))
+    def check(raw: bytes) -> None:
+        tried[0] += 1
+        started = time.monotonic()
+        with contextlib.suppress(*target.allowed):
+            target.decode(raw)
+        took = time.monotonic() - started
+        assert took < SLOW_S, f"{target.name}: {took:.2f} s on {raw[:80]!r}"
+
+    failed = True
+    try:
+        check()
+        failed = False
+    finally:
+        _report(target.name, tried[0], failed)
+
+
+def _report(name: str, tried: int, failed: bool) -> None:
+    path = os.environ.get("FTRUN_FUZZ_REPORT")
+    if path:
+        with Path(path).open("a") as out:
+            out.write(json.dumps({"target": name, "inputs": tried, "failures": int(failed)}))
+            out.write("\n")
