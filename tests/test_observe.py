@@ -514,3 +514,37 @@ def test_each_gpu_the_health_watch_reads_is_served_with_its_index(fake_nvml, tmp
     assert value(samples, "ftrun_gpu_throttled", gpu="3", reason="hardware thermal slowdown") == 1
     assert {dict(labels)["gpu"] for n, labels in samples if n.startswith("ftrun_gpu_")} == {
         "2", "3"}  # fmt: skip
+
+
+def test_a_client_gone_mid_answer_or_sending_garbage_is_one_line_not_a_traceback(
+    capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+):
+    """socketserver would print a traceback for each: a port scanner, a closed browser tab, a
+    scrape that timed out. Both servers log one line and answer the next request."""
+    import socket
+
+    from ftrun.observe.http_servers import PageServer, serve_metrics
+
+    registry = CollectorRegistry(auto_describe=False)
+    page = serve(CachedStatus(lambda: {"ok": True}), "127.0.0.1", 0)
+    metrics = serve_metrics(registry, "127.0.0.1", 0)
+    try:
+        for server in (page, metrics):
+            port = server.server_address[1]
+            for junk in (b"", b"\x00\xff" * 300 + b"\r\n\r\n", b"GET /" + b"a" * 70000):
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                    sock.sendall(junk)
+            path = "/status.json" if server is page else "/metrics"
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as answer:
+                assert answer.status == 200
+        with caplog.at_level("DEBUG", logger="ftrun.agent"):
+            try:
+                raise BrokenPipeError(32, "Broken pipe")
+            except BrokenPipeError:
+                PageServer.handle_error(page, None, ("127.0.0.1", 1234))
+        assert [r.levelname for r in caplog.records] == ["DEBUG"]
+        assert "Traceback" not in capfd.readouterr().err
+    finally:
+        for server in (page, metrics):
+            server.shutdown()
+            server.server_close()

@@ -12,9 +12,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from importlib import resources
 from typing import Any
+
+from ftrun.observe.http_servers import PageServer, start_in_thread
 
 log = logging.getLogger("ftrun.agent")
 
@@ -55,16 +57,13 @@ class CachedStatus:
         return self._doc
 
 
-def serve(status: CachedStatus, bind: str, port: int) -> ThreadingHTTPServer:
+def serve(status: CachedStatus, bind: str, port: int) -> PageServer:
     """Start serving in a daemon thread; `server.server_address` has the port picked."""
 
     class Handler(_ReadOnlyHandler):
         document = status
 
-    server = ThreadingHTTPServer((bind, port), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="ftrun-status-page", daemon=True).start()
-    return server
+    return start_in_thread(PageServer((bind, port), Handler), "ftrun-status-page")
 
 
 class _ReadOnlyHandler(BaseHTTPRequestHandler):

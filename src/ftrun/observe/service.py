@@ -25,6 +25,7 @@ from typing import Any
 from ftrun.config.observe import ObserveConfig
 from ftrun.eventlog.job_status import job_status
 from ftrun.observe.feed import FeedReader, FeedWriter
+from ftrun.observe.http_servers import serve_metrics
 from ftrun.observe.metrics import NodeMetrics
 from ftrun.observe.page import CachedStatus, serve
 from ftrun.rank_monitor.records import ProgressSnapshot
@@ -64,13 +65,13 @@ class ObserveService(NodeService):
             self._serve_metrics(config.metrics_port)
 
     def _serve_metrics(self, port: int) -> None:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry
 
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self.metrics)
 
         def start() -> Any:
-            return start_http_server(port, self._config.bind, registry)[0]
+            return serve_metrics(registry, self._config.bind, port)
 
         self._metrics_server = self._listen("metrics", "metrics", "/metrics", port, start)
 
