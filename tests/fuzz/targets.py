@@ -12,20 +12,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
+import tempfile
 from collections.abc import Callable
 
 from hypothesis import strategies as st
 
+from ftrun.agent.loop.flight_recorder import _parse as parse_collectives
 from ftrun.agent.prewarm import wire
 from ftrun.checkpointing import global_files, layout
 from ftrun.checkpointing.keeper import messages
 from ftrun.checkpointing.keeper.errors import RestoreError
-from ftrun.errors import FtrunError, ProtocolError
+from ftrun.errors import ConfigError, FtrunError, ProtocolError
 from ftrun.eventlog.reader import parse_line
+from ftrun.ft_launcher.build import build_config
+from ftrun.ft_launcher.yaml_file import load_ft_yaml
 from ftrun.inprocess_protocol import Interruption
 from ftrun.peer import protocol as peer
 from ftrun.rank_monitor import protocol as monitor
-from ftrun.rendezvous.published import Progress, PublishedRound
+from ftrun.rendezvous.published import Progress, PublishedRound, reported_iteration
 from ftrun.straggler.assemble import decode_node
 
 
@@ -36,6 +40,9 @@ class Target:
     seeds: tuple[bytes, ...]
     allowed: tuple[type[BaseException], ...]
     """The errors the decoder documents; its callers catch exactly these."""
+    slow_s: float = 1.0
+    """A decode slower than this on one input counts as a hang (inputs are at most ~100 KB;
+    PyYAML, pure Python, reads that much in about a second)."""
 
 
 def _frames() -> tuple[bytes, ...]:
@@ -109,6 +116,43 @@ def _straggler_node() -> bytes:
     return json.dumps(body).encode()
 
 
+def _argv(raw: bytes) -> object:
+    """A command line from bytes: NUL-separated tokens, as a shell would hand them over."""
+    argv = [t for t in raw.decode("utf-8", "replace").split("\0") if t]
+    return build_config(argv, {}, devices=lambda: 1)
+
+
+_ARGV_SEEDS = tuple(
+    "\0".join(argv).encode()
+    for argv in (
+        ["--nnodes=2", "--nproc-per-node=2", "--max-restarts=3", "train.py", "--lr", "1"],
+        ["--standalone", "--ft-rank-heartbeat-timeout=30", "--ft-restart-policy=any-failed", "x"],
+        ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29500", "--ft-cfg-path", "", "x"],
+    )
+)
+
+
+def _yaml(raw: bytes) -> object:
+    with tempfile.NamedTemporaryFile(suffix=".yaml") as file:
+        file.write(raw)
+        file.flush()
+        return load_ft_yaml(file.name)
+
+
+_YAML_SEEDS = (
+    b"fault_tolerance:\n  rank_heartbeat_timeout: 30\n  max_restarts: 3\n",
+    b"model:\n  fault_tolerance:\n    initial_rank_heartbeat_timeout: 60\n"
+    b"    rank_section_timeouts:\n      step: 10\n",
+)
+
+
+def _collectives(raw: bytes) -> object:
+    return parse_collectives(raw.decode("utf-8", "replace"))
+
+
+_COLLECTIVES = (b'[{"rank": 0, "entries": [{"seq": 4, "op": "allreduce", "state": "completed"}]}]',)
+
+
 TARGETS: tuple[Target, ...] = (
     Target("rank monitor frame", monitor.decode, _frames(), (ProtocolError,)),
     Target(
@@ -150,6 +194,10 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target("published rendezvous round", PublishedRound.decode, _published(), (FtrunError,)),
     Target("straggler node record", decode_node, (_straggler_node(),), (ValueError,)),
+    Target("launcher command line", _argv, _ARGV_SEEDS, (ConfigError,)),
+    Target("--ft-cfg-path YAML", _yaml, _YAML_SEEDS, (ConfigError,), slow_s=10.0),
+    Target("a rank's progress report (store)", reported_iteration, (b"12", b"0"), ()),
+    Target("flight recorder dump", _collectives, _COLLECTIVES, ()),
     Target(
         "in-process interruption record",
         Interruption.decode,
@@ -159,7 +207,7 @@ TARGETS: tuple[Target, ...] = (
 )
 
 
-HOW = ("keep", "truncate", "flip", "insert", "drop", "huge", "random", "replay", "json")
+HOW = ("keep", "truncate", "flip", "insert", "drop", "huge", "random", "replay", "json", "deep")
 
 
 @st.composite
@@ -182,6 +230,8 @@ def corrupt(draw: st.DrawFn, seeds: tuple[bytes, ...]) -> bytes:
         data = bytearray(draw(st.binary(max_size=512)))
     elif how == "replay":
         data = data + data
+    elif how == "deep":  # nesting past the parser's recursion limit
+        data[at:at] = b"[" * draw(st.sampled_from([1000, 100_000]))
     elif how == "json":  # a valid JSON document of the wrong shape
         data = bytearray(json.dumps(draw(_json)).encode())
     return bytes(data)

@@ -19,15 +19,13 @@ from hypothesis import HealthCheck, given, settings
 from fuzz.targets import TARGETS, Target, corrupt
 
 EXAMPLES = int(os.environ.get("FTRUN_FUZZ_EXAMPLES", "300"))
-SLOW_S = 1.0
-"""A decode slower than this on one input counts as a hang (inputs are at most a few KiB)."""
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=[t.name for t in TARGETS])
 def test_a_corrupt_input_is_a_typed_error_or_a_value(target: Target):
     tried = [0]
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None,
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, print_blob=True,
               suppress_health_check=list(HealthCheck))  # fmt: skip
     @given(corrupt(target.seeds))
     def check(raw: bytes) -> None:
@@ -36,7 +34,7 @@ def test_a_corrupt_input_is_a_typed_error_or_a_value(target: Target):
         with contextlib.suppress(*target.allowed):
             target.decode(raw)
         took = time.monotonic() - started
-        assert took < SLOW_S, f"{target.name}: {took:.2f} s on {raw[:80]!r}"
+        assert took < target.slow_s, f"{target.name}: {took:.2f} s on {raw[:80]!r}"
 
     failed = True
     try:
@@ -52,3 +50,22 @@ def _report(name: str, tried: int, failed: bool) -> None:
         with Path(path).open("a") as out:
             out.write(json.dumps({"target": name, "inputs": tried, "failures": int(failed)}))
             out.write("\n")
+
+
+DEEP = b"[" * 100_000
+REGRESSIONS = [  # what fuzzing found, each fixed: (target, the input that broke it)
+    ("published rendezvous round", b""),  # zlib.error
+    ("straggler node record", b"null"),  # AttributeError
+    ("in-process interruption record", b"null"),  # AttributeError
+    ("in-process interruption record", b'{"at": 1e999}'),  # an infinite time
+    *((name, DEEP) for name in ("fork server, to the server", "events log line",  # RecursionError
+                                "straggler node record", "a rank's progress report (store)",
+                                "flight recorder dump", "--ft-cfg-path YAML")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "raw"), REGRESSIONS, ids=[n for n, _ in REGRESSIONS])
+def test_what_fuzzing_found_stays_fixed(name: str, raw: bytes):
+    target = next(t for t in TARGETS if t.name == name)
+    with contextlib.suppress(*target.allowed):
+        target.decode(raw)

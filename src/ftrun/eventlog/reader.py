@@ -117,7 +117,7 @@ def parse_line(line: str) -> Event | None:
     """One validated event, or None when the line is not one the report can use."""
     try:
         record = json.loads(line)
-    except ValueError:  # JSONDecodeError, and UnicodeDecodeError-like oddities
+    except (ValueError, RecursionError):  # JSONDecodeError, nesting past the parser's depth
         return None
     if not isinstance(record, dict) or not _valid(record, _COMMON):
         return None

@@ -24,6 +24,8 @@ def load_ft_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"--ft-cfg-path {path}: not UTF-8 text ({err.reason})") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"--ft-cfg-path {path}: bad YAML: {_yaml_problem(err)}") from None
+    except RecursionError:
+        raise ConfigError(f"--ft-cfg-path {path}: bad YAML: nested too deeply") from None
     found = _find_sections(document)
     if not found:
         raise ConfigError(f"--ft-cfg-path {path}: no '{YAML_SECTION}:' mapping in the file")

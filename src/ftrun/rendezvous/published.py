@@ -23,7 +23,7 @@ def reported_iteration(raw: bytes) -> int | None:
     """A rank's progress report (the iteration it reached, as JSON); None if it is not one."""
     try:
         value = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 

@@ -194,8 +194,8 @@ def decode_node(raw: bytes) -> tuple[int, Columns]:
                 raise ValueError("columns of unequal length")
         _check_node_settings(cols)
         return seq, cols
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"malformed straggler node record: {exc}") from None
+    except (KeyError, TypeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"malformed straggler node record: {type(exc).__name__}") from None
 
 
 def _check_node_settings(cols: Columns) -> None:

@@ -160,7 +160,7 @@ def _ask(fifo: Path, target: Path) -> bool:
 def _parse(raw: str) -> list[RankCollectives]:
     try:
         items = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return []
     if not isinstance(items, list):
         return []

@@ -76,8 +76,8 @@ def decode(payload: bytes, schema: Mapping[str, Mapping[str, object]]) -> dict[s
     """The message in one frame's payload, checked against `schema` (TO_SERVER or TO_AGENT)."""
     try:
         msg = json.loads(payload)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ProtocolViolation(f"not JSON: {exc}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ProtocolViolation(f"not JSON: {type(exc).__name__}") from None
     if not isinstance(msg, dict):
         raise ProtocolViolation(f"not a JSON object: {type(msg).__name__}")
     if msg.get("v") != PROTOCOL_VERSION:
