@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -53,9 +54,11 @@ class Job:
             try:
                 codes.append(node.proc.wait(timeout=max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
+                where = "\n".join(_blocked_in(n.proc.pid) for n in self.nodes)
                 self.kill()
                 raise AssertionError(
                     f"launcher {node.index} still running after {timeout}s:\n{node.text()[-3000:]}"
+                    f"\nwhere each process of the job waited:\n{where}"
                 ) from None
         return codes
 
@@ -153,6 +156,7 @@ def prewarm_args(launcher_args: Sequence[str], script: Path) -> list[str]:
       cycle;
     - a script that never imports torch gets a server that does not either (about 1.6 s a node).
     The fork-server path is the same; only the modules it imports change."""
+
     def given(flag: str) -> bool:
         return any(arg.startswith(flag) for arg in launcher_args)
 
@@ -184,3 +188,19 @@ def _start_launcher(tmp: Path, index: int, argv: list[str], extra_env: dict[str,
 def node_of(job: Job, event_node: str) -> Node:
     """The launcher whose events carry `event_node` (named host-pid when not under Slurm)."""
     return next(n for n in job.nodes if event_node.endswith(f"-{n.proc.pid}"))
+
+
+def _blocked_in(pid: int) -> str:
+    """Each process of a launcher's tree: pid, state, the kernel function it sleeps in and its
+    command line (what a job that does not end is waiting for)."""
+    import psutil
+
+    lines = []
+    with contextlib.suppress(psutil.Error):
+        root = psutil.Process(pid)
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error, OSError):
+                wchan = Path(f"/proc/{proc.pid}/wchan").read_text()
+                cmd = " ".join(proc.cmdline())[:120]
+                lines.append(f"  {proc.pid} {proc.status()} {wchan or '-'} {cmd}")
+    return "\n".join(lines)
