@@ -41,8 +41,8 @@ class Target:
     allowed: tuple[type[BaseException], ...]
     """The errors the decoder documents; its callers catch exactly these."""
     slow_s: float = 1.0
-    """A decode slower than this on one input counts as a hang (inputs are at most ~100 KB;
-    PyYAML, pure Python, reads that much in about a second)."""
+    """A decode taking more CPU seconds than this on one input counts as a hang (inputs are at
+    most ~100 KB; PyYAML, pure Python, reads that much in about a second)."""
 
 
 def _frames() -> tuple[bytes, ...]:
