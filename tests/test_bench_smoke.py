@@ -64,7 +64,7 @@ SMOKES = [
     Smoke("restart.compile_restart_probe", rf"compile_restart_probe: {NO_CUDA}|MEDIAN fresh"),
     Smoke("placement.numa_check", rf"numa_check: {NO_CUDA}(.|\n)*core-complex: exit 2"),
     Smoke("restart.forkserver", r"server ready after start", slow=OVER.format("8-9")),
-    Smoke("goodput.stall", r"save\(\) held the caller: median"),
+    Smoke("goodput.stall", r"save\(\) median .* taken \d+ of"),
     Smoke("goodput.goodput", r"setting\s+goodput\s+fault", timeout=120),
     Smoke("goodput.model", r"setting\s+lost s per fault"),
     Smoke("rendezvous.rendezvous_scale", r"\| impl \| store \| N \|(.|\n)*\| barrier \| etcd \| 8 ",
