@@ -2,8 +2,8 @@
 valid seeds for it, and the errors it may raise (anything else, or a hang, is a failure).
 
 A target's inputs are its seeds, corrupted (`corrupt`): truncated, a byte flipped, bytes
-inserted or dropped, a length prefix made huge, replaced by random bytes, or repeated (a
-replay in the same buffer). The property: the decoder returns a value or raises one of its
+inserted or dropped, a length prefix made huge, replaced by random bytes, repeated (a replay in
+the same buffer), JSON of the wrong shape, or nested past the parser's depth. The property: the decoder returns a value or raises one of its
 typed errors, which its caller turns into one log line or a one-line error.
 """
 
@@ -20,8 +20,10 @@ from hypothesis import strategies as st
 from ftrun.agent.loop.flight_recorder import _parse as parse_collectives
 from ftrun.agent.prewarm import wire
 from ftrun.checkpointing import global_files, layout
+from ftrun.checkpointing.global_files import FileEntry, Manifest
 from ftrun.checkpointing.keeper import messages
 from ftrun.checkpointing.keeper.errors import RestoreError
+from ftrun.checkpointing.keeper.holdings import Choice, Decision, Outcome
 from ftrun.errors import ConfigError, FtrunError, ProtocolError
 from ftrun.eventlog.reader import parse_line
 from ftrun.ft_launcher.build import build_config
@@ -106,6 +108,26 @@ def _keeper_seeds() -> tuple[bytes, ...]:
     return (json.dumps(holdings).encode(),)
 
 
+def _keeper_replies() -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+    decision = Decision(2, True, {"s": Choice(40, 4, "from node 1")}, (0, 1), frozenset({3}))
+    outcome = Outcome({"s": frozenset({2})}, None)
+    return (messages.encode_decision(decision).encode(),), (
+        messages.encode_outcome(outcome).encode(),
+    )
+
+
+def _manifest() -> bytes:
+    files = {"__0_0.distcp": FileEntry(1024, 0xBADF00D), ".metadata": FileEntry(77, 0x1234)}
+    return global_files.encode_manifest(Manifest(30, 4, files))
+
+
+def _more_frames() -> tuple[bytes, ...]:
+    return (
+        monitor.encode(monitor.Goodbye()),
+        monitor.encode(monitor.Reply(seq=3, ok=False, error="no such section")),
+    )
+
+
 def _event_lines() -> tuple[bytes, ...]:
     event = {"event": "restart", "ts": 1.5, "mono": 2.5, "node": "n0", "cycle": 1, "rank": 0}
     return (json.dumps(event).encode(),)
@@ -154,7 +176,7 @@ _COLLECTIVES = (b'[{"rank": 0, "entries": [{"seq": 4, "op": "allreduce", "state"
 
 
 TARGETS: tuple[Target, ...] = (
-    Target("rank monitor frame", monitor.decode, _frames(), (ProtocolError,)),
+    Target("rank monitor frame", monitor.decode, _frames() + _more_frames(), (ProtocolError,)),
     Target(
         "fork server, to the server",
         lambda raw: wire.decode(raw, wire.TO_SERVER),
@@ -194,6 +216,11 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target("published rendezvous round", PublishedRound.decode, _published(), (FtrunError,)),
     Target("straggler node record", decode_node, (_straggler_node(),), (ValueError,)),
+    Target("keeper decision", messages.decode_decision, _keeper_replies()[0], (RestoreError,)),
+    Target("keeper outcome", messages.decode_outcome, _keeper_replies()[1], (RestoreError,)),
+    Target(
+        "global checkpoint manifest", global_files.decode_manifest, (_manifest(),), (ValueError,)
+    ),
     Target("launcher command line", _argv, _ARGV_SEEDS, (ConfigError,)),
     Target("--ft-cfg-path YAML", _yaml, _YAML_SEEDS, (ConfigError,), slow_s=10.0),
     Target("a rank's progress report (store)", reported_iteration, (b"12", b"0"), ()),
