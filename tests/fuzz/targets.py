@@ -3,8 +3,9 @@ valid seeds for it, and the errors it may raise (anything else, or a hang, is a 
 
 A target's inputs are its seeds, corrupted (`corrupt`): truncated, a byte flipped, bytes
 inserted or dropped, a length prefix made huge, replaced by random bytes, repeated (a replay in
-the same buffer), JSON of the wrong shape, or nested past the parser's depth. The property: the decoder returns a value or raises one of its
-typed errors, which its caller turns into one log line or a one-line error.
+the same buffer), JSON of the wrong shape, or nested past the parser's depth. The property: the
+decoder returns a value or raises one of its typed errors, which its caller turns into one log
+line or a one-line error.
 """
 
 from __future__ import annotations
