@@ -29,9 +29,10 @@ from ftrun.errors import ConfigError, FtrunError, ProtocolError
 from ftrun.eventlog.reader import parse_line
 from ftrun.ft_launcher.build import build_config
 from ftrun.ft_launcher.yaml_file import load_ft_yaml
-from ftrun.inprocess_protocol import Interruption
+from ftrun.inprocess_protocol import Interruption, Report, ReportKind
 from ftrun.peer import protocol as peer
 from ftrun.rank_monitor import protocol as monitor
+from ftrun.rank_monitor.timings import SectionTimes
 from ftrun.rendezvous.published import Progress, PublishedRound, reported_iteration
 from ftrun.straggler.assemble import decode_node
 
@@ -123,9 +124,14 @@ def _manifest() -> bytes:
 
 
 def _more_frames() -> tuple[bytes, ...]:
+    cause = Interruption(1, "EXCEPTION", "ValueError: x", 1.0)
+    recovered = Report(ReportKind.RECOVERED, 2, iteration=3, cause=cause, seconds=0.4)
+    step = SectionTimes("step", False, (1_000_000, 2_000_000))
     return (
         monitor.encode(monitor.Goodbye()),
         monitor.encode(monitor.Reply(seq=3, ok=False, error="no such section")),
+        monitor.encode(monitor.InprocessNote(rank=1, pid=4243, report=recovered)),
+        monitor.encode(monitor.Timings(rank=0, pid=4242, sections=(step,))),
     )
 
 
