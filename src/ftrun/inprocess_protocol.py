@@ -47,6 +47,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ftrun import untrusted_json
 from ftrun.environment import Env
 from ftrun.errors import ProtocolError
 
@@ -80,8 +81,8 @@ class Interruption:
         """From `encode`'s bytes, missing or malformed fields filled: a record in the job's
         store that no rank wrote is still an interruption, never an error in the reader."""
         try:
-            fields = json.loads(raw)
-        except (ValueError, RecursionError):
+            fields = untrusted_json.loads(raw)
+        except ValueError:
             fields = None
         if not isinstance(fields, dict):
             return cls(rank=None, kind="?", why=f"an unreadable record ({bytes(raw[:40])!r})",

@@ -27,6 +27,7 @@ from typing import Any
 
 import crc32c
 
+from ftrun import untrusted_json
 from ftrun.checkpointing.layout import canonical, checksum
 
 MANIFEST = "MANIFEST.json"
@@ -99,8 +100,8 @@ def encode_entries(entries: Mapping[str, FileEntry]) -> bytes:
 def decode_entries(raw: bytes) -> dict[str, FileEntry]:
     """A sidecar's entries; `ValueError` if it is not what `encode_entries` writes."""
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, ValueError, RecursionError):
+        data = untrusted_json.loads(raw)
+    except ValueError:  # UnicodeDecodeError is one
         raise ValueError("not JSON") from None
     if type(data) is not dict:
         raise ValueError("not a JSON object")
@@ -121,8 +122,8 @@ def encode_manifest(manifest: Manifest) -> bytes:
 def decode_manifest(raw: bytes) -> Manifest:
     """Parse and validate a manifest; `ValueError` naming what is wrong."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, ValueError, RecursionError):
+        body = untrusted_json.loads(raw)
+    except ValueError:
         raise ValueError("the manifest is not JSON") from None
     if type(body) is not dict or body.get("format") != MANIFEST_FORMAT:
         raise ValueError(f"the manifest is not {MANIFEST_FORMAT!r}")

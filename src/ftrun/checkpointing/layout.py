@@ -39,6 +39,7 @@ from typing import Any
 import crc32c
 import torch
 
+from ftrun import untrusted_json
 from ftrun.checkpointing.errors import CheckpointFormatError
 
 FORMAT_VERSION = "2"  # 2: CRC-32C instead of zlib's CRC-32
@@ -178,8 +179,8 @@ def encode_header(layout: Layout, crcs: Sequence[int]) -> bytes:
 def decode_header(raw: bytes, data_size: int) -> Header:
     """Parse and validate a header; `data_size` is how many bytes follow it in the file."""
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        header = untrusted_json.loads(raw.decode("utf-8"))
+    except ValueError as e:  # UnicodeDecodeError is one
         raise ValueError(f"the header is not JSON ({type(e).__name__})") from None
     if type(header) is not dict or type(header.get(METADATA)) is not dict:
         raise ValueError("the header is not a safetensors header with __metadata__")

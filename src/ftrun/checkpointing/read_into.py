@@ -22,7 +22,6 @@ with `target`'s tensors in it.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +31,7 @@ from typing import Any
 import crc32c
 import torch
 
+from ftrun import untrusted_json
 from ftrun.checkpointing.errors import CheckpointCorruptError, CheckpointUsageError
 from ftrun.checkpointing.flatten import (
     TAG_DICT,
@@ -82,8 +82,8 @@ def read_part_into(path: str | Path, target: Any) -> tuple[Any, PartInfo]:
 
 def _skeleton(header: Header, path: Path) -> Any:
     try:
-        return json.loads(header.skeleton_json)
-    except (ValueError, RecursionError) as e:
+        return untrusted_json.loads(header.skeleton_json)
+    except ValueError as e:
         raise CheckpointCorruptError(f"{path}: bad skeleton: {e}") from None
 
 

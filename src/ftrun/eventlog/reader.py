@@ -9,12 +9,12 @@ never fatal: a report of a bad night must still come out.
 from __future__ import annotations
 
 import dataclasses
-import json
 import types
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, overload
 
+from ftrun import untrusted_json
 from ftrun.eventlog.schema import COMMON, EVENTS_GLOB, NUM, SCHEMA, has_type
 
 # Only the required fields: a line without them cannot be placed on the timeline or explained,
@@ -116,8 +116,8 @@ def _read_file(path: Path) -> tuple[list[Event], int, int]:
 def parse_line(line: str) -> Event | None:
     """One validated event, or None when the line is not one the report can use."""
     try:
-        record = json.loads(line)
-    except (ValueError, RecursionError):  # JSONDecodeError, nesting past the parser's depth
+        record = untrusted_json.loads(line)
+    except ValueError:
         return None
     if not isinstance(record, dict) or not _valid(record, _COMMON):
         return None

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
+from ftrun import untrusted_json
 from ftrun.errors import FtrunError
 
 PROTOCOL_VERSION = 1
@@ -145,8 +146,8 @@ def deadline_budget(timeout: float, message: str) -> Callable[[], float]:
 def parse_header(raw: bytes) -> Frame:
     """Decode and validate one header; anything unexpected raises `PeerProtocolError`."""
     try:
-        fields = json.loads(raw)
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        fields = untrusted_json.loads(raw)
+    except ValueError:  # UnicodeDecodeError is one
         raise PeerProtocolError("the header is not JSON (or nested too deeply)") from None
     if not isinstance(fields, dict) or fields.keys() != {"k", "n", "h"}:
         raise PeerProtocolError("the header is not a {k, n, h} object")

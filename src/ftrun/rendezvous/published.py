@@ -14,6 +14,7 @@ import json
 import zlib
 from collections.abc import Sequence
 
+from ftrun import untrusted_json
 from ftrun.errors import ProtocolError
 from ftrun.rendezvous.errors import DescriptorVersionError, InfraRankError
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
@@ -22,8 +23,8 @@ from ftrun.rendezvous.ranks import NodeDescriptor, Round
 def reported_iteration(raw: bytes) -> int | None:
     """A rank's progress report (the iteration it reached, as JSON); None if it is not one."""
     try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError):
+        value = untrusted_json.loads(raw)
+    except ValueError:
         return None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -77,8 +78,8 @@ class PublishedRound:
     def decode(cls, raw: bytes) -> PublishedRound:
         """`encode`'s bytes back; `ProtocolError` for anything else in the store's value."""
         try:
-            body = json.loads(zlib.decompress(raw))
-        except (zlib.error, ValueError, RecursionError) as exc:
+            body = untrusted_json.loads(zlib.decompress(raw))
+        except (zlib.error, ValueError) as exc:
             raise ProtocolError(f"the published round is unreadable ({exc})") from None
         if isinstance(body, list):  # a list of rows: a release before spares closed it
             raise DescriptorVersionError("the node that closed the round", "older than 3")

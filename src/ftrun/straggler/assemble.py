@@ -19,6 +19,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 
+from ftrun import untrusted_json
 from ftrun.straggler.report import Report
 from ftrun.straggler.scores import History, Summary, summarise, weighted
 
@@ -183,7 +184,7 @@ def encode_node(
 def decode_node(raw: bytes) -> tuple[int, Columns]:
     """(seq, columns) of a node record; `ValueError` if malformed."""
     try:
-        body = json.loads(raw)
+        body = untrusted_json.loads(raw)
         if not isinstance(body, dict):
             raise ValueError("not a JSON object")
         seq = int(body.pop("seq"))
@@ -194,8 +195,8 @@ def decode_node(raw: bytes) -> tuple[int, Columns]:
                 raise ValueError("columns of unequal length")
         _check_node_settings(cols)
         return seq, cols
-    except (KeyError, TypeError, ValueError, RecursionError) as exc:
-        raise ValueError(f"malformed straggler node record: {type(exc).__name__}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"malformed straggler node record: {exc}") from None
 
 
 def _check_node_settings(cols: Columns) -> None:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+from ftrun import untrusted_json
 from ftrun.agent.decisions.collectives import RankCollectives, Stall, find_stalls, summarize
 from ftrun.client_lib.flight import FR_DIR, fifo_path
 from ftrun.rank_monitor.process_state import answers, is_stopped
@@ -159,8 +160,8 @@ def _ask(fifo: Path, target: Path) -> bool:
 
 def _parse(raw: str) -> list[RankCollectives]:
     try:
-        items = json.loads(raw)
-    except (ValueError, RecursionError):
+        items = untrusted_json.loads(raw)
+    except ValueError:
         return []
     if not isinstance(items, list):
         return []

@@ -24,6 +24,8 @@ import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ftrun import untrusted_json
+
 PROTOCOL_VERSION = 1
 MAX_FRAME = 64 << 20
 """Bytes; a spawn request is mostly its environment, far below this."""
@@ -75,9 +77,9 @@ def encode(op: str, **fields: Any) -> bytes:
 def decode(payload: bytes, schema: Mapping[str, Mapping[str, object]]) -> dict[str, Any]:
     """The message in one frame's payload, checked against `schema` (TO_SERVER or TO_AGENT)."""
     try:
-        msg = json.loads(payload)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ProtocolViolation(f"not JSON: {type(exc).__name__}") from None
+        msg = untrusted_json.loads(payload)
+    except ValueError as exc:  # UnicodeDecodeError is one
+        raise ProtocolViolation(f"not JSON: {exc}") from None
     if not isinstance(msg, dict):
         raise ProtocolViolation(f"not a JSON object: {type(msg).__name__}")
     if msg.get("v") != PROTOCOL_VERSION:

@@ -22,6 +22,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from ftrun import untrusted_json
 from ftrun.checkpointing.keeper.errors import PartRejectedError, RestoreError
 from ftrun.checkpointing.keeper.holdings import Choice, Decision, Holdings, Outcome
 from ftrun.checkpointing.keeper.names import MAX_ITERATION, MAX_WORLD_SIZE, valid_key, valid_session
@@ -129,8 +130,8 @@ def parse_part_request(header: Mapping[str, Any], extra: str) -> tuple[str, Part
 
 def _object(raw: bytes | str, keys: set[str]) -> dict[str, Any]:
     try:
-        fields = json.loads(raw)
-    except (ValueError, RecursionError):
+        fields = untrusted_json.loads(raw)
+    except ValueError:
         raise RestoreError("not a JSON message") from None
     if not isinstance(fields, dict) or set(fields) != keys:
         raise RestoreError(f"not a keeper message with fields {sorted(keys)}")
