@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ftrun.checkpointing.async_progress import agree_min, collective_device
 from ftrun.checkpointing.collective import all_true, min_max, rank_and_world_size
 from ftrun.checkpointing.errors import CheckpointError, CheckpointUsageError
-from ftrun.checkpointing.flatten import flatten, unflatten
+from ftrun.checkpointing.flatten import Flat, flatten, unflatten
 from ftrun.checkpointing.manager import LocalCheckpointManager
 
 
@@ -48,10 +48,10 @@ def restore_from_peer(
             loaded = manager.read_own(high, live)
     if not all_true(rank != source or loaded is not None):
         return None
-    header = _broadcast_header(loaded, source, rank)
-    if rank != source:
-        live = prepare()
-    tensors = flatten(loaded if rank == source else live).tensors
+    device = collective_device()
+    source_flat = flatten(loaded) if rank == source else None
+    header = _broadcast_header(source_flat, source, device)
+    tensors = source_flat.tensors if source_flat is not None else flatten(prepare()).tensors
     mismatch = _mismatch(header, tensors)
     if not all_true(mismatch is None):
         where = mismatch or "on another rank"
@@ -60,21 +60,21 @@ def restore_from_peer(
             "peer; restore without replicated=True"
         )
     for tensor in tensors:
-        _broadcast_tensor(tensor, source)
+        _broadcast_tensor(tensor, source, device)
     return (loaded if rank == source else unflatten(header["skeleton"], tensors)), high
 
 
-def _broadcast_header(state: Any, source: int, rank: int) -> dict[str, Any]:
-    """The source's skeleton and tensor signatures, as JSON bytes (a length, then the bytes)."""
+def _broadcast_header(flat: Flat | None, source: int, device: torch.device) -> dict[str, Any]:
+    """The source's skeleton and tensor signatures (`flat`: the source's state taken apart,
+    None elsewhere), as JSON bytes: a length, then the bytes."""
     data = b""
-    if rank == source:
-        flat = flatten(state)
+    if flat is not None:
         signature = [[list(t.shape), str(t.dtype)] for t in flat.tensors]
         data = json.dumps({"skeleton": flat.skeleton, "tensors": signature}).encode()
-    size = torch.tensor([len(data)], dtype=torch.int64, device=collective_device())
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     dist.broadcast(size, source)
-    buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=collective_device())
-    if rank == source:
+    buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    if flat is not None:
         buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     dist.broadcast(buffer, source)
     return json.loads(bytes(buffer.cpu().tolist()))
@@ -90,10 +90,9 @@ def _mismatch(header: dict[str, Any], tensors: tuple[torch.Tensor, ...]) -> str 
     return None
 
 
-def _broadcast_tensor(tensor: torch.Tensor, source: int) -> None:
-    """In place; through a contiguous copy on the collectives' device where the tensor lives
+def _broadcast_tensor(tensor: torch.Tensor, source: int, device: torch.device) -> None:
+    """In place; through a contiguous copy on the collectives' `device` where the tensor lives
     elsewhere (AdamW's step counters on the CPU under NCCL)."""
-    device = collective_device()
     if tensor.is_contiguous() and tensor.device.type == device.type:
         dist.broadcast(tensor, source)
         return

@@ -130,12 +130,13 @@ class StepSnapshot:
         collective = dist.is_available() and dist.is_initialized()
         _materialize(state, sharded_only=True)
         live = {key: _state_of(value) for key, value in state.items()}
+        into = _local(live)
         try:
             found = None
             if replicated and collective:
-                found = restore_from_peer(self._manager, _local(live), lambda: _prepared(state))
+                found = restore_from_peer(self._manager, into, lambda: _prepared(state))
             if found is None:
-                loaded, ckpt = self._manager.load(into=_local(live), collective=collective)
+                loaded, ckpt = self._manager.load(into=into, collective=collective)
                 found = loaded, ckpt.iteration
         except CheckpointNotFoundError:
             return 0
