@@ -489,3 +489,28 @@ def test_node_memory_parts_reuse_the_retired_parts_memory(tmp_path: Path, monkey
     assert float(state["w"][0]) == 4.0  # the loaded view still reads what it loaded
     assert not (session / "iter_0000004").exists()
     assert manager.load()[0]["i"] == 5
+
+
+@pytest.mark.parametrize("recycle", [False, True])
+def test_a_part_is_written_though_another_rank_removed_its_directory_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recycle: bool
+):
+    """Ranks of a node share the iteration's directory, and the last rank out of an old
+    iteration removes it: between one rank's mkdir and its first file there, another rank's
+    retention may rmdir it (seen as a FileNotFoundError in a 2-rank StepSnapshot job). The
+    write makes the directory again and goes on."""
+    from ftrun.checkpointing import store as store_module
+
+    real, removed = store_module.prepare_part, []
+
+    def racing(path: Path, *args: Any, **kwargs: Any) -> Any:
+        if not removed:  # the other rank's rmdir, just after our mkdir
+            path.parent.rmdir()
+            removed.append(path.parent)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(store_module, "prepare_part", racing)
+    store = DirectoryStore(tmp_path, recycle=recycle)
+    key = PartKey(7, 1, 2)
+    store.write(key, {"w": torch.arange(4.0)}, {})
+    assert removed and torch.equal(store.read(key)[0]["w"], torch.arange(4.0))

@@ -31,6 +31,8 @@ from ftrun.checkpointing.recycled import RecyclePool
 SUFFIX = ".ftckpt"
 CORRUPT_SUFFIX = ".corrupt"
 _ITERATION_DIR = re.compile(r"iter_(\d{7,})")
+_CREATE_ATTEMPTS = 3
+"""How many times a part's directory is made again when another rank removed it meanwhile."""
 
 
 @dataclass(frozen=True, order=True)
@@ -120,10 +122,25 @@ class DirectoryStore:
         self, key: PartKey, state: Any, metadata: Mapping[str, str], defer_copy: bool = False
     ) -> PreparedPart:
         path = self.path_of(key)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CheckpointWriteError(f"cannot create {path.parent}: {e.strerror or e}") from e
+        attempts = _CREATE_ATTEMPTS
+        while True:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise CheckpointWriteError(f"cannot create {path.parent}: {e.strerror or e}") from e
+            try:
+                return self._prepare_in(path, key, state, metadata, defer_copy)
+            except CheckpointWriteError as e:
+                # Another rank's retention removed the iteration's directory, empty, between
+                # our mkdir and our first file in it (`remove`: the last rank out removes it).
+                gone = isinstance(e.__cause__, FileNotFoundError) and not path.parent.is_dir()
+                attempts -= 1
+                if not gone or attempts == 0:
+                    raise
+
+    def _prepare_in(
+        self, path: Path, key: PartKey, state: Any, metadata: Mapping[str, str], defer_copy: bool
+    ) -> PreparedPart:
         if self._recycled is None:
             return prepare_part(path, state, key.iteration, metadata, defer_copy=defer_copy)
         recycled = self._recycled.take(path.name)
