@@ -61,6 +61,12 @@ def restore_from_peer(
         )
     for tensor in tensors:
         _broadcast_tensor(tensor, source, device)
+    if device.type == "cpu":
+        # gloo's worker threads drop a finished broadcast's tensors after `wait()` returned; a
+        # tensor Python let go of first needs the GIL then, and at interpreter exit that
+        # aborts the process ("terminate called without an active exception"). Waiting here
+        # lets them finish while the state is still held.
+        dist.barrier()
     return (loaded if rank == source else unflatten(header["skeleton"], tensors)), high
 
 
