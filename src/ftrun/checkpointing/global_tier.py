@@ -27,11 +27,13 @@ MANIFEST, the ranks agree (one all_reduce), and only then does DCP read, through
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import random
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -40,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 
 from ftrun.checkpointing import global_files as gf
 from ftrun.checkpointing.async_calls import AsyncCallsQueue, AsyncRequest
@@ -234,19 +236,24 @@ class GlobalCheckpointManager:
 
     def _checksum_own_files(self, future: Any, tmp: Path) -> None:
         """The background part after DCP's: checksum this rank's files into a sidecar."""
-        future.result()  # DCP's own error, if any, fails the call on every rank
-        rank, world_size = self._rank_and_world_size()
-        entries = {
-            name: gf.file_entry(tmp / name)
-            for name in gf.files_of_rank(os.listdir(tmp), rank, world_size)
-        }
-        gf.write_durably(tmp / gf.sidecar_name(rank), gf.encode_entries(entries))
+        with _one_line_errors(tmp):
+            future.result()  # DCP's own error, if any, fails the call on every rank
+            rank, world_size = self._rank_and_world_size()
+            entries = {
+                name: gf.file_entry(tmp / name)
+                for name in gf.files_of_rank(os.listdir(tmp), rank, world_size)
+            }
+            gf.write_durably(tmp / gf.sidecar_name(rank), gf.encode_entries(entries))
 
     def _publish(self, iteration: int, tmp: Path) -> None:
         """Rank 0, once every rank's files are written: MANIFEST, fsync, rename, retention."""
-        rank, world_size = self._rank_and_world_size()
-        if rank != 0:
+        if self._rank_and_world_size()[0] != 0:
             return
+        with _one_line_errors(tmp):
+            self._publish_as_rank_0(iteration, tmp)
+
+    def _publish_as_rank_0(self, iteration: int, tmp: Path) -> None:
+        world_size = self._rank_and_world_size()[1]
         entries: dict[str, gf.FileEntry] = {}
         for r in range(world_size):
             entries.update(gf.decode_entries((tmp / gf.sidecar_name(r)).read_bytes()))
@@ -301,3 +308,20 @@ class GlobalCheckpointManager:
         if self._pg is None:
             return 0, 1
         return dist.get_rank(self._pg), dist.get_world_size(self._pg)
+
+
+@contextlib.contextmanager
+def _one_line_errors(tmp: Path) -> Iterator[None]:
+    """A failed write as a `CheckpointWriteError` of one line naming the path (DCP's own error
+    carries every failed rank's traceback in its message)."""
+    try:
+        yield
+    except OSError as e:
+        where = e.filename or tmp
+        raise CheckpointWriteError(f"global checkpoint {where}: {e.strerror or e}") from e
+    except CheckpointException as e:
+        rank, failure = next(iter(e.failures.items()))
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        where = getattr(cause, "filename", None) or tmp
+        text = getattr(cause, "strerror", None) or str(cause).splitlines()[0]
+        raise CheckpointWriteError(f"global checkpoint {where}: {text} (rank {rank})") from e

@@ -1,0 +1,150 @@
+"""Each I/O error at each write, in turn (issue 54), through the fault-injecting file layer
+(tests/faultfs.py): for every file system call a clean save makes, the same save again with
+that call failing (ENOSPC, EIO, EDQUOT, or a raw write cut short). Afterwards the newest
+complete checkpoint loads bit-equal, nothing partial is read as complete, the error names the
+path, and the next save succeeds."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from faultfs import SHORT, FaultyFS
+from ftrun.checkpointing import (
+    CheckpointError,
+    CheckpointWriteError,
+    GlobalCheckpointManager,
+    LocalCheckpointManager,
+    StepSnapshot,
+)
+
+ERRORS = (errno.ENOSPC, errno.EIO, errno.EDQUOT, SHORT)
+
+
+@pytest.fixture(autouse=True)
+def single_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+
+
+def state(step: int) -> dict[str, Any]:
+    return {"model": {"w": torch.full((4096,), float(step)), "b": torch.arange(8) * step},
+            "step": step}  # fmt: skip
+
+
+def same(loaded: dict[str, Any], step: int) -> bool:
+    want = state(step)
+    return (
+        loaded["step"] == step
+        and torch.equal(loaded["model"]["w"], want["model"]["w"])
+        and torch.equal(loaded["model"]["b"], want["model"]["b"])
+    )
+
+
+def local_calls(root: Path) -> list[tuple[str, str]]:
+    manager = LocalCheckpointManager(root, session_id="s")
+    manager.save(state(1), 1)
+    with FaultyFS(root) as fs:
+        manager.save(state(2), 2)
+    return fs.calls
+
+
+def test_each_write_of_the_local_tier_fails_in_turn(tmp_path: Path) -> None:
+    calls = local_calls(tmp_path / "count")
+    for index, error in cases(calls):
+        root = tmp_path / f"{index}-{error}"
+        manager = LocalCheckpointManager(root, session_id="s")
+        manager.save(state(1), 1)
+        with FaultyFS(root, fail_at=index, error=error) as fs:
+            try:
+                manager.save(state(2), 2)
+                saved = True
+            except CheckpointWriteError as e:
+                saved = False
+                assert fs.failed is not None and str(root) in str(e), (calls[index], e)
+        where = f"call {index} {calls[index]} errno {error}"
+        newest = manager.find_latest()
+        # A failed save may still be whole (the directory's fsync after the rename failed).
+        assert newest == 2 if saved else newest in (1, 2), where
+        loaded, _ = manager.load()
+        assert same(loaded, newest), where
+        manager.save(state(3), 3)
+        assert manager.find_latest() == 3, where
+        assert same(manager.load()[0], 3), where
+
+
+def cases(calls: list[tuple[str, str]]) -> list[tuple[int, int]]:
+    assert len(calls) >= 3, calls
+    return list(itertools.product(range(len(calls)), ERRORS))
+
+
+def test_each_write_of_a_step_snapshot_fails_in_turn(tmp_path: Path) -> None:
+    """In the background: the error is raised by the next `wait()` (or `save()`), once; the
+    next snapshot is taken and restores."""
+
+    def snapshot_calls(root: Path) -> list[tuple[str, str]]:
+        snapshot = StepSnapshot(root)
+        snapshot.save(state(1), 1)
+        snapshot.wait()
+        with FaultyFS(root) as fs:
+            snapshot.save(state(2), 2)
+            snapshot.wait()
+        snapshot.close()
+        return fs.calls
+
+    calls = snapshot_calls(tmp_path / "count")
+    for index, error in cases(calls):
+        root = tmp_path / f"{index}-{error}"
+        snapshot = StepSnapshot(root)
+        snapshot.save(state(1), 1)
+        snapshot.wait()
+        with FaultyFS(root, fail_at=index, error=error) as fs:
+            snapshot.save(state(2), 2)
+            with contextlib.suppress(CheckpointWriteError):
+                snapshot.wait()
+        where = f"call {index} {calls[index]} errno {error}"
+        assert fs.failed is not None or error == SHORT, where
+        into = state(0)
+        assert StepSnapshot(root).restore(into) in (1, 2), where
+        assert same(into, into["step"]), where
+        snapshot.save(state(3), 3)
+        snapshot.wait()
+        snapshot.close()
+        into = state(0)
+        assert StepSnapshot(root).restore(into) == 3 and same(into, 3), where
+
+
+def test_each_write_of_the_global_tier_fails_in_turn(tmp_path: Path) -> None:
+    def global_calls(root: Path) -> list[tuple[str, str]]:
+        manager = GlobalCheckpointManager(root)
+        manager.save(state(1), 1, is_async=False)
+        with FaultyFS(root) as fs:
+            manager.save(state(2), 2, is_async=False)
+        manager.close()
+        return fs.calls
+
+    calls = global_calls(tmp_path / "count")
+    for index, error in cases(calls):
+        root = tmp_path / f"{index}-{error}"
+        manager = GlobalCheckpointManager(root)
+        manager.save(state(1), 1, is_async=False)
+        where = f"call {index} {calls[index]} errno {error}"
+        with FaultyFS(root, fail_at=index, error=error) as fs:
+            try:
+                manager.save(state(2), 2, is_async=False)
+            except CheckpointError as e:  # AsyncCallError, the CheckpointWriteError its cause
+                assert str(root) in str(e) and "\n" not in str(e), (where, e)
+        assert fs.failed is not None or error == SHORT, where
+        into = state(0)
+        assert manager.load(into) in (1, 2), where
+        assert same(into, into["step"]), where
+        manager.save(state(3), 3, is_async=False)
+        into = state(0)
+        assert manager.load(into) == 3 and same(into, 3), where
+        manager.close()
