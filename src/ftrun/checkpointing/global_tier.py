@@ -173,7 +173,7 @@ class GlobalCheckpointManager:
         """Load the newest loadable iteration into `state_dict` (in place, DCP's way), falling
         back past corrupt ones; its iteration. Collective."""
         while True:
-            iteration = self._agreed_latest()
+            iteration = agree_min([self.find_latest()])[0]  # the lowest: every rank has it
             if iteration < 0:
                 raise CheckpointNotFoundError(f"no complete global checkpoint in {self.root_dir}")
             try:
@@ -196,10 +196,6 @@ class GlobalCheckpointManager:
         except Exception as e:  # DCP gathers every rank's error: all ranks are here
             self._set_aside(iteration, f"DCP could not load it: {type(e).__name__}: {e}")
         logger.info("loaded global checkpoint %d from %s", iteration, directory)
-
-    def _agreed_latest(self) -> int:
-        """`find_latest` as every rank sees it: the lowest, so every rank has it."""
-        return agree_min([self.find_latest()])[0]
 
     def _verify_share(self, iteration: int, directory: Path) -> str | None:
         """Check this rank's share of the files; what is wrong, or None."""

@@ -102,19 +102,12 @@ class LocalCheckpointManager:
         self.repl_strategy = repl_strategy
         self._keep_complete = keep_complete
         self._tier = agent_tier(session_id, repl_strategy)
-        self._disk = (
-            DirectoryStore(self.root_local_ckpt_dir / session_id)
-            if self._tier is not None and persist_to_disk and store is None
-            else None
-        )
-        if store is None:
-            tier = self._tier
-            store = (
-                DirectoryStore(tier, recycle=True)
-                if tier
-                else DirectoryStore(self.root_local_ckpt_dir / session_id)
-            )
-        self._store = store
+        self._disk: DirectoryStore | None = None
+        if store is None and self._tier is not None:
+            store = DirectoryStore(self._tier, recycle=True)
+            if persist_to_disk:
+                self._disk = DirectoryStore(self.local_ckpt_dir)
+        self._store = store if store is not None else DirectoryStore(self.local_ckpt_dir)
         self._in_flight: Aside[PartInfo] | None = None
         self._copy: OverlappedCopy | None = None  # an `overlap` save's, until `fence`
         self._joining = threading.Lock()  # `wait` (trainer) against `_join` (a queue's thread)
@@ -373,8 +366,7 @@ class LocalCheckpointManager:
             logger.error("the background save failed: %s", e)
 
     def _key(self, iteration: int) -> PartKey:
-        rank, world_size = rank_and_world_size()
-        return PartKey(iteration, rank, world_size)
+        return PartKey(iteration, *rank_and_world_size())
 
 
 def _joined(job: Aside[PartInfo]) -> PartInfo:

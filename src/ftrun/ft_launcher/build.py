@@ -38,14 +38,11 @@ def count_devices(kind: str) -> int:
         return _cpu_count()
     import torch
 
-    if kind == "gpu":
-        if not torch.cuda.is_available():
-            raise ValueError("CUDA is not available")
-        return torch.cuda.device_count()
-    if kind == "xpu":
-        if not torch.xpu.is_available():
-            raise ValueError("XPU is not available")
-        return torch.xpu.device_count()
+    if kind in ("gpu", "xpu"):
+        device, name = (torch.cuda, "CUDA") if kind == "gpu" else (torch.xpu, "XPU")
+        if not device.is_available():
+            raise ValueError(f"{name} is not available")
+        return device.device_count()
     accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
     if accelerator is not None and accelerator.is_available():
         return accelerator.device_count()

@@ -34,7 +34,7 @@ def decode(state: Any) -> Any:
         return state.clone()
     if isinstance(state, dict):
         if set(state) == {ITEMS_KEY}:
-            return {_key_back(k): decode(v) for k, v in state[ITEMS_KEY]}
+            return {tuple(k) if isinstance(k, list) else k: decode(v) for k, v in state[ITEMS_KEY]}
         return {k: decode(v) for k, v in state.items()}
     if isinstance(state, list):
         return [decode(v) for v in state]
@@ -65,7 +65,3 @@ def _key(key: Any, path: str) -> Any:
         f"{path}: dict key {str(key)[:60]!r} is a {type(key).__qualname__}; "
         "keys must be str, int, float, bool, None or tuples of those"
     )
-
-
-def _key_back(key: Any) -> Any:
-    return tuple(key) if isinstance(key, list) else key

@@ -34,10 +34,6 @@ class PageServer(_OneLineErrors, ThreadingHTTPServer):
     daemon_threads = True
 
 
-class _MetricsServer(_OneLineErrors, ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
 class _SilentHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         return None  # every scrape would be a line of the agent's log
@@ -52,7 +48,8 @@ def serve_metrics(registry: Any, bind: str, port: int) -> Any:
     """prometheus_client's exposition of `registry` on `bind`:`port`, in a daemon thread."""
     from prometheus_client import make_wsgi_app
 
-    class Server(_MetricsServer):
+    class Server(_OneLineErrors, ThreadingMixIn, WSGIServer):
+        daemon_threads = True
         address_family = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM)[0][0]
 
     server = make_server(bind, port, make_wsgi_app(registry), Server, _SilentHandler)

@@ -13,6 +13,7 @@ Nothing here can stop training: a failure to serve is logged, a store error retr
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import socket
@@ -69,10 +70,7 @@ class ObserveService(NodeService):
 
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self.metrics)
-
-        def start() -> Any:
-            return serve_metrics(registry, self._config.bind, port)
-
+        start = functools.partial(serve_metrics, registry, self._config.bind, port)
         self._metrics_server = self._listen("metrics", "metrics", "/metrics", port, start)
 
     def on_round(self, rnd: Round) -> None:

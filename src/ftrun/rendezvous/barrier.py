@@ -359,15 +359,12 @@ class BarrierRendezvousHandler(RendezvousHandler):
         if interrupted():
             raise JoinInterruptedError
         if ask_store:
-            self._raise_if_shut_down()
+            _raise_for(self.control.shutdown_requested())
         if time.monotonic() >= deadline:
             raise RendezvousTimeoutError(
                 f"rendezvous did not complete within join_timeout={self._config.join_timeout}s "
                 f"(need {self._config.min_nodes} node(s))"
             )
-
-    def _raise_if_shut_down(self) -> None:
-        _raise_for(self.control.shutdown_requested())
 
     def _key(self, cycle: int, name: str) -> str:
         return f"{self._prefix}/c{cycle}/{name}"

@@ -9,12 +9,9 @@ can check whom it reached.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from torch.distributed import Store
 
-from ftrun.peer import PeerClient, PeerError, PeerServer, Request, job_secret
+from ftrun.peer import PeerClient, PeerError, PeerServer, job_secret
 from ftrun.rendezvous.ranks import NodeDescriptor
 from ftrun.services import NodeService
 
@@ -27,9 +24,8 @@ class PeerService(NodeService):
     def __init__(self, store: Store, run_id: str, host: str, node: str) -> None:
         self._store, self._prefix = store, f"ftrun/{run_id}"
         self._secret = job_secret(store, self._prefix)
-        self._node = node
         self.server = PeerServer(host, self._secret, run_id)
-        self.server.register("node", self._whoami)
+        self.server.register("node", lambda _request: {"node": node})
         self.server.start()
         self.client = PeerClient(self._secret, run_id)
 
@@ -52,9 +48,6 @@ class PeerService(NodeService):
         """Write the job's secret back into a store that restarted empty (every agent of the
         job has the same one: the first to write it wins)."""
         job_secret(self._store, self._prefix, self._secret)
-
-    def _whoami(self, _request: Request) -> Mapping[str, Any]:
-        return {"node": self._node}
 
     def close(self) -> None:
         self.client.close()

@@ -95,7 +95,8 @@ def decode(payload: bytes, schema: Mapping[str, Mapping[str, object]]) -> dict[s
         if name not in msg:
             raise ProtocolViolation(f"{op}: missing field {name!r}")
         if not _conforms(msg[name], kind):
-            raise ProtocolViolation(f"{op}: field {name!r} is not {_kind_name(kind)}")
+            shown = kind.__name__ if isinstance(kind, type) else kind
+            raise ProtocolViolation(f"{op}: field {name!r} is not {shown}")
     return msg
 
 
@@ -113,10 +114,6 @@ def _conforms(value: object, kind: object) -> bool:
     if kind == _STR_MAP:
         return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
     raise AssertionError(kind)
-
-
-def _kind_name(kind: object) -> str:
-    return kind.__name__ if isinstance(kind, type) else str(kind)
 
 
 def recv_frame(sock: socket.socket, max_fds: int = 0) -> tuple[bytes, list[int]] | None:

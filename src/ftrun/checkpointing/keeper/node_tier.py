@@ -28,7 +28,7 @@ import shutil
 import stat
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from ftrun import owned_dir
@@ -120,28 +120,24 @@ class NodeTier:
     def listed(self, session: str) -> list[PartKey]:
         """The session's complete parts by name (directory listings only: cheap to poll)."""
         keys = []
-        for iteration, directory in self._iteration_dirs(session):
-            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-                for entry in os.scandir(directory):
-                    key = parse_part_name(entry.name, iteration)
-                    if key is not None and entry.is_file(follow_symlinks=False):
-                        keys.append(key)
+        for iteration, entry in self._entries(session):
+            key = parse_part_name(entry.name, iteration)
+            if key is not None and entry.is_file(follow_symlinks=False):
+                keys.append(key)
         return sorted(keys)
 
     def take_set_aside(self, session: str) -> list[PartKey]:
         """Parts a worker found corrupt and set aside (`*.corrupt`): removed, to free node
         memory, and returned so that the keeper reports them."""
         found = []
-        for iteration, directory in self._iteration_dirs(session):
-            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-                for entry in os.scandir(directory):
-                    if not entry.name.endswith(CORRUPT_SUFFIX):
-                        continue
-                    key = parse_part_name(entry.name[: -len(CORRUPT_SUFFIX)], iteration)
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(entry.path)
-                    if key is not None:
-                        found.append(key)
+        for iteration, entry in self._entries(session):
+            if not entry.name.endswith(CORRUPT_SUFFIX):
+                continue
+            key = parse_part_name(entry.name[: -len(CORRUPT_SUFFIX)], iteration)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+            if key is not None:
+                found.append(key)
         return sorted(found)
 
     def holdings(self) -> Holdings:
@@ -271,17 +267,17 @@ class NodeTier:
             _make_dir(path)
         return path
 
-    def _iteration_dirs(self, session: str) -> list[tuple[int, str]]:
+    def _entries(self, session: str) -> Iterator[tuple[int, os.DirEntry[str]]]:
+        """The entries of the session's iteration directories, with their iteration."""
         try:
             entries = list(os.scandir(self.root / session))
         except (FileNotFoundError, NotADirectoryError):
-            return []
-        found = []
+            return
         for entry in entries:
             iteration = parse_iteration_dir(entry.name)
             if iteration is not None and _real_dir(entry):
-                found.append((iteration, entry.path))
-        return found
+                with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                    yield from ((iteration, child) for child in os.scandir(entry.path))
 
 
 def _verify(tmp: Path, key: PartKey, nbytes: int) -> PartInfo:
