@@ -9,13 +9,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
+import json
+from logging import WARNING
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from faultfs import SHORT, FaultyFS
+from faultfs import SHORT, WRITES, FaultyFS
 from ftrun.checkpointing import (
     CheckpointError,
     CheckpointWriteError,
@@ -23,6 +25,7 @@ from ftrun.checkpointing import (
     LocalCheckpointManager,
     StepSnapshot,
 )
+from ftrun.eventlog.writer import EventLog
 
 ERRORS = (errno.ENOSPC, errno.EIO, errno.EDQUOT, SHORT)
 
@@ -80,8 +83,17 @@ def test_each_write_of_the_local_tier_fails_in_turn(tmp_path: Path) -> None:
 
 
 def cases(calls: list[tuple[str, str]]) -> list[tuple[int, int]]:
+    """Every error at the first and the last of each kind of call on each path (DCP writes a
+    file in many small writes: the ones between fail the same way)."""
     assert len(calls) >= 3, calls
-    return list(itertools.product(range(len(calls)), ERRORS))
+    ends: dict[tuple[str, str], list[int]] = {}
+    for index, call in enumerate(calls):
+        ends.setdefault(call, []).append(index)
+    picked = sorted({i for found in ends.values() for i in (found[0], found[-1])})
+    # Only a raw write can be short; elsewhere SHORT would be a clean save again.
+    return [
+        (i, e) for i, e in itertools.product(picked, ERRORS) if e != SHORT or calls[i][0] in WRITES
+    ]
 
 
 def test_each_write_of_a_step_snapshot_fails_in_turn(tmp_path: Path) -> None:
@@ -148,3 +160,27 @@ def test_each_write_of_the_global_tier_fails_in_turn(tmp_path: Path) -> None:
         into = state(0)
         assert manager.load(into) == 3 and same(into, 3), where
         manager.close()
+
+
+@pytest.mark.parametrize("error", ERRORS)
+def test_the_events_log_goes_on_past_a_failing_disk(
+    tmp_path: Path, error: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each of 6 writes fails in turn: the job's events stop being written, not the agent; one
+    warning when it starts, one when it ends; every event written is a whole line."""
+    for index in range(6):
+        root = tmp_path / f"{index}"
+        root.mkdir()
+        caplog.clear()
+        # Call 0 is the open (a --log-dir that cannot be written is refused at start-up).
+        with FaultyFS(root, index + 1, error), caplog.at_level(WARNING, "ftrun.agent"):
+            events = EventLog(root, "n0")
+            for number in range(6):
+                events.emit("signal", signal=f"S{number}")
+        events.close()
+        lines = (root / "events-n0.jsonl").read_text().splitlines()
+        read = [json.loads(line)["signal"] for line in lines if line.startswith("{")]
+        lost = {f"S{index}"} if error != SHORT else set()
+        assert set(read) | lost == {f"S{n}" for n in range(6)}, (index, lines)
+        warned = [r.getMessage() for r in caplog.records if "events" in r.getMessage()]
+        assert len(warned) == (0 if error == SHORT else 1 + (index < 5)), warned

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -24,7 +25,7 @@ def log_dir_error(log_dir: Path, exc: OSError) -> ConfigError:
 
 
 class EventLog:
-    """Appends events to `<log dir>/events-<node>.jsonl`, one flushed line each.
+    """Appends events to `<log dir>/events-<node>.jsonl`, one O_APPEND write a line.
 
     An event that does not match `SCHEMA` is a bug: it is logged as an error and written all
     the same (the reader skips it), since a launcher must not fail a job over its bookkeeping.
@@ -37,7 +38,9 @@ class EventLog:
         self.path = log_dir / f"events-{node}.jsonl"
         self._node = node
         self._lock = threading.Lock()
-        self._file = self.path.open("a", encoding="utf-8")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+        self._fd = os.open(self.path, flags, 0o644)
+        self._failing: str | None = None  # why the last write failed
         self._readers: list[Callable[[Mapping[str, Any]], None]] = []
         self.cycle = 0
 
@@ -57,10 +60,9 @@ class EventLog:
             "cycle": self.cycle,
             **fields,
         }
-        line = json.dumps(record, default=str)
+        line = (json.dumps(record, default=str) + "\n").encode()
         with self._lock:
-            self._file.write(line + "\n")
-            self._file.flush()
+            self._write(line)
             readers = tuple(self._readers)
         for reader in readers:
             try:
@@ -68,6 +70,27 @@ class EventLog:
             except Exception:  # a reader's bug must not cost the job its events
                 log.exception("an event reader failed on %s", event)
 
+    def _write(self, line: bytes) -> None:
+        """One O_APPEND write a line. A full or failing log disk costs the events written
+        meanwhile, never the job: one warning when it starts failing, one when it works again
+        (the first line then ends whatever part of a line the failure left)."""
+        if self._fd < 0:  # closed: the number may be another file's by now
+            return
+        data = line if self._failing is None else b"\n" + line
+        try:
+            while data:
+                data = data[os.write(self._fd, data) :]
+        except OSError as e:
+            if self._failing is None:
+                log.warning("events are not written to %s: %s", self.path, e.strerror or e)
+            self._failing = e.strerror or str(e)
+            return
+        if self._failing is not None:
+            log.warning("events are written to %s again", self.path)
+            self._failing = None
+
     def close(self) -> None:
         with self._lock:
-            self._file.close()
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
