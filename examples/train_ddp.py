@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ftrun.checkpointing import CliqueReplicationStrategy, LocalCheckpointManager
 from ftrun.client_lib import RankMonitorClient
+from ftrun.gloo_exit import wait_gloo_idle
 
 CYCLE = int(os.environ.get("FTRUN_CYCLE", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 RANK = int(os.environ.get("RANK", "0"))
@@ -247,6 +248,11 @@ def main() -> int:
         print(f"rank {RANK}: training finished at step {step}", flush=True)
     client.shutdown_workload_monitoring()
     dist.destroy_process_group()
+    # DDP holds the last reference to the gloo group: freed as main() returns, its destructor
+    # joins gloo's threads under the GIL, and one still freeing a finished collective needs the
+    # GIL (a deadlock on a loaded node). Let them finish, then free it here.
+    wait_gloo_idle()
+    model = None  # the closure `checkpoint` shares this variable: `del` would trip linters
     return 0
 
 
