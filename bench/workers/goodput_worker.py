@@ -6,7 +6,8 @@ AdamW, one fixed batch; 151M on a GPU by default), saved the way its setting say
 - `--save snapshot`: `ftrun.checkpointing.StepSnapshot` every step (`--snapshot-every`),
   `restore` at start;
 - `--save nvrx-local`: NVRx 0.7's `LocalCheckpointManager` (in /dev/shm, as its examples) every
-  `--ckpt-every` steps, `is_async=True` through its `AsyncCallsQueue`, finalized each step;
+  `--ckpt-every` steps, `is_async=True` through its `AsyncCallsQueue`, finalized each step
+  (a due save is skipped while the previous one is still being written);
   `find_latest` + `load` at start. Its `BasicTensorAwareStateDict` takes CUDA tensors only, so
   AdamW's step counters go to the GPU in the saved copy (the one line a user adds);
 - `--save none`: nothing (the script's own step time).
@@ -97,7 +98,9 @@ class NVRxLocal:
 
     def save(self, state: dict, step: int) -> bool:
         self.queue.maybe_finalize_async_calls(blocking=False)
-        if step % self.every:
+        # A save still being written: skip this one, as StepSnapshot does. Queuing it would
+        # pile saves up behind the writer (1.7 GB each), and none would be finalized in time.
+        if step % self.every or self.queue.get_num_unfinalized_calls():
             return False
         optimizer = state["optimizer"].state_dict()
         # New containers: NVRx replaces the tensors in them with CPU copies, in place.
