@@ -12,12 +12,14 @@ import itertools
 import json
 from logging import WARNING
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
 from faultfs import SHORT, WRITES, FaultyFS
+from ftrun.agent.loop.reporting import CycleReport
 from ftrun.checkpointing import (
     CheckpointError,
     CheckpointWriteError,
@@ -26,6 +28,7 @@ from ftrun.checkpointing import (
     StepSnapshot,
 )
 from ftrun.eventlog.writer import EventLog
+from ftrun.rank_monitor import HangKind, Verdict
 
 ERRORS = (errno.ENOSPC, errno.EIO, errno.EDQUOT, SHORT)
 
@@ -184,3 +187,19 @@ def test_the_events_log_goes_on_past_a_failing_disk(
         assert set(read) | lost == {f"S{n}" for n in range(6)}, (index, lines)
         warned = [r.getMessage() for r in caplog.records if "events" in r.getMessage()]
         assert len(warned) == (0 if error == SHORT else 1 + (index < 5)), warned
+
+
+def test_a_hang_is_reported_when_its_stacks_cannot_be_kept(tmp_path: Path) -> None:
+    """A full log disk at a hang verdict: the stacks are not kept (a warning), the hang is still
+    logged and an event, and the agent goes on (it raised out of the report before)."""
+    events = EventLog(tmp_path, "n0")
+    runtime = SimpleNamespace(events=events, node="n0", node_log_dir=tmp_path / "n0")
+    verdict = Verdict(rank=1, pid=7, worker_pid=7, kind=HangKind.HEARTBEAT, section=None,
+                      timeout=3.0, waited=3.1, deadline=10.0, detected_at=10.1,
+                      stack_file=None, stack="stacks")  # fmt: skip
+    with FaultyFS(tmp_path / "n0", fail_at=0, error=errno.ENOSPC) as fs:
+        CycleReport(runtime).hang(verdict, None)  # type: ignore[arg-type]
+    events.close()
+    assert fs.failed is not None
+    (hang,) = [json.loads(line) for line in (tmp_path / "events-n0.jsonl").read_text().splitlines()]
+    assert hang["event"] == "hang" and hang["rank"] == 1 and hang.get("stack_file") is None

@@ -57,11 +57,16 @@ class CycleReport:
         """Keep the stacks with the cycle's logs and say in one line who hung where."""
         cycle = rnd.number if rnd else self.events.cycle
         dump = self.rt.node_log_dir / f"cycle{cycle}" / f"stack-rank{verdict.rank}.txt"
-        dump.parent.mkdir(parents=True, exist_ok=True)
         none = "(the rank did not dump its stacks)\n"
         if verdict.stopped:
             none = f"(the rank's process was stopped: it could not dump its stacks; {STOP_HINT})\n"
-        dump.write_text(verdict.stack or none)
+        kept: str | None = str(dump)
+        try:
+            dump.parent.mkdir(parents=True, exist_ok=True)
+            dump.write_text(verdict.stack or none)
+        except OSError as exc:  # a full log disk must not stop the supervision
+            log.warning("the stacks of rank %d are not kept: %s", verdict.rank, exc)
+            kept = None
         where = f"in section {verdict.section!r}" if verdict.section else f"({verdict.kind.value})"
         stuck = verdict.stuck
         stuck_text = stuck.describe() if stuck else None
@@ -70,13 +75,13 @@ class CycleReport:
         log.error(
             "HANG: rank %d on node %s %s: no progress for %.3fs (timeout %.3gs), %s; stacks: %s",
             verdict.rank, self.rt.node, where, verdict.waited, verdict.timeout,
-            stuck_text or "no stack dump", dump,
+            stuck_text or "no stack dump", kept or "not kept",
         )  # fmt: skip
         self.events.emit(
             "hang", rank=verdict.rank, pid=verdict.pid, kind=verdict.kind.value,
             section=verdict.section, timeout=verdict.timeout, waited=round(verdict.waited, 6),
             detection_latency=round(verdict.detected_at - verdict.deadline, 6),
-            stack_file=str(dump), where=stuck_text,
+            stack_file=kept, where=stuck_text,
             in_library=stuck.in_library if stuck else None, stopped=verdict.stopped,
         )  # fmt: skip
 
