@@ -27,6 +27,7 @@ from ftrun.checkpointing import (
     LocalCheckpointManager,
     StepSnapshot,
 )
+from ftrun.checkpointing.persist import copy_part
 from ftrun.eventlog.writer import EventLog
 from ftrun.rank_monitor import HangKind, Verdict
 
@@ -203,3 +204,28 @@ def test_a_hang_is_reported_when_its_stacks_cannot_be_kept(tmp_path: Path) -> No
     assert fs.failed is not None
     (hang,) = [json.loads(line) for line in (tmp_path / "events-n0.jsonl").read_text().splitlines()]
     assert hang["event"] == "hang" and hang["rank"] == 1 and hang.get("stack_file") is None
+
+
+def test_each_write_of_a_copy_to_disk_fails_in_turn(tmp_path: Path) -> None:
+    """The node tier's copy of a part to disk (`persist.copy_part`): a failed copy leaves no
+    file under the part's name and no temporary, and says which path."""
+    source = tmp_path / "part"
+    source.write_bytes(bytes(range(256)) * 64)
+
+    def copy(root: Path) -> None:
+        copy_part(source, root / "iter_0000002" / "rank0-of1.ftckpt")
+
+    with FaultyFS(tmp_path / "count") as fs:
+        copy(tmp_path / "count")
+    for index, error in cases(fs.calls):
+        root = tmp_path / f"{index}-{error}"
+        with FaultyFS(root, fail_at=index, error=error) as injected:
+            try:
+                copy(root)
+            except CheckpointWriteError as e:
+                assert injected.failed is not None and str(root) in str(e), e
+        where = f"call {index} {fs.calls[index]} errno {error}"
+        names = sorted(p.name for p in root.rglob("*") if p.is_file())
+        assert names in ([], ["rank0-of1.ftckpt"]), (where, names)
+        if names:
+            assert (root / "iter_0000002" / "rank0-of1.ftckpt").read_bytes() == source.read_bytes()

@@ -45,12 +45,14 @@ def copy_into_place(fd: int, nbytes: int, path: Path) -> None:
                 raise OSError(f"the part ended after {offset} of {nbytes} bytes")
             offset += sent
         os.fsync(out)
-    except BaseException:
         os.close(out)
+        out = -1
+        os.replace(tmp, path)
+    except BaseException:
+        if out >= 0:
+            os.close(out)
         tmp.unlink(missing_ok=True)
         raise
-    os.close(out)
-    os.replace(tmp, path)
     fsync_dir(path.parent)
 
 
