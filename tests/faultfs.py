@@ -27,6 +27,9 @@ from typing import Any
 
 SHORT = -1
 """`error=SHORT`: the raw write at `fail_at` writes half its bytes and says so (not an error)."""
+HANG = -2
+"""`error=HANG`: the call at `fail_at` waits until `release` is set (a hung file system), then
+goes on."""
 
 # Calls that change the file system or what will be on it. Reads are not failed.
 PATH_CALLS = ("mkdir", "replace", "rename", "unlink", "rmdir", "link")
@@ -45,6 +48,7 @@ class FaultyFS:
         self._fds: dict[int, str] = {}
         self._lock = threading.Lock()
         self._saved: dict[tuple[Any, str], Any] = {}
+        self.release = threading.Event()
 
     def __enter__(self) -> FaultyFS:
         for name in PATH_CALLS:
@@ -59,6 +63,7 @@ class FaultyFS:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.release.set()  # a call left hanging goes on
         for (module, name), original in self._saved.items():
             setattr(module, name, original)
 
@@ -84,9 +89,12 @@ class FaultyFS:
             if index != self.fail_at:
                 return None
             if self.error == SHORT and call not in WRITES:
-                return None  # only a raw write can be short; the next one is
+                return None  # only a raw write can be short
             self.failed = (call, path)
-            return self.error
+        if self.error == HANG:
+            self.release.wait()
+            return None
+        return self.error
 
     def _raise(self, error: int, path: str) -> None:
         raise OSError(error, os.strerror(error), path)

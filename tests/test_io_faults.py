@@ -10,6 +10,7 @@ import contextlib
 import errno
 import itertools
 import json
+import time
 from logging import WARNING
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,9 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-from faultfs import SHORT, WRITES, FaultyFS
+from faultfs import HANG, SHORT, WRITES, FaultyFS
 from ftrun.agent.loop.reporting import CycleReport
 from ftrun.checkpointing import (
+    AsyncCallTimeoutError,
     CheckpointError,
     CheckpointWriteError,
     GlobalCheckpointManager,
@@ -229,3 +231,22 @@ def test_each_write_of_a_copy_to_disk_fails_in_turn(tmp_path: Path) -> None:
         assert names in ([], ["rank0-of1.ftckpt"]), (where, names)
         if names:
             assert (root / "iter_0000002" / "rank0-of1.ftckpt").read_bytes() == source.read_bytes()
+
+
+def test_a_save_hung_in_the_global_directory_is_abandoned_at_its_bound(tmp_path: Path) -> None:
+    """A write that never returns (a hung shared file system): the finalize gives up at the
+    manager's timeout, the save is abandoned, the next one is written and published beside
+    the hung thread, and the previous checkpoint stays loadable."""
+    manager = GlobalCheckpointManager(tmp_path, timeout_s=0.5)
+    manager.save(state(1), 1, is_async=False)
+    with FaultyFS(tmp_path, fail_at=3, error=HANG) as fs:
+        manager.save(state(2), 2)
+        started = time.monotonic()
+        with pytest.raises(AsyncCallTimeoutError, match="abandoned"):
+            manager.maybe_finalize(blocking=True)
+        assert time.monotonic() - started < 5 and fs.failed is not None
+        manager.save(state(3), 3)
+        assert manager.maybe_finalize(blocking=True) == [3]
+    into = state(0)
+    assert manager.load(into) == 3 and same(into, 3)
+    manager.close()

@@ -27,10 +27,12 @@ CPU tensor; CUDA if that group is NCCL-only): this rank's `Progress`. Every rank
 numbers, so `decide` makes the same choice everywhere: finalize the calls done on every rank;
 if the next call failed on any rank, drop it and raise `AsyncCallError` on every rank (the
 original error as `__cause__` where it failed); if any rank timed out, raise
-`AsyncCallTimeoutError` on every rank. A rank whose call failed or hung thus joins the same
-collective and never leaves the others waiting in it. Without torch.distributed (or with
-`no_dist=True`) the same decision is made from this rank's numbers. With nothing pending no
-collective is made (as in NVRx). Calls are settled in order: those after a failed one go on.
+`AsyncCallTimeoutError` on every rank, the call and those after it abandoned (never finalized)
+and the worker thread left to them: the next call runs on a new one. A rank whose call failed
+or hung thus joins the same collective and never leaves the others waiting in it. Without
+torch.distributed (or with `no_dist=True`) the same decision is made from this rank's numbers.
+With nothing pending no collective is made (as in NVRx). Calls are settled in order: those
+after a failed one go on.
 
 `blocking=True` first waits (on a condition, no polling) until every call has ended on this
 rank, at most `timeout` seconds, then agrees as above. Keep `timeout` below the process group's
@@ -244,6 +246,17 @@ class AsyncCallsQueue:
                 first_error = first_error or e
         return first_error
 
+    def _abandon_from(self, idx: int) -> None:
+        """Drop call `idx` (past its bound: a hung file system, say) and those after it, never
+        finalized, and leave their worker to them: a call that never returns must not hold
+        every later save behind it (the calls after it wait on the same thread)."""
+        with self._cond:
+            for call in [c for c in self._calls if c.idx >= idx]:
+                call.move(CallState.ABORTED)
+                self._calls.remove(call)
+        self._worker.stop(0.0)
+        self._worker = type(self._worker)()
+
     def _shutdown(self, wait_s: float) -> None:
         with self._cond:
             aborted = [call.idx for call in self._calls]
@@ -298,8 +311,9 @@ class AsyncCallsQueue:
             where = "here" if local.first_timed_out != NONE else "on another rank"
             message = (
                 f"async call {decision.timed_out} still running {where} after the "
-                f"{self.timeout:g} s timeout"
+                f"{self.timeout:g} s timeout: abandoned, the next call runs on a new worker"
             )
+            self._abandon_from(decision.timed_out)
             raise AsyncCallTimeoutError(message, decision.timed_out, finalized)
         if decision.mismatch is not None:
             low, high = decision.mismatch
