@@ -243,13 +243,13 @@ class GlobalCheckpointManager:
 
     def _publish(self, iteration: int, tmp: Path) -> None:
         """Rank 0, once every rank's files are written: MANIFEST, fsync, rename, retention."""
-        if self._rank_and_world_size()[0] != 0:
+        rank, world_size = self._rank_and_world_size()
+        if rank != 0:
             return
         with _one_line_errors(tmp):
-            self._publish_as_rank_0(iteration, tmp)
+            self._publish_as_rank_0(iteration, tmp, world_size)
 
-    def _publish_as_rank_0(self, iteration: int, tmp: Path) -> None:
-        world_size = self._rank_and_world_size()[1]
+    def _publish_as_rank_0(self, iteration: int, tmp: Path, world_size: int) -> None:
         entries: dict[str, gf.FileEntry] = {}
         for r in range(world_size):
             entries.update(gf.decode_entries((tmp / gf.sidecar_name(r)).read_bytes()))

@@ -40,7 +40,7 @@ class EventLog:
         self._lock = threading.Lock()
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
         self._fd = os.open(self.path, flags, 0o644)
-        self._failing: str | None = None  # why the last write failed
+        self._failing = False  # the last write failed
         self._readers: list[Callable[[Mapping[str, Any]], None]] = []
         self.cycle = 0
 
@@ -76,18 +76,18 @@ class EventLog:
         (the first line then ends whatever part of a line the failure left)."""
         if self._fd < 0:  # closed: the number may be another file's by now
             return
-        data = line if self._failing is None else b"\n" + line
+        data = b"\n" + line if self._failing else line
         try:
             while data:
                 data = data[os.write(self._fd, data) :]
         except OSError as e:
-            if self._failing is None:
+            if not self._failing:
                 log.warning("events are not written to %s: %s", self.path, e.strerror or e)
-            self._failing = e.strerror or str(e)
+            self._failing = True
             return
-        if self._failing is not None:
+        if self._failing:
             log.warning("events are written to %s again", self.path)
-            self._failing = None
+            self._failing = False
 
     def close(self) -> None:
         with self._lock:
