@@ -199,12 +199,10 @@ class EtcdStore(Store):
         return desired
 
     def delete_key(self, key: str) -> bool:
-        reply = self._call(lambda c: c.delete(self._key(key)))
-        return bool(reply)
+        return bool(self._call(lambda c: c.delete(self._key(key))))
 
     def num_keys(self) -> int:
-        reply = self._call(lambda c: c.get_prefix(self._prefix))
-        return len(reply)
+        return len(self._call(lambda c: c.get_prefix(self._prefix)))
 
     # ---- the launch's lease (`etcd_lease`) --------------------------------------------------
 

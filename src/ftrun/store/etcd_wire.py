@@ -81,9 +81,7 @@ def b64(data: str | bytes) -> str:
 
 
 def as_bytes(value: str | bytes | int) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    return str(value).encode()
+    return value if isinstance(value, bytes) else str(value).encode()
 
 
 def put_op(

@@ -50,13 +50,7 @@ class StoreRestartedError(DistError):
 class ReconnectingStore(Store):
     """torch's Store interface, forwarded to a client that is replaced when its store goes."""
 
-    def __init__(
-        self,
-        client: Store,
-        connect: Connect,
-        window: float,
-        where: str,
-    ) -> None:
+    def __init__(self, client: Store, connect: Connect, window: float, where: str) -> None:
         super().__init__()
         self.set_timeout(client.timeout)
         self._client = client
@@ -91,10 +85,7 @@ class ReconnectingStore(Store):
         return self._do(lambda s: s.check(keys))
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        if timeout is None:
-            self._do(lambda s: s.wait(keys))
-        else:
-            self._do(lambda s: s.wait(keys, timeout))
+        self._do(lambda s: s.wait(keys) if timeout is None else s.wait(keys, timeout))
 
     def add(self, key: str, amount: int) -> int:
         return self._do(lambda s: s.add(key, amount))
