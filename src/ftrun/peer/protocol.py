@@ -196,7 +196,7 @@ class Stream:
     def recv(self) -> Frame | None:
         """The next frame's header, or None when the peer closed between frames."""
         prefix = bytearray(PREFIX.size)
-        if not self._recv_into(memoryview(prefix), at_boundary=True):
+        if not self.recv_into(memoryview(prefix), at_boundary=True):
             return None
         magic, length = PREFIX.unpack(prefix)
         if magic != MAGIC:
@@ -204,19 +204,15 @@ class Stream:
         if length > MAX_HEADER_BYTES:
             raise PeerProtocolError(f"header length {length} exceeds {MAX_HEADER_BYTES}")
         raw = bytearray(length)
-        self._recv_into(memoryview(raw))
+        self.recv_into(memoryview(raw))
         return parse_header(bytes(raw))
-
-    def recv_into(self, dest: memoryview) -> None:
-        """Fill `dest` (a flat byte view) with the next bulk bytes."""
-        self._recv_into(dest)
 
     def drain(self, nbytes: int) -> None:
         """Read and drop `nbytes` bulk bytes (a reply nobody reads, a payload nobody took)."""
         scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
         while nbytes:
             step = min(nbytes, len(scratch))
-            self._recv_into(scratch[:step])
+            self.recv_into(scratch[:step])
             nbytes -= step
 
     def readable(self, timeout: float) -> bool:
@@ -251,8 +247,9 @@ class Stream:
                 raise OSError(f"file ended {end - offset} bytes before its region")
             offset += sent
 
-    def _recv_into(self, view: memoryview, at_boundary: bool = False) -> bool:
-        """Fill `view`; False if the stream ended before its first byte and `at_boundary`."""
+    def recv_into(self, view: memoryview, at_boundary: bool = False) -> bool:
+        """Fill `view` (a flat byte view) with the next bytes; False if the stream ended before
+        its first byte and `at_boundary`."""
         got, want = 0, len(view)
         try:
             while got < want:
