@@ -10,7 +10,6 @@ hang's stacks). It decides nothing: `policy.Policy` does.
 from __future__ import annotations
 
 import logging
-import queue
 import signal
 import time
 
@@ -38,17 +37,11 @@ VERDICT_WINDOW_S = 0.05
 class InboxEvents:
     """One node's translation of inbox items into policy events."""
 
-    def __init__(
-        self,
-        runtime: AgentRuntime,
-        report: CycleReport,
-        evidence: Evidence,
-        inbox: queue.SimpleQueue[object],
-    ) -> None:
+    def __init__(self, runtime: AgentRuntime, report: CycleReport, evidence: Evidence) -> None:
         self.rt = runtime
         self.report = report
         self.evidence = evidence
-        self._inbox = inbox
+        self._inbox = runtime.inbox
 
     def while_running(
         self, item: object, rnd: Round, group: WorkerGroup, running: set[int]

@@ -69,7 +69,7 @@ class NodeAgent:
         self.events = runtime.events
         self.report = CycleReport(runtime)
         self.evidence = Evidence(runtime)
-        self._inbox_events = InboxEvents(runtime, self.report, self.evidence, runtime.inbox)
+        self._inbox_events = InboxEvents(runtime, self.report, self.evidence)
         self.policy = Policy(
             self.cfg.max_restarts, self.cfg.max_no_progress_cycles, self.cfg.max_same_failure,
             self.cfg.health_action,
