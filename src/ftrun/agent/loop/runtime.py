@@ -165,8 +165,7 @@ def open_runtime(
         )  # fmt: skip
         for factory in subsystems:
             services.add(factory(context))
-        monitor, inprocess = _add_node_services(config, services, (job_dir, store), events,
-                                                inbox, link)  # fmt: skip
+        monitor, inprocess = _add_node_services(context, services, link)
         spawner = _spawner(config, environ, node, fork_server, services)
         runtime = AgentRuntime(
             config=config, environ=environ, host=host, node=node, node_log_dir=log_dir / node,
@@ -237,27 +236,22 @@ def make_job_dir(parent: Path | None = None) -> tuple[Path, int | None]:
 
 
 def _add_node_services(
-    config: LaunchConfig,
-    services: NodeServices,
-    where: tuple[Path, Store],
-    events: EventLog,
-    inbox: queue.SimpleQueue[object],
-    link: _MonitorLink,
+    context: ServiceContext, services: NodeServices, link: _MonitorLink
 ) -> tuple[MonitorService, InprocessLink]:
     """The agent's own services that follow the subsystems': the rank monitor and the link to
     wrapped ranks (returned), the workers' store, the health watch and the GPU memory
-    reclaim. `where`: the job directory and the job's store."""
-    (job_dir, store), agent = where, config.agent
+    reclaim."""
+    config, agent, emit, post = context.config, context.config.agent, context.emit, context.post
     services.add(WorkerStoreService())
-    link.monitor = services.add(MonitorService(config.monitor, job_dir, inbox.put,
+    link.monitor = services.add(MonitorService(config.monitor, context.job_dir, post,
                                                link.on_timings()))  # fmt: skip
     if config.health.watch_interval > 0 and (config.health.gpu or config.health.nic):
-        link.health = services.add(HealthWatch(config.health, events.emit, inbox.put))
+        link.health = services.add(HealthWatch(config.health, emit, post))
     if agent.gpu_memory_reclaim_timeout > 0:
         services.add(GpuReclaimService(agent.gpu_memory_reclaim_timeout,
-                                       agent.gpu_memory_tolerance_mb, events.emit,
+                                       agent.gpu_memory_tolerance_mb, emit,
                                        services.kept_pids))  # fmt: skip
-    inprocess = InprocessLink(store, agent, config.rendezvous.run_id, events.emit)
+    inprocess = InprocessLink(context.store, agent, config.rendezvous.run_id, emit)
     return link.monitor, services.add(inprocess)
 
 
