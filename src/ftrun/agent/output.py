@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 
 
 def filtered_log(cycle_dir: Path, stream: str) -> Path:
@@ -51,12 +50,7 @@ class FilteredCopy:
             self._fd = os.open(self._path, flags, 0o644)
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -42,15 +42,12 @@ def worker_envs(
     for name in (Env.CPU_BIND, Env.MEM_BIND):  # a launcher started by a worker: not their binding
         shared.pop(name, None)
     numa = config.agent.numa_binding  # decided once per launch, from NVML
-    first = rnd.first_global_rank
+    first, visible = rnd.first_global_rank, environ.get("CUDA_VISIBLE_DEVICES")
     return [
         {
             **shared,
             **rank_variables(
-                local_rank,
-                first + local_rank,
-                config.agent.virtual_local_rank,
-                environ.get("CUDA_VISIBLE_DEVICES"),
+                local_rank, first + local_rank, config.agent.virtual_local_rank, visible
             ),
             **(binding_env(numa, local_rank) if numa is not None else {}),
             "TORCHELASTIC_ERROR_FILE": str(cycle_dir / f"rank{first + local_rank}" / "error.json"),

@@ -147,14 +147,12 @@ def _ask(fifo: Path, target: Path) -> bool:
     """Tell a rank's listener where to dump; False if it has none (no client, no recorder)."""
     try:
         fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO: nobody listens
+        try:
+            os.write(fd, f"{target}\n".encode())
+        finally:
+            os.close(fd)
     except OSError:
         return False
-    try:
-        os.write(fd, f"{target}\n".encode())
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
     return True
 
 

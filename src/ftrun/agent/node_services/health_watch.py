@@ -91,7 +91,7 @@ class GpuReadings:
         self.latest: tuple[GpuSnapshot, ...] = ()
 
     def start_cycle(self) -> None:
-        self._ecc = {i: self._uncorrected(h) or 0 for i, h in self._gpus}
+        self._ecc = {i: uncorrected_ecc(self._nvml, h, _optional) or 0 for i, h in self._gpus}
         self._told.clear()
         self.xids()  # events from before this cycle belong to the pre-round check
 
@@ -123,7 +123,7 @@ class GpuReadings:
 
     def _device(self, index: int, handle: Any) -> tuple[list[HealthFinding], GpuSnapshot]:
         nvml, found = self._nvml, []
-        ecc = self._uncorrected(handle)
+        ecc = uncorrected_ecc(nvml, handle, _optional)
         if ecc is not None and ecc > self._ecc.get(index, 0):
             found.append(self._fault(index, "uncorrected ECC errors",
                                      f"{self._ecc.get(index, 0)} -> {ecc}"))  # fmt: skip
@@ -144,9 +144,6 @@ class GpuReadings:
     def _fault(self, index: int, what: str, reading: str = "") -> HealthFinding:
         text = f"GPU {index}" + (f": {reading}" if reading else "")
         return HealthFinding(health_signature(what, text), True, index)
-
-    def _uncorrected(self, handle: Any) -> int | None:
-        return uncorrected_ecc(self._nvml, handle, _optional)
 
     def _new(self, finding: HealthFinding) -> bool:
         """Xids always count; a standing condition is told once per cycle."""

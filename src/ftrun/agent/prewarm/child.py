@@ -141,17 +141,12 @@ def _forget_server_state() -> None:
     (`random` reseeds itself after fork; torch's CPU generator and numpy's global RandomState
     do not). `tempfile`'s directory: computed from the server's environment if an import asked.
     """
-    tempfile = sys.modules.get("tempfile")
-    if tempfile is not None:
-        tempfile.tempdir = None
-    torch = sys.modules.get("torch")
+    if "tempfile" in sys.modules:
+        sys.modules["tempfile"].tempdir = None
+    with contextlib.suppress(Exception):  # KeyError: not imported, nothing to reseed
+        sys.modules["torch"].default_generator.seed()
     with contextlib.suppress(Exception):
-        if torch is not None:
-            torch.default_generator.seed()
-    numpy_random = sys.modules.get("numpy.random")
-    with contextlib.suppress(Exception):
-        if numpy_random is not None:
-            numpy_random.seed()
+        sys.modules["numpy.random"].seed()
 
 
 class _NoSuchModule(Exception):
