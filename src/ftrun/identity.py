@@ -17,11 +17,9 @@ from pathlib import Path
 
 def is_local_host(host: str) -> bool:
     """True when `host` names this machine (a loopback address or one of its own)."""
-    try:
+    with contextlib.suppress(ValueError):  # not an address: a name
         if ipaddress.ip_address(host).is_loopback:
             return True
-    except ValueError:
-        pass
     if host in ("localhost", socket.gethostname(), socket.getfqdn()):
         return True
     try:

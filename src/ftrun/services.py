@@ -143,10 +143,7 @@ class NodeServices:
             service.before_round()
 
     def worker_env(self, rnd: Round) -> dict[str, str]:
-        env: dict[str, str] = {}
-        for service in self._services:
-            env.update(service.worker_env(rnd))
-        return env
+        return {k: v for service in self._services for k, v in service.worker_env(rnd).items()}
 
     def on_round(self, rnd: Round) -> None:
         for service in self._services:
@@ -167,10 +164,7 @@ class NodeServices:
             service.on_finished(rnd)
 
     def kept_pids(self) -> frozenset[int]:
-        kept: frozenset[int] = frozenset()
-        for service in self._services:
-            kept |= service.kept_pids()
-        return kept
+        return frozenset().union(*(service.kept_pids() for service in self._services))
 
     def close(self) -> None:
         self._services.clear()

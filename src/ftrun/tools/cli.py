@@ -45,7 +45,6 @@ def main() -> None:
 @click.option(
     "--out",
     type=click.Path(path_type=Path, dir_okay=False),
-    default=None,
     help="Timeline PNG to write [default: LOG_DIR/timeline.png].",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
@@ -88,8 +87,8 @@ def report(log_dir: Path, out: Path | None, as_json: bool, no_timeline: bool) ->
 @main.command()
 @click.argument("log_dir", type=click.Path(path_type=Path, file_okay=False, exists=True))
 @click.option("--on/--off", "enabled", default=None, help="Start or stop the detection.")
-@click.option("--interval", type=float, default=None, help="Seconds between reports.")
-@click.option("--action", type=click.Choice([a.value for a in StragglerAction]), default=None)
+@click.option("--interval", type=float, help="Seconds between reports.")
+@click.option("--action", type=click.Choice([a.value for a in StragglerAction]))
 @click.option(
     "--threshold",
     "thresholds",
@@ -125,20 +124,16 @@ def straggler(
 @click.option(
     "--log-dir",
     type=click.Path(path_type=Path),
-    default=None,
     help="The job's --log-dir: the status from its events files.",
 )
 @click.option(
     "--endpoint",
     metavar="HOST:PORT",
-    default=None,
     help="A live status page (ft_launcher --ft-status-port): its /status.json.",
 )
 @click.option(
     "--watch",
-    "watch",
     type=float,
-    default=None,
     is_flag=False,
     flag_value=2.0,
     metavar="[SECONDS]",
