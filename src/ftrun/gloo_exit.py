@@ -17,6 +17,7 @@ GIL. Call it after the last collective and before the last reference to the grou
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -36,11 +37,9 @@ def _task_stats() -> dict[int, str]:
     except OSError:
         return stats
     for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stats[int(tid)] = f.read()
-        except (OSError, ValueError):
-            continue  # the thread ended meanwhile
+        # The thread may have ended meanwhile.
+        with contextlib.suppress(OSError, ValueError), open(f"/proc/self/task/{tid}/stat") as f:
+            stats[int(tid)] = f.read()
     return stats
 
 

@@ -190,8 +190,7 @@ def _targets(leaders: list[int], keep: frozenset[int]) -> tuple[list[psutil.Proc
             if proc.ppid() == os.getpid() and proc.pid not in leaders and proc.pid not in keep:
                 orphans.add(proc.pid)
                 found[proc.pid] = proc
-    targets = [proc for pid, proc in found.items() if pid not in keep and pid != os.getpid()]
-    return targets, orphans
+    return [proc for pid, proc in found.items() if pid not in keep and pid != os.getpid()], orphans
 
 
 def _describe(procs: list[psutil.Process], late: list[psutil.Process]) -> str:

@@ -76,8 +76,7 @@ def config_from(
     if not line.script:
         raise ConfigError("missing SCRIPT (usage: ft_launcher [OPTIONS] SCRIPT [SCRIPT_ARGS]...)")
     path = line.given.get("cfg_path")
-    section = load_ft_yaml(path) if path else {}
-    opts = resolve(line, environ, section, origin=path or "YAML")
+    opts = resolve(line, environ, load_ft_yaml(path) if path else {}, origin=path or "YAML")
     notes = _unsupported(opts)
     return LaunchConfig(
         agent=_agent(opts, line, environ, devices, notes),

@@ -61,8 +61,7 @@ class DynamicRendezvous:
         cycle_at_start = self.control.cycle()
         info = self._next_rendezvous(interrupted, cycle_at_start)
         cycle = self.control.cycle()
-        mine = self._descriptor()
-        self._store.set(self._key(cycle, f"node/{info.rank}"), mine.to_json())
+        self._store.set(self._key(cycle, f"node/{info.rank}"), self._descriptor().to_json())
         keys = [self._key(cycle, f"node/{rank}") for rank in range(info.world_size)]
         arrivals = [NodeDescriptor.from_json(raw) for raw in self._store.multi_get(keys)]
         nodes = order_nodes(arrivals, self._config.use_infra_group_rank)

@@ -145,8 +145,7 @@ def last_exception(text: str) -> Signature | None:
     if head is None:
         return None
     exc_type, message = head["type"], (head["message"] or "").strip()
-    where = _innermost_user(frames)
-    return _classify(exc_type, message, body, where)
+    return _classify(exc_type, message, body, _innermost_user(frames))
 
 
 def _classify(exc_type: str, message: str, body: str, where: str) -> Signature:

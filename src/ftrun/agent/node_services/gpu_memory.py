@@ -10,6 +10,7 @@ counting what the agent's own kept processes hold (prestarted workers' contexts,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -72,12 +73,11 @@ def still_held(
     for index, before in baseline.items():
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
         kept_bytes = 0
-        try:
+        # Some containers hide processes: the memory figure still tells.
+        with contextlib.suppress(nvml.NVMLError):
             running = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
             holders |= {p.pid for p in running} & pids
             kept_bytes = sum(p.usedGpuMemory or 0 for p in running if p.pid in kept)
-        except nvml.NVMLError:
-            pass  # some containers hide processes: the memory figure still tells
         excess = max(excess, (_used(nvml, index) - kept_bytes - before) / _MB)
     return holders, excess
 

@@ -26,6 +26,7 @@ worker applies its binding itself (`ftrun.agent.placement.binding`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -255,9 +256,6 @@ def _read_cores(cpus: Iterable[int]) -> dict[int, int]:
     cores = {}
     for cpu in cpus:
         path = f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
-        try:
-            with open(path, encoding="ascii") as siblings:
-                cores[cpu] = min(parse_cpulist(siblings.read()))
-        except (OSError, ValueError):
-            continue
+        with contextlib.suppress(OSError, ValueError), open(path, encoding="ascii") as siblings:
+            cores[cpu] = min(parse_cpulist(siblings.read()))
     return cores

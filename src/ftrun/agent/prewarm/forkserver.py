@@ -244,11 +244,9 @@ def fork_blocker() -> str | None:
 def _os_threads() -> list[str]:
     names = []
     for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                names.append(f"{tid}:{f.read().strip()}")
-        except OSError:
-            continue  # ended meanwhile
+        # The thread may have ended meanwhile.
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm") as f:
+            names.append(f"{tid}:{f.read().strip()}")
     return names
 
 
