@@ -46,6 +46,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ftrun.agent")
 
+Emit = Callable[..., None]
+"""Writes one of this node's events: `emit(name, **fields)` (`EventLog.emit`)."""
+Post = Callable[[object], None]
+"""Puts an item on the agent's inbox."""
+
 
 @dataclasses.dataclass(frozen=True)
 class ServiceRequest:
@@ -98,9 +103,8 @@ class ServiceContext:
     job_dir: Path
     """The per-job 0700 directory for IPC."""
     log_dir: Path
-    emit: Callable[..., None]
-    """Writes an event (`events.EventLog.emit`)."""
-    post: Callable[[object], None]
+    emit: Emit
+    post: Post
     """Puts a `ServiceRequest` on the agent's inbox."""
     peer_server: PeerServer
     peer_client: PeerClient

@@ -22,7 +22,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from ftrun import untrusted_json
@@ -31,6 +31,7 @@ from ftrun.client_lib.flight import FR_DIR, fifo_path
 from ftrun.rank_monitor.process_state import answers, is_stopped
 from ftrun.rendezvous.control import JobControl
 from ftrun.rendezvous.ranks import Round
+from ftrun.services import Emit
 
 log = logging.getLogger("ftrun.agent")
 
@@ -47,9 +48,7 @@ _POLL_S = 0.01
 class FlightRecorder:
     """One node's part in collecting the flight recorders of a cycle that hung."""
 
-    def __init__(
-        self, job_dir: Path, node_log_dir: Path, node: str, emit: Callable[..., None]
-    ) -> None:
+    def __init__(self, job_dir: Path, node_log_dir: Path, node: str, emit: Emit) -> None:
         self._job_dir, self._logs, self._node, self._emit = job_dir, node_log_dir, node, emit
         self._dumped: dict[int, list[RankCollectives]] = {}
         self._judged: set[int] = set()

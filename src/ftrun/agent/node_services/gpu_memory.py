@@ -19,7 +19,7 @@ from typing import Any
 
 from ftrun.nvml import nvml_session
 from ftrun.rendezvous.ranks import Round
-from ftrun.services import NodeService
+from ftrun.services import Emit, NodeService
 
 log = logging.getLogger("ftrun.agent")
 _POLL_S = 0.05
@@ -92,7 +92,7 @@ class GpuReclaimService(NodeService):
     name = "GPU memory reclaim"
 
     def __init__(
-        self, timeout: float, tolerance_mb: float, emit: Callable[..., None],
+        self, timeout: float, tolerance_mb: float, emit: Emit,
         kept: Callable[[], Collection[int]] = tuple,
     ) -> None:  # fmt: skip
         self._timeout = timeout

@@ -20,7 +20,7 @@ from ftrun.config.agent import HealthCheckConfig
 from ftrun.errors import NodeUnhealthyError
 from ftrun.infiniband import check_ib_ports
 from ftrun.nvml import memory_problems, nvlinks_down, nvml_session, uncorrected_ecc, visible_gpus
-from ftrun.services import NodeService
+from ftrun.services import Emit, NodeService
 
 log = logging.getLogger("ftrun.agent")
 _gpu_skip_logged = False
@@ -146,7 +146,7 @@ class HealthService(NodeService):
 
     name = "health checks"
 
-    def __init__(self, config: HealthCheckConfig, emit: Callable[..., None]) -> None:
+    def __init__(self, config: HealthCheckConfig, emit: Emit) -> None:
         self._config = config
         self._emit = emit
         self.first: dict[str, Any] | NodeUnhealthyError | None = self._report()

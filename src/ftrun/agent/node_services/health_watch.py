@@ -37,7 +37,7 @@ from ftrun.errors import NodeUnhealthyError
 from ftrun.infiniband import check_ib_ports
 from ftrun.nvml import GpuSnapshot, load_nvml, memory_problems, uncorrected_ecc, visible_gpus
 from ftrun.rendezvous.ranks import Round
-from ftrun.services import NodeService
+from ftrun.services import Emit, NodeService, Post
 
 log = logging.getLogger("ftrun.agent")
 
@@ -165,11 +165,7 @@ class HealthWatch(NodeService):
     name = "health watch"
 
     def __init__(
-        self,
-        config: HealthCheckConfig,
-        emit: Callable[..., None],
-        post: Callable[[object], None],
-        load: Callable[[], Any] = load_nvml,
+        self, config: HealthCheckConfig, emit: Emit, post: Post, load: Callable[[], Any] = load_nvml
     ) -> None:
         self._config, self._emit, self._post = config, emit, post
         self._nvml = load() if config.gpu else None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from torch.distributed import PrefixStore, Store, TCPStore
 
@@ -34,7 +34,7 @@ from ftrun.inprocess_protocol import (
 )
 from ftrun.rank_monitor.protocol import InprocessNote
 from ftrun.rendezvous.ranks import Round
-from ftrun.services import NodeService
+from ftrun.services import Emit, NodeService
 
 log = logging.getLogger("ftrun.agent")
 
@@ -49,9 +49,7 @@ class InprocessLink(NodeService):
 
     name = "in-process link"
 
-    def __init__(
-        self, store: Store, config: AgentConfig, run_id: str, emit: Callable[..., None]
-    ) -> None:
+    def __init__(self, store: Store, config: AgentConfig, run_id: str, emit: Emit) -> None:
         """`store`: the job's store; wrapped ranks coordinate in it when it is a c10d
         TCPStore (its real address: with --standalone the endpoint's port is 0), which outlives
         every worker (rank 0 can be lost and replaced) and needs no port next to MASTER_PORT

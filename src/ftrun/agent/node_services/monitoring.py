@@ -9,7 +9,7 @@ from pathlib import Path
 from ftrun.rank_monitor import RankMonitorConfig, RankMonitorServer
 from ftrun.rank_monitor.timings import TimingBatch
 from ftrun.rendezvous.ranks import Round
-from ftrun.services import NodeService
+from ftrun.services import NodeService, Post
 
 
 class MonitorService(NodeService):
@@ -19,7 +19,7 @@ class MonitorService(NodeService):
         self,
         config: RankMonitorConfig,
         job_dir: Path,
-        post: Callable[[object], None],
+        post: Post,
         on_timings: Callable[[TimingBatch], None] | None = None,
     ) -> None:
         self.server = RankMonitorServer(

@@ -17,10 +17,11 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
+from ftrun.rendezvous.barrier import Probe
 from ftrun.rendezvous.ranks import NodeDescriptor, Round
-from ftrun.services import NodeService
+from ftrun.services import NodeService, Post
 
 log = logging.getLogger("ftrun.agent")
 
@@ -43,12 +44,7 @@ class NeighbourLost:
 class NeighbourWatch(NodeService):
     name = "neighbour-watch"
 
-    def __init__(
-        self,
-        answers: Callable[[NodeDescriptor], bool],
-        post: Callable[[object], None],
-        interval_s: float = PROBE_INTERVAL_S,
-    ) -> None:
+    def __init__(self, answers: Probe, post: Post, interval_s: float = PROBE_INTERVAL_S) -> None:
         """`answers`: whether a node's agent answers on its peer channel; `post`: the inbox."""
         self._answers, self._post, self._interval_s = answers, post, interval_s
         self._stop = threading.Event()

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from torch.distributed import Store
 
 from ftrun.rendezvous.ranks import Round
-from ftrun.services import NodeService
+from ftrun.services import NodeService, Post
 from ftrun.store.ops import wait_for_key
 
 log = logging.getLogger("ftrun.agent")
@@ -48,10 +48,7 @@ class RestartWatch(NodeService):
     name = "restart-watch"
 
     def __init__(
-        self,
-        connect: Callable[[], Store],
-        restart_key: Callable[[int], str],
-        post: Callable[[object], None],
+        self, connect: Callable[[], Store], restart_key: Callable[[int], str], post: Post
     ) -> None:
         """`connect`: a store client of the thread's own; `restart_key`: the key that ends a
         cycle (`JobControl.restart_key`). The thread only waits: it writes nothing (a store
