@@ -57,20 +57,14 @@ def _cpu_count() -> int:
 
 
 def build_config(
-    argv: Sequence[str],
-    environ: Mapping[str, str],
-    *,
-    devices: DeviceCounter = count_devices,
+    argv: Sequence[str], environ: Mapping[str, str], *, devices: DeviceCounter = count_devices
 ) -> LaunchConfig:
     """The launch configuration for `ft_launcher ARGV` in `environ`; `ConfigError` if invalid."""
     return config_from(parse_argv(argv), environ, devices=devices)
 
 
 def config_from(
-    line: CommandLine,
-    environ: Mapping[str, str],
-    *,
-    devices: DeviceCounter = count_devices,
+    line: CommandLine, environ: Mapping[str, str], *, devices: DeviceCounter = count_devices
 ) -> LaunchConfig:
     """`build_config` for an already parsed command line."""
     if not line.script:

@@ -37,10 +37,7 @@ class DynamicRendezvous:
     """torch's dynamic handler plus descriptors, infra ranks, health gating and job control."""
 
     def __init__(
-        self,
-        config: RendezvousConfig,
-        store: Store,
-        descriptor: Callable[[], NodeDescriptor],
+        self, config: RendezvousConfig, store: Store, descriptor: Callable[[], NodeDescriptor]
     ) -> None:
         self._config = config
         self._store = store

@@ -27,10 +27,7 @@ def visible_device(local_rank: int, parent_visible_devices: str | None) -> str:
 
 
 def rank_variables(
-    local_rank: int,
-    rank: int,
-    virtual_local_rank: bool,
-    parent_visible_devices: str | None = None,
+    local_rank: int, rank: int, virtual_local_rank: bool, parent_visible_devices: str | None = None
 ) -> dict[str, str]:
     """The per-worker variables: `LOCAL_RANK`, `RANK`, `ROLE_RANK` (= `RANK`: one role), plus
     `CUDA_VISIBLE_DEVICES` under `virtual_local_rank` (see `visible_device`).
