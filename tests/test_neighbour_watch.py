@@ -87,7 +87,7 @@ def test_an_agent_whose_channel_closes_is_lost_within_its_misses(store):
         return answered[-1]
 
     watch = NeighbourWatch(answers, inbox.put, interval_s=FAST_S)
-    rnd = round_of(node("here", here.port), node("there", there.port))
+    rnd = round_of(node("here", here.server.port), node("there", there.server.port))
     try:
         watch.on_started(rnd, [])
         wait_for(lambda: len(answered) >= 2 * MISSES_IN_A_ROW, 10, "probes of a live neighbour")

@@ -313,8 +313,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
         keys = [self.control.progress_key(planning.cycle - 1, str(r[1])) for r in previous.rows]
         present = existing_keys(self._store, keys)
         raws = self._store.multi_get(present) if present else []
-        reports = [reported_iteration(raw) for raw in raws]
-        return previous.progress.after(reports)
+        return previous.progress.after([reported_iteration(raw) for raw in raws])
 
     def _published(self, cycle: int, blob: bytes | None = None) -> PublishedRound:
         """Round `cycle` as its closer published it (`blob`: its value, already read)."""

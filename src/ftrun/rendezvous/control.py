@@ -77,17 +77,13 @@ class JobControl:
 
     def __init__(self, store: Store, prefix: str) -> None:
         self._store = store
-        self._prefix = prefix
+        self.prefix = prefix
+        """The job's key prefix (`ftrun/<run id>`); the rendezvous keys its rounds under it."""
         self._store.compare_set(self._key("cycle"), "", "0")
         self.known = KnownState()
 
-    @property
-    def prefix(self) -> str:
-        """The job's key prefix (`ftrun/<run id>`); the rendezvous keys its rounds under it."""
-        return self._prefix
-
     def _key(self, name: str) -> str:
-        return f"{self._prefix}/{name}"
+        return f"{self.prefix}/{name}"
 
     def cycle(self) -> int:
         self.known.cycle = int(self._store.get(self._key("cycle")))

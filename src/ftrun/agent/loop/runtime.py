@@ -172,7 +172,7 @@ def open_runtime(
             events=events, inbox=inbox, store=store, is_store_host=is_store_host,
             infra_rank=infra_rank_from_env(environ, config.rendezvous.node_rank),
             services=services, monitor=monitor.server, spawner=spawner, job_dir=job_dir,
-            inprocess=inprocess, peer_port=peer.port, restore_peer=peer.restore,
+            inprocess=inprocess, peer_port=peer.server.port, restore_peer=peer.restore,
             answers=peer.answers,
         )  # fmt: skip
         services.add(CycleInfoService(job_dir, config.rendezvous.run_id, environ,

@@ -29,10 +29,6 @@ class PeerService(NodeService):
         self.server.start()
         self.client = PeerClient(self._secret, run_id)
 
-    @property
-    def port(self) -> int:
-        return self.server.port
-
     def answers(self, descriptor: NodeDescriptor) -> bool:
         """Whether the agent behind `descriptor` still serves its channel (a rendezvous probe:
         a dead agent's port refuses at once; a dead host's, within the timeout)."""
