@@ -88,7 +88,8 @@ class ForkServer:
         self._requests: dict[int, SpawnRequest] = {}
         self._workers: dict[int, ForkedWorker] = {}
         self._ready = False
-        self._error: str | None = None
+        self.error: str | None = None
+        """Why the server cannot fork (any more); None while it can or is still importing."""
         self._closed = False
         self._settled = threading.Event()  # ready, or gone
         self._deepened = threading.Event()  # no "deepen" in flight
@@ -141,15 +142,10 @@ class ForkServer:
         """The server's pid: never signal it when stopping workers."""
         return self._proc.pid
 
-    @property
-    def error(self) -> str | None:
-        """Why the server cannot fork (any more); None while it can or is still importing."""
-        return self._error
-
     def ready(self, timeout: float) -> bool:
         """Whether the imports are done and the server is alive and able to fork."""
         self._settled.wait(timeout)
-        return self._ready and self._error is None and not self._gone.is_set()
+        return self._ready and self.error is None and not self._gone.is_set()
 
     def spawn(
         self,
@@ -212,7 +208,7 @@ class ForkServer:
             req.discard()
             if req.gate_fd is not None:
                 proto.close_fds(req.gate_fd)
-            raise ForkServerError(req.error or self._error or "the fork server is gone")
+            raise ForkServerError(req.error or self.error or "the fork server is gone")
         return req
 
     def deepen(self, modules: Sequence[str]) -> bool:
@@ -239,7 +235,7 @@ class ForkServer:
             if self._closed:
                 return
             self._closed = True
-            self._error = self._error or "the fork server was closed"
+            self.error = self.error or "the fork server was closed"
         if self._ready and not self._gone.is_set():
             # EOF: the server kills its workers' groups, reports their ends and exits.
             if self._send_lock.acquire(timeout=CLOSE_TIMEOUT):
@@ -284,8 +280,8 @@ class ForkServer:
                 f"the fork server is still importing its deep modules {self._ready_timeout:g}s "
                 "after it was asked to"
             )
-        if self._error is not None:
-            raise ForkServerError(self._error)
+        if self.error is not None:
+            raise ForkServerError(self.error)
 
     def _send_spawn(
         self, target: PythonTarget, env: Mapping[str, str], cwd: str, args: list[str],
@@ -300,8 +296,8 @@ class ForkServer:
         try:
             with self._send_lock:
                 with self._lock:
-                    if self._error is not None:
-                        raise ForkServerError(self._error)
+                    if self.error is not None:
+                        raise ForkServerError(self.error)
                     rid = next(self._ids)
                     self._requests[rid] = req
                 frame = proto.encode(
@@ -355,9 +351,9 @@ class ForkServer:
             if msg["unforkable"] is not None:
                 self.deepen_broke = deep
                 with self._lock:
-                    self._error = self._error or f"cannot fork workers: {msg['unforkable']}"
+                    self.error = self.error or f"cannot fork workers: {msg['unforkable']}"
                 log.warning("fork server: after its deep imports, %s" if deep
-                            else "fork server: %s; workers start plainly", self._error)  # fmt: skip
+                            else "fork server: %s; workers start plainly", self.error)  # fmt: skip
             self._ready = True
             (self._deepened if deep else self._settled).set()
         elif op == "spawned":
@@ -388,7 +384,7 @@ class ForkServer:
 
     def _server_gone(self, reason: str) -> None:
         with self._lock:
-            self._error = self._error or reason
+            self.error = self.error or reason
             requests = list(self._requests.values())
             self._requests.clear()
             workers = list(self._workers.values())
@@ -401,7 +397,7 @@ class ForkServer:
         if not self._closed or workers:
             proc = self._proc
             log.warning("fork server (pid %d) gone, exit code %s: %s; %d worker(s) died with it",
-                        proc.pid, proc.returncode, self._error, len(workers))  # fmt: skip
+                        proc.pid, proc.returncode, self.error, len(workers))  # fmt: skip
         deadline = time.monotonic() + GONE_TIMEOUT
         for worker in workers:
             worker._resolve(await_death(worker.pid, deadline))
@@ -409,7 +405,7 @@ class ForkServer:
 
     def _break(self, reason: str) -> None:
         with self._lock:
-            self._error = self._error or reason
+            self.error = self.error or reason
         log.error("fork server: %s; killing it", reason)
         self._kill_server()
 

@@ -7,26 +7,25 @@ start gate, the gate's read end) and keeps the other ends here until the server'
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 from ftrun.agent.prewarm.forked import ForkedWorker
 from ftrun.agent.prewarm.wire import close_fds
 
 
+@dataclasses.dataclass(eq=False)
 class SpawnRequest:
     """One spawn in flight: the pipes' read ends until the reply turns them into a worker."""
 
-    def __init__(
-        self, stdout_fd: int, stderr_fd: int, gate_fd: int | None, args: list[str]
-    ) -> None:
-        self.stdout_fd = stdout_fd
-        self.stderr_fd = stderr_fd
-        self.gate_fd = gate_fd
-        """The start gate's write end (with `announce`): one byte lets the child run."""
-        self.args = args
-        self.done = threading.Event()
-        self.worker: ForkedWorker | None = None
-        self.error: str | None = None
+    stdout_fd: int
+    stderr_fd: int
+    gate_fd: int | None
+    """The start gate's write end (with `announce`): one byte lets the child run."""
+    args: list[str]
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    worker: ForkedWorker | None = None
+    error: str | None = None
 
     def discard(self) -> None:
         if self.worker is not None:
