@@ -87,8 +87,7 @@ def encode_key(key_or_fn: KeyOrFn, state: State) -> str:
 def rank_ranges(ranks: Iterable[int]) -> str:
     """A rank set in ranges for log lines: "{0-2, 5}"."""
     parts = []
-    ordered = sorted(ranks)
-    for _, run in itertools.groupby(enumerate(ordered), lambda pair: pair[1] - pair[0]):
+    for _, run in itertools.groupby(enumerate(sorted(ranks)), lambda pair: pair[1] - pair[0]):
         block = [rank for _, rank in run]
         parts.append(str(block[0]) if len(block) == 1 else f"{block[0]}-{block[-1]}")
     return "{" + ", ".join(parts) + "}"

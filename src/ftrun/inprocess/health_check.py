@@ -136,8 +136,7 @@ class ChainedGPUHealthCheck(_NvmlHealthCheck):
 
     def check(self, nvml: Any, handle: Any) -> None:
         problems = memory_problems(nvml, handle)
-        action = _recovery_action(nvml, handle)
-        if action:
+        if action := _recovery_action(nvml, handle):
             problems.append(f"NVML recovery action {action} required")
         if problems:
             raise exception.HealthCheckError(f"{self._name()}: {', '.join(problems)}")
@@ -148,8 +147,7 @@ class ChainedNVLHealthCheck(_NvmlHealthCheck):
     does not fail the rank (as NVRx, which ignores this check's verdict)."""
 
     def check(self, nvml: Any, handle: Any) -> None:
-        down = nvlinks_down(nvml, handle)
-        if down:
+        if down := nvlinks_down(nvml, handle):
             log.warning("%s: NVLink(s) %s not up", self._name(), down)
 
 
@@ -172,8 +170,7 @@ class ChainedNicHealthCheck(_NvmlHealthCheck):
         nic = nearest_ib_device(_sysfs_bus_id(bus_id), self.ib_root, self.pci_root)
         if nic is None:
             return
-        down = ib_ports_down(os.path.join(self.ib_root, nic))
-        if down:
+        if down := ib_ports_down(os.path.join(self.ib_root, nic)):
             raise exception.HealthCheckError(f"{self._name()}: {nic} port(s) {down} not ACTIVE")
 
 
