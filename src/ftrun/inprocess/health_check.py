@@ -25,20 +25,15 @@ from ftrun.aside import Aside
 from ftrun.infiniband import IB_ROOT, PCI_ROOT, ib_ports_down, nearest_ib_device
 from ftrun.inprocess import exception
 from ftrun.inprocess.compose import Compose
-from ftrun.inprocess.state import FrozenState
+from ftrun.inprocess.state import FrozenState, Hook
 from ftrun.nvml import memory_problems, nvlinks_down, supported
 
 log = logging.getLogger("ftrun.inprocess")
 
 
-class HealthCheck(abc.ABC):
+class HealthCheck(Hook):
     """Raises if this rank must not take part in the restart; compose several with
     `Compose`."""
-
-    @abc.abstractmethod
-    def __call__(self, state: FrozenState) -> FrozenState:
-        """Check, and return `state` unchanged (the next composed stage gets it)."""
-        raise NotImplementedError
 
 
 class HealthCheckTimeoutError(exception.HealthCheckError, exception.TimeoutError):
