@@ -358,11 +358,13 @@ def test_a_write_failing_half_way_leaves_the_old_part(
     copies = []
     real_copy = part_write._copy_into
 
-    def copy_then_fill_the_disk(dst: torch.Tensor, src: torch.Tensor) -> None:
+    def copy_then_fill_the_disk(
+        dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False
+    ) -> None:
         copies.append(1)
         if len(copies) == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
-        real_copy(dst, src)
+        real_copy(dst, src, non_blocking)
 
     monkeypatch.setattr(part_write, "_copy_into", copy_then_fill_the_disk)
     with pytest.raises(CheckpointWriteError) as info:

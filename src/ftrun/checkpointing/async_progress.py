@@ -165,12 +165,8 @@ class PersistentWorker:
             gone = RuntimeError("the async calls worker thread exited")
             if current is not None:
                 current.fail_unsettled(gone)
-            while True:
-                try:
-                    left = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if left is not None:
+            while not self._inbox.empty():  # this thread is its only reader
+                if (left := self._inbox.get_nowait()) is not None:
                     left.fail_unsettled(gone)
 
 

@@ -120,7 +120,7 @@ class _Flattener:
                 )
             return value
         if kind is float:
-            return value if math.isfinite(value) else {TAG_FLOAT: _nonfinite_name(value)}
+            return value if math.isfinite(value) else {TAG_FLOAT: str(value)}  # nan, inf, -inf
         if isinstance(value, torch.Tensor):
             return {TAG_TENSOR: self._tensor(value, path)}
         if kind is bytes:
@@ -220,12 +220,6 @@ def _describe(value: Any) -> str:
                 f"a plain {base.__name__}; convert it)"
             )
     return f"a {kind.__module__}.{kind.__qualname__}"
-
-
-def _nonfinite_name(value: float) -> str:
-    if math.isnan(value):
-        return "nan"
-    return "inf" if value > 0 else "-inf"
 
 
 def _index(body: Any, count: int) -> int:

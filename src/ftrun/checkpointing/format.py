@@ -132,10 +132,8 @@ def checksums(mapping: mmap.mmap, data_start: int, entries: Sequence[Entry]) -> 
 def _tensor_at(mapping: mmap.mmap, data_start: int, entry: Entry) -> torch.Tensor:
     if entry.end == entry.begin:
         return torch.empty(entry.shape, dtype=entry.dtype)
-    count = math.prod(entry.shape)
-    flat = torch.frombuffer(
-        mapping, dtype=entry.dtype, count=count, offset=data_start + entry.begin
-    )
+    count, offset = math.prod(entry.shape), data_start + entry.begin
+    flat = torch.frombuffer(mapping, dtype=entry.dtype, count=count, offset=offset)
     return flat.view(entry.shape)
 
 

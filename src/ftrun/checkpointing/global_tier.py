@@ -247,31 +247,28 @@ class GlobalCheckpointManager:
         if rank != 0:
             return
         with _one_line_errors(tmp):
-            self._publish_as_rank_0(iteration, tmp, world_size)
-
-    def _publish_as_rank_0(self, iteration: int, tmp: Path, world_size: int) -> None:
-        entries: dict[str, gf.FileEntry] = {}
-        for r in range(world_size):
-            entries.update(gf.decode_entries((tmp / gf.sidecar_name(r)).read_bytes()))
-        on_disk = set(gf.files_of_rank(os.listdir(tmp), 0, 1))  # every data file
-        if set(entries) != on_disk or gf.DCP_METADATA not in entries:
-            raise CheckpointWriteError(
-                f"{tmp.name}: the checksummed files {sorted(entries)} are not those written "
-                f"{sorted(on_disk)}"
-            )
-        manifest = gf.Manifest(iteration, world_size, entries)
-        gf.write_durably(tmp / gf.MANIFEST, gf.encode_manifest(manifest))
-        for r in range(world_size):
-            (tmp / gf.sidecar_name(r)).unlink()
-        fsync_dir(tmp)
-        target = self.root_dir / gf.iter_dir_name(iteration)
-        if target.exists():  # saved again (a rolled-back run): the new one replaces it
-            self._remove(target)
-        os.rename(tmp, target)
-        fsync_dir(self.root_dir)
-        self._bad.discard(iteration)
-        logger.info("global checkpoint %d is complete: %s", iteration, target)
-        self._clean_up(iteration)
+            entries: dict[str, gf.FileEntry] = {}
+            for r in range(world_size):
+                entries.update(gf.decode_entries((tmp / gf.sidecar_name(r)).read_bytes()))
+            on_disk = set(gf.files_of_rank(os.listdir(tmp), 0, 1))  # every data file
+            if set(entries) != on_disk or gf.DCP_METADATA not in entries:
+                raise CheckpointWriteError(
+                    f"{tmp.name}: the checksummed files {sorted(entries)} are not those written "
+                    f"{sorted(on_disk)}"
+                )
+            manifest = gf.Manifest(iteration, world_size, entries)
+            gf.write_durably(tmp / gf.MANIFEST, gf.encode_manifest(manifest))
+            for r in range(world_size):
+                (tmp / gf.sidecar_name(r)).unlink()
+            fsync_dir(tmp)
+            target = self.root_dir / gf.iter_dir_name(iteration)
+            if target.exists():  # saved again (a rolled-back run): the new one replaces it
+                self._remove(target)
+            os.rename(tmp, target)
+            fsync_dir(self.root_dir)
+            self._bad.discard(iteration)
+            logger.info("global checkpoint %d is complete: %s", iteration, target)
+            self._clean_up(iteration)
 
     def _clean_up(self, saved: int) -> None:
         """Apply `keep_last`; remove abandoned hidden directories. Errors are only logged."""

@@ -108,13 +108,8 @@ class Verdict(str, enum.Enum):
 
 def choose(newest: Sequence[int], dropped: frozenset[int] = frozenset()) -> int | None:
     """The tier to load from: the newest iteration, the earliest tier on a tie; None if none."""
-    best: int | None = None
-    for index, iteration in enumerate(newest):
-        if index in dropped or iteration < 0:
-            continue
-        if best is None or iteration > newest[best]:
-            best = index
-    return best
+    candidates = [i for i, iteration in enumerate(newest) if i not in dropped and iteration >= 0]
+    return max(candidates, key=lambda i: (newest[i], -i), default=None)
 
 
 def judge(

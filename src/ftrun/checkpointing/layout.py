@@ -219,9 +219,7 @@ def _header(
         }
         for e in entries
     }
-    meta = dict(metadata)
-    meta[KEY_CRC] = ",".join(f"{crc:08x}" for crc in crcs)
-    header[METADATA] = meta
+    header[METADATA] = {**metadata, KEY_CRC: ",".join(f"{crc:08x}" for crc in crcs)}
     return header
 
 

@@ -146,7 +146,7 @@ class LocalCheckpointManager:
             raise CheckpointUsageError(f"iteration must be a non-negative int, not {iteration!r}")
         started = time.monotonic()
         self.wait()
-        key = self._key(iteration)
+        key = PartKey(iteration, *rank_and_world_size())
         payload, metadata = _unwrap(state_dict)
         if not (is_async or overlap):
             self._after_write(key, self._store.write(key, payload, metadata))
@@ -364,9 +364,6 @@ class LocalCheckpointManager:
             self.wait()
         except CheckpointError as e:
             logger.error("the background save failed: %s", e)
-
-    def _key(self, iteration: int) -> PartKey:
-        return PartKey(iteration, *rank_and_world_size())
 
 
 def _joined(job: Aside[PartInfo]) -> PartInfo:

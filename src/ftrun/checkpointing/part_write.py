@@ -264,10 +264,7 @@ def _copy_entries(
         if entry.end > entry.begin:
             span = whole[layout.data_start + entry.begin : layout.data_start + entry.end]
             dst = span.view(entry.dtype).view(entry.shape)
-            if non_blocking and tensor.is_cuda:
-                _copy_into(dst, tensor, non_blocking=True)
-            else:
-                _copy_into(dst, tensor)
+            _copy_into(dst, tensor, non_blocking=non_blocking and tensor.is_cuda)
 
 
 @functools.cache
@@ -277,8 +274,7 @@ def _side_stream(device: torch.device) -> Any:
 
 
 def _is_volatile(path: Path) -> bool:
-    resolved = os.path.realpath(path.parent) + "/"
-    return resolved.startswith(_VOLATILE_ROOTS)
+    return (os.path.realpath(path.parent) + "/").startswith(_VOLATILE_ROOTS)
 
 
 def _write_error(path: Path, error: OSError) -> CheckpointWriteError:

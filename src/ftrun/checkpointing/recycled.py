@@ -61,8 +61,7 @@ class RecyclePool:
 
     def take(self, part_name: str) -> Recycled | None:
         """This rank's recycled file: the one retired here, else one a previous process left."""
-        recycled = self.recycled.pop(part_name, None)
-        if recycled is not None:
+        if (recycled := self.recycled.pop(part_name, None)) is not None:
             return recycled
         path = self.root / f"{RECYCLED_PREFIX}{part_name}"
         try:

@@ -98,7 +98,7 @@ class StepSnapshot:
             store=None if under_agent else DirectoryStore(root / SESSION, recycle=True),
             persist_to_disk=False,
         )
-        self._hook = register_optimizer_step_pre_hook(self._before_step)
+        self._hook = register_optimizer_step_pre_hook(lambda *_: self._manager.fence())
 
     def save(self, state: Mapping[str, Any], step: int) -> bool:
         """Snapshot `state` as of `step` (steps done) if due and the previous one is done;
@@ -164,9 +164,6 @@ class StepSnapshot:
         self._hook.remove()
         self.wait()
 
-    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._manager.fence()
-
 
 def default_directory(shm: Path = Path("/dev/shm")) -> Path:
     """Node memory: the agent's under ft_launcher (the manager finds it itself); else
@@ -194,9 +191,7 @@ def _clique_across_nodes() -> CliqueReplicationStrategy | None:
 
 
 def _is_stateful(value: Any) -> bool:
-    return callable(getattr(value, "state_dict", None)) and callable(
-        getattr(value, "load_state_dict", None)
-    )
+    return all(callable(getattr(value, name, None)) for name in ("state_dict", "load_state_dict"))
 
 
 def _state_of(value: Any) -> Any:

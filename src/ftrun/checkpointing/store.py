@@ -114,9 +114,8 @@ class DirectoryStore:
         return f"DirectoryStore({str(self.root)!r})"
 
     def path_of(self, key: PartKey) -> Path:
-        return (
-            self.root / iteration_dir_name(key.iteration) / part_file_name(key.rank, key.world_size)
-        )
+        name = part_file_name(key.rank, key.world_size)
+        return self.root / iteration_dir_name(key.iteration) / name
 
     def prepare(
         self, key: PartKey, state: Any, metadata: Mapping[str, str], defer_copy: bool = False
@@ -159,8 +158,7 @@ class DirectoryStore:
         if self._recycled is not None:  # views of it stay mapped: never reuse it
             self._recycled.read.add(self.path_of(key))
         state, info = read_part(self.path_of(key), verify=verify)
-        _check_iteration(key, info)
-        return state, info
+        return state, _check_iteration(key, info)
 
     def info(self, key: PartKey) -> PartInfo:
         return _check_iteration(key, read_info(self.path_of(key)))

@@ -57,20 +57,19 @@ def note_stall(tier: Path, rank: int, iteration: int, seconds: float) -> None:
 def restore_decision(tier: Path) -> RestoreDecision | None:
     """What the agents agreed to restore before this cycle's workers started; None when no
     agent wrote a decision (then the manager agrees through a collective, as under torchrun)."""
-    try:
-        raw = read_json(tier / RESTORE_FILE)
-        return None if raw is None else RestoreDecision.from_json(raw)
-    except (OSError, ValueError) as e:
-        logger.warning("ignoring the agent's restore decision: %s", e)
-        return None
+    return _read_decision(tier, RESTORE_FILE, "restore decision")
 
 
 def protected_part(tier: Path) -> RestoreDecision | None:
     """The iteration (and world size) the agent asks this node to keep (`PROTECTED_FILE`);
     None when it names none, or names one unreadably (then the usual clean-up applies)."""
+    return _read_decision(tier, PROTECTED_FILE, "protected iteration")
+
+
+def _read_decision(tier: Path, name: str, what: str) -> RestoreDecision | None:
     try:
-        raw = read_json(tier / PROTECTED_FILE)
-        return None if raw is None else RestoreDecision.from_json(raw, PROTECTED_FILE)
+        raw = read_json(tier / name)
+        return None if raw is None else RestoreDecision.from_json(raw, name)
     except (OSError, ValueError) as e:
-        logger.warning("ignoring the agent's protected iteration: %s", e)
+        logger.warning("ignoring the agent's %s: %s", what, e)
         return None

@@ -130,10 +130,7 @@ class RankMonitorClient:
         if section not in self._open_sections:
             raise RankMonitorClientError(f"end_section({section!r}) but that section is not open")
         frames = self._section_frames[section]
-        if iteration is None:
-            self._send(frames[1])
-        else:
-            self._send(frames[2] + _packed_iteration(iteration))
+        self._send(frames[1] if iteration is None else frames[2] + _packed_iteration(iteration))
         self._open_sections.discard(section)
 
     def end_all_sections(self) -> None:
@@ -204,8 +201,7 @@ class RankMonitorClient:
                 f"expected a WorkloadControlRequest, not {type(req).__name__}"
             )
         self._require_init("send_workload_control_request()")
-        action, description = req.action.value, req.description
-        self._request(wire.Control(self._next_seq(), action, description))
+        self._request(wire.Control(self._next_seq(), req.action.value, req.description))
 
     # ---- internals ---------------------------------------------------------------------------
 
@@ -228,8 +224,7 @@ class RankMonitorClient:
                 "initial": after.initial_heartbeat,
                 "subsequent": after.heartbeat,
             }
-        changed = {n: t for n, t in after.sections.items() if before.sections.get(n) != t}
-        if changed:
+        if changed := {n: t for n, t in after.sections.items() if before.sections.get(n) != t}:
             self._calculated.setdefault("sections", {}).update(changed)
         if out_of_section and after.out_of_section != before.out_of_section:
             self._calculated["out_of_section"] = after.out_of_section

@@ -98,8 +98,7 @@ def _recorded(c10d: object) -> bytes:
     """torch's JSON dump of the recorder that saw this rank's collectives: NCCL's own
     (`_dump_nccl_trace_json`, torch 2.11 on the device) when it recorded any, else the general
     one (gloo and the other backends)."""
-    nccl = getattr(c10d, "_dump_nccl_trace_json", None)
-    if nccl is not None:
+    if (nccl := getattr(c10d, "_dump_nccl_trace_json", None)) is not None:
         data = nccl(True, False)
         if json.loads(data).get("entries"):
             return data

@@ -55,13 +55,12 @@ def views(
     heartbeat = HeartbeatTimeouts(
         current.initial_heartbeat, current.heartbeat, were_calculated="heartbeat" in calculated
     )
-    sections = SectionTimeouts(
+    return heartbeat, SectionTimeouts(
         section=dict(current.sections),
         out_of_section=current.out_of_section,
         calculated_sections=set(calculated.get("sections", {})),
         is_out_of_section_calculated="out_of_section" in calculated,
     )
-    return heartbeat, sections
 
 
 def in_force(current: wire.Timeouts, calculated: Calculated) -> wire.Timeouts:

@@ -179,11 +179,8 @@ class _Timing:
         if failed.last_iteration is None or again.first_iteration is None:
             return None, None
         count = max(failed.last_iteration - again.first_iteration + 1, 0)
-        done = (
-            failed.last_iteration - failed.first_iteration
-            if failed.first_iteration is not None
-            else 0
-        )
+        first = failed.first_iteration
+        done = failed.last_iteration - first if first is not None else 0
         if failed.stepping_at is None or done <= 0:
             return count, None
         pace = max(last_healthy - failed.stepping_at, 0.0) / done

@@ -131,8 +131,7 @@ def _table_lines(status: Mapping[str, Any]) -> Iterator[str]:
     yield _HEADER
     for node in status["nodes"]:
         yield _node_line(node)
-    failures = status.get("failures") or []
-    if failures:
+    if failures := status.get("failures"):
         yield "failures (newest first):"
         for failure in failures:
             yield (

@@ -68,8 +68,7 @@ class Lane:
             if not self.unfinished:  # done, waiting for the other nodes to finish too
                 self._switch(FINISHED, event.ts, event.cycle)
         elif kind in ("stop_done", "gpu_memory_reclaimed"):  # waiting for GPU memory: stopping
-            began = event.ts - event.num("duration")
-            self._switch(STOPPING, began, event.cycle)
+            self._switch(STOPPING, event.ts - event.num("duration"), event.cycle)
             self._switch(None, event.ts, None)
         elif kind == "exit":
             self._switch(None, event.ts, None)

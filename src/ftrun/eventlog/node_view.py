@@ -98,13 +98,11 @@ class NodeView:
         cycle = record.get("cycle")
         if isinstance(cycle, int) and not isinstance(cycle, bool):
             self.cycle = cycle
-        handler = _HANDLERS.get(str(kind))
-        if handler is not None:
+        if (handler := _HANDLERS.get(str(kind))) is not None:
             handler(self, record)
         state = _AFTER.get(str(kind))
         if kind == "last_progress":
-            finished = record.get("before") == "finished"
-            state = NodeState.FINISHED if finished else NodeState.STOPPING
+            state = NodeState.FINISHED if record.get("before") == "finished" else NodeState.STOPPING
         if state is not None and state is not self.state:
             self.state, self.since = state, ts
 
@@ -138,8 +136,7 @@ class NodeView:
         self.health[(str(record.get("finding")), bool(record.get("fault")))] += 1
 
     def _straggler_report(self, record: Mapping[str, Any]) -> None:
-        keep = ("seq", "ranks", "worst", "median", "ts")
-        self.stragglers = {k: record.get(k) for k in keep}
+        self.stragglers = {k: record.get(k) for k in ("seq", "ranks", "worst", "median", "ts")}
 
     def _held(self, record: Mapping[str, Any]) -> None:
         self._tier("local", record, None, None, record.get("stall"))

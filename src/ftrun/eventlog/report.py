@@ -109,12 +109,8 @@ def build_report(events: EventSet, now: float | None = None) -> Report:
         s for node, evs in events.nodes.items() for s in Lane(node, by_progress).build(evs, until)
     )
     start = min([s.start for s in spans] + [all_events[0].ts])
-    nodes = tuple(
-        sorted(
-            (_node_info(node, evs) for node, evs in events.nodes.items()),
-            key=lambda n: node_order(n.group_rank, n.name),
-        )
-    )
+    infos = (_node_info(node, evs) for node, evs in events.nodes.items())
+    nodes = tuple(sorted(infos, key=lambda n: node_order(n.group_rank, n.name)))
     cycle_numbers = sorted({e.cycle for e in all_events if e.event == "rendezvous_done"})
     times = {c: _cycle_times(all_events, c) for c in cycle_numbers}
     failures = find_failures(all_events, cycle_numbers, times, end, by_progress)
@@ -122,7 +118,7 @@ def build_report(events: EventSet, now: float | None = None) -> Report:
         _cycle(c, all_events, spans, times[c], failures, cycle_numbers, nodes)
         for c in cycle_numbers
     )
-    running_s = _running_time(cycles)
+    running_s = sum(max(c.end - c.running_at, 0.0) for c in cycles if c.running_at is not None)
     redone_s = sum(f.redone_s or 0.0 for f in failures)
     if by_progress:
         effective_s = max(_training_time(cycles) - redone_s, 0.0)
@@ -208,13 +204,10 @@ def _cycle_times(events: Sequence[Event], cycle: int) -> CycleTimes:
     progress = [t for e in last if (t := e.num("progress_ts", None)) is not None]
     firsts = [i for e in stepping.values() for i in ints(e.get("iterations"))]
     lasts = [i for e in last for i in ints(e.get("iterations"))]
+    all_stepped = bool(stepping) and nodes <= set(stepping)
     return CycleTimes(
         running_at=max(starts.values()) if starts and nodes <= set(starts) else None,
-        stepping_at=(
-            max(e.num("progress_ts") for e in stepping.values())
-            if stepping and nodes <= set(stepping)
-            else None
-        ),
+        stepping_at=max(e.num("progress_ts") for e in stepping.values()) if all_stepped else None,
         last_progress=max(progress) if progress else None,
         first_iteration=min(firsts) if firsts else None,
         last_iteration=max(lasts) if lasts else None,
@@ -271,11 +264,6 @@ def _cycle(
         ended=ended,
         failure=failure.number if failure else None,
     )
-
-
-def _running_time(cycles: Sequence[Cycle]) -> float:
-    """Seconds with every worker of a cycle running (process time)."""
-    return sum(max(c.end - c.running_at, 0.0) for c in cycles if c.running_at is not None)
 
 
 def _training_time(cycles: Sequence[Cycle]) -> float:

@@ -62,8 +62,7 @@ def _split(cycle: int, ranks: Sequence[Event]) -> StartupSplit:
 def _reached(event: Event) -> float:
     """How far into its start the rank was seen last: its first step, else its last mark."""
     for key in ("to_first_step", "to_pg", "to_cuda", "to_script"):
-        value = event.num(key, None)
-        if value is not None:
+        if (value := event.num(key, None)) is not None:
             return value
     return 0.0
 

@@ -7,7 +7,6 @@ can unwind. Every step here is bounded: an abort that hangs would hang the resta
 
 from __future__ import annotations
 
-import abc
 import ctypes
 import functools
 import importlib.util
@@ -24,7 +23,7 @@ from ftrun.aside import Aside
 from ftrun.environment import Env
 from ftrun.inprocess import exception
 from ftrun.inprocess.nccl_wake import ProxyWaker
-from ftrun.inprocess.state import FrozenState
+from ftrun.inprocess.state import FrozenState, Hook
 
 log = logging.getLogger("ftrun.inprocess")
 
@@ -34,14 +33,9 @@ _FR_SHARE = 1 / 3
 """The share of the abort timeout the Flight Recorder dump may take (diagnostics come second)."""
 
 
-class Abort(abc.ABC):
+class Abort(Hook):
     """Runs in the wrapper's monitor thread when a fault is detected, to unblock the training
     thread (e.g. one waiting in a collective on a dead rank); compose several with `Compose`."""
-
-    @abc.abstractmethod
-    def __call__(self, state: FrozenState) -> FrozenState:
-        """Do the work and return `state` unchanged (the next composed stage gets it)."""
-        raise NotImplementedError
 
 
 class AbortTorchDistributed(Abort):

@@ -9,14 +9,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 import datetime
-import itertools
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
+from ftrun.eventlog.failures import ranks_text
 from ftrun.inprocess import exception
 from ftrun.inprocess.state import State
 
@@ -73,7 +73,7 @@ def gather_keys(
 def surviving_rank(state: State, terminated: set[int]) -> int:
     """This rank's number, or RankDiscarded if it is among the terminated ones."""
     if state.rank is None or state.rank in terminated:
-        gone = rank_ranges(terminated)
+        gone = ranks_text(terminated)
         raise RankDiscarded(f"rank {state.rank} discarded (terminated ranks {gone})")
     return state.rank
 
@@ -82,13 +82,3 @@ def encode_key(key_or_fn: KeyOrFn, state: State) -> str:
     """The group key as text (JSON, so that 1 and "1" stay different keys)."""
     key = key_or_fn(state) if callable(key_or_fn) else key_or_fn
     return json.dumps(key, default=repr, sort_keys=True)
-
-
-def rank_ranges(ranks: Iterable[int]) -> str:
-    """A rank set in ranges for log lines: "{0-2, 5}"."""
-    parts = []
-    ordered = sorted(ranks)
-    for _, run in itertools.groupby(enumerate(ordered), lambda pair: pair[1] - pair[0]):
-        block = [rank for _, rank in run]
-        parts.append(str(block[0]) if len(block) == 1 else f"{block[0]}-{block[-1]}")
-    return "{" + ", ".join(parts) + "}"

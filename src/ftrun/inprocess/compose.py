@@ -7,13 +7,11 @@ checks for its `abort=` argument. The dynamic subclasses are cached per base cla
 
 from __future__ import annotations
 
+import functools
 import types
 import warnings
 from collections.abc import Callable
 from typing import Any
-
-_KINDS: dict[type, type] = {}
-"""Base class -> the Compose subclass that is also an instance of it."""
 
 
 class Compose:
@@ -76,16 +74,13 @@ def _kind(instances: tuple[object, ...]) -> type:
     return _subclass_for(object)
 
 
+@functools.cache
 def _subclass_for(base: type) -> type:
     """The cached Compose subclass that also derives from `base` (its metaclass included)."""
-    kind = _KINDS.get(base)
-    if kind is None:
-        bases: tuple[type, ...] = (Compose,) if base is object else (Compose, base)
+    bases: tuple[type, ...] = (Compose,) if base is object else (Compose, base)
 
-        def body(namespace: dict[str, Any]) -> None:
-            namespace["_base"] = base
-            namespace["__module__"] = __name__
+    def body(namespace: dict[str, Any]) -> None:
+        namespace["_base"] = base
+        namespace["__module__"] = __name__
 
-        kind = types.new_class(f"Compose[{base.__name__}]", bases, exec_body=body)
-        _KINDS[base] = kind
-    return kind
+    return types.new_class(f"Compose[{base.__name__}]", bases, exec_body=body)

@@ -4,7 +4,6 @@ torn down, before the health check."""
 
 from __future__ import annotations
 
-import abc
 import datetime
 import logging
 from collections.abc import Callable, Mapping
@@ -14,19 +13,14 @@ import torch
 
 from ftrun.aside import Aside
 from ftrun.inprocess import exception
-from ftrun.inprocess.state import FrozenState
+from ftrun.inprocess.state import FrozenState, Hook
 
 log = logging.getLogger("ftrun.inprocess")
 
 
-class Finalize(abc.ABC):
+class Finalize(Hook):
     """Undo what the wrapped function left behind (globals, pending async work). An exception
     skips the health check and ends the process; compose several with `Compose`."""
-
-    @abc.abstractmethod
-    def __call__(self, state: FrozenState) -> FrozenState:
-        """Do the work and return `state` unchanged (the next composed stage gets it)."""
-        raise NotImplementedError
 
 
 class ThreadedFinalize(Finalize):

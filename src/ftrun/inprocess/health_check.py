@@ -25,20 +25,15 @@ from ftrun.aside import Aside
 from ftrun.infiniband import IB_ROOT, PCI_ROOT, ib_ports_down, nearest_ib_device
 from ftrun.inprocess import exception
 from ftrun.inprocess.compose import Compose
-from ftrun.inprocess.state import FrozenState
+from ftrun.inprocess.state import FrozenState, Hook
 from ftrun.nvml import memory_problems, nvlinks_down, supported
 
 log = logging.getLogger("ftrun.inprocess")
 
 
-class HealthCheck(abc.ABC):
+class HealthCheck(Hook):
     """Raises if this rank must not take part in the restart; compose several with
     `Compose`."""
-
-    @abc.abstractmethod
-    def __call__(self, state: FrozenState) -> FrozenState:
-        """Check, and return `state` unchanged (the next composed stage gets it)."""
-        raise NotImplementedError
 
 
 class HealthCheckTimeoutError(exception.HealthCheckError, exception.TimeoutError):
@@ -136,8 +131,7 @@ class ChainedGPUHealthCheck(_NvmlHealthCheck):
 
     def check(self, nvml: Any, handle: Any) -> None:
         problems = memory_problems(nvml, handle)
-        action = _recovery_action(nvml, handle)
-        if action:
+        if action := _recovery_action(nvml, handle):
             problems.append(f"NVML recovery action {action} required")
         if problems:
             raise exception.HealthCheckError(f"{self._name()}: {', '.join(problems)}")
@@ -148,8 +142,7 @@ class ChainedNVLHealthCheck(_NvmlHealthCheck):
     does not fail the rank (as NVRx, which ignores this check's verdict)."""
 
     def check(self, nvml: Any, handle: Any) -> None:
-        down = nvlinks_down(nvml, handle)
-        if down:
+        if down := nvlinks_down(nvml, handle):
             log.warning("%s: NVLink(s) %s not up", self._name(), down)
 
 
@@ -172,8 +165,7 @@ class ChainedNicHealthCheck(_NvmlHealthCheck):
         nic = nearest_ib_device(_sysfs_bus_id(bus_id), self.ib_root, self.pci_root)
         if nic is None:
             return
-        down = ib_ports_down(os.path.join(self.ib_root, nic))
-        if down:
+        if down := ib_ports_down(os.path.join(self.ib_root, nic)):
             raise exception.HealthCheckError(f"{self._name()}: {nic} port(s) {down} not ACTIVE")
 
 

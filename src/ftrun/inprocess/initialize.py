@@ -3,20 +3,13 @@
 
 from __future__ import annotations
 
-import abc
-
 from ftrun.inprocess import exception
-from ftrun.inprocess.state import FrozenState
+from ftrun.inprocess.state import FrozenState, Hook
 
 
-class Initialize(abc.ABC):
+class Initialize(Hook):
     """Runs at the start of every iteration, the first included. An `Exception` it raises
     starts another restart; a `BaseException` (`RestartAbort`) ends the wrapper."""
-
-    @abc.abstractmethod
-    def __call__(self, state: FrozenState) -> FrozenState:
-        """Check or prepare, and return `state` unchanged (the next composed stage gets it)."""
-        raise NotImplementedError
 
 
 class RetryController(Initialize):

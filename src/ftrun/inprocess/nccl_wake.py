@@ -87,8 +87,7 @@ class ProxyWaker:
         self.pokes = 0
 
     def __enter__(self) -> ProxyWaker:
-        addresses = own_uds_addresses() if self._enabled else []
-        if addresses:
+        if self._enabled and (addresses := own_uds_addresses()):
             self._thread = threading.Thread(target=self._run, args=(addresses,),
                                             name="ftrun-abort nccl-wake", daemon=True)  # fmt: skip
             self._thread.start()

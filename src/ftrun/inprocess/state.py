@@ -7,6 +7,7 @@ change what the wrapper decides on.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import enum
 import os
@@ -91,6 +92,17 @@ def _initial_defaults(state: object) -> None:
     for initial, current in (("initial_rank", "rank"), ("initial_world_size", "world_size")):
         if getattr(state, initial) is None:
             object.__setattr__(state, initial, getattr(state, current))
+
+
+class Hook(abc.ABC):
+    """The base of the wrapper's hooks (`Abort`, `Finalize`, `HealthCheck`, `Initialize`,
+    `Completion`, `Terminate`): called with a `FrozenState`; compose several with `Compose`."""
+
+    @abc.abstractmethod
+    def __call__(self, state: FrozenState) -> FrozenState:
+        """Do the work (a check raises) and return `state` unchanged (the next composed stage
+        gets it)."""
+        raise NotImplementedError
 
 
 FrozenState = dataclasses.make_dataclass(

@@ -242,10 +242,8 @@ def _backfill(holes: list[_Leaf]) -> list[int]:
         for donor, hole in itertools.zip_longest(donors, domain_holes):
             if hole is None:
                 break
-            if donor is None:
-                gaps.append(_active(hole))
-            else:
-                gaps.append(_active(donor))
+            gaps.append(_active(donor or hole))  # the donor's old active rank, or the hole's
+            if donor is not None:
                 donor.active_rank = hole.active_rank
     return gaps
 

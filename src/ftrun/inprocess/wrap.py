@@ -317,8 +317,7 @@ class CallWrapper:
             self._sockets.shut_down_new()
 
     def _on_progress_timeout(self, kind: str, why: str) -> None:
-        it = self._iteration
-        if it is not None:
+        if (it := self._iteration) is not None:
             it_store = Iteration(self._timeout_store, it.number, it.world_size)
             it_store.interrupt(Interruption(self.state.rank, kind, why, time.time()))
 

@@ -68,8 +68,7 @@ def load_newer(
         global_iteration = io.get_global_ckpt_iteration_fn(path)
         if local >= global_iteration:
             log.info("resuming from local iteration %d (global: %s)", local, global_iteration)
-            loaded = io._try_local(**kwargs)
-            if loaded is not None:
+            if (loaded := io._try_local(**kwargs)) is not None:
                 return loaded
         else:
             log.warning("local iteration %d is older than the global %s: loading %s",

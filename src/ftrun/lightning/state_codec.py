@@ -57,9 +57,7 @@ def _encode(value: Any, path: str) -> Any:
 
 
 def _key(key: Any, path: str) -> Any:
-    if type(key) in _KEY_SCALARS:
-        return key
-    if type(key) is tuple and all(type(k) in _KEY_SCALARS for k in key):
+    if all(type(k) in _KEY_SCALARS for k in (key if type(key) is tuple else (key,))):
         return key
     raise CheckpointFormatError(
         f"{path}: dict key {str(key)[:60]!r} is a {type(key).__qualname__}; "

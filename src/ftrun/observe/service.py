@@ -178,11 +178,10 @@ class FeedThread:
 
     def _publish_live(self) -> None:
         now_mono, now = time.monotonic(), time.time()
-        snapshot = self._progress()
         progress = [
             [r.rank, r.last_iteration,
              None if r.last_progress is None else round(max(now_mono - r.last_progress, 0.0), 3)]
-            for r in snapshot
+            for r in self._progress()
         ]  # fmt: skip
         self._writer.live({"ts": now, "cycle": self._cycle, "progress": progress})
 

@@ -71,8 +71,7 @@ class NodeTimings:
     def apply(self, record: Mapping[str, Any]) -> None:
         kind = record.get("event")
         if kind == "rendezvous_done":
-            duration = _number(record.get("duration"))
-            if duration is not None:
+            if (duration := _number(record.get("duration"))) is not None:
                 self.rendezvous.observe(max(duration, 0.0))
         elif kind == "failure":
             if not record.get("secondary"):
@@ -86,8 +85,7 @@ class NodeTimings:
             self._lost_at(_number(record.get("mono")))
         elif kind == "inprocess_recovered":  # the ladder's first rungs: no stop, no cycle
             self.recoveries[(INPROCESS_TIER, str(record.get("kind")))] += 1
-            seconds = _number(record.get("seconds"))
-            if seconds is not None:
+            if (seconds := _number(record.get("seconds"))) is not None:
                 self.recovery.observe(max(seconds, 0.0))
         elif kind == "stepping":
             self._stepped(_number(record.get("progress_mono")))

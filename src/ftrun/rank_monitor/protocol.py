@@ -323,12 +323,8 @@ def _parse_reply(fields: list[Any]) -> Reply:
 
 def _parse_hello(fields: list[Any]) -> Hello:
     seq, rank, pid, *warmup = fields
-    return Hello(
-        _int(seq, "seq"),
-        _rank(rank),
-        _int(pid, "pid"),
-        *(_int(n, "warmup iterations", high=MAX_ITERATION) for n in warmup),
-    )
+    iterations = (_int(n, "warmup iterations", high=MAX_ITERATION) for n in warmup)
+    return Hello(_int(seq, "seq"), _rank(rank), _int(pid, "pid"), *iterations)
 
 
 def _parse_control(fields: list[Any]) -> Control:
@@ -342,12 +338,8 @@ def _parse_control(fields: list[Any]) -> Control:
 
 def _parse_timings(fields: list[Any]) -> Timings:
     rank, pid, sections, *settings = fields
-    return Timings(
-        _rank(rank),
-        _int(pid, "pid"),
-        parse_sections(sections, _name),
-        *(parse_settings(s) for s in settings),
-    )
+    parsed = (parse_settings(s) for s in settings)
+    return Timings(_rank(rank), _int(pid, "pid"), parse_sections(sections, _name), *parsed)
 
 
 _ARITIES: dict[str, dict[int, tuple[int, ...]]] = {

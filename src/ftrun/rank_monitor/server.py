@@ -307,8 +307,7 @@ class RankMonitorServer:
     def _sent_by_a_worker(self, identity: bytes, rank: int, pid: int) -> int | None:
         """The pid spawned for `rank` if `pid` is it or its descendant (once per connection),
         else None, the message dropped with a log line."""
-        expected = self._ranks.expected.get(rank)
-        spawned = self._senders.spawned_pid(identity, rank, pid, expected)
+        spawned = self._senders.spawned_pid(identity, rank, pid, self._ranks.expected.get(rank))
         if spawned is None:
             self._drop(f"a message from rank {rank} pid {pid}, not spawned here")
         return spawned

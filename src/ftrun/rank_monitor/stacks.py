@@ -7,6 +7,7 @@ the server reads only what was appended after it sent the signal.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -35,10 +36,8 @@ def request_dumps(targets: list[tuple[int, Path]], sig: signal.Signals) -> dict[
     offsets: dict[Path, int] = {}
     for pid, path in targets:
         offsets[path] = _size(path)
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
-        except ProcessLookupError:
-            continue
     return offsets
 
 

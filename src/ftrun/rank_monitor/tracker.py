@@ -126,8 +126,7 @@ class RankProgress:
             found = [_overdue(HangKind.HEARTBEAT, self.last_heartbeat, t.heartbeat)]
         for name, started in self.open_sections.items():
             found.append(_overdue(HangKind.SECTION, started, self._section_timeout(name), name))
-        if self.out_of_section_since is not None:
-            since = self.out_of_section_since
+        if (since := self.out_of_section_since) is not None:
             found.append(_overdue(HangKind.OUT_OF_SECTION, since, t.out_of_section))
         return min((c for c in found if c is not None), key=lambda c: c.deadline, default=None)
 
@@ -198,10 +197,7 @@ def floored(config: RankMonitorConfig, timeouts: Timeouts) -> Timeouts:
     return Timeouts(
         initial_heartbeat=floor(timeouts.initial_heartbeat, given.initial_heartbeat),
         heartbeat=floor(timeouts.heartbeat, given.heartbeat),
-        sections={
-            name: floor(value, given.sections.get(name))
-            for name, value in timeouts.sections.items()
-        },
+        sections={n: floor(v, given.sections.get(n)) for n, v in timeouts.sections.items()},
         out_of_section=floor(timeouts.out_of_section, given.out_of_section),
     )
 

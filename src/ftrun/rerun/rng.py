@@ -13,7 +13,7 @@ from typing import Any
 def capture(save: Callable[[], Any] | None) -> dict[str, Any]:
     import torch
 
-    state: dict[str, Any] = {"python": _python_state(), "torch": torch.get_rng_state()}
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = list(torch.cuda.get_rng_state_all())
     state["user"] = save() if save is not None else None
@@ -32,8 +32,3 @@ def restore(state: dict[str, Any] | None, load: Callable[[Any], None] | None) ->
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
     if load is not None and state.get("user") is not None:
         load(state["user"])
-
-
-def _python_state() -> tuple[int, tuple[int, ...], float | None]:
-    version, internal, gauss = random.getstate()
-    return version, tuple(internal), gauss

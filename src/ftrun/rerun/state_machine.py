@@ -131,9 +131,7 @@ class RerunStateMachine:
     def should_run_forward_backward(self, data_iterator: DataIteratorArg) -> bool:
         """Whether to (re)run the step's forward-backward pass now."""
         self._calls = {}
-        iterators = context.iterators(data_iterator)
-        handler = _STEP[self.state]
-        return handler(self, iterators)
+        return _STEP[self.state](self, context.iterators(data_iterator))
 
     def should_checkpoint_and_exit(self) -> tuple[bool, bool, int]:
         """(checkpoint now, exit now, the exit code): after the step, before optimizer.step()."""
@@ -259,10 +257,8 @@ class RerunStateMachine:
         return True
 
     def _after_rerun_elsewhere(self, iterators: list[RerunDataIterator]) -> bool:
-        again, stop = (
-            context.any_rank(self.restart_again_requested),
-            context.any_rank(self.exit_requested),
-        )
+        again = context.any_rank(self.restart_again_requested)
+        stop = context.any_rank(self.exit_requested)
         if again:
             self._move(RerunState.RERUNNING_AGAIN_FROM_CHECKPOINT)
         elif not stop:

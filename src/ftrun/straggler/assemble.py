@@ -176,8 +176,7 @@ def encode_node(
     label: str | None = None,
     asks: Mapping[int, float] | None = None,
 ) -> bytes:
-    cols = columns(node, ranks, label, asks)
-    body = {"seq": seq, **dataclasses.asdict(cols)}
+    body = {"seq": seq, **dataclasses.asdict(columns(node, ranks, label, asks))}
     return json.dumps(body, separators=(",", ":")).encode()
 
 

@@ -17,6 +17,7 @@ library is not found in the process.
 from __future__ import annotations
 
 import ctypes
+import sys
 from typing import Any
 
 MAX_PENDING = 8192
@@ -155,8 +156,6 @@ class CudaTimer:
 
 def cuda_timer() -> CudaTimer | None:
     """A timer if torch is imported and CUDA is usable here, else None (CPU timing only)."""
-    import sys
-
     torch = sys.modules.get("torch")
     if torch is None:
         return None

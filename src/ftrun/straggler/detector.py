@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import socket
 import sys
 import time
@@ -261,21 +262,13 @@ def _timed(fn: Callable[..., Any], section: Section) -> Callable[..., Any]:
 
 
 def _shaped(report: Report, state: _State) -> Report | None:
-    if RELATIVE not in state.scores:
-        report = dataclasses.replace(
-            report, gpu_relative_perf_scores={}, section_relative_perf_scores={}
-        )
-    if INDIVIDUAL not in state.scores:
-        report = dataclasses.replace(
-            report, gpu_individual_perf_scores={}, section_individual_perf_scores={}
-        )
+    for kind in {RELATIVE, INDIVIDUAL} - state.scores:  # not asked for: left empty
+        report = dataclasses.replace(report, **{f"gpu_{kind}": {}, f"section_{kind}": {}})
     if state.gather_on_rank0:
         return dataclasses.replace(report, rank=0) if state.rank == 0 else None
     return report.for_rank(state.rank)
 
 
 def _rank() -> int:
-    import os
-
     dist = initialized_dist()
     return dist.get_rank() if dist is not None else int(os.environ.get("RANK", "0"))

@@ -92,11 +92,10 @@ class Recorder:
 
     def section(self, name: str, profile_cuda: bool) -> Section:
         key = (name, profile_cuda)
-        found = self.sections.get(key)
-        if found is None:
-            found = Section(name, self.interval, self.cuda if profile_cuda else None, self)
-            self.sections[key] = found
-        return found
+        if key not in self.sections:
+            cuda = self.cuda if profile_cuda else None
+            self.sections[key] = Section(name, self.interval, cuda, self)
+        return self.sections[key]
 
     def flush(self, now: int | None = None) -> None:
         """Hand the sink what was recorded since the last flush (CUDA: what completed)."""

@@ -45,8 +45,7 @@ def weighted(scores: Mapping[str, float], totals: Mapping[str, float]) -> float:
 
 def low_quantile(values: Sequence[float], q: float) -> float:
     """The `q` quantile of `values`, rounded down to an observed value."""
-    ordered = sorted(values)
-    return ordered[int(q * (len(ordered) - 1))]
+    return sorted(values)[int(q * (len(values) - 1))]
 
 
 @dataclasses.dataclass
@@ -65,9 +64,7 @@ class History:
 
     def score(self, rank: int, section: str, gpu: bool, median: float) -> float | None:
         """This interval's score (None while the history is short), then remember `median`."""
-        past = self._past.get((rank, section, gpu))
-        if past is None:
-            past = self._past[rank, section, gpu] = collections.deque(maxlen=self.length)
+        past = self._past.setdefault((rank, section, gpu), collections.deque(maxlen=self.length))
         score = None
         if len(past) >= self.min_intervals and median > 0:
             score = low_quantile(past, self.quantile) / median

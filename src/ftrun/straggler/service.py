@@ -216,9 +216,8 @@ class StragglerService(NodeService):
     # ---- the reporting node ------------------------------------------------------------------
 
     def _report(self, rnd: Round, asks: dict[int, float]) -> None:
-        raws = self._board.read_nodes(rnd.number, [n.node for n in rnd.nodes])
         records = {}
-        for node, raw in raws.items():
+        for node, raw in self._board.read_nodes(rnd.number, [n.node for n in rnd.nodes]).items():
             try:
                 records[node] = decode_node(raw)
             except ValueError as exc:

@@ -104,11 +104,7 @@ def parts_by_node(
 ) -> dict[int, frozenset[PartKey]]:
     """Each node's complete parts of `session`, without the `excluded` nodes."""
     skip = set(excluded)
-    return {
-        node: frozenset(held.get(session, {}))
-        for node, held in holdings.items()
-        if node not in skip
-    }
+    return {n: frozenset(held.get(session, {})) for n, held in holdings.items() if n not in skip}
 
 
 def choose(

@@ -162,12 +162,8 @@ class NodeTier:
     def part_path(self, session: str, key: PartKey) -> Path:
         if not valid_session(session):
             raise PartRejectedError(f"bad session name {session!r:.140}")
-        return (
-            self.root
-            / session
-            / iteration_dir_name(key.iteration)
-            / part_file_name(key.rank, key.world_size)
-        )
+        name = part_file_name(key.rank, key.world_size)
+        return self.root / session / iteration_dir_name(key.iteration) / name
 
     def free_bytes(self) -> int:
         st = os.statvfs(self.root)

@@ -99,9 +99,8 @@ class RestoreRun:
     def run(self) -> Decision:
         """The final decision. Raises on a store error (the caller restores nothing)."""
         me = self._rnd.group_rank
-        self._store.set(
-            f"{self._prefix}/{me}", encode_holdings(self._rnd.me.node, self._tier.holdings())
-        )
+        holdings = encode_holdings(self._rnd.me.node, self._tier.holdings())
+        self._store.set(f"{self._prefix}/{me}", holdings)
         if me == 0:
             self._holdings = self._gather_holdings()
             self._publish(plan.first_decision(self._holdings, self._ranges))
@@ -202,10 +201,10 @@ class RestoreRun:
     def _fetch(self, decision: Decision) -> Outcome:
         """Fetch this node's missing parts of every session's choice; report what failed."""
         if self._holdings is None:
-            self._holdings = {}
-            for node in decision.sources:
-                raw = self._store.get(f"{self._prefix}/{node}")
-                self._holdings[node] = decode_holdings(raw)
+            self._holdings = {
+                node: decode_holdings(self._store.get(f"{self._prefix}/{node}"))
+                for node in decision.sources
+            }
         me, deadline = self._rnd.group_rank, time.monotonic() + self._settings.fetch_s
         failed: dict[str, frozenset[int]] = {}
         for session, choice in sorted(decision.choices.items()):

@@ -145,12 +145,8 @@ class KeeperService(NodeService):
         """Write the session's decision and drop the parts it leaves behind; the iteration."""
         choice = decision.choice(session, rnd.world_size)
         mine = range(rnd.first_global_rank, rnd.first_global_rank + rnd.me.local_world_size)
-        missing = [
-            r
-            for r in mine
-            if choice.iteration >= 0
-            and not self.tier.has(session, PartKey(choice.iteration, r, choice.world_size))
-        ]
+        wanted = [PartKey(choice.iteration, r, choice.world_size) for r in mine]
+        missing = [k.rank for k in wanted if k.iteration >= 0 and not self.tier.has(session, k)]
         if missing:  # cannot happen when every node follows the protocol: say so loudly
             log.error("checkpoint keeper: session %s: iteration %d was agreed but ranks %s "
                       "have no part here: they restore nothing", session, choice.iteration,
@@ -163,12 +159,9 @@ class KeeperService(NodeService):
         self.tier.write_protected(session, choice.iteration, choice.world_size)
         doomed = plan.after_restore(self.tier.listed(session), choice, self._settings.keep_complete)
         self.tier.remove(session, doomed)
-        if choice.iteration >= 0:
-            log.info(
-                "checkpoint keeper: session %s restores iteration %d", session, choice.iteration
-            )
-        else:
-            log.info("checkpoint keeper: session %s restores nothing: %s", session, choice.note)
+        it = choice.iteration
+        what = f"iteration {it}" if it >= 0 else f"nothing: {choice.note}"
+        log.info("checkpoint keeper: session %s restores %s", session, what)
         return choice.iteration
 
 
