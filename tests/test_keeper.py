@@ -341,7 +341,7 @@ def cluster(tmp_path: Path) -> Iterator[Any]:
 def round_of(number: int, members: list[Node], lws: int = 2) -> list[Round]:
     """Each member's view of one round (group ranks in list order)."""
     descriptors = tuple(
-        NodeDescriptor(n.name, "127.0.0.1", lws, 0, None, n.peer.port) for n in members
+        NodeDescriptor(n.name, "127.0.0.1", lws, 0, None, n.peer.server.port) for n in members
     )
     return [Round(number, descriptors, g) for g in range(len(members))]
 
@@ -392,7 +392,7 @@ def test_malformed_pushes_are_refused_and_leave_nothing(cluster: Any) -> None:
     run_round([a, b], round_of(3, [a, b]))
     good = a.write(S, K(5, 0))
     data = bytearray(good.read_bytes())
-    address = ("127.0.0.1", b.peer.port)
+    address = ("127.0.0.1", b.peer.server.port)
 
     def push(fields: dict[str, Any], payload: Any) -> None:
         header = {"session": S, "iteration": 5, "rank": 0, "world_size": 4, "cycle": 3, **fields}
@@ -431,7 +431,7 @@ def test_replicas_keep_the_newest_complete_parts(cluster: Any) -> None:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             for node in (b, c):
-                address = ("127.0.0.1", node.peer.port)
+                address = ("127.0.0.1", node.peer.server.port)
                 push_part(a.peer.client, address, S, K(iteration, 0, 6), 1, f.fileno(), size, 10)
     assert b.tier.listed(S) == [K(3, 0, 6)]  # keep_complete=1
     assert c.tier.listed(S) == [K(2, 0, 6), K(3, 0, 6)]  # the default, 2

@@ -29,10 +29,10 @@ def test_nodes_of_one_job_reach_each_other(store: TCPStore) -> None:
     a = PeerService(store, "job-1", "127.0.0.1", "node-a")
     b = PeerService(client_of(store), "job-1", "127.0.0.1", "node-b")
     try:
-        assert a.port != b.port and a.port > 0
-        reply, bulk = a.client.request("127.0.0.1", b.port, "node", timeout=10)
+        assert a.server.port != b.server.port and a.server.port > 0
+        reply, bulk = a.client.request("127.0.0.1", b.server.port, "node", timeout=10)
         assert (reply, bulk) == ({"node": "node-b"}, None)
-        reply, _ = b.client.request("127.0.0.1", a.port, "node", timeout=10)
+        reply, _ = b.client.request("127.0.0.1", a.server.port, "node", timeout=10)
         assert reply == {"node": "node-a"}
     finally:
         a.close()
@@ -46,9 +46,9 @@ def test_another_job_is_turned_away(store: TCPStore) -> None:
     theirs = PeerService(client_of(store), "job-2", "127.0.0.1", "node-x")
     try:
         with pytest.raises(PeerHandshakeError):
-            theirs.client.request("127.0.0.1", ours.port, "node", timeout=10)
+            theirs.client.request("127.0.0.1", ours.server.port, "node", timeout=10)
         with pytest.raises(PeerHandshakeError):
-            ours.client.request("127.0.0.1", theirs.port, "node", timeout=10)
+            ours.client.request("127.0.0.1", theirs.server.port, "node", timeout=10)
     finally:
         ours.close()
         theirs.close()
