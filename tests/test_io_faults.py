@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import itertools
 import json
 import shutil
@@ -22,6 +23,7 @@ import torch
 
 from faultfs import HANG, SHORT, WRITES, FaultyFS
 from ftrun.agent.loop.reporting import CycleReport
+from ftrun.agent.workers import _pump
 from ftrun.checkpointing import (
     AsyncCallTimeoutError,
     CheckpointError,
@@ -199,6 +201,25 @@ def test_the_events_log_goes_on_past_a_failing_disk(
         assert set(read) | lost == {f"S{n}" for n in range(6)}, (index, lines)
         warned = [r.getMessage() for r in caplog.records if "events" in r.getMessage()]
         assert len(warned) == (0 if error == SHORT else 1 + (index < 5)), warned
+
+
+def test_a_worker_log_on_a_failing_disk_is_given_up_and_the_stream_still_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The open, then each write of a worker's stdout log fails in turn: one warning, every
+    line still reaches the console (the worker never blocks on a full pipe)."""
+    lines = [f"line {n}\n".encode() for n in range(5)]
+    for index in range(len(lines) + 1):
+        root = tmp_path / f"{index}"
+        root.mkdir()
+        console = SimpleNamespace(buffer=io.BytesIO())
+        caplog.clear()
+        with FaultyFS(root, index, errno.ENOSPC), caplog.at_level(WARNING, "ftrun.agent"):
+            _pump(io.BytesIO(b"".join(lines)), root / "stdout.log", console, True, b"[0] ")
+        assert console.buffer.getvalue() == b"".join(b"[0] " + line for line in lines)
+        kept = (root / "stdout.log").read_bytes() if index else b""
+        assert kept == b"".join(lines[: max(index - 1, 0)]), index
+        assert len([r for r in caplog.records if "no longer written" in r.getMessage()]) == 1
 
 
 def test_a_hang_is_reported_when_its_stacks_cannot_be_kept(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -92,10 +93,11 @@ class Fault:
         launcher_args: Sequence[str] = (),
         steps: Sequence[str] = LIGHT_STEPS,
         nodes: int = 2,
+        **kw: Any,
     ) -> Job:
-        """2 nodes x 1 torch-free `fault_worker.py` rank."""
+        """2 nodes x 1 torch-free `fault_worker.py` rank (`kw`: `start_job`'s)."""
         args = [*LIGHT_ARGS, *launcher_args]
-        return self.start(nodes, args, [*steps, *script_args], script=FAULT_WORKER)
+        return self.start(nodes, args, [*steps, *script_args], script=FAULT_WORKER, **kw)
 
     def start(self, nodes: int, launcher_args: Sequence[str], script_args: Sequence[str], **kw):
         args = [*self.rdzv_args, *launcher_args]  # after start_job's c10d flags, before the case's

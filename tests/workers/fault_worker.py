@@ -20,6 +20,12 @@ when that is given (so a fault can wait for another rank to be set up):
                       a session of its own; their pids and its own go to <ckpt-dir>/stubborn-pids
 --flood               a thread sends heartbeats in a tight loop for the whole run
 --garbage             a raw DEALER on $FTRUN_MONITOR_ADDR sends random and mutated frames
+--out-of-fds C:R:S    open files until the descriptor limit (lowered first) refuses one: the
+                      OSError (EMFILE) goes up as a user's script would let it
+--out-of-memory C:R:S allocate past an address-space limit set just above what the rank uses:
+                      the MemoryError goes up (no cgroup here for the kernel's OOM killer, whose
+                      SIGKILL is the SIGKILL case)
+--busy N              N children spin on the CPU for the whole run (in the rank's process group)
 
 On SIGTERM (unless stubborn) the rank writes <ckpt-dir>/checkpoint-rank<R> (cycle and last
 step) at the end of the current step and exits 0.
@@ -67,6 +73,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stubborn", default="", metavar="C:R")
     parser.add_argument("--flood", action="store_true")
     parser.add_argument("--garbage", action="store_true")
+    parser.add_argument("--out-of-fds", default="", metavar="C:R:S")
+    parser.add_argument("--out-of-memory", default="", metavar="C:R:S")
+    parser.add_argument("--busy", type=int, default=0, metavar="N")
     return parser.parse_args()
 
 
@@ -109,6 +118,33 @@ def segfault() -> None:
     ctypes.string_at(0)
 
 
+def exhaust_descriptors() -> None:
+    """Open /dev/null until EMFILE; the error propagates (the files stay open until exit)."""
+    held = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (held + 16, held + 16))
+    files = []
+    while True:
+        files.append(open(os.devnull))  # noqa: SIM115 - held open on purpose
+
+
+def exhaust_memory() -> None:
+    """A limit 64 MiB above the address space in use, then 256 MiB asked for: MemoryError."""
+    with open("/proc/self/statm") as f:
+        in_use = int(f.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (in_use + 2**26, resource.RLIM_INFINITY))
+    hoard = [bytearray(2**20) for _ in range(256)]
+    print(f"rank {RANK}: {len(hoard)} MiB allocated past the limit", flush=True)
+
+
+def start_spinners(count: int) -> None:
+    """`count` children spinning on a core each; each dies with the rank (PR_SET_PDEATHSIG)."""
+    for _ in range(count):
+        if os.fork() == 0:
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            while True:
+                pass
+
+
 def load_batch(step: int) -> None:
     raise ValueError(f"batch {step} of rank {RANK} is corrupt")
 
@@ -125,7 +161,7 @@ def inject(args: argparse.Namespace, step: int) -> None:
     if raises_here(args, step):
         print(f"rank {RANK}: raising at cycle {CYCLE} step {step}", flush=True)
         load_batch(step)
-    specs = (args.exit, args.signal, args.segv, args.hang)
+    specs = (args.exit, args.signal, args.segv, args.hang, args.out_of_fds, args.out_of_memory)
     if all(matches(spec, step) is None for spec in specs):
         return
     if args.fault_after:
@@ -140,6 +176,10 @@ def inject(args: argparse.Namespace, step: int) -> None:
         segfault()
     if matches(args.hang, step) is not None:
         hang_in_step()
+    if matches(args.out_of_fds, step) is not None:
+        exhaust_descriptors()
+    if matches(args.out_of_memory, step) is not None:
+        exhaust_memory()
 
 
 def go_stubborn(out: Path) -> None:
@@ -224,6 +264,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     if matches(args.stubborn) is not None:
         go_stubborn(out)
+    start_spinners(args.busy)
     client = RankMonitorClient()
     client.init_workload_monitoring()
     if matches(args.hang_first_hb) is not None:

@@ -15,9 +15,12 @@ lines of different ranks interleave whole, without a lock shared between the thr
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
+
+log = logging.getLogger("ftrun.agent")
 
 
 def filtered_log(cycle_dir: Path, stream: str) -> Path:
@@ -47,7 +50,10 @@ class FilteredCopy:
     def __enter__(self) -> FilteredCopy:
         if self._needles and self._path is not None:
             flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-            self._fd = os.open(self._path, flags, 0o644)
+            try:
+                self._fd = os.open(self._path, flags, 0o644)
+            except OSError as e:  # as a failed write: the copy is off, the relay goes on
+                log.warning("filtered output is not written to %s: %s", self._path, e.strerror)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -66,3 +72,19 @@ class FilteredCopy:
         except OSError:
             os.close(self._fd)
             self._fd = None
+
+
+def append_log(fd: int, path: Path, data: bytes) -> int:
+    """Append `data` to the log file open as `fd` (-2: not yet open); the fd to use next, -1
+    once the file failed (then nothing more is written to it)."""
+    try:
+        if fd == -2:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        while data and fd >= 0:
+            data = data[os.write(fd, data) :]
+    except OSError as e:
+        log.warning("worker output is no longer written to %s: %s", path, e.strerror or e)
+        if fd >= 0:
+            os.close(fd)
+        return -1
+    return fd

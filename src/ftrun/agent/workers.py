@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import queue
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from ftrun.agent.exits import Ending, ExitWaiter
-from ftrun.agent.output import FilteredCopy, filtered_log
+from ftrun.agent.output import FilteredCopy, append_log, filtered_log
 from ftrun.agent.placement.binding import prepare_binding
 from ftrun.agent.termination import die_with_parent
 from ftrun.config.agent import AgentConfig, Std
@@ -226,12 +227,14 @@ def _pump(
     filtered: Path | None = None,
 ) -> None:
     """Copy one worker stream to its log file, the console (when `show`) and, for the lines
-    matching `filters`, the shared `filtered` file (`ftrun.agent.output`)."""
+    matching `filters`, the shared `filtered` file (`ftrun.agent.output`). A log file that
+    cannot be written (a full disk) is given up with one warning; the stream is still read to
+    its end (a worker must never block on a full pipe) and the console still gets it."""
     out = console.buffer if show else None
-    with path.open("ab") as log_file, stream, FilteredCopy(filtered, filters, prefix) as copy:
+    log_fd = append_log(-2, path, b"")
+    with stream, FilteredCopy(filtered, filters, prefix) as copy:
         for line in iter(stream.readline, b""):
-            log_file.write(line)
-            log_file.flush()
+            log_fd = append_log(log_fd, path, line)
             copy.feed(line)
             if out is not None:
                 try:
@@ -239,3 +242,5 @@ def _pump(
                     out.flush()
                 except (OSError, ValueError):
                     out = None  # the console went away; keep the file
+    if log_fd >= 0:
+        os.close(log_fd)

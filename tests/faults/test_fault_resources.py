@@ -1,0 +1,83 @@
+"""Fault matrix, exhausted resources (issue 54): a rank out of descriptors or memory, an agent
+starved of CPU by its workers' node, the launchers' log disk full.
+
+Each case runs the light 2-node x 1-rank job of `test_fault_workers`. A rank that runs out of a
+resource fails as a user's script does (its error goes up): the job recovers in cycle 1 and
+finishes. A starved agent is not a fault: the job finishes in one cycle, with no hang verdict
+(a heartbeat read late is still a heartbeat received in time). A full log disk costs the
+events written meanwhile, never the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from conftest import matrix_only
+from support import wait_for
+
+if TYPE_CHECKING:
+    from conftest import Fault
+
+pytestmark = pytest.mark.faults
+SAME_AS_A_CRASH = matrix_only("test_worker_crash[exit_code]: a rank's error, then a restart")
+
+
+@SAME_AS_A_CRASH
+@pytest.mark.parametrize(
+    ("flag", "error"),
+    [("--out-of-fds", "Too many open files"), ("--out-of-memory", "MemoryError")],
+    ids=["descriptors", "memory"],
+)
+def test_a_rank_out_of_a_resource_fails_and_the_job_recovers(fault: Fault, flag: str, error: str):
+    job = fault.light([flag, "0:1:5"])
+    failures = fault.recovered(job)
+    assert [(e["event"], e["rank"], e["code"]) for e in failures] == [("worker_exited", 1, 1)]
+    assert error in "".join(n.text() for n in job.nodes)
+
+
+@matrix_only("nothing else: 6 spinning processes for the job's 4 s cost the suite 30 CPU-s")
+def test_an_agent_starved_by_busy_workers_judges_no_hang(fault: Fault):
+    """Each rank keeps 3 children spinning (6 on this VM's 2 cores, beside the agents and the
+    store); heartbeats every 20 ms against a 1 s timeout: no verdict, no restart."""
+    job = fault.light(["--busy", "3"], steps=("--steps", "150"))
+    fault.expect = "one cycle, no hang"
+    codes = job.wait(120)
+    fault.track(job)
+    assert codes == [0, 0], job.nodes[0].text()[-3000:]
+    assert not job.events("hang") and not job.events("restart"), job.events("hang")
+    assert max(e["cycle"] for e in job.events("rendezvous_done")) == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_full_log_disk_costs_the_events_not_the_job(fault: Fault, tmp_path: Path):
+    """The launchers' --log-dir on a 2 MB tmpfs, filled while the ranks step; then rank 1 exits
+    7: the agents detect it, restart, and the job finishes; what could not be written is said
+    once a file, never as a traceback."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(logs)], check=True)
+    try:
+        job = fault.light(["--exit", "0:1:60:7", "--fault-after", "disk-full"])
+        wait_for(lambda: len(job.progress(0)) >= 5, 60, "rank 0's 5th step")
+        with contextlib.suppress(OSError), (logs / "filler").open("wb") as filler:
+            while True:
+                filler.write(bytes(2**16))
+                filler.flush()
+        (job.ckpt_dir / "disk-full").touch()
+        fault.expect = "recovered, events lost"
+        codes = job.wait(90)
+        fault.track(job)
+        assert codes == [0, 0], job.nodes[0].text()[-3000:]
+        for rank in (0, 1):
+            assert (job.ckpt_dir / f"done-rank{rank}").read_text() == "1\n", f"rank {rank}"
+        for node in job.nodes:  # the events log may still fit in its last page: no count
+            assert "Traceback" not in node.text(), node.text()[-3000:]
+            assert node.text().count("worker output is no longer written to") <= 2
+    finally:
+        subprocess.run(["umount", "--lazy", str(logs)], check=False)
