@@ -34,6 +34,7 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	bash tests/browser/install-chromium.sh
 	bash tests/etcd/install-etcd.sh
+	bash tests/prometheus/install-prometheus.sh
 	bash tests/run-suite.sh $(VPY)
 
 # The suite without whole-job process tests, the Slurm cluster and the fault matrix: < 90 s.
