@@ -26,6 +26,8 @@ when that is given (so a fault can wait for another rank to be set up):
                       the MemoryError goes up (no cgroup here for the kernel's OOM killer, whose
                       SIGKILL is the SIGKILL case)
 --busy N              N children spin on the CPU for the whole run (in the rank's process group)
+--start-after FILE    wait for <ckpt-dir>/FILE before connecting to the rank monitor (no timeout
+                      runs meanwhile: a test sets up its observer first)
 
 On SIGTERM (unless stubborn) the rank writes <ckpt-dir>/checkpoint-rank<R> (cycle and last
 step) at the end of the current step and exits 0.
@@ -76,6 +78,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out-of-fds", default="", metavar="C:R:S")
     parser.add_argument("--out-of-memory", default="", metavar="C:R:S")
     parser.add_argument("--busy", type=int, default=0, metavar="N")
+    parser.add_argument("--start-after", default="", metavar="FILE")
     return parser.parse_args()
 
 
@@ -265,6 +268,8 @@ def main() -> int:
     if matches(args.stubborn) is not None:
         go_stubborn(out)
     start_spinners(args.busy)
+    if args.start_after:
+        await_file(out / args.start_after)
     client = RankMonitorClient()
     client.init_workload_monitoring()
     if matches(args.hang_first_hb) is not None:
