@@ -2,10 +2,11 @@
 Prometheus's own tools: `promtool check rules`, and `promtool test rules` on
 tests/prometheus/ftrun-alerts-test.yml; and the house rules every alert keeps (a `for:`, a
 severity, a summary naming the job, a runbook section in docs/alerts.md, series the agents
-export, a unit test)."""
+export, a unit test, a panel of the Grafana dashboard)."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -19,6 +20,7 @@ RULES = ROOT / "src" / "ftrun" / "observe" / "prometheus" / "ftrun-alerts.yml"
 UNIT_TESTS = ROOT / "tests" / "prometheus" / "ftrun-alerts-test.yml"
 DOCS = ROOT / "docs" / "alerts.md"
 METRICS = ROOT / "src" / "ftrun" / "observe" / "metrics.py"
+DASHBOARD = ROOT / "src" / "ftrun" / "observe" / "grafana" / "ftrun-job.json"
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="no promtool (tests/prometheus/install-prometheus.sh installs it)"
@@ -44,6 +46,7 @@ def test_every_alert_is_unit_tested_and_documented() -> None:
     tested = {case["alertname"] for test in yaml.safe_load(UNIT_TESTS.read_text())["tests"]
               for case in test["alert_rule_test"] if case.get("exp_alerts")}  # fmt: skip
     headings = set(re.findall(r"^## (Ftrun\w+)$", DOCS.read_text(), re.MULTILINE))
+    panels = {panel["title"] for panel in json.loads(DASHBOARD.read_text())["panels"]}
     for rule in alerts():
         name = rule["alert"]
         assert name in tested, f"{name}: no unit test in which it fires"
@@ -51,6 +54,7 @@ def test_every_alert_is_unit_tested_and_documented() -> None:
         assert "for" in rule and rule["labels"]["severity"] in ("page", "ticket"), name
         assert "{{ $labels.job }}" in rule["annotations"]["summary"], name
         assert rule["annotations"]["runbook_url"] == f"docs/alerts.md#{name.lower()}", name
+        assert rule["annotations"]["dashboard_panel"] in panels, name
 
 
 def test_every_series_a_rule_reads_is_one_the_agents_export() -> None:
