@@ -60,6 +60,8 @@ from gpu_user_worker import (  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
+from ftrun.gloo_exit import wait_gloo_idle  # noqa: E402 (either wrapper: a torch bug)
+
 WRAPPERS = {"ftrun": "ftrun.inprocess", "nvrx": "nvidia_resiliency_ext.inprocess"}
 FAULTS = ("none", "raise", "kill", "abort-hang")
 
@@ -176,6 +178,10 @@ def train(
                 save(model, optimizer, step, rank, ckpt_path)
     dist.barrier()  # no rank tears its group down while a peer still uses it (gloo)
     dist.destroy_process_group()
+    # DDP holds the last reference to a gloo group: freed with this frame, its destructor can
+    # deadlock with a gloo worker thread (ftrun.gloo_exit says how); let them go quiet first.
+    wait_gloo_idle()
+    ddp = None  # dropped here, not in the frame's teardown
 
 
 def save(
