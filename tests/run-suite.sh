@@ -6,7 +6,9 @@
 #      stealing: a long job test at the end no longer leaves the others idle);
 #   2. the Slurm tests, one pytest session beside it (one cluster per host). Most of their time
 #      is Slurm's own: scheduling, requeues, the relaunch chain, while part 1's jobs wait on
-#      heartbeat deadlines; each part fills the other's idle time.
+#      heartbeat deadlines; each part fills the other's idle time. Job tests that mostly wait
+#      (`beside_slurm`: a real Prometheus's `for:` windows) run here too: part 2 ends well
+#      before part 1.
 #
 # No test asserts a duration (speed lives in bench/ and `make faults`), so the load each part
 # adds to the other changes how long they take, not their outcome. Part 2's output is printed
@@ -28,10 +30,11 @@ trap 'kill "${slurm_pid:-}" 2>/dev/null; rm -rf "$work"' EXIT
 
 passed() { [[ $1 -eq 0 || $1 -eq 5 ]]; }
 
-"$python" -m pytest -q -m slurm --basetemp="$work/slurm" -p no:cacheprovider >"$work/slurm.log" 2>&1 &
+"$python" -m pytest -q -m "slurm or beside_slurm" --basetemp="$work/slurm" -p no:cacheprovider \
+  >"$work/slurm.log" 2>&1 &
 slurm_pid=$!
 
-"$python" -m pytest -q -n 3 --dist worksteal -m "not slurm"
+"$python" -m pytest -q -n 3 --dist worksteal -m "not slurm and not beside_slurm"
 parallel=$?
 
 wait "$slurm_pid"

@@ -24,7 +24,7 @@ import pytest
 from launch import free_port, start_job
 from support import wait_for
 
-pytestmark = pytest.mark.process
+pytestmark = [pytest.mark.process, pytest.mark.beside_slurm]  # 80 s, mostly waiting
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "src" / "ftrun" / "observe" / "prometheus" / "ftrun-alerts.yml"
