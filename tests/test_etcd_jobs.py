@@ -44,7 +44,6 @@ def test_a_job_on_etcd_restarts_after_a_crash_as_on_tcpstore(tmp_path: Path, etc
     assert [f["key"].split(":")[0] for f in job.failures()] == ["exception"]
 
 
-@pytest.mark.beside_slurm  # mostly waiting on deadlines: see tests/run-suite.sh
 def test_etcd_members_lost_while_training_and_while_meeting(tmp_path: Path, etcd_cluster: Any):
     # Cycle 0 trains while the member launcher 0 uses dies; rank 1 raises at step 60, and the
     # next member dies as the nodes meet again (the first is back by then: two of three keep
@@ -72,7 +71,6 @@ def test_etcd_members_lost_while_training_and_while_meeting(tmp_path: Path, etcd
         assert len([line for line in said if member.endpoint in line]) <= 2 * len(job.nodes)
 
 
-@pytest.mark.beside_slurm  # mostly waiting on deadlines: see tests/run-suite.sh
 def test_the_etcd_leader_lost_then_the_whole_cluster_restarted(tmp_path: Path, etcd_cluster: Any):
     # The leader dies while the job trains (an election under the launchers' requests), comes
     # back; then all three members die at once and start again on their data (a whole store

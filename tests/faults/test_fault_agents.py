@@ -107,7 +107,6 @@ def survivor_exits(fault: Fault, job: Job, survivor: Node, killed_at: float) -> 
     fault.time(exits[0]["ts"] - killed_at, "agent killed to survivor exited")
 
 
-@pytest.mark.beside_slurm  # mostly waiting on deadlines: see tests/run-suite.sh
 def test_agent_sigkill_on_a_non_store_node(fault: Fault):
     """Gloo workers: the survivor's rank fails when its peer's rank dies with its agent; the
     restart's rendezvous then times out (join_timeout=3) and the survivor exits 1. The same on
