@@ -74,11 +74,15 @@ class FilteredCopy:
             self._fd = None
 
 
+NOT_OPEN, GIVEN_UP = -2, -1
+"""`append_log`'s descriptors that are no file: to open at the first call; failed, never again."""
+
+
 def append_log(fd: int, path: Path, data: bytes) -> int:
-    """Append `data` to the log file open as `fd` (-2: not yet open); the fd to use next, -1
-    once the file failed (then nothing more is written to it)."""
+    """Append `data` to the log file open as `fd` (`NOT_OPEN`: open it first); the fd to use
+    next, `GIVEN_UP` once the file failed (one warning; nothing more is written to it)."""
     try:
-        if fd == -2:
+        if fd == NOT_OPEN:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         while data and fd >= 0:
             data = data[os.write(fd, data) :]
@@ -86,5 +90,5 @@ def append_log(fd: int, path: Path, data: bytes) -> int:
         log.warning("worker output is no longer written to %s: %s", path, e.strerror or e)
         if fd >= 0:
             os.close(fd)
-        return -1
+        return GIVEN_UP
     return fd

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from ftrun.agent.exits import Ending, ExitWaiter
-from ftrun.agent.output import FilteredCopy, append_log, filtered_log
+from ftrun.agent.output import NOT_OPEN, FilteredCopy, append_log, filtered_log
 from ftrun.agent.placement.binding import prepare_binding
 from ftrun.agent.termination import die_with_parent
 from ftrun.config.agent import AgentConfig, Std
@@ -231,7 +231,7 @@ def _pump(
     cannot be written (a full disk) is given up with one warning; the stream is still read to
     its end (a worker must never block on a full pipe) and the console still gets it."""
     out = console.buffer if show else None
-    log_fd = append_log(-2, path, b"")
+    log_fd = append_log(NOT_OPEN, path, b"")
     with stream, FilteredCopy(filtered, filters, prefix) as copy:
         for line in iter(stream.readline, b""):
             log_fd = append_log(log_fd, path, line)

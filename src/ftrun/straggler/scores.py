@@ -64,7 +64,9 @@ class History:
 
     def score(self, rank: int, section: str, gpu: bool, median: float) -> float | None:
         """This interval's score (None while the history is short), then remember `median`."""
-        past = self._past.setdefault((rank, section, gpu), collections.deque(maxlen=self.length))
+        past = self._past.get((rank, section, gpu))
+        if past is None:  # not setdefault: a deque built per call, ranks x sections a report
+            past = self._past[rank, section, gpu] = collections.deque(maxlen=self.length)
         score = None
         if len(past) >= self.min_intervals and median > 0:
             score = low_quantile(past, self.quantile) / median

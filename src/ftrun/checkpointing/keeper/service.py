@@ -146,7 +146,11 @@ class KeeperService(NodeService):
         choice = decision.choice(session, rnd.world_size)
         mine = range(rnd.first_global_rank, rnd.first_global_rank + rnd.me.local_world_size)
         wanted = [PartKey(choice.iteration, r, choice.world_size) for r in mine]
-        missing = [k.rank for k in wanted if k.iteration >= 0 and not self.tier.has(session, k)]
+        missing = (
+            []
+            if choice.iteration < 0
+            else [k.rank for k in wanted if not self.tier.has(session, k)]
+        )
         if missing:  # cannot happen when every node follows the protocol: say so loudly
             log.error("checkpoint keeper: session %s: iteration %d was agreed but ranks %s "
                       "have no part here: they restore nothing", session, choice.iteration,
