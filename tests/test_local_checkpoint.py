@@ -481,7 +481,7 @@ def test_node_memory_parts_reuse_the_retired_parts_memory(tmp_path: Path, monkey
     for iteration in range(1, 5):
         manager.save({"w": torch.full((1000,), float(iteration)), "i": iteration}, iteration)
         inodes.append((session / f"iter_{iteration:07d}" / "rank0-of1.ftckpt").stat().st_ino)
-    recycled = session / ".recycled-rank0-of1.ftckpt"
+    recycled = session / ".recycled-rank0-of1.ftckpt.0"
     assert recycled.exists() and len(set(inodes)) == 2  # two files take turns
     state, ckpt = manager.load()
     assert ckpt.iteration == 4 and float(state["w"][0]) == 4.0 and state["i"] == 4
@@ -489,6 +489,30 @@ def test_node_memory_parts_reuse_the_retired_parts_memory(tmp_path: Path, monkey
     assert float(state["w"][0]) == 4.0  # the loaded view still reads what it loaded
     assert not (session / "iter_0000004").exists()
     assert manager.load()[0]["i"] == 5
+
+
+def test_warmed_memory_is_what_the_next_saves_write_into(tmp_path: Path, monkeypatch) -> None:
+    """`warm_up` makes the files the next saves rotate through (a previous process's recycled
+    file first), mapped: those saves make no file of their own, and read back intact."""
+    monkeypatch.setenv("FTRUN_CKPT_DIR", str(tmp_path / "node"))
+    session = tmp_path / "node" / "s"
+    session.mkdir(parents=True)
+    left = session / ".recycled-rank0-of1.ftckpt"  # a previous process's (the old name)
+    left.write_bytes(b"x" * 10)  # too small for the state: replaced
+    manager = LocalCheckpointManager(tmp_path / "disk", session_id="s", keep_complete=2)
+    state = {"w": torch.zeros(100_000)}
+    manager.warm_up(state, 0, parts=3)
+    assert manager.wait() is None
+    warmed = {p.stat().st_ino for p in session.glob(".recycled-*")}
+    assert len(warmed) == 3 and not left.exists()
+    inodes = set()
+    for iteration in range(1, 8):
+        manager.save({"w": torch.full((100_000,), float(iteration))}, iteration, overlap=True)
+        manager.fence()
+        manager.wait()
+        inodes.add((session / f"iter_{iteration:07d}" / "rank0-of1.ftckpt").stat().st_ino)
+    assert inodes == warmed  # the three warmed files take turns, nothing else was made
+    assert float(manager.load()[0]["w"][0]) == 7.0
 
 
 @pytest.mark.parametrize("recycle", [False, True])

@@ -57,6 +57,28 @@ def test_a_fresh_process_restores_the_newest_step_bit_equal_and_goes_on_the_same
     assert same(tensors(model2, optimizer2), tensors(model, optimizer))
 
 
+def test_saves_after_the_first_and_after_a_restore_write_into_memory_made_ahead(tmp_path: Path):
+    """No save but a process's first waits for new memory: the files the saves rotate
+    through are made in the background after it, or after a restore; every later part is
+    one of them."""
+    model, optimizer = trainer()
+    state = {"model": model, "optimizer": optimizer}
+    for life in range(2):
+        snapshot = StepSnapshot(tmp_path)
+        start = snapshot.restore(state)
+        snapshot.wait()  # the memory made after the restore (the second life)
+        files = {p.stat().st_ino for p in tmp_path.glob("step-snapshots/.recycled-*")}
+        inodes = set()
+        for step in range(start + 1, start + 7):
+            train_step(model, optimizer, step)
+            assert snapshot.save(state, step)
+            snapshot.wait()
+            if life or step > 1:  # the first life's first part is a file of its own
+                inodes.add(next(tmp_path.glob(f"step-snapshots/iter_*{step}/*")).stat().st_ino)
+        assert len(inodes) == 3 and (not life or inodes == files), life
+        snapshot.close()
+
+
 def test_nothing_saved_restores_step_zero_and_leaves_the_state(tmp_path: Path):
     model, optimizer = trainer()
     before = tensors(model, optimizer)

@@ -120,7 +120,13 @@ class LocalCheckpointManager:
             )
 
     def save(
-        self, state_dict: Any, iteration: int, is_async: bool = False, *, overlap: bool = False
+        self,
+        state_dict: Any,
+        iteration: int,
+        is_async: bool = False,
+        *,
+        overlap: bool = False,
+        warm: int = 0,
     ) -> AsyncRequest | None:
         """Write this rank's part of `iteration`; with `is_async`, NVRx's `AsyncRequest` for
         the write in flight (schedule it on an `AsyncCallsQueue`, as NVRx's examples do, or
@@ -140,7 +146,7 @@ class LocalCheckpointManager:
         the background thread flattens, maps and copies (CUDA tensors on a side stream, as of
         this call, into page-locked node memory: see `overlapped`). The caller must not change
         the saved tensors in place before `fence()` (`StepSnapshot` calls it from the
-        optimizer's step).
+        optimizer's step). `warm` (with `overlap`): then `warm_up` for the next `warm` saves.
         """
         if type(iteration) is not int or iteration < 0:
             raise CheckpointUsageError(f"iteration must be a non-negative int, not {iteration!r}")
@@ -156,7 +162,7 @@ class LocalCheckpointManager:
             copy = OverlappedCopy()
             job = self._in_background(
                 iteration,
-                lambda: self._commit(key, copy.prepare(self._store, key, payload, metadata)),
+                lambda: self._save_overlapped(key, copy, payload, metadata, warm),
                 copy.abandon,
             )
             self._copy = copy
@@ -167,6 +173,32 @@ class LocalCheckpointManager:
             self._in_flight = job
         self._note_stall(key, started)
         return AsyncRequest(self._join, (job,), [])
+
+    def warm_up(self, state_dict: Any, iteration: int, parts: int) -> None:
+        """Make node memory for this rank's next `parts` saves of states like `state_dict` in
+        the background (mapped, page-locked for CUDA tensors; see `recycled`), so that none of
+        them waits for new memory; `saving` holds meanwhile. `StepSnapshot` calls it."""
+        self.wait()
+        key = PartKey(iteration, *rank_and_world_size())
+        payload, metadata = _unwrap(state_dict)
+        self._in_flight = self._in_background(
+            iteration, lambda: self._warm(key, payload, metadata, parts), _no_undo
+        )
+
+    def _warm(self, key: PartKey, payload: Any, metadata: dict[str, str], parts: int) -> None:
+        warm = getattr(self._store, "warm", None)  # a store of node memory has it
+        if parts and warm is not None:
+            try:
+                warm(key, payload, metadata, parts)
+            except OSError as e:  # the saves then make their own files, as without it
+                logger.warning("[rank %d] could not prepare memory for saves: %s", key.rank, e)
+
+    def _save_overlapped(
+        self, key: PartKey, copy: OverlappedCopy, payload: Any, metadata: dict[str, str], warm: int
+    ) -> PartInfo:
+        info = self._commit(key, copy.prepare(self._store, key, payload, metadata))
+        self._warm(key, payload, metadata, warm)
+        return info
 
     def _note_stall(self, key: PartKey, started: float) -> None:
         """Under ft_launcher, how long this save blocked the caller, for the agent's live view."""
@@ -295,7 +327,7 @@ class LocalCheckpointManager:
 
     @staticmethod
     def _in_background(
-        iteration: int, work: Callable[[], PartInfo], undo: Callable[[], None]
+        iteration: int, work: Callable[[], PartInfo | None], undo: Callable[[], None]
     ) -> Aside[PartInfo]:
         try:
             # Not a daemon: a save the caller was told had started completes before exit.
@@ -364,6 +396,10 @@ class LocalCheckpointManager:
             self.wait()
         except CheckpointError as e:
             logger.error("the background save failed: %s", e)
+
+
+def _no_undo() -> None:
+    pass
 
 
 def _joined(job: Aside[PartInfo]) -> PartInfo:

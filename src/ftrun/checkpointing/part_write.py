@@ -51,7 +51,7 @@ import torch
 
 from ftrun.checkpointing import pinning
 from ftrun.checkpointing.errors import CheckpointUsageError, CheckpointWriteError
-from ftrun.checkpointing.flatten import flatten
+from ftrun.checkpointing.flatten import Flat, flatten
 from ftrun.checkpointing.format import TMP_MARK, PartInfo, checksums
 from ftrun.checkpointing.layout import (
     KEY_ITERATION,
@@ -206,8 +206,7 @@ def prepare_part(
     if type(iteration) is not int or iteration < 0:
         raise CheckpointUsageError(f"iteration must be a non-negative int, not {iteration!r}")
     path = Path(path)
-    flat = flatten(state)
-    layout = plan(flat.tensors, json.dumps(flat.skeleton, allow_nan=False), iteration, metadata)
+    flat, layout = planned(state, iteration, metadata)
     tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}")
     fd, mapping = -1, None
     try:
@@ -230,6 +229,14 @@ def prepare_part(
         raise
     uncopied = flat.tensors if defer_copy else ()
     return PendingPart(path, tmp, fd, mapping, layout, keep_mapping, uncopied)
+
+
+def planned(
+    state: Any, iteration: int, metadata: Mapping[str, str] | None = None
+) -> tuple[Flat, Layout]:
+    """`state` taken apart, and the layout of its part."""
+    flat = flatten(state)
+    return flat, plan(flat.tensors, json.dumps(flat.skeleton, allow_nan=False), iteration, metadata)
 
 
 def _copy_into(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:

@@ -16,6 +16,9 @@ written with `overlap`:
   that changes saved tensors in place outside an optimizer step calls `fence()` first.
 - A save that finds the previous one still in the background is skipped (`skipped` counts them):
   the newest snapshot is then a step older, but the training never waits for node memory.
+  Nor for new memory: the files the saves rotate through are made (mapped, page-locked) in the
+  background after a restore, or after a process's first save (a new file costs ~7x its copy;
+  a 1.7 GB one page-locked for a GPU's copies about a second); saves due meanwhile are skipped.
 - Where each copy lives: the part is a file in node memory, so it outlives the rank's process.
   Under ft_launcher that memory is the agent's (`FTRUN_CKPT_DIR`), which keeps it across the
   workers' restarts, replicates it to the agents of another node's ranks (one clique per rank
@@ -63,6 +66,7 @@ from ftrun.environment import Env
 logger = logging.getLogger(__name__)
 
 SESSION = "step-snapshots"
+KEEP_COMPLETE = 2
 
 
 class StepSnapshot:
@@ -84,6 +88,7 @@ class StepSnapshot:
         self.stalls: list[float] = []
         """Seconds each taken save held the caller."""
         self._sharded: bool | None = None  # whether the first save found DTensors
+        self._warm = False  # whether this process made its saves' memory (`warm_up`)
         under_agent = Env.CKPT_DIR in os.environ
         # Under the agent the parts go to its node memory (nothing persisted under `root`):
         # no directory of our own to make.
@@ -92,7 +97,7 @@ class StepSnapshot:
             root,
             SESSION,
             _clique_across_nodes() if replicate else None,
-            keep_complete=2,
+            keep_complete=KEEP_COMPLETE,
             # The agent's store reuses retired parts' page-locked files; so does this one
             # elsewhere, or every save would map (and not pin) a new file.
             store=None if under_agent else DirectoryStore(root / SESSION, recycle=True),
@@ -114,7 +119,10 @@ class StepSnapshot:
             found: list[bool] = []
             saved = _local(saved, found)
             self._sharded = bool(found)
-        self._manager.save(saved, step, overlap=True)
+        # The first save of a process makes its own file, then the rotation's others.
+        warm = 0 if self._warm else KEEP_COMPLETE
+        self._warm = True
+        self._manager.save(saved, step, overlap=True, warm=warm)
         self.stalls.append(time.perf_counter() - started)
         self.taken += 1
         return True
@@ -148,6 +156,10 @@ class StepSnapshot:
             else:
                 state[key] = restored
         logger.info("restored the step snapshot of step %d", step)
+        if not self._warm:  # the memory of the saves to come, while training resumes
+            self._warm = True
+            saved = _local({key: _state_of(value) for key, value in state.items()})
+            self._manager.warm_up(saved, step, parts=KEEP_COMPLETE + 1)
         return step
 
     def fence(self) -> None:

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from ftrun.checkpointing import pinning
 from ftrun.checkpointing.errors import CheckpointCorruptError, CheckpointWriteError
 from ftrun.checkpointing.format import PartInfo, read_info, read_part
-from ftrun.checkpointing.part_write import PendingPart, prepare_part
+from ftrun.checkpointing.part_write import PendingPart, planned, prepare_part
 from ftrun.checkpointing.read_into import read_part_into
 from ftrun.checkpointing.recycled import RecyclePool
 
@@ -33,6 +34,8 @@ CORRUPT_SUFFIX = ".corrupt"
 _ITERATION_DIR = re.compile(r"iter_(\d{7,})")
 _CREATE_ATTEMPTS = 3
 """How many times a part's directory is made again when another rank removed it meanwhile."""
+_WARM_SLACK = 1 << 16
+"""Bytes a warmed file has beyond the part it was sized for: later headers may be longer."""
 
 
 @dataclass(frozen=True, order=True)
@@ -101,8 +104,8 @@ class DirectoryStore:
     """Parts as files under `root` (see the module docstring for the layout).
 
     With `recycle` (node memory under ft_launcher), a removed part's file is not deleted but
-    kept out of sight as `.recycled-<part name>` (one per rank) and written again by the next save
-    of that rank, still mapped: the save's copy then costs a memcpy, not a new file's page
+    kept out of sight as `.recycled-<part name>.<n>` and written again by a later save of that
+    rank, still mapped: the save's copy then costs a memcpy, not a new file's page
     allocation (see `part_write`). A part this process read is never recycled (its readers map it).
     """
 
@@ -150,6 +153,17 @@ class DirectoryStore:
 
     def write(self, key: PartKey, state: Any, metadata: Mapping[str, str]) -> PartInfo:
         return self.prepare(key, state, metadata).commit()
+
+    def warm(self, key: PartKey, state: Any, metadata: Mapping[str, str], count: int) -> None:
+        """With `recycle`: `count` files mapped for this rank's next parts like `state`'s,
+        ahead of its saves (see `recycled`)."""
+        if self._recycled is None:
+            return
+        flat, layout = planned(state, key.iteration, metadata)
+        devices = pinning.cuda_devices(flat.tensors)
+        size = layout.total + _WARM_SLACK
+        name = part_file_name(key.rank, key.world_size)
+        self._recycled.warm(name, size, count, devices[0] if devices else None)
 
     def read(self, key: PartKey, verify: bool = True, into: Any = None) -> tuple[Any, PartInfo]:
         if into is not None:  # always verified: the check rides along with the one read
