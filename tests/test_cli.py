@@ -679,8 +679,10 @@ def fake_agent(monkeypatch: pytest.MonkeyPatch, run_node: Any) -> None:
 
 
 def test_main_runs_the_node_with_the_config(
-    monkeypatch: pytest.MonkeyPatch, restore_logging: None
+    monkeypatch: pytest.MonkeyPatch, restore_logging: None, tmp_path: Path
 ) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").touch()  # a script that is not there is a usage error
     seen: list[LaunchConfig] = []
     fake_agent(monkeypatch, lambda config: seen.append(config) or ExitCode.PREEMPTED)
     with pytest.raises(SystemExit) as info:
@@ -691,14 +693,18 @@ def test_main_runs_the_node_with_the_config(
 
 
 def test_main_turns_ftrun_errors_into_their_exit_code(
-    monkeypatch: pytest.MonkeyPatch, restore_logging: None
+    monkeypatch: pytest.MonkeyPatch, restore_logging: None, tmp_path: Path
 ) -> None:
     def run_node(config: LaunchConfig) -> ExitCode:
         raise FtrunError("spent")
 
     fake_agent(monkeypatch, run_node)
     with pytest.raises(SystemExit) as info:
-        cli.main(["x"])
+        cli.main([str(tmp_path)])  # a directory is no script: a usage error, checked first
+    assert info.value.code == ExitCode.USAGE
+    (tmp_path / "x").touch()
+    with pytest.raises(SystemExit) as info:
+        cli.main([str(tmp_path / "x")])
     assert info.value.code == ExitCode.FAILED
 
 

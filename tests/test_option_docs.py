@@ -134,6 +134,18 @@ def test_a_missing_block_is_one_line_and_exit_2(
     assert page.read_text(encoding="utf-8") != good[page]
 
 
+def test_the_readme_claims_what_the_torchrun_declarations_say() -> None:
+    """"Every torchrun flag" (each is declared: test_cli.py; each in options.md: above) with the
+    ways one can go that some declaration takes: honoured, ignored with a warning, refused."""
+    readme = (docs.ROOT / "README.md").read_text(encoding="utf-8")
+    (claim,) = [part for part in readme.split("\n\n") if "every torchrun flag" in part]
+    claim = " ".join(claim.split())
+    assert "options.md#torchrun-options" in claim
+    assert ("ignored" in claim) == any(opt.ignored for opt in TORCHRUN_OPTIONS)
+    assert ("refused" in claim) == any(opt.rejected for opt in TORCHRUN_OPTIONS)
+    assert "works" not in claim
+
+
 def test_help_shows_the_same_descriptions() -> None:
     flat = "".join(help_text().split())  # click wraps lines, also at hyphens
     for opt in OPTIONS:

@@ -17,7 +17,7 @@ class ExitCode(enum.IntEnum):
     FAILED = 1
     """The in-job restart budget is spent (or the job cannot go on); relaunching may help."""
     USAGE = 2
-    """A bad flag, YAML file or environment value; relaunching will not help."""
+    """A bad flag, YAML file, environment value or script path; relaunching will not help."""
     DO_NOT_RELAUNCH = 3
     """Retrying is pointless (unhealthy node, a worker's ShutdownWorkload request): do not
     relaunch."""

@@ -6,9 +6,12 @@ status 2 (`ExitCode.USAGE`); `--help` prints the option reference and exits 0.
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import queue
+import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
@@ -35,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             sys.stdout.write(help_text())
             sys.exit(ExitCode.SUCCESS)
         config = config_from(line, os.environ)
+        _check_entrypoint(config.agent.entrypoint, os.environ)
         _make_log_dir(config)
     except ConfigError as err:
         _usage_error(str(err))
@@ -68,6 +72,33 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         if fork_server is not None:
             fork_server.close()  # the runtime closed it already, unless it never got that far
     _leave(code)
+
+
+def _check_entrypoint(command: Sequence[str], environ: Mapping[str, str]) -> None:
+    """A script, module or program the workers cannot find is a usage error now, before any
+    worker starts: else every rank fails to open it and the job spends its restart budget."""
+    python = environ.get("PYTHON_EXEC") or sys.executable
+    if command[0] != python or command[1:2] != ("-u",):  # --no-python: a program
+        if shutil.which(command[0]) is None:
+            raise ConfigError(f"{command[0]}: no such program (--no-python)")
+    elif command[2] != "-m":
+        if not os.path.isfile(command[2]):
+            raise ConfigError(f"{command[2]}: no such file (SCRIPT, which every worker runs)")
+    elif "PYTHON_EXEC" not in environ and not _module_found(command[3]):
+        raise ConfigError(f"--module {command[3]}: no such module here (python -m finds none)")
+
+
+def _module_found(name: str) -> bool:
+    """Whether `python -m name` in this directory would find it, without running its code."""
+    top, *rest = name.split(".")
+    spec = importlib.machinery.PathFinder.find_spec(top, [os.getcwd()])
+    spec = spec or importlib.util.find_spec(top)  # a top-level name runs nothing
+    for depth in range(len(rest)):
+        if spec is None or spec.submodule_search_locations is None:
+            return False
+        full = ".".join([top, *rest[: depth + 1]])
+        spec = importlib.machinery.PathFinder.find_spec(full, spec.submodule_search_locations)
+    return spec is not None
 
 
 def _make_log_dir(config: LaunchConfig) -> None:

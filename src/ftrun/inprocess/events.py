@@ -76,7 +76,8 @@ class AgentReports:
     def recovered(self, iteration: int, causes: list[Interruption], seconds: float) -> None:
         first = root_cause(causes)
         cause = f"{first.kind} on rank {first.rank}: {first.why}" if first else "unknown"
-        if (first is not None and first.rank == self.rank) or self.rank == 0:
+        alone = self._sender is None  # under a launcher its agent says it, once a node
+        if alone and ((first is not None and first.rank == self.rank) or self.rank == 0):
             log.warning("in-process restart: iteration %d -> %d after %s (ready in %.3fs)",
                         iteration, iteration + 1, cause, seconds)  # fmt: skip
         # The report's seconds: from the fault (its record's time) to every rank ready.

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import logging
 import os
 import queue
 import shutil
@@ -51,6 +52,8 @@ from ftrun.rendezvous.factory import NodeRendezvous, create_rendezvous
 from ftrun.rendezvous.ranks import NodeDescriptor, Round, infra_rank_from_env
 from ftrun.services import NodeServices, ServiceContext, ServiceFactory
 from ftrun.store.connect import another_client, connect_store
+
+log = logging.getLogger("ftrun.agent")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -142,6 +145,8 @@ def open_runtime(
     whether the launcher got a signal (a wait for a restarting store gives up then)."""
     host, node = config.this_node(environ)
     log_dir = config.agent.log_dir or Path(tempfile.mkdtemp(prefix="ftrun-logs-"))
+    if config.agent.log_dir is None:
+        log.info("logs and events in %s (--log-dir not given)", log_dir)
     with contextlib.ExitStack() as stack:
         if fork_server is not None:
             stack.callback(fork_server.close)

@@ -104,6 +104,10 @@ class InprocessLink(NodeService):
         self._restarts.append(time.monotonic())
         self._causes.append(cause_text(report.cause))
         cause = report.cause or Interruption(None, "?", "", 0.0)
+        who = "" if cause.rank is None else f" on rank {cause.rank}"
+        log.warning("in-process restart: iteration %d -> %d after %s%s: %s (all ready %ss after "
+                    "it)", report.iteration, report.iteration + 1, cause.kind, who,
+                    cause.why[:300], report.seconds)  # fmt: skip
         self._emit("inprocess_recovered", iteration=report.iteration, kind=cause.kind,
                    from_rank=cause.rank, why=cause.why[:300], seconds=report.seconds)  # fmt: skip
 
