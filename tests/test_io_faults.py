@@ -35,6 +35,7 @@ from ftrun.checkpointing import (
 from ftrun.checkpointing.persist import copy_part
 from ftrun.eventlog.writer import EventLog
 from ftrun.rank_monitor import HangKind, Verdict
+from support import wait_for
 
 ERRORS = (errno.ENOSPC, errno.EIO, errno.EDQUOT, SHORT)
 # DCP warns that it saves in one process when torch.distributed is not initialized.
@@ -112,8 +113,8 @@ def cases(
 
 
 def test_each_write_of_a_step_snapshot_fails_in_turn(tmp_path: Path) -> None:
-    """In the background: the error is raised by the next `wait()` (or `save()`), once; the
-    next snapshot is taken and restores."""
+    """In the background: the error is raised by the next `wait()`, once; the next snapshot
+    is taken and restores."""
 
     def snapshot_calls(root: Path) -> list[tuple[str, str]]:
         snapshot = StepSnapshot(root)
@@ -145,6 +146,25 @@ def test_each_write_of_a_step_snapshot_fails_in_turn(tmp_path: Path) -> None:
         snapshot.close()
         into = state(0)
         assert StepSnapshot(root).restore(into) == 3 and same(into, 3), where
+
+
+def test_a_failed_step_snapshot_is_said_and_the_training_goes_on(tmp_path, caplog) -> None:
+    """A save whose background write fails (node memory full) does not stop the script: the
+    next `save()` logs it, counts it, and is taken; the newest complete snapshot stays."""
+    snapshot = StepSnapshot(tmp_path)
+    assert snapshot.save(state(1), 1)
+    snapshot.wait()
+    with FaultyFS(tmp_path, fail_at=0, error=errno.ENOSPC):
+        assert snapshot.save(state(2), 2)
+        wait_for(lambda: not snapshot._manager.saving, 30, "the failing background write")
+    into = state(0)
+    assert StepSnapshot(tmp_path).restore(into) == 1 and same(into, 1)
+    with caplog.at_level(WARNING, logger="ftrun.checkpointing.snapshot"):
+        assert snapshot.save(state(3), 3)
+    assert snapshot.failed == 1 and "a step snapshot failed" in caplog.text
+    snapshot.close()
+    into = state(0)
+    assert StepSnapshot(tmp_path).restore(into) == 3 and same(into, 3)
 
 
 @single_process

@@ -14,6 +14,9 @@ written with `overlap`:
   `step()` until then (a global step pre-hook calling `LocalCheckpointManager.fence`: the host
   copies are waited for; for the device copies the current stream waits, not the host). Code
   that changes saved tensors in place outside an optimizer step calls `fence()` first.
+- A save whose background write failed (node memory full, say) is logged and counted
+  (`failed`); the newest complete snapshot stays, and the next save is tried: a snapshot's
+  failure never stops the training (`wait()` and `close()` do raise it).
 - A save that finds the previous one still in the background is skipped (`skipped` counts them):
   the newest snapshot is then a step older, but the training never waits for node memory.
   Nor for new memory: the files the saves rotate through are made (mapped, page-locked) in the
@@ -56,7 +59,11 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ftrun.checkpointing.errors import CheckpointNotFoundError, CheckpointUsageError
+from ftrun.checkpointing.errors import (
+    CheckpointNotFoundError,
+    CheckpointUsageError,
+    CheckpointWriteError,
+)
 from ftrun.checkpointing.manager import LocalCheckpointManager
 from ftrun.checkpointing.peer_restore import restore_from_peer
 from ftrun.checkpointing.replication import CliqueReplicationStrategy
@@ -85,6 +92,8 @@ class StepSnapshot:
         self.every = every
         self.taken = 0
         self.skipped = 0
+        self.failed = 0
+        """Saves whose background write failed (said in the log; the next one is tried)."""
         self.stalls: list[float] = []
         """Seconds each taken save held the caller."""
         self._sharded: bool | None = None  # whether the first save found DTensors
@@ -113,6 +122,11 @@ class StepSnapshot:
         if self._manager.saving:
             self.skipped += 1
             return False
+        try:
+            self._manager.wait()
+        except CheckpointWriteError as e:  # node memory full, say: the training goes on
+            self.failed += 1
+            logger.warning("a step snapshot failed (%s); the newest one stays, trying again", e)
         started = time.perf_counter()
         saved = {key: _state_of(value) for key, value in state.items()}
         if self._sharded is not False:  # a walk of the state, needed only where DTensors are
