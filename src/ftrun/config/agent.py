@@ -136,7 +136,8 @@ class HealthCheckConfig:
     gpu: bool = True
     """Check GPUs through NVML when present (skipped, with a log line, when there are none)."""
     nvlink: bool = False
-    """Also require every NVLink the GPUs report to be up."""
+    """Also require every NVLink the GPUs report to be up; while training, also watch their
+    error counters (`node_services.nvlink_window`)."""
     storage_paths: tuple[str, ...] = ()
     storage_timeout: float = 10.0
     command: str | None = None

@@ -203,7 +203,9 @@ FT_OPTIONS: tuple[Option, ...] = (
     _ft("gpu_health_check", _default(_HEALTH, "gpu"), v.boolean,
         "Check GPUs through NVML before each rendezvous.", off_flags=True, **_ON),
     _ft("gpu_health_check_nvlink", _default(_HEALTH, "nvlink"), v.boolean,
-        "Also require every NVLink to be up (part of the GPU check).", **_ON),
+        "Also require every NVLink to be up (part of the GPU check); while training, a link "
+        "that goes down, or whose error counters (replay, recovery) rise in more than 15 of "
+        "the last 30 minutes (NVRx's NVLinkWindowHealthCheck), is a fault.", **_ON),
     _ft("enable_nic_healthcheck", _default(_HEALTH, "nic"), v.boolean,
         "Check every InfiniBand port in sysfs before each rendezvous: state ACTIVE, physical "
         "state LinkUp, and no link_downed increase since this launcher's previous check (a "
