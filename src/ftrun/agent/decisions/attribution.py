@@ -232,7 +232,7 @@ _NVRX_STOP_SIGNALS = {"SIGSEGV": "a segmentation fault", "SIGABRT": "an abort",
 
 
 def nvrx_stop(sig: Signature) -> str:
-    """Why NVRx 0.7's attribution would answer `sig` with STOP ("STOP - DONT RESTART IMMEDIATE");
+    """Why NVRx 0.7's attribution would answer `sig` with STOP (its RECOMMENDATION_STOP);
     "" where it restarts. Its answers by fault type (`_RESTART_TABLE` of NVRx's
     skills/nvrx-attr/scripts/score_attribution.py): STOP for an application exception, a GPU
     error, a segmentation fault, an OS abort and a SIGKILL; RESTART for a hang, SIGTERM, SIGINT
