@@ -435,7 +435,7 @@ def finish(ns: argparse.Namespace, environ: Mapping[str, str]) -> int:
     record = scontrol_job(job_id) if job_id else {}
     ending = job_ending(record) if record else JobEnding.RUNNING
     so_far = relaunch_count(history)
-    no_restart = no_restart_code(ns.args)
+    no_restart = no_restart_code([*shlex.split(environ.get("FTRUN_LAUNCHER", "")), *ns.args])
     decision = decide(codes, finished, so_far, ns.max_relaunches, ending, no_restart)
     entry = {
         "run": len(history),
