@@ -22,6 +22,8 @@
 #   compile-warm (500) gpu_compare, a compiled model's second job on one GPU, ftrun and torchrun
 #   compare-2x2  (400) gpu_compare, two launchers x 2 GPUs
 #   scale        (350) rendezvous rounds at 1,024 and 4,096 nodes, then 16,384, both stores
+#   nvlink       (10)  the health watch's NVLink check once on every GPU: links, counters, verdict
+#                      (bench/monitor/nvlink_check.py; "no NVLink" where the GPUs have none)
 set -u
 . bench/device_setup.sh >/dev/null || exit 1
 OUT=${OUT:-/tmp/out}
@@ -111,6 +113,9 @@ for step in "$@"; do
         timeout 240 python3 -m bench.rendezvous.rendezvous_scale --nodes 16384 --impl barrier \
             --backend both --repeats 1 --cap 150 --threads-per-proc 128 --keep-going \
             --floor-calls 0 2>&1 | grep -v "does not answer" | tail -40
+        ;;
+    nvlink)
+        timeout 60 python3 -m bench.monitor.nvlink_check --seconds 5
         ;;
     *)
         echo "unknown step: $step" >&2

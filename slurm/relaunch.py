@@ -99,16 +99,35 @@ class Decision:
     exit_code: int
 
 
-def run_exit_code(codes: Sequence[int | None], finished: bool | None) -> int:
+_NO_RESTART_FLAGS = ("--ft-no-restart-exit-code", "--ft_no_restart_exit_code",
+                     "--ft-no_restart_exit_code")  # fmt: skip
+
+
+def no_restart_code(args: Sequence[str]) -> int | None:
+    """The launchers' `--ft-no-restart-exit-code N` (NVRx's: their exit status for 4 and 6, a
+    refusal to relaunch) in the batch script's arguments, `=N` or `N`; None if not given. The
+    first wins: the launcher's options come before the script's arguments."""
+    for index, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag in _NO_RESTART_FLAGS:
+            value = value if eq else "".join(args[index + 1 : index + 2])
+            return int(value) if value.strip().isdigit() else None
+    return None
+
+
+def run_exit_code(
+    codes: Sequence[int | None], finished: bool | None, no_restart: int | None = None
+) -> int:
     """The batch script's exit status: 0 when finished, else the most telling launcher code.
 
     A missing code (launcher killed, node lost) counts as FAILED. Known codes rank by
-    `_SEVERITY`; any other non-zero code (e.g. 137, killed by SIGKILL) comes after them.
+    `_SEVERITY`, after `no_restart` (`--ft-no-restart-exit-code`); any other non-zero code
+    (e.g. 137, killed by SIGKILL) comes after them.
     """
     if finished:
         return SUCCESS
     known = [FAILED if c is None else c for c in codes]
-    for code in _SEVERITY:
+    for code in ((no_restart,) if no_restart else ()) + _SEVERITY:
         if code in known:
             return code
     return max(known, default=SUCCESS)
@@ -134,6 +153,7 @@ def decide(
     relaunches_so_far: int,
     max_relaunches: int,
     ending: JobEnding = JobEnding.RUNNING,
+    no_restart: int | None = None,
 ) -> Decision:
     """Relaunch or stop after one run of the job.
 
@@ -146,12 +166,12 @@ def decide(
     In order: finished -> stop; Slurm cancelling the job -> stop; no flag used, a launcher exited
     0 and the others 0 or as nodes that left on the way (lost: no code or killed; excluded;
     unhealthy) -> stop: a launcher exits 0 only once the job's workers all finished, and spares
-    took those nodes' places; a launcher
-    saying do-not-relaunch (3), no progress (4) or usage (2) -> stop; else (1, 75, unknown or
-    missing codes, time limit, or success without the flag) relaunch while relaunches_so_far <
-    max_relaunches.
+    took those nodes' places; a launcher saying do-not-relaunch (3), no progress (4), the same
+    failure (6), usage (2) or `no_restart` (`--ft-no-restart-exit-code`, standing for 4 and 6)
+    -> stop; else (1, 75, unknown or missing codes, time limit, or success without the flag)
+    relaunch while relaunches_so_far < max_relaunches.
     """
-    code = run_exit_code(codes, finished)
+    code = run_exit_code(codes, finished, no_restart)
     if finished:
         return Decision(Action.STOP, "training finished (flag file present)", SUCCESS)
     if ending is JobEnding.CANCELLED:
@@ -160,9 +180,10 @@ def decide(
         if all(c == SUCCESS for c in codes):
             return Decision(Action.STOP, "all launchers succeeded", SUCCESS)
         return Decision(Action.STOP, f"the job succeeded ({_describe(codes)})", SUCCESS)
-    for refusal in _REFUSALS:
+    for refusal in ((no_restart,) if no_restart else ()) + _REFUSALS:
         if refusal in codes:
-            why = _CODE_NAMES[refusal]
+            why = _CODE_NAMES.get(refusal, "--ft-no-restart-exit-code: no progress or a failure "
+                                  "restarting does not cure")  # fmt: skip
             return Decision(Action.STOP, f"a launcher exited {refusal} ({why})", refusal)
     if SUCCESS in codes:
         why = "the job succeeded but the finished flag is missing"
@@ -414,7 +435,8 @@ def finish(ns: argparse.Namespace, environ: Mapping[str, str]) -> int:
     record = scontrol_job(job_id) if job_id else {}
     ending = job_ending(record) if record else JobEnding.RUNNING
     so_far = relaunch_count(history)
-    decision = decide(codes, finished, so_far, ns.max_relaunches, ending)
+    no_restart = no_restart_code([*shlex.split(environ.get("FTRUN_LAUNCHER", "")), *ns.args])
+    decision = decide(codes, finished, so_far, ns.max_relaunches, ending, no_restart)
     entry = {
         "run": len(history),
         "job_id": job_id,

@@ -45,6 +45,7 @@ SMOKES = [
     Smoke("monitor.straggler", r"measure\s+ftrun\s+target\s+NVRx"),
     Smoke("monitor.straggler_gpu", rf"straggler_gpu: {NO_CUDA}|us per call\s+alone"),
     Smoke("monitor.health_watch", rf"health_watch: {NO_CUDA}|\| reading \| median"),
+    Smoke("monitor.nvlink_check", rf"nvlink_check: {NO_CUDA}|NVLink verdict: "),
     Smoke("monitor.flight_recorder", r"\| backend \| all_reduce of 1024 floats",
           slow=OVER.format("6-14")),
     Smoke("monitor.rerun", r"\| on the training path \(CPU, one process\) \|",

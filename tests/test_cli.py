@@ -43,6 +43,7 @@ NVRX_YAML_KEYS = {
     "rdzv_impl",
     "use_infra_group_rank",
     "max_no_progress_cycles",
+    "attribution_stop_action",
     "log_level",
     "node_health_check_cmd",
     "storage_health_check_path",
@@ -523,6 +524,8 @@ EFFECTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "inprocess_abort_timeout": ((), ("--ft-inprocess-abort-timeout=5",)),
     "health_interval": ((), ("--ft-health-interval=1",)),
     "health_action": ((), ("--ft-health-action=log",)),
+    "attribution_stop_action": ((), ("--ft-attribution-stop-action=no-restart",)),
+    "no_restart_exit_code": ((), ("--ft-no-restart-exit-code=93",)),
     "store_reconnect_timeout": (
         ("--rdzv-backend=c10d", "--rdzv-endpoint=h:1", "--nnodes=2"),
         ("--ft-store-reconnect-timeout=30",),

@@ -205,7 +205,41 @@ def test_nvrx_s_bare_ignore_missing_cfg_does_not_take_the_script() -> None:
         "x.py")  # fmt: skip
 
 
+def test_nvrx_s_no_restart_options_are_honoured(tmp_path: Path) -> None:
+    agent = build_config(["--ft-attribution-stop-action", "No-Restart",
+                          "--ft_no_restart_exit_code", "93", "x.py"], {}).agent  # fmt: skip
+    assert (agent.attribution_stop_action, agent.no_restart_exit_code) == ("no-restart", 93)
+    default = build_config(["x.py"], {}).agent
+    assert (default.attribution_stop_action, default.no_restart_exit_code) == (None, None)
+    path = tmp_path / "ft.yaml"
+    for value, action in (("null", None), ("no-restart", "no-restart"), ("LOG", "log")):
+        path.write_text(f"fault_tolerance:\n  attribution_stop_action: {value}\n")
+        assert build_config([f"--ft-cfg-path={path}", "x.py"], {}).agent.attribution_stop_action \
+            == action  # fmt: skip
+    assert error_of("--ft-attribution-stop-action=stop", "x.py").startswith(
+        "--ft-attribution-stop-action: expected one of log, no-restart")  # fmt: skip
+    for taken in ("0", "1", "75", "200", "x"):  # success, relaunch me, preempted, a signal's
+        assert error_of(f"--ft-no-restart-exit-code={taken}", "x.py").startswith(
+            "--ft-no-restart-exit-code: ")  # fmt: skip
+
+
 # --- one job ------------------------------------------------------------------------------------
+
+
+@pytest.mark.process
+def test_an_attribution_stop_ends_the_job_with_the_no_restart_exit_code(tmp_path: Path) -> None:
+    """NVRx's two flags together: the first exception in the application stops the job (no
+    restart left unspent matters), and the launcher exits NVRx's 93, not 6."""
+    script = tmp_path / "bug.py"
+    script.write_text("raise ValueError('a bug, not a fault')\n")
+    flags = ["--max-restarts=5", "--ft-attribution-stop-action=no-restart",
+             "--ft-no-restart-exit-code=93"]  # fmt: skip
+    job = start_job(tmp_path, 1, flags, script=script)
+    assert job.wait(60) == [93], job.nodes[0].text()[-3000:]
+    [exit_event] = job.events("exit")
+    assert exit_event["code"] == ExitCode.REPEATED_FAILURE
+    assert "ValueError" in exit_event["why"] and "no-restart" in exit_event["why"]
+    assert len(job.events("workers_started")) == 1  # no restart
 
 
 @pytest.mark.process

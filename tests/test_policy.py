@@ -8,9 +8,10 @@ import signal
 import pytest
 
 from ftrun.agent.decisions import policy as p
+from ftrun.agent.decisions.attribution import Kind, Signature, nvrx_stop
 from ftrun.agent.decisions.policy import Action, Facts, Outcome, Policy, RestartVote
 from ftrun.agent.decisions.state import TRANSITIONS, AgentState
-from ftrun.errors import ExitCode
+from ftrun.errors import ExitCode, exit_status
 from ftrun.rank_monitor.workload import WorkloadAction
 from ftrun.rendezvous.control import Shutdown
 
@@ -268,3 +269,68 @@ def test_every_state_but_the_last_two_has_decisions() -> None:
     """The table covers each state the executor steps through."""
     decided = {state for state, _ in p._HANDLERS}
     assert decided == set(AgentState) - {S.EXITING, S.EXITED}
+
+
+# ---- NVRx's --ft-attribution-stop-action and --ft-no-restart-exit-code ---------------------------
+
+BUG = Signature(Kind.EXCEPTION, "ValueError", where="train.py:9 in step", rank=1)
+
+
+@pytest.mark.parametrize(
+    ("signature", "stops"),
+    [
+        (BUG, True),
+        (Signature(Kind.CUDA, "CUDA error: an illegal memory access was encountered"), True),
+        (Signature(Kind.SIGNAL, "SIGSEGV"), True),
+        (Signature(Kind.SIGNAL, "SIGKILL"), True),
+        (Signature(Kind.EXIT, "Segmentation fault", where="train.py:3 in f"), True),
+        (Signature(Kind.SIGNAL, "SIGTERM"), False),  # NVRx: RESTART IMMEDIATE
+        (Signature(Kind.EXCEPTION, "KeyboardInterrupt"), False),  # SIGINT
+        (Signature(Kind.HANG, "heartbeat"), False),  # a GPU sleep, a held GIL: restart
+        (Signature(Kind.NCCL, "NCCL error: unhandled system error"), False),
+        (Signature(Kind.EXIT, "exit code 3"), False),  # no error in the log: not a STOP
+        (Signature(Kind.PEER_LOST, "RuntimeError", secondary=True), False),
+        (Signature(Kind.HEALTH, "Xid 79"), False),  # --ft-health-action's
+    ],
+)
+def test_the_failures_nvrx_s_attribution_stops_on(signature: Signature, stops: bool) -> None:
+    assert bool(nvrx_stop(signature)) is stops
+
+
+def test_attribution_stop_no_restart_stops_the_job_at_the_first_such_failure() -> None:
+    stopping = Policy(max_restarts=9, attribution_stop="no-restart")
+    ended = p.WorkerEnded(rank=1, returncode=1, others_running=1, signature=BUG)
+    action = stopping.decide(S.RUNNING, ended, FACTS)  # no history: the first time
+    assert action.next_state is S.STOPPING and action.record == BUG and action.vote is None
+    assert action.shutdown is not None and action.shutdown.code is ExitCode.REPEATED_FAILURE
+    assert "ValueError" in action.shutdown.reason
+    assert "--ft-attribution-stop-action=no-restart" in action.shutdown.reason
+    # A failure NVRx restarts on restarts as before.
+    hang = p.HangsFound(ranks=(2,), pids=(7,), kind="heartbeat",
+                        signature=Signature(Kind.HANG, "heartbeat"))  # fmt: skip
+    assert stopping.decide(S.RUNNING, hang, FACTS).vote is not None
+
+
+def test_attribution_stop_log_only_logs_and_restarts() -> None:
+    ended = p.WorkerEnded(rank=1, returncode=1, others_running=1, signature=BUG)
+    assert POLICY.decide(S.RUNNING, ended, FACTS).note is None  # not set: not mentioned
+    action = Policy(max_restarts=9, attribution_stop="log").decide(S.RUNNING, ended, FACTS)
+    assert action.shutdown is None and action.vote is not None
+    assert "only logged: --ft-attribution-stop-action=log" in (action.note or "")
+
+
+@pytest.mark.parametrize(
+    ("code", "given", "status"),
+    [
+        (ExitCode.NO_PROGRESS, 93, 93),
+        (ExitCode.REPEATED_FAILURE, 93, 93),
+        (ExitCode.NO_PROGRESS, None, 4),
+        (ExitCode.FAILED, 93, 1),  # a spent budget is not a no-restart decision (NVRx: 1)
+        (ExitCode.DO_NOT_RELAUNCH, 93, 3),
+        (ExitCode.PREEMPTED, 93, 75),
+    ],
+)
+def test_no_restart_exit_code_replaces_nvrx_s_two_no_restart_causes(
+    code: ExitCode, given: int | None, status: int
+) -> None:
+    assert exit_status(code, given) == status

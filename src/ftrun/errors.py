@@ -27,7 +27,8 @@ class ExitCode(enum.IntEnum):
     """This node left the job at a worker's ExcludeThisNode request; the job goes on without it
     (its outcome is the other launchers' codes)."""
     REPEATED_FAILURE = 6
-    """The same failure in `--ft-max-same-failure` cycles in a row, on one node or many:
+    """The same failure in `--ft-max-same-failure` cycles in a row, on one node or many (or
+    once, one NVRx's attribution stops on, with `--ft-attribution-stop-action=no-restart`):
     restarting does not cure it; do not relaunch (the report names the failure)."""
     RESUME_TO_DISAMBIGUATE = 16
     """A rejected result must be re-run on other GPUs and no standby node was there to do it
@@ -37,6 +38,20 @@ class ExitCode(enum.IntEnum):
     re-run state machine stopped the job; do not relaunch (Megatron-Core's 17)."""
     PREEMPTED = 75
     """Stopped by SIGTERM/SIGINT (preemption, time limit): relaunch me (EX_TEMPFAIL)."""
+
+
+NO_RESTART = frozenset({ExitCode.NO_PROGRESS, ExitCode.REPEATED_FAILURE})
+"""NVRx 0.7's two no-restart causes, which it ends with `--ft-no-restart-exit-code` (93 there):
+no progress across restarts, and attribution's STOP (ftrun's: a failure restarting does not
+cure)."""
+
+
+def exit_status(code: ExitCode, no_restart_exit_code: int | None) -> int:
+    """The launcher's exit status for `code`: `--ft-no-restart-exit-code`, where it is set, for
+    the `NO_RESTART` codes."""
+    if no_restart_exit_code is not None and code in NO_RESTART:
+        return no_restart_exit_code
+    return int(code)
 
 
 class FtrunError(Exception):

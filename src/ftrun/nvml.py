@@ -123,11 +123,66 @@ def uncorrected_ecc(nvml: Any, handle: Any, ask: Query = supported) -> int | Non
     return ask(nvml, "nvmlDeviceGetTotalEccErrors", handle, kind, counter)
 
 
-def nvlinks_down(nvml: Any, handle: Any) -> list[int]:
-    """The GPU's NVLinks that are not up (links it does not have are skipped)."""
-    down = []
+def nvlinks(nvml: Any, handle: Any) -> dict[int, bool]:
+    """The GPU's NVLinks, each up or not (empty without NVLink: links the GPU does not have, or
+    whose state NVML does not report, are left out)."""
+    links = {}
     for link in range(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)):
         state = supported(nvml, "nvmlDeviceGetNvLinkState", handle, link)
-        if state is not None and state != getattr(nvml, "NVML_FEATURE_ENABLED", 1):
-            down.append(link)
-    return down
+        if state is not None:
+            links[link] = state == getattr(nvml, "NVML_FEATURE_ENABLED", 1)
+    return links
+
+
+def nvlinks_down(nvml: Any, handle: Any) -> list[int]:
+    """The GPU's NVLinks that are not up (links it does not have are skipped)."""
+    return [link for link, up in nvlinks(nvml, handle).items() if not up]
+
+
+_NVLINK5_FIELDS = (215, 295, 208)
+"""Per-link fields (scope: the link) on NVLink5: NVML_FI_DEV_NVLINK_COUNT_LINK_RECOVERY_EVENTS,
+_PLR_XMIT_RETRY_BLOCKS and _COUNT_RCV_ERRORS."""
+_VALUE = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal"}
+"""nvmlFieldValue_t's union member for each NVML_VALUE_TYPE."""
+
+
+def nvlink_errors(
+    nvml: Any, handle: Any, link: int, tier: int | None = None
+) -> tuple[int, dict[int, int]] | None:
+    """One NVLink's error counters, read as NVRx 0.7's NVLinkWindowHealthCheck reads them, from
+    the first of its three tiers that answers (only `tier`, when given): (tier, {field or counter
+    type: value}); None where none does. Tiers: 0, NVLink5's per-link fields; 1, the replay and
+    recovery fields of links 0-5; 2, nvmlDeviceGetNvLinkErrorCounter's DL replay and recovery."""
+    for number in range(3) if tier is None else (tier,):
+        counters = _NVLINK_READS[number](nvml, handle, link)
+        if counters:
+            return number, counters
+    return None
+
+
+def _fields(nvml: Any, handle: Any, ids: list[Any]) -> dict[int, int]:
+    try:
+        values = nvml.nvmlDeviceGetFieldValues(handle, ids)
+    except nvml.NVMLError:
+        return {}
+    return {int(v.fieldId): int(getattr(v.value, _VALUE.get(v.valueType, "ullVal")))
+            for v in values if v.nvmlReturn == 0}  # fmt: skip
+
+
+def _legacy_errors(nvml: Any, handle: Any, link: int) -> dict[int, int]:
+    found = {}
+    for counter in (getattr(nvml, "NVML_NVLINK_ERROR_DL_REPLAY", 0),
+                    getattr(nvml, "NVML_NVLINK_ERROR_DL_RECOVERY", 1)):  # fmt: skip
+        value = supported(nvml, "nvmlDeviceGetNvLinkErrorCounter", handle, link, counter)
+        if value is not None:
+            found[counter] = int(value)
+    return found
+
+
+_NVLINK_READS: tuple[Callable[[Any, Any, int], dict[int, int]], ...] = (
+    lambda nvml, handle, link: _fields(nvml, handle, [(f, link) for f in _NVLINK5_FIELDS]),
+    lambda nvml, handle, link: {} if link >= 6 else _fields(nvml, handle, [  # L0..L5 only
+        getattr(nvml, f"NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_L{link}", 46 + link),
+        getattr(nvml, f"NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_L{link}", 53 + link)]),
+    _legacy_errors,
+)  # fmt: skip

@@ -9,6 +9,10 @@ For the health watch: "xid_file": PATH, whose lines "INDEX XID" are the Xid even
 appends one while the job trains), "throttle": {"INDEX": clock-event reason bits},
 "event_error": an NVML error code the event wait raises (other than its timeout), "memory":
 {"INDEX": [USED, TOTAL]} (bytes) and "utilization": {"INDEX": PERCENT} (left out: not supported).
+NVLink: "nvlinks": links each GPU has (default 2; 0: none, its state NOT_SUPPORTED), "nvlink"
+among a GPU's faults: its links are down, "nvlink_errors": {"INDEX": {"LINK": COUNT}}: each
+link's recovery-events counter (NVLink5's per-link field 215; the other two: NOT_SUPPORTED), or,
+with "nvlink_legacy": true, its DL replay count from nvmlDeviceGetNvLinkErrorCounter only.
 """
 
 from __future__ import annotations
@@ -158,9 +162,38 @@ def nvmlDeviceGetTotalEccErrors(handle: int, _kind: int, _counter: int) -> int:
 
 
 def nvmlDeviceGetNvLinkState(handle: int, link: int) -> int:
-    if link >= 2:
+    if link >= int(_spec().get("nvlinks", 2)):
         raise NVMLError_NotSupported(3)
     return 0 if "nvlink" in _faults(handle) else NVML_FEATURE_ENABLED
+
+
+class _FieldValue:
+    def __init__(self, field: int, value: int | None) -> None:
+        self.fieldId, self.valueType = field, 3  # NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+        self.nvmlReturn = 3 if value is None else 0  # NVML_ERROR_NOT_SUPPORTED, NVML_SUCCESS
+        self.value = type("value", (), {"ullVal": value or 0})()
+
+
+def _link_errors(handle: int, link: int) -> int:
+    return int(_spec().get("nvlink_errors", {}).get(str(handle), {}).get(str(link), 0))
+
+
+def nvmlDeviceGetFieldValues(handle: int, ids: list) -> list[_FieldValue]:
+    """Field 215 scoped to a link (NVLink5's recovery events); every other field: not supported."""
+    if _spec().get("nvlink_legacy"):
+        raise NVMLError_NotSupported(3)
+    values = []
+    for field in ids:
+        fid, link = field if isinstance(field, tuple) else (field, None)
+        counted = fid == 215 and link is not None and link < int(_spec().get("nvlinks", 2))
+        values.append(_FieldValue(fid, _link_errors(handle, link) if counted else None))
+    return values
+
+
+def nvmlDeviceGetNvLinkErrorCounter(handle: int, link: int, counter: int) -> int:
+    if counter != 0 or link >= int(_spec().get("nvlinks", 2)):  # NVML_NVLINK_ERROR_DL_REPLAY
+        raise NVMLError_NotSupported(3)
+    return _link_errors(handle, link)
 
 
 def nvmlDeviceGetHandleByUUID(uuid: str | bytes) -> int:

@@ -206,7 +206,8 @@ esac
 """
 
 
-def run_finish(tmp_path: Path, codes: list[int], *extra: str, state="RUNNING", rc=0):
+def run_finish(tmp_path: Path, codes: list[int], *extra: str, state="RUNNING", rc=0,
+               args=("train.py", "--lr=1")):  # fmt: skip
     bin_dir, run_dir, job_dir = tmp_path / "bin", tmp_path / "run", tmp_path / "job"
     for d in (bin_dir, run_dir, job_dir):
         d.mkdir(exist_ok=True)
@@ -225,7 +226,7 @@ def run_finish(tmp_path: Path, codes: list[int], *extra: str, state="RUNNING", r
     }
     argv = [sys.executable, str(RELAUNCH_PY), "finish", "--job-dir", str(job_dir)]
     argv += ["--run-dir", str(run_dir), "--nodes", str(len(codes)), "--max-relaunches", "1"]
-    argv += ["--script", str(job_dir / "ftrun.sbatch"), *extra, "--", "train.py", "--lr=1"]
+    argv += ["--script", str(job_dir / "ftrun.sbatch"), *extra, "--", *args]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
     log = tmp_path / "calls.log"
     calls = log.read_text().splitlines() if log.exists() else []
@@ -245,6 +246,34 @@ def test_finish_resubmits_and_records_the_new_job(tmp_path: Path):
         f"sbatch --parsable --nodes=2 --chdir=/w {job_dir}/ftrun.sbatch "
         f"--ft-job-dir={job_dir} train.py --lr=1 SLURM_JOB_ID=unset"
     ]
+
+
+def test_finish_takes_the_no_restart_exit_code_for_a_refusal(tmp_path: Path):
+    """NVRx's --ft-no-restart-exit-code among the launchers' options: its code stops the
+    chain of runs, as the 4 and 6 it stands for do."""
+    args = ("--nnodes=2", "--ft-no-restart-exit-code", "93", "train.py")
+    proc, history, calls = run_finish(tmp_path, [93, 75], args=args)
+    assert proc.returncode == 93, proc.stderr
+    assert [r["decision"] for r in history] == ["stop"]
+    assert "a launcher exited 93 (--ft-no-restart-exit-code" in history[0]["reason"]
+    assert not [c for c in calls if c.startswith("sbatch")]
+
+
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (["--ft-no-restart-exit-code=93", "t.py"], 93),
+        (["--ft_no_restart_exit_code", "42", "t.py", "--ft-no-restart-exit-code=9"], 42),
+        (["t.py", "--lr=1"], None),
+        (["--ft-no-restart-exit-code"], None),
+    ],
+)
+def test_no_restart_code_is_read_from_the_launcher_options(args, code):
+    assert relaunch.no_restart_code(args) == code
+    if code is not None:  # the refusal wins over a relaunch, and over ftrun's own codes
+        decision = decide([1, code, 4], False, 0, 3, no_restart=code)
+        assert (decision.action, decision.exit_code) == (STOP, code)
+        assert decide([1, code], False, 0, 3).action is RELAUNCH  # unknown without it
 
 
 def test_finish_stops_once_the_budget_is_spent(tmp_path: Path):

@@ -54,6 +54,11 @@ class AgentConfig:
     max_same_failure: int = 3
     """Stop the job (exit `ExitCode.REPEATED_FAILURE`) once the same failure signature has
     ended this many cycles in a row, on any nodes; <= 0: never (`agent.diagnosis.repeats`)."""
+    attribution_stop_action: str | None = None
+    """NVRx's: 'no-restart' stops the job (`ExitCode.REPEATED_FAILURE`) at the first failure NVRx's
+    attribution answers STOP (`decisions.attribution.nvrx_stop`); 'log' logs that; None: neither."""
+    no_restart_exit_code: int | None = None
+    """NVRx's: the launcher's exit status for `errors.NO_RESTART` decisions (None: their own)."""
     inprocess_max_restarts: int = 3
     """In-process restarts (`ftrun.inprocess`) a cycle allows within `inprocess_restart_window`,
     whoever started them, before the in-job restart; 0: no limit. With `max_same_failure`, the
@@ -131,7 +136,8 @@ class HealthCheckConfig:
     gpu: bool = True
     """Check GPUs through NVML when present (skipped, with a log line, when there are none)."""
     nvlink: bool = False
-    """Also require every NVLink the GPUs report to be up."""
+    """Also require every NVLink the GPUs report to be up; while training, also watch their
+    error counters (`node_services.nvlink_window`)."""
     storage_paths: tuple[str, ...] = ()
     storage_timeout: float = 10.0
     command: str | None = None

@@ -20,7 +20,7 @@ from ftrun.agent.loop.inbox import SignalRecorder
 from ftrun.agent.node_services.compile_cache import prepare_compile_caches
 from ftrun.agent.prewarm.service import start_with_torch
 from ftrun.config.launch import LaunchConfig
-from ftrun.errors import ConfigError, ExitCode, FtrunError
+from ftrun.errors import ConfigError, ExitCode, FtrunError, exit_status
 from ftrun.eventlog.writer import log_dir_error
 from ftrun.ft_launcher.build import config_from
 from ftrun.ft_launcher.command_line import help_text, parse_argv
@@ -71,7 +71,11 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     finally:
         if fork_server is not None:
             fork_server.close()  # the runtime closed it already, unless it never got that far
-    _leave(code)
+    status = exit_status(code, config.agent.no_restart_exit_code)
+    if status != code:
+        log.error("exit %d (%s) is reported as %d (--ft-no-restart-exit-code)", code,
+                  code.name, status)  # fmt: skip
+    _leave(status)
 
 
 def _check_entrypoint(command: Sequence[str], environ: Mapping[str, str]) -> None:

@@ -100,9 +100,6 @@ NVRX_OPTIONS: tuple[Option, ...] = (
     _refused("ignore_missing_cfg", "NVRx's switch to run without a config.", "ftrun runs "
              "with its defaults when no --ft-cfg-path is given", in_yaml=False, nvrx_default=False,
              flag_value="true", metavar="[=VALUE]"),  # NVRx: store_true; must not eat SCRIPT
-    _refused("no_restart_exit_code", "NVRx's worker exit code that ends the job.",
-             "ask from the worker with send_workload_control_request(WorkloadControlRequest("
-             "WorkloadAction.ShutdownWorkload))", in_yaml=False, nvrx_default=None),
     _refused("per_cycle_applog_prefix", "NVRx's per-cycle application log path prefix.", _LOGS,
              in_yaml=False, nvrx_default=None),
     _refused("nvrx_logfile", "NVRx's launcher log file.",
@@ -114,13 +111,14 @@ NVRX_OPTIONS: tuple[Option, ...] = (
                             ("log_aggregator_count", 0), ("log_leaf_max_queue_chunks", -1),
                             ("log_server_log_prefix", None),
                             ("log_server_graceful_shutdown_timeout", 60.0))),
-    # NVRx's to_yaml_file writes attribution_endpoint, _stop_action and _export_url (null).
+    # NVRx's to_yaml_file writes attribution_endpoint and _export_url (null); its
+    # attribution_stop_action and --ft-no-restart-exit-code are ftrun's options (options.py).
     *(_refused(name, f"NVRx's attribution service ({name}).", _ATTRIBUTION, nvrx_default=default)
       for name, default in (("attribution_endpoint", None), ("attribution_startup_timeout", 20.0),
                             ("attribution_llm_api_key_file", None),
                             ("attribution_llm_base_url", None), ("attribution_llm_model", None),
                             ("attribution_analysis_backend", None),
-                            ("attribution_stop_action", None), ("attribution_log_level", None),
+                            ("attribution_log_level", None),
                             ("attribution_export_url", None))),
     _refused("cycle_info_dir", "NVRx's per-cycle info files.",
              "every worker gets the cycle's info file in FTRUN_CYCLE_INFO (in the job's "

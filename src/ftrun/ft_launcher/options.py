@@ -160,6 +160,19 @@ FT_OPTIONS: tuple[Option, ...] = (
         "in a row, on one node or many (restarting does not cure it); a node leaves only when "
         "it failed the same way holding other ranks, alone both times, and the job can go on "
         "without it; <= 0: off.", metavar="N"),
+    _ft("attribution_stop_action", _default(_AGENT, "attribution_stop_action"),
+        v.attribution_stop_action, "NVRx's answer to a failure its attribution says a restart "
+        "does not cure (an exception in the application, a CUDA error, a segmentation fault, an "
+        "abort or a SIGKILL of a worker; not a hang, an NCCL error, a lost peer or a health "
+        "finding): log: say so in the log (the job restarts; --ft-max-same-failure still stops "
+        "it); no-restart: stop the job at its first occurrence (exit 6, or "
+        "--ft-no-restart-exit-code). Not set: ftrun's own rules alone."),
+    _ft("no_restart_exit_code", _default(_AGENT, "no_restart_exit_code"),
+        v.optional(v.no_restart_exit_code), "Exit N instead of 4 (no progress: "
+        "--ft-max-no-progress-cycles) and 6 (a failure restarting does not cure: "
+        "--ft-max-same-failure, --ft-attribution-stop-action=no-restart), NVRx's two no-restart "
+        "decisions (its default: 93); slurm/ftrun.sbatch does not relaunch on N. Not set: 4 and 6.",
+        in_yaml=False, metavar="N"),
     _ft("inprocess_max_restarts", _default(_AGENT, "inprocess_max_restarts"), v.non_negative_int,
         "In-process restarts (ftrun.inprocess) a cycle allows within "
         "--ft-inprocess-restart-window, whoever started them, before the in-job restart; the "
@@ -190,7 +203,9 @@ FT_OPTIONS: tuple[Option, ...] = (
     _ft("gpu_health_check", _default(_HEALTH, "gpu"), v.boolean,
         "Check GPUs through NVML before each rendezvous.", off_flags=True, **_ON),
     _ft("gpu_health_check_nvlink", _default(_HEALTH, "nvlink"), v.boolean,
-        "Also require every NVLink to be up (part of the GPU check).", **_ON),
+        "Also require every NVLink to be up (part of the GPU check); while training, a link "
+        "that goes down, or whose error counters (replay, recovery) rise in more than 15 of "
+        "the last 30 minutes (NVRx's NVLinkWindowHealthCheck), is a fault.", **_ON),
     _ft("enable_nic_healthcheck", _default(_HEALTH, "nic"), v.boolean,
         "Check every InfiniBand port in sysfs before each rendezvous: state ACTIVE, physical "
         "state LinkUp, and no link_downed increase since this launcher's previous check (a "

@@ -315,3 +315,28 @@ def optional_port(raw: Any) -> int | None:
 def format_endpoint(host: str, port_number: int) -> str:
     """The inverse of `endpoint`: brackets around an IPv6 host."""
     return f"[{host}]:{port_number}" if ":" in host else f"{host}:{port_number}"
+
+
+_NOT_NO_RESTART = frozenset({0, 1, 2, 5, 16, 75})
+"""Exit codes that tell the scheduler something else (success, relaunch me, usage, excluded)."""
+
+
+def no_restart_exit_code(raw: Any) -> int:
+    """An exit status 3..125 other than 5, 16 and 75 (ftrun's codes that ask for a relaunch or
+    mean something else)."""
+    code = integer(raw)
+    if not 3 <= code <= 125 or code in _NOT_NO_RESTART:
+        raise ValueError(f"expected 3..125 but not 5, 16 or 75, got {raw!r}")
+    return code
+
+
+_STOP_ACTIONS = choice("log", "no-restart")
+
+
+def attribution_stop_action(raw: Any) -> str | None:
+    """log or no-restart, any case; None for none or empty (NVRx's YAML writes null)."""
+    word = "" if raw is None else str(raw).strip().lower()
+    return None if word in ("", "none", "null") else _STOP_ACTIONS(word)
+
+
+attribution_stop_action.choices = _STOP_ACTIONS.choices  # type: ignore[attr-defined]

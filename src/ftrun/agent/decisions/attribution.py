@@ -227,6 +227,29 @@ def _innermost_user(frames: list[re.Match[str]]) -> str:
     return ""
 
 
+_NVRX_STOP_SIGNALS = {"SIGSEGV": "a segmentation fault", "SIGABRT": "an abort",
+                      "SIGKILL": "a SIGKILL (an OOM killer or a person)"}  # fmt: skip
+
+
+def nvrx_stop(sig: Signature) -> str:
+    """Why NVRx 0.7's attribution would answer `sig` with STOP (its RECOMMENDATION_STOP);
+    "" where it restarts. Its answers by fault type (`_RESTART_TABLE` of NVRx's
+    skills/nvrx-attr/scripts/score_attribution.py): STOP for an application exception, a GPU
+    error, a segmentation fault, an OS abort and a SIGKILL; RESTART for a hang, SIGTERM, SIGINT
+    and SIGSTOP. The consequences of a failure elsewhere restart (the cause is named there)."""
+    if sig.secondary:
+        return ""
+    if sig.kind == Kind.EXCEPTION and sig.detail not in ("KeyboardInterrupt", "SystemExit"):
+        return "an exception in the application, likely a bug"
+    if sig.kind == Kind.CUDA:
+        return "a GPU error"
+    if sig.kind == Kind.SIGNAL:
+        return _NVRX_STOP_SIGNALS.get(sig.detail, "")
+    if sig.kind == Kind.EXIT and not sig.detail.startswith("exit code"):
+        return f"a fatal error ({sig.detail})"  # faulthandler's: a segmentation fault, an abort
+    return ""
+
+
 def signal_name(number: int) -> str:
     """'SIGKILL', or 'signal 99' for a number that names none."""
     try:

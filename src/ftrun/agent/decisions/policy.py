@@ -48,7 +48,7 @@ import dataclasses
 import signal
 
 from ftrun.agent.decisions import ladder
-from ftrun.agent.decisions.attribution import Signature, signal_name
+from ftrun.agent.decisions.attribution import Signature, nvrx_stop, signal_name
 from ftrun.agent.decisions.observed import (
     AgentEvent,
     ControlRequested,
@@ -163,6 +163,9 @@ class Policy:
     """<= 0: never stop for a failure that repeats in cycles in a row."""
     health_action: str = "exclude"
     """What a health fault found while training does: 'log', 'restart' or 'exclude'."""
+    attribution_stop: str | None = None
+    """NVRx's --ft-attribution-stop-action: with 'no-restart', a failure NVRx's attribution stops
+    on (`attribution.nvrx_stop`) stops the job at once; with 'log', that is logged."""
 
     def decide(self, state: AgentState, event: AgentEvent, facts: Facts) -> Action:
         if isinstance(event, Signalled):
@@ -262,10 +265,27 @@ class Policy:
     ) -> Action:
         """A failure of this node: restart, or, judged against the job's history, leave or
         stop the job. `exclude_now`: the failure itself asks for the node to leave (a health
-        fault under --ft-health-action=exclude)."""
+        fault under --ft-health-action=exclude). One NVRx's attribution stops on stops the job
+        under --ft-attribution-stop-action=no-restart, and is logged as such under log."""
         if signature is None:
             return _restart(cause)
         cause = f"{cause}: {signature.key}"
+        stop = nvrx_stop(signature)
+        if stop and self.attribution_stop == "no-restart":
+            why = (f"{cause}: {stop}, which NVRx's attribution stops on "
+                   "(--ft-attribution-stop-action=no-restart)")  # fmt: skip
+            done = Outcome(ExitCode.REPEATED_FAILURE, why)
+            return Action(AgentState.STOPPING, record=signature, shutdown=done)
+        action = self._judged(cause, signature, facts, exclude_now)
+        if stop and self.attribution_stop == "log" and action.shutdown is None:
+            logged = (f"NVRx's attribution would stop the job here ({stop}); only logged: "
+                      "--ft-attribution-stop-action=log")  # fmt: skip
+            action = dataclasses.replace(action, note=f"{action.note}; {logged}"
+                                         if action.note else logged)  # fmt: skip
+        return action
+
+    def _judged(self, cause: str, signature: Signature, facts: Facts, exclude_now: bool) -> Action:
+        """`_failure`'s judgement against the job's history (`repeats.judge`)."""
         stalled = facts.stalled_cycles if facts.progress_known else None
         found = judge(signature, facts.node, facts.cycle, facts.history, self.max_same_failure,
                       facts.can_lose_node, facts.ranks, stalled)  # fmt: skip

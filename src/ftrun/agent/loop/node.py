@@ -72,7 +72,7 @@ class NodeAgent:
         self._inbox_events = InboxEvents(runtime, self.report, self.evidence)
         self.policy = Policy(
             self.cfg.max_restarts, self.cfg.max_no_progress_cycles, self.cfg.max_same_failure,
-            self.cfg.health_action,
+            self.cfg.health_action, self.cfg.attribution_stop_action,
         )  # fmt: skip
         self.state = AgentState.HEALTH_CHECK
         self._inbox = runtime.inbox

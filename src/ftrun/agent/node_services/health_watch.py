@@ -5,7 +5,10 @@ What it reads, per GPU:
 - Xid events, through an NVML event set registered for critical Xids (drained without waiting);
 - the volatile uncorrected ECC count, against its value when the cycle started;
 - pages pending retirement, rows pending remapping or failed to remap;
-- the clock-event (throttle) reasons: thermal slowdown (hardware or software) and power brake.
+- the clock-event (throttle) reasons: thermal slowdown (hardware or software) and power brake;
+- with `--ft-gpu-health-check-nvlink`, each NVLink's state and error counters (`nvlink_window`:
+  NVRx's NVLinkWindowHealthCheck): a link that went down, or errors in more than 15 of the
+  last 30 minutes, is a fault.
 
 With the NIC check on, it also reads every InfiniBand port's link_downed counter against the
 cycle's start (a link that went down and up again while NCCL used it).
@@ -32,10 +35,19 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ftrun.agent.decisions.attribution import Signature, health_signature
+from ftrun.agent.node_services.nvlink_window import LinkWindows
 from ftrun.config.agent import HealthCheckConfig
 from ftrun.errors import NodeUnhealthyError
 from ftrun.infiniband import check_ib_ports
-from ftrun.nvml import GpuSnapshot, load_nvml, memory_problems, uncorrected_ecc, visible_gpus
+from ftrun.nvml import (
+    GpuSnapshot,
+    load_nvml,
+    memory_problems,
+    nvlink_errors,
+    nvlinks,
+    uncorrected_ecc,
+    visible_gpus,
+)
 from ftrun.rendezvous.ranks import Round
 from ftrun.services import Emit, NodeService, Post
 
@@ -74,11 +86,21 @@ class _PollCost:
 class GpuReadings:
     """One NVML session's readings of this launcher's GPUs (`visible`, its CUDA_VISIBLE_DEVICES;
     None: every GPU): with two launchers on one host, each watches its own, and an Xid on the
-    other's GPU is not its fault. The baseline is taken per cycle."""
+    other's GPU is not its fault. The baseline is taken per cycle; the NVLink windows (`nvlink`
+    on) span cycles, timed by `clock`."""
 
-    def __init__(self, nvml: Any, visible: str | None = None) -> None:
-        self._nvml = nvml
+    def __init__(
+        self,
+        nvml: Any,
+        visible: str | None = None,
+        nvlink: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._nvml, self._clock = nvml, clock
         self._gpus = visible_gpus(nvml, visible)  # (NVML index, handle)
+        self._links = {i: list(nvlinks(nvml, h)) for i, h in self._gpus} if nvlink else {}
+        self._windows = LinkWindows()
+        self._tiers: dict[tuple[int, int], int] = {}  # the tier that read each link
         self._events = nvml.nvmlEventSetCreate()
         for index, handle in self._gpus:
             try:
@@ -128,6 +150,7 @@ class GpuReadings:
             found.append(self._fault(index, "uncorrected ECC errors",
                                      f"{self._ecc.get(index, 0)} -> {ecc}"))  # fmt: skip
         found += [self._fault(index, what) for what in memory_problems(nvml, handle, _optional)]
+        found += self._nvlink(index, handle)
         reasons = _optional(nvml, "nvmlDeviceGetCurrentClocksEventReasons", handle)
         throttled = tuple(name for bit, name in _THROTTLES.items() if reasons and reasons & bit)
         found += [HealthFinding(health_signature(name, f"GPU {index}"), False, index)
@@ -140,6 +163,26 @@ class GpuReadings:
             utilization=None if rates is None else rates.gpu / 100, throttled=throttled,
             uncorrected_ecc=ecc, xids=self._xid_counts.get(index, 0),
         )  # fmt: skip
+
+    def _nvlink(self, index: int, handle: Any) -> list[HealthFinding]:
+        """The GPU's NVLinks that are down, and those whose error counters rose in more of the
+        latest windows than the threshold (`nvlink_window`)."""
+        now, down, bad = self._clock(), [], []
+        up = getattr(self._nvml, "NVML_FEATURE_ENABLED", 1)
+        for link in self._links.get(index, ()):
+            if _optional(self._nvml, "nvmlDeviceGetNvLinkState", handle, link) not in (up, None):
+                down.append(str(link))
+            read = nvlink_errors(self._nvml, handle, link, self._tiers.get((index, link)))
+            if read is None:  # no reading: the link's windows wait (NVRx's)
+                continue
+            self._tiers[(index, link)], counters = read
+            flagged = self._windows.add(now, (index, link), counters)
+            if self._windows.bad(flagged):
+                bad.append(f"link {link}: {flagged} of {self._windows.windows} windows")
+        found = [self._fault(index, "NVLink down", f"link {', '.join(down)}")] if down else []
+        if bad:
+            found.append(self._fault(index, "NVLink errors", "; ".join(bad)))
+        return found
 
     def _fault(self, index: int, what: str, reading: str = "") -> HealthFinding:
         text = f"GPU {index}" + (f": {reading}" if reading else "")
@@ -165,14 +208,19 @@ class HealthWatch(NodeService):
     name = "health watch"
 
     def __init__(
-        self, config: HealthCheckConfig, emit: Emit, post: Post, load: Callable[[], Any] = load_nvml
+        self,
+        config: HealthCheckConfig,
+        emit: Emit,
+        post: Post,
+        load: Callable[[], Any] = load_nvml,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config, self._emit, self._post = config, emit, post
         self._nvml = load() if config.gpu else None
         self._gpus = None
         if self._nvml is not None:
             try:
-                self._gpus = GpuReadings(self._nvml, config.gpus)
+                self._gpus = GpuReadings(self._nvml, config.gpus, config.nvlink, clock)
             except (self._nvml.NVMLError, LookupError) as exc:  # the pre-round check says why
                 log.warning("health watch: GPUs not watched: %s", exc)
         self._links: dict[str, int] = {}
