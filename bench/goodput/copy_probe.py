@@ -73,8 +73,10 @@ def bandwidth(nbytes: int) -> None:
         last = now
     thread.join()
     shm = torch.frombuffer(mapping, dtype=torch.uint8)
-    print(f"state {nbytes / 2**30:.2f} GiB: cudaHostRegister {registered[0] * 1e3:.0f} ms; the "
-          f"caller's longest launch gap meanwhile {max(gaps) * 1e3:.1f} ms ({len(gaps)} launches)")
+    print(
+        f"state {nbytes / 2**30:.2f} GiB: cudaHostRegister {registered[0] * 1e3:.0f} ms; the "
+        f"caller's longest launch gap meanwhile {max(gaps) * 1e3:.1f} ms ({len(gaps)} launches)"
+    )
     print(f"device-to-host GB/s: cudaHostAlloc {copy_gbps(src, pinned):.1f}, registered /dev/shm "
           f"{copy_gbps(src, shm):.1f}, pageable {copy_gbps(src, pageable):.1f}")  # fmt: skip
     del shm
