@@ -1,6 +1,7 @@
 """The re-run state machine across nodes, with real launchers (gloo, 2 nodes x 2 ranks plus a
-standby): a fault injected in one rank's result (tests/workers/rerun_worker.py) is told apart
-as transient, a bad node's, or a correct but unexpected result."""
+standby where a node may have to move): a fault injected in one rank's result
+(tests/workers/rerun_worker.py) is told apart as transient, a bad node's, or a correct but
+unexpected result."""
 
 from __future__ import annotations
 
