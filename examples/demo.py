@@ -35,6 +35,9 @@ def launcher_cmd(work: Path, port: int) -> list[str]:
         "--nnodes=2", "--nproc-per-node=2",  # 3 launchers: one stands by
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=demo",
         "--max-restarts=3", f"--log-dir={work / 'logs'}",
+        # train_ddp.py builds DDP and an optimizer (each imports torch._dynamo): the fork server
+        # imports it once a node, before the first cycle, not every first-cycle worker.
+        "--ft-prewarm-modules=torch,torch.distributed,torch._dynamo",
         "--ft-rank-heartbeat-timeout=2", "--ft-rank-section-timeouts=step:5",
         str(HERE / "train_ddp.py"), "--ckpt-dir", str(work / "ckpt"),
         "--steps", "90", "--save-every", "30", "--step-time", "0.05",

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -101,29 +103,67 @@ def run_dumping_stacks(
         raise AssertionError(f"still running after {timeout}s; its stacks:\n{stacks}") from None
 
 
-def run_gloo_ranks(script: str, args: Sequence[str], timeout: float, ranks: int = 2) -> list[str]:
+# `run_gloo_ranks`' parent: imports torch once, then forks each rank (as ftrun's fork server
+# forks workers), which runs the script as `python -c` would, as __main__, its stdout and stderr
+# in files of its own. Prints each rank's exit code (JSON) once every rank has ended.
+_FORK_RANKS = r"""
+import importlib, json, os, sys
+_ranks, _out, _script = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+for _module in sys.argv[4].split(","):
+    importlib.import_module(_module)
+_code = compile(_script, "<string>", "exec")
+sys.argv = ["-c", *sys.argv[5:]]
+_pids = {}
+for _rank in range(_ranks):
+    _pid = os.fork()
+    if _pid == 0:
+        os.environ["RANK"] = str(_rank)
+        for _fd, _name in ((1, "out"), (2, "err")):
+            _file = os.open(os.path.join(_out, f"{_name}{_rank}"), os.O_WRONLY | os.O_CREAT)
+            os.dup2(_file, _fd)
+            os.close(_file)
+        exec(_code, sys.modules["__main__"].__dict__)
+        sys.exit(0)
+    _pids[_pid] = _rank
+_codes = {}
+while _pids:
+    _pid, _status = os.wait()
+    _codes[_pids.pop(_pid)] = os.waitstatus_to_exitcode(_status)
+print(json.dumps(_codes))
+"""
+
+
+def run_gloo_ranks(
+    script: str,
+    args: Sequence[str],
+    timeout: float,
+    ranks: int = 2,
+    preload: Sequence[str] = ("torch.distributed",),
+) -> list[str]:
     """Run `python -c script *args` as `ranks` torch.distributed ranks on 127.0.0.1 (env://);
-    every one must exit 0. Returns each rank's last stdout line; no process outlives the call."""
+    every one must exit 0. Returns each rank's last stdout line; no process outlives the call.
+    The ranks are forked from one process that imported `preload` (torch's import once, not
+    once a rank: about 1.6 CPU-s each)."""
     port = free_port()
     env = {**os.environ, "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", script, *args],
-            env={**env, "RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(ranks)
-    ]
-    try:
-        outputs = [proc.communicate(timeout=timeout) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+    with tempfile.TemporaryDirectory(prefix="gloo-ranks-") as out:
+        cmd = [sys.executable, "-c", _FORK_RANKS, str(ranks), out, script, ",".join(preload),
+               *args]  # fmt: skip
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)  # fmt: skip
+        try:
+            codes, _ = proc.communicate(timeout=timeout)
+        finally:
+            if proc.poll() is None:  # the ranks are in its process group
+                os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
-    for proc, (_, err) in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, err[-2000:]
+        assert proc.returncode == 0, f"the ranks' parent exited {proc.returncode}"
+        outputs = [
+            (Path(out, f"out{rank}").read_text(), Path(out, f"err{rank}").read_text())
+            for rank in range(ranks)
+        ]
+    exits = json.loads(codes)
+    for rank, (_, err) in enumerate(outputs):
+        assert exits[str(rank)] == 0, err[-2000:]
     return [out.strip().splitlines()[-1] for out, _ in outputs]

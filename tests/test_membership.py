@@ -17,6 +17,7 @@ from support import wait_for
 pytestmark = pytest.mark.process
 
 FAKES = ROOT / "tests" / "fakes"
+LIGHT = ROOT / "tests" / "workers" / "fault_worker.py"
 TRAIN = ["--steps", "20", "--save-every", "5", "--step-time", "0.02"]
 HEALTHY = json.dumps({"devices": 2})
 BROKEN = json.dumps({"devices": 2, "faults": {"1": ["retired_pages"]}})
@@ -85,7 +86,8 @@ def test_broken_gpu_node_never_runs_workers_and_the_rest_finish(tmp_path: Path):
 def test_when_every_node_is_unhealthy_each_exits_do_not_relaunch(tmp_path: Path):
     """Nobody may host the store, so nobody can be told: each leaves on its own health."""
     conf = ["--rdzv-conf=read_timeout=3"]
-    job = start_job(tmp_path, 2, conf, TRAIN, node_env=nvml_env([BROKEN, BROKEN]))
+    # No worker ever starts: the light script (no torch) spares each fork server its imports.
+    job = start_job(tmp_path, 2, conf, node_env=nvml_env([BROKEN, BROKEN]), script=LIGHT)
     assert job.wait(60) == [3, 3]
     for launcher in job.nodes:
         assert "node unhealthy: GPU 1: retired pages pending" in launcher.text()

@@ -12,8 +12,9 @@ from ftrun.config.agent import HealthCheckConfig
 from ftrun.errors import ConfigError, NodeUnhealthyError
 from ftrun.ft_launcher.build import build_config
 from ftrun.infiniband import check_ib_ports
-from launch import start_job
+from launch import ROOT, start_job
 
+LIGHT = ROOT / "tests" / "workers" / "fault_worker.py"
 UP = {"state": "4: ACTIVE", "phys_state": "5: LinkUp", "counters/link_downed": "0"}
 
 
@@ -157,7 +158,8 @@ def test_a_node_with_a_port_down_exits_unhealthy_and_the_other_is_told(tmp_path:
         "--ft-enable-nic-healthcheck",
         f"--ft-nic-sysfs-root={good}",
     ]
-    job = start_job(tmp_path, 2, args, order=[0])
+    # No worker ever starts: the light script (no torch) spares each fork server its imports.
+    job = start_job(tmp_path, 2, args, order=[0], script=LIGHT)
     # launch.py gives every node the same argv: the second node reads the broken tree.
     job.argv = [arg.replace(str(good), str(bad)) for arg in job.argv]
     job.add_node(1)

@@ -27,18 +27,6 @@ def resumed(job: Job, rank: int) -> dict[int, int]:
     return {int(cycle): int(loaded) for cycle, _step, loaded in rows}
 
 
-def test_a_crash_resumes_from_node_memory_and_saves_are_on_disk_too(tmp_path: Path):
-    job = start_job(tmp_path, 2, ARGS, ["--crash", "0:1:12"], script=WORKER)
-    assert job.wait(120) == [0, 0]
-    assert resumed(job, 0) == {0: -1, 1: 10} and resumed(job, 1) == {0: -1, 1: 10}
-    restores = [e for e in job.events("ckpt_restore") if e["cycle"] == 1]
-    assert {e["iteration"] for e in restores} == {10}
-    assert (job.ckpt_dir / "FINISHED").exists()
-    # Resumed from node memory; every save was also copied where NVRx writes (persist_to_disk).
-    newest = max((job.ckpt_dir / "local").glob("iter_*"))
-    assert sorted(p.name for p in newest.iterdir()) == ["rank0-of2.ftckpt", "rank1-of2.ftckpt"]
-
-
 def test_global_saves_under_two_launchers_and_a_crash_resumes_from_the_newest_tier(
     tmp_path: Path,
 ):
@@ -59,10 +47,20 @@ def test_global_saves_under_two_launchers_and_a_crash_resumes_from_the_newest_ti
     assert (job.ckpt_dir / "global" / "iter_0000040" / "MANIFEST.json").is_file()
 
 
-def test_a_worker_killed_in_the_middle_of_a_save_resumes_from_the_previous_one(tmp_path: Path):
+def test_a_worker_killed_in_the_middle_of_a_save_resumes_from_node_memory_at_the_previous_one(
+    tmp_path: Path,
+):
+    """Rank 1 dies (SIGKILL) in its save of 10: both ranks resume from node memory at 5, and
+    every save was also copied where NVRx writes (persist_to_disk). (A crash that resumes from
+    node memory's newest save, 2 ranks a node and the global tier beside it: the test above.)"""
     job = start_job(tmp_path, 2, ARGS, ["--die-in-save", "0:1:10"], script=WORKER)
     assert job.wait(120) == [0, 0]
-    assert resumed(job, 0)[1] == 5 and resumed(job, 1)[1] == 5
+    assert resumed(job, 0) == {0: -1, 1: 5} and resumed(job, 1) == {0: -1, 1: 5}
+    restores = [e for e in job.events("ckpt_restore") if e["cycle"] == 1]
+    assert {e["iteration"] for e in restores} == {5}
+    assert (job.ckpt_dir / "FINISHED").exists()
+    newest = max((job.ckpt_dir / "local").glob("iter_*"))
+    assert sorted(p.name for p in newest.iterdir()) == ["rank0-of2.ftckpt", "rank1-of2.ftckpt"]
 
 
 def test_a_flipped_byte_is_detected_and_a_peers_replica_is_used(tmp_path: Path):
