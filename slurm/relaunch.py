@@ -9,7 +9,8 @@ calls `relaunch.py finish`, which
 2. asks Slurm whether it is ending the job itself (scancel, time limit reached),
 3. `decide()`s: relaunch or stop (a pure function, unit-tested without Slurm),
 4. relaunches: `sbatch` of the saved batch script (resubmit, the default) or
-   `scontrol requeue` (requeue mode), and
+   `scontrol requeue` (requeue mode), keeping the nodes the agents judged unhealthy out of
+   the next job (`--exclude`; see "excluding unhealthy nodes" below), and
 5. appends one JSON line per run to `<job dir>/relaunches.jsonl` (job id, exit codes, decision);
    the relaunch count is the number of "relaunch" lines, so it survives every relaunch.
 
@@ -28,10 +29,11 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 # ftrun.errors.ExitCode, copied so that this script needs nothing but the standard library.
@@ -47,6 +49,7 @@ FAILED_ON_RESULT_VALIDATION = 17  # a rejected result reproduced elsewhere (fata
 PREEMPTED = 75  # stopped by SIGTERM/SIGINT: relaunch me
 
 HISTORY_FILE = "relaunches.jsonl"
+EXCLUDED_FILE = "excluded-nodes"  # the nodes kept out of the next jobs: "<node> <why>" lines
 # Slurm shows an unlimited job's TimeLimit as UNLIMITED, or as 365 days once it has a --signal.
 _NO_LIMIT_S = 365 * 86400
 SCONTROL_TIMEOUT_S = 30
@@ -103,16 +106,24 @@ _NO_RESTART_FLAGS = ("--ft-no-restart-exit-code", "--ft_no_restart_exit_code",
                      "--ft-no_restart_exit_code")  # fmt: skip
 
 
-def no_restart_code(args: Sequence[str]) -> int | None:
-    """The launchers' `--ft-no-restart-exit-code N` (NVRx's: their exit status for 4 and 6, a
-    refusal to relaunch) in the batch script's arguments, `=N` or `N`; None if not given. The
-    first wins: the launcher's options come before the script's arguments."""
+_LOG_DIR_FLAGS = ("--log-dir", "--log_dir")
+
+
+def launcher_option(args: Sequence[str], flags: Sequence[str]) -> str | None:
+    """The value of the first of `flags` in the batch script's arguments (`=V` or `V`); None
+    if not given. The first wins: the launcher's options come before the script's arguments."""
     for index, arg in enumerate(args):
         flag, eq, value = arg.partition("=")
-        if flag in _NO_RESTART_FLAGS:
-            value = value if eq else "".join(args[index + 1 : index + 2])
-            return int(value) if value.strip().isdigit() else None
+        if flag in flags:
+            return value if eq else "".join(args[index + 1 : index + 2])
     return None
+
+
+def no_restart_code(args: Sequence[str]) -> int | None:
+    """The launchers' `--ft-no-restart-exit-code N` (NVRx's: their exit status for 4 and 6, a
+    refusal to relaunch) in the batch script's arguments; None if not given."""
+    value = launcher_option(args, _NO_RESTART_FLAGS)
+    return int(value) if value is not None and value.strip().isdigit() else None
 
 
 def run_exit_code(
@@ -197,8 +208,120 @@ def decide(
     return Decision(Action.RELAUNCH, why, code)
 
 
+# ---- excluding unhealthy nodes --------------------------------------------------------------
+#
+# A node the agents judged unhealthy is kept out of every later job of the chain. Its launcher's
+# events say so: `unhealthy` (its health check failed; it exits 3) or `exit` with 5 (it left
+# the job on a verdict about it: a health finding, the same failure repeated on it, a straggler,
+# a worker's ExcludeThisNode). The verdicts accumulate in <job dir>/excluded-nodes, oldest
+# first, and each relaunch hands them to Slurm (`sbatch --exclude`, or `scontrol update
+# ExcNodeList` of the requeued job). NVRx 0.7's scheduler exclusion keeps a Slurm array task
+# whose nodes Slurm marked down or drained out of the rendezvous; here the agents' own verdict
+# keeps the node out of the next allocation.
+
+
+@dataclasses.dataclass(frozen=True)
+class Exclusion:
+    """The nodes the next job is kept off.
+
+    judged: nodes the agents judged unhealthy (this run or earlier), newest verdict first.
+    own: the job's own `--exclude` (Slurm's ExcNodeList less `judged` of the last run): kept.
+    let_in: judged nodes let back in, because keeping them out leaves too few nodes; note
+    says so in one line.
+    """
+
+    judged: tuple[str, ...] = ()
+    own: tuple[str, ...] = ()
+    let_in: tuple[str, ...] = ()
+    note: str = ""
+
+    @property
+    def slurm_list(self) -> str:
+        """The value for `--exclude` / ExcNodeList ("" clears it)."""
+        return ",".join(dict.fromkeys(self.own + self.judged))
+
+
+def node_verdicts(events: Iterable[Mapping], since: float | None = None) -> dict[str, str]:
+    """Node -> why, for every node the launchers' events judge unhealthy (at `since` or later:
+    a --log-dir shared by the runs holds the earlier runs' events too)."""
+    found: dict[str, str] = {}
+    for event in events:
+        node, ts = event.get("node"), event.get("ts")
+        if not isinstance(node, str) or not node:
+            continue
+        if since is not None and isinstance(ts, (int, float)) and ts < since:
+            continue
+        if event.get("event") == "unhealthy":
+            found.setdefault(node, f"unhealthy: {event.get('reason') or '?'}")
+        elif event.get("event") == "exit" and event.get("code") == EXCLUDED:
+            found.setdefault(node, f"excluded: {event.get('why') or event.get('reason') or '?'}")
+    return found
+
+
+def merge_verdicts(
+    kept: Sequence[tuple[str, str]], new: Mapping[str, str]
+) -> list[tuple[str, str]]:
+    """The excluded-nodes list after a run, oldest first: a node judged again moves to the end."""
+    return [(node, why) for node, why in kept if node not in new] + list(new.items())
+
+
+def plan_exclusion(
+    judged: Sequence[str], own: Sequence[str], pool: Sequence[str] | None, needed: int,
+    partition: str = "",
+) -> Exclusion:  # fmt: skip
+    """Which judged nodes (oldest first) the next job is kept off, so that it can still run.
+
+    pool: the nodes the job may run on (its partition's; None: unknown, keep every verdict).
+    The newest verdicts are kept while the pool, less the job's own exclusions and the nodes
+    kept out, still has `needed` nodes; the older ones are let back in: a job that excludes
+    more nodes than the partition can spare would pend forever.
+    """
+    own_set = set(own)
+    left = None if pool is None else [n for n in dict.fromkeys(pool) if n not in own_set]
+    kept: list[str] = []
+    let_in: list[str] = []
+    for node in reversed(list(dict.fromkeys(judged))):
+        if node in own_set:
+            continue
+        if left is None or node not in left or len(left) > needed:
+            kept.append(node)
+            if left is not None and node in left:
+                left.remove(node)
+        else:
+            let_in.append(node)
+    note = ""
+    if let_in and pool is not None:
+        everyone = ",".join(sorted(set(kept) | set(let_in)))
+        short = len(left or ()) - len(let_in)
+        where = f"partition {partition}'s" if partition else "the cluster's"
+        which = " (the oldest verdicts)" if kept else ""
+        note = (f"excluding {everyone} would leave {short} of {where} {len(set(pool))} nodes "
+                f"for a {needed}-node job: not excluding {','.join(let_in)}{which}")  # fmt: skip
+    return Exclusion(tuple(kept), tuple(own), tuple(let_in), note)
+
+
+def waive_excluded(
+    codes: Sequence[int | None], names: Sequence[str | None], verdicts: Mapping[str, str],
+    excluded: Sequence[str],
+) -> list[int | None]:  # fmt: skip
+    """The codes `decide` sees: a 3 (do not relaunch) from a node judged unhealthy in this run
+    that the next job is kept off reads as 5 (a node that left): excluding it is the cure the
+    3 said a relaunch lacked. A 3 from elsewhere (a ShutdownWorkload) still stops the chain."""
+    out = set(excluded)
+    waived = [i for i, name in enumerate(names) if name in verdicts and name in out]
+    return [EXCLUDED if code == DO_NOT_RELAUNCH and i in waived else code
+            for i, code in enumerate(codes)]  # fmt: skip
+
+
+def needed_nodes(record: Mapping[str, str], default: int) -> int:
+    """The job's node count from Slurm's NumNodes ("2", or "2-4": the minimum)."""
+    match = re.match(r"\d+", record.get("NumNodes", ""))
+    return int(match.group()) if match else default
+
+
 # ---- Slurm's view of the job ----------------------------------------------------------------
 
+_UNSET = frozenset({"(null)", "UNLIMITED", "Partition_Limit", "NONE", "N/A"})
 _KEY = re.compile(r"(?:^|(?<=\s))([A-Za-z][A-Za-z0-9_:/-]*)=")
 
 
@@ -267,6 +390,47 @@ def scontrol_job(job_id: str) -> dict[str, str]:
     return {}
 
 
+def _client(argv: Sequence[str]) -> tuple[str | None, str]:
+    """Run a Slurm client; (its stdout, "") or (None, why it failed)."""
+    try:
+        proc = subprocess.run(list(argv), capture_output=True, text=True,
+                              timeout=SCONTROL_TIMEOUT_S, check=False)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, str(exc)
+    if proc.returncode != 0:
+        return None, proc.stderr.strip() or f"{argv[0]} exited {proc.returncode}"
+    return proc.stdout, ""
+
+
+def hostnames(hostlist: str) -> list[str]:
+    """Slurm's hostlist (n[1-3],m5) as node names (`scontrol show hostnames`)."""
+    if not hostlist or hostlist in _UNSET:
+        return []
+    if not re.search(r"[\[\]]", hostlist):
+        return [name for name in hostlist.split(",") if name]
+    out, error = _client(["scontrol", "show", "hostnames", hostlist])
+    if out is None:
+        log(f"scontrol show hostnames {hostlist} failed: {error}")
+        return [name for name in re.split(r",(?![^\[]*\])", hostlist) if name]
+    return out.split()
+
+
+def partition_nodes(partition: str) -> list[str] | None:
+    """The nodes of the job's partition (`sinfo -N`); None when sinfo cannot tell."""
+    where = ["--partition", partition] if partition and partition not in _UNSET else []
+    out, error = _client(["sinfo", "--noheader", "--Node", "--format=%N", *where])
+    if out is None:
+        log(f"sinfo failed ({error}): excluding every node judged unhealthy")
+        return None
+    return list(dict.fromkeys(out.split()))
+
+
+def set_excluded_nodes(job_id: str, slurm_list: str) -> str:
+    """`scontrol update ExcNodeList` of a pending job (a running one refuses); error or ""."""
+    out, error = _client(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={slurm_list}"])
+    return "" if out is not None else error
+
+
 # ---- relaunching ----------------------------------------------------------------------------
 
 
@@ -276,14 +440,16 @@ def sbatch_argv(
     args: Sequence[str],
     job_dir: str,
     extra: str = "",
+    exclude: str = "",
 ) -> list[str]:
     """The `sbatch` command line that runs the job again.
 
     Slurm keeps no copy of the original sbatch command line, so the new job gets: the saved
     batch script (its #SBATCH lines apply again), the job's shape as Slurm recorded it (nodes,
     time limit, partition, account, QOS, name, working directory), then `extra`
-    (FTRUN_SBATCH_ARGS, shell-quoted; later options win), then the same script arguments
-    with the job dir pinned so that every run shares it.
+    (FTRUN_SBATCH_ARGS, shell-quoted; later options win) with its `--exclude` merged into
+    `exclude` (`Exclusion.slurm_list`), then the same script arguments with the job dir pinned
+    so that every run shares it.
     """
     argv = ["sbatch", "--parsable"]
     time_limit = record.get("TimeLimit", "")
@@ -299,10 +465,30 @@ def sbatch_argv(
         "--chdir": record.get("WorkDir", ""),
     }
     for flag, value in pinned.items():
-        if value and value not in {"(null)", "UNLIMITED", "Partition_Limit", "NONE", "N/A"}:
+        if value and value not in _UNSET:
             argv.append(f"{flag}={value}")
-    argv += shlex.split(extra)
+    rest, theirs = take_exclude(shlex.split(extra))
+    merged = ",".join(x for x in (*theirs, exclude) if x)
+    argv += [*rest, *([f"--exclude={merged}"] if merged else [])]
     return [*argv, script, f"--ft-job-dir={job_dir}", *args]
+
+
+def take_exclude(tokens: Sequence[str]) -> tuple[list[str], list[str]]:
+    """sbatch options less their `--exclude`/`-x` (which a later one would replace), and those
+    values."""
+    rest: list[str] = []
+    values: list[str] = []
+    it = iter(tokens)
+    for token in it:
+        if token in ("--exclude", "-x"):
+            values.append(next(it, ""))
+        elif token.startswith("--exclude="):
+            values.append(token.partition("=")[2])
+        elif token.startswith("-x") and not token.startswith("--"):
+            values.append(token[2:])
+        else:
+            rest.append(token)
+    return rest, values
 
 
 def sbatch_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -399,6 +585,50 @@ def read_codes(run_dir: Path | None, nodes: int) -> tuple[list[int | None], list
     return codes, names
 
 
+def read_events(log_dir: Path) -> list[dict]:
+    """The launchers' `unhealthy` and `exit` events from `<log dir>/events-<node>.jsonl`."""
+    events = []
+    for path in sorted(log_dir.glob("events-*.jsonl")):
+        try:
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError as exc:
+            log(f"cannot read {path}: {exc}")
+            continue
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by a launcher killed while writing it
+            if isinstance(event, dict) and event.get("event") in ("unhealthy", "exit"):
+                events.append(event)
+    return events
+
+
+_EXCLUDED_HEADER = """\
+# Nodes the agents judged unhealthy: every relaunch of this job is kept off them (sbatch
+# --exclude; scontrol update ExcNodeList in requeue mode). "<node> <why>", oldest first.
+# Delete a node's line (or this file) to let it back into the next relaunch.
+"""
+
+
+def read_excluded(job_dir: Path) -> list[tuple[str, str]]:
+    path = job_dir / EXCLUDED_FILE
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return []
+    entries = [line.strip().partition(" ") for line in lines]
+    return [(node, why.strip()) for node, _, why in entries if node and not node.startswith("#")]
+
+
+def write_excluded(job_dir: Path, entries: Sequence[tuple[str, str]]) -> None:
+    """Replace the excluded-nodes file at once (a reader never sees half of it)."""
+    text = _EXCLUDED_HEADER + "".join(f"{node} {' '.join(why.split())}\n" for node, why in entries)
+    tmp = job_dir / f".{EXCLUDED_FILE}.tmp"
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, job_dir / EXCLUDED_FILE)
+
+
 # ---- the CLI --------------------------------------------------------------------------------
 
 
@@ -436,7 +666,16 @@ def finish(ns: argparse.Namespace, environ: Mapping[str, str]) -> int:
     ending = job_ending(record) if record else JobEnding.RUNNING
     so_far = relaunch_count(history)
     no_restart = no_restart_code([*shlex.split(environ.get("FTRUN_LAUNCHER", "")), *ns.args])
-    decision = decide(codes, finished, so_far, ns.max_relaunches, ending, no_restart)
+    verdicts = judged_in_run(ns, names)
+    exclusion = exclusion_for(ns, record, history, verdicts)
+    seen = waive_excluded(codes, names, verdicts, exclusion.judged)
+    decision = decide(seen, finished, so_far, ns.max_relaunches, ending, no_restart)
+    reason = decision.reason
+    if decision.action is Action.RELAUNCH and exclusion.judged:
+        reason += f"; the next job excludes {','.join(exclusion.judged)} (judged unhealthy)"
+    stuck = [node for node in exclusion.let_in if node in verdicts]
+    if decision.action is Action.STOP and stuck:
+        reason += f"; {','.join(stuck)} judged unhealthy, too few nodes to exclude"
     entry = {
         "run": len(history),
         "job_id": job_id,
@@ -447,37 +686,85 @@ def finish(ns: argparse.Namespace, environ: Mapping[str, str]) -> int:
         "finished": finished,
         "ending": ending.value,
         "decision": decision.action.value,
-        "reason": decision.reason,
+        "reason": reason,
         "exit_code": decision.exit_code,
         "relaunches": so_far,
         "max_job_relaunches": ns.max_relaunches,
         "mode": ns.mode,
+        "unhealthy": verdicts,
+        "exclude": list(exclusion.judged),
         "started": ns.started,
         "ended": round(time.time(), 3),
     }
     if decision.action is Action.RELAUNCH:
-        entry = _relaunch(ns, entry, record, job_id)
+        entry = _relaunch(ns, entry, record, job_id, exclusion)
     else:
         append_history(ns.job_dir, entry)
     log(f"run {entry['run']} (job {job_id}): {entry['decision']}: {entry['reason']}")
     return decision.exit_code
 
 
-def _relaunch(ns: argparse.Namespace, entry: dict, record: Mapping[str, str], job_id: str) -> dict:
+def judged_in_run(ns: argparse.Namespace, names: Sequence[str | None]) -> dict[str, str]:
+    """This run's verdicts, node -> why, from the launchers' events; logged one a line.
+
+    The events are under the template's `--log-dir=<run dir>/logs`, or the first `--log-dir`
+    of the launcher options (then the runs may share it: only events since this run started).
+    A name that is not one of this job's nodes (`--ft-node-name`) cannot be excluded."""
+    given = launcher_option(ns.args, _LOG_DIR_FLAGS)
+    log_dir = Path(given) if given else ns.run_dir / "logs" if ns.run_dir else None
+    if log_dir is None or not log_dir.is_dir():
+        return {}
+    verdicts = node_verdicts(read_events(log_dir), ns.started if given else None)
+    known = {name for name in names if name}
+    for node in sorted(set(verdicts) - known if known else ()):
+        log(f"{node} judged unhealthy, but it is no node of this job: not excluded")
+        del verdicts[node]
+    for node, why in verdicts.items():
+        log(f"{node} judged unhealthy in this run: {why}")
+    return verdicts
+
+
+def exclusion_for(
+    ns: argparse.Namespace, record: Mapping[str, str], history: Sequence[Mapping],
+    verdicts: Mapping[str, str],
+) -> Exclusion:  # fmt: skip
+    """The nodes the next job is kept off; this run's verdicts join `<job dir>/excluded-nodes`.
+
+    The job's own exclusions are Slurm's ExcNodeList less the nodes the last run added."""
+    kept = read_excluded(ns.job_dir)
+    if verdicts:
+        kept = merge_verdicts(kept, verdicts)
+        write_excluded(ns.job_dir, kept)
+    added = set(history[-1].get("exclude") or ()) if history else set()
+    own = tuple(n for n in hostnames(record.get("ExcNodeList", "")) if n not in added)
+    if not kept:
+        return Exclusion(own=own)
+    judged = [node for node, _ in kept]
+    # A requeued job keeps its --nodelist: a node it requires and excludes would never start.
+    required = set(hostnames(record.get("ReqNodeList", ""))) if ns.mode == "requeue" else set()
+    if required & set(judged):
+        log(f"not excluding {','.join(sorted(required & set(judged)))}: the job requires it "
+            "(--nodelist), and requeue keeps that")  # fmt: skip
+    partition = record.get("Partition", "")
+    needed = needed_nodes(record, ns.nodes)
+    plan = plan_exclusion([n for n in judged if n not in required], own,
+                          partition_nodes(partition), needed, partition)  # fmt: skip
+    if plan.note:
+        log(plan.note)
+    lost = tuple(n for n in judged if n in required)
+    return dataclasses.replace(plan, let_in=plan.let_in + lost) if lost else plan
+
+
+def _relaunch(
+    ns: argparse.Namespace, entry: dict, record: Mapping[str, str], job_id: str,
+    exclusion: Exclusion,
+) -> dict:  # fmt: skip
     """Relaunch, then record the run; a relaunch that fails is recorded as a stop."""
     entry = {**entry, "relaunches": entry["relaunches"] + 1}
     if ns.mode == "requeue":
-        # Recorded first: Slurm kills this script as soon as the requeue is accepted.
-        append_history(ns.job_dir, {**entry, "next_job_id": job_id})
-        error = requeue(job_id)
-        if not error:
-            return {**entry, "next_job_id": job_id}
-        failed = {**entry, "decision": Action.STOP.value, "reason": f"requeue failed: {error}"}
-        append_history(ns.job_dir, {**failed, "relaunches": entry["relaunches"] - 1})
-        return failed
-    argv = sbatch_argv(
-        record, ns.script, ns.args, str(ns.job_dir), os.environ.get("FTRUN_SBATCH_ARGS", "")
-    )
+        return _requeue(ns, entry, record, job_id, exclusion)
+    argv = sbatch_argv(record, ns.script, ns.args, str(ns.job_dir),
+                       os.environ.get("FTRUN_SBATCH_ARGS", ""), exclusion.slurm_list)  # fmt: skip
     log(f"resubmitting: {shlex.join(argv)}")
     new_id, error = resubmit(argv)
     if new_id:
@@ -492,6 +779,30 @@ def _relaunch(ns: argparse.Namespace, entry: dict, record: Mapping[str, str], jo
         }
     append_history(ns.job_dir, entry)
     return entry
+
+
+def _requeue(
+    ns: argparse.Namespace, entry: dict, record: Mapping[str, str], job_id: str,
+    exclusion: Exclusion,
+) -> dict:  # fmt: skip
+    """`scontrol requeue`, then the job's ExcNodeList where it changes: Slurm takes it only
+    once the job is pending again, and meanwhile sends this script SIGTERM (then SIGKILL after
+    KillWait), so SIGTERM is ignored from here on."""
+    # Recorded first: Slurm kills this script as soon as the requeue is accepted.
+    append_history(ns.job_dir, {**entry, "next_job_id": job_id})
+    change = set(hostnames(record.get("ExcNodeList", ""))) != {*exclusion.own, *exclusion.judged}
+    if change:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    error = requeue(job_id)
+    if not error:
+        if change:
+            failed = set_excluded_nodes(job_id, exclusion.slurm_list)
+            done = f"could not set ExcNodeList: {failed}" if failed else "ExcNodeList set"
+            log(f"requeued job {job_id}: {done} ({exclusion.slurm_list or 'none'})")
+        return {**entry, "next_job_id": job_id}
+    failed = {**entry, "decision": Action.STOP.value, "reason": f"requeue failed: {error}"}
+    append_history(ns.job_dir, {**failed, "relaunches": entry["relaunches"] - 1})
+    return failed
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -33,6 +33,8 @@ ONE_RUN_S = 150
 TWO_RUNS_S = 240
 # Quick launchers for the decision paths: no training, no spare workers importing torch.
 QUICK = ["--ft-prewarm-modules=none", "--max-restarts=0", "--no-python"]
+# The health check fails on n2 only: its launcher reports the node unhealthy and exits 3.
+UNHEALTHY_N2 = '--ft-node-health-check-cmd=test "$SLURMD_NODENAME" != n2'
 
 
 def split_at_resume(steps: list[int]) -> tuple[list[int], list[int]]:
@@ -187,9 +189,10 @@ def test_time_limit_signal_relaunches_the_job(slurm_cluster, tmp_path: Path):
         pytest.param("finished", [*QUICK, "true"], "0:0", id="finished-before-start"),
         pytest.param(
             "do_not_relaunch",
-            # n2 fails its health check: its launcher exits 3 (n1 hosts the store and sees
-            # the rendezvous fail without n2).
-            [*QUICK, '--ft-node-health-check-cmd=test "$SLURMD_NODENAME" != n2', "true"],
+            # n2 fails its health check: its launcher exits 3 (n1 sees the rendezvous fail
+            # without n2). The job's own --exclude=n3 leaves no node to take n2's place, so
+            # n2 cannot be kept out of a relaunch: its 3 stands.
+            [*QUICK, UNHEALTHY_N2, "true"],
             "3:0",
             id="do-not-relaunch",
         ),
@@ -204,6 +207,7 @@ def test_job_is_not_relaunched(slurm_cluster, tmp_path, case, launcher_args, exi
         slurm_cluster,
         tmp_path,
         launcher_args,
+        sbatch_args=("--exclude=n3",) if case == "do_not_relaunch" else (),
         template_args=("--ft-max-job-relaunches=2",),
     )
 
@@ -217,9 +221,38 @@ def test_job_is_not_relaunched(slurm_cluster, tmp_path, case, launcher_args, exi
     if case == "finished":
         assert codes == [None, None]  # the launchers never started
     elif case == "do_not_relaunch":
-        assert 3 in codes, chain.describe()
+        assert codes[1] == 3 and history[0]["exclude"] == [], chain.describe()
+        assert history[0]["reason"].endswith("n2 judged unhealthy, too few nodes to exclude")
+        assert "2-node job: not excluding n2" in chain.output(chain.first_job)
     else:
         assert codes == [2, 2]
+    chain.assert_no_processes_left()
+
+
+@pytest.mark.slurm
+def test_unhealthy_node_is_kept_out_of_the_relaunched_job(slurm_cluster, tmp_path: Path):
+    """n2 fails its health check in the first job (n1 cannot go on alone): the job is
+    relaunched with --exclude=n2, runs on n1 and n3, whose checks pass, and finishes."""
+    chain = submit_chain(
+        slurm_cluster,
+        tmp_path,
+        [*QUICK, UNHEALTHY_N2, "true"],
+        sbatch_args=("--nodelist=n1,n2",),
+        template_args=("--ft-finished-flag=none", "--ft-max-job-relaunches=1"),
+    )
+
+    history = chain.wait_stopped(TWO_RUNS_S)
+
+    assert [r["decision"] for r in history] == ["relaunch", "stop"], chain.describe()
+    first, second = history
+    assert first["nodes"] == ["n1", "n2"] and first["codes"][1] == 3, chain.describe()
+    assert list(first["unhealthy"]) == ["n2"] and first["exclude"] == ["n2"], first
+    info = slurm_cluster.job_info(second["job_id"])
+    nodes = slurm_cluster.run("scontrol", "show", "hostnames", info["NodeList"]).stdout.split()
+    assert info["ExcNodeList"] == "n2" and nodes == ["n1", "n3"], info
+    assert second["codes"] == [0, 0] and second["reason"] == "all launchers succeeded"
+    assert "n2 judged unhealthy in this run: unhealthy:" in chain.output(first["job_id"])
+    assert (tmp_path / "job" / "excluded-nodes").read_text().splitlines()[-1].startswith("n2 ")
     chain.assert_no_processes_left()
 
 

@@ -194,24 +194,129 @@ def test_history_skips_a_torn_line(tmp_path: Path):
     assert relaunch.relaunch_count(history) == 2
 
 
+# ---- excluding the nodes the agents judged unhealthy ----------------------------------------
+
+
+def unhealthy(node: str, reason: str = "health check failed", ts: float = 100.0) -> dict:
+    return {"event": "unhealthy", "node": node, "ts": ts, "cycle": 0, "reason": reason}
+
+
+def exited(node: str, code: int, why: str = "", ts: float = 101.0) -> dict:
+    return {"event": "exit", "node": node, "ts": ts, "cycle": 0, "code": code, "why": why}
+
+
+def test_node_verdicts_name_the_unhealthy_and_the_excluded():
+    events = [
+        unhealthy("n2", "NVML: GPU 3 lost"),
+        exited("n2", 3, "node unhealthy: NVML: GPU 3 lost"),  # its exit adds nothing
+        exited("n3", 5, "node n3 excluded: the same failure 3 times on it"),
+        exited("n1", 1, "restart budget spent"),  # a failure is no verdict on a node
+        exited("n4", 3, "rank 0 asked to shut the workload down"),
+        unhealthy("n5", ts=5.0),  # before `since`: an earlier run's, in a shared --log-dir
+        {"event": "unhealthy", "ts": 100.0},  # no node: skipped
+    ]
+    assert relaunch.node_verdicts(events, since=50.0) == {
+        "n2": "unhealthy: NVML: GPU 3 lost",
+        "n3": "excluded: node n3 excluded: the same failure 3 times on it",
+    }
+    assert "n5" in relaunch.node_verdicts(events)
+
+
+def test_merge_verdicts_keeps_the_oldest_first_and_moves_a_node_judged_again():
+    kept = [("n1", "old"), ("n2", "old")]
+    assert relaunch.merge_verdicts(kept, {"n1": "new", "n3": "x"}) == [
+        ("n2", "old"), ("n1", "new"), ("n3", "x"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("judged", "own", "pool", "needed", "kept", "let_in"),
+    [
+        (["n2"], [], None, 2, ["n2"], []),  # pool unknown: every verdict kept
+        (["n2"], [], ["n1", "n2", "n3"], 2, ["n2"], []),
+        # 3 of 3 needed: no node can be spared
+        (["n2"], [], ["n1", "n2", "n3"], 3, [], ["n2"]),
+        # newest kept, oldest let back in
+        (["n3", "n2"], [], ["n1", "n2", "n3"], 2, ["n2"], ["n3"]),
+        # the job's own exclusions count against the pool, and are never let in
+        (["n2"], ["n3"], ["n1", "n2", "n3"], 2, [], ["n2"]),
+        (["n3"], ["n3"], ["n1", "n2", "n3"], 2, [], []),  # already excluded by the job
+        (["x9"], [], ["n1", "n2"], 2, ["x9"], []),  # not in the partition: costs nothing
+    ],
+)
+def test_plan_exclusion_keeps_the_newest_verdicts_that_leave_enough_nodes(
+    judged, own, pool, needed, kept, let_in
+):
+    plan = relaunch.plan_exclusion(judged, own, pool, needed, "debug")
+    assert (list(plan.judged), list(plan.let_in)) == (kept, let_in)
+    assert plan.slurm_list == ",".join(dict.fromkeys([*own, *kept]))
+    assert bool(plan.note) == bool(let_in)
+
+
+def test_plan_exclusion_says_in_one_line_why_a_node_is_let_back_in():
+    plan = relaunch.plan_exclusion(["n3", "n2"], [], ["n1", "n2", "n3"], 2, "debug")
+    assert plan.note == (
+        "excluding n2,n3 would leave 1 of partition debug's 3 nodes for a 2-node job: "
+        "not excluding n3 (the oldest verdicts)"
+    )
+
+
+def test_an_unhealthy_nodes_refusal_is_waived_only_where_it_is_excluded():
+    codes, names, verdicts = [1, 3], ["n1", "n2"], {"n2": "unhealthy: x"}
+    seen = relaunch.waive_excluded(codes, names, verdicts, ["n2"])
+    assert seen == [1, 5]
+    assert decide(seen, None, 0, 3).action is RELAUNCH
+    # not excluded (too few nodes): its 3 stands, as does a 3 without a verdict (a shutdown)
+    assert decide(relaunch.waive_excluded(codes, names, verdicts, []), None, 0, 3).action is STOP
+    assert relaunch.waive_excluded([3, 3], names, {}, ["n2"]) == [3, 3]
+
+
+def test_sbatch_argv_merges_the_exclusions_of_ftrun_sbatch_args():
+    argv = relaunch.sbatch_argv({}, "s", [], "/j", "--exclude=m[1-2] -x m7 --mem=0", "n2,n3")
+    assert argv[:4] == ["sbatch", "--parsable", "--mem=0", "--exclude=m[1-2],m7,n2,n3"]
+    assert "--exclude" not in " ".join(relaunch.sbatch_argv({}, "s", [], "/j", "", ""))
+
+
+def test_read_excluded_skips_comments_and_blank_lines(tmp_path: Path):
+    relaunch.write_excluded(tmp_path, [("n2", "unhealthy:  GPU\nlost")])
+    with (tmp_path / relaunch.EXCLUDED_FILE).open("a") as f:
+        f.write("\n# n9 let back in by hand\nn4\n")
+    assert relaunch.read_excluded(tmp_path) == [("n2", "unhealthy: GPU lost"), ("n4", "")]
+
+
 # ---- `relaunch.py finish` as the batch script runs it, with fake Slurm clients -------------
 
 FAKE_CLIENT = """#!/bin/sh
 printf '%s\\n' "$(basename "$0") $* SLURM_JOB_ID=${SLURM_JOB_ID:-unset}" >>"$FAKE_LOG"
-case "$(basename "$0") $1" in
-  "scontrol show") echo "JobId=41 JobState=$FAKE_STATE NumNodes=2 TimeLimit=UNLIMITED WorkDir=/w" ;;
-  "scontrol requeue") exit "$FAKE_RC" ;;
-  "sbatch --parsable") [ "$FAKE_RC" = 0 ] && echo "42;cluster" || { echo nope >&2; exit 1; } ;;
+case "$(basename "$0") $1 $2" in
+  "scontrol show job") echo "JobId=41 JobState=$FAKE_STATE NumNodes=2 TimeLimit=UNLIMITED" \\
+    "WorkDir=/w Partition=debug ExcNodeList=${FAKE_EXC:-(null)} ReqNodeList=${FAKE_REQ:-(null)}" ;;
+  "scontrol show hostnames") echo "$3" | tr ',' '\\n' ;;
+  "scontrol requeue"*) exit "$FAKE_RC" ;;
+  "scontrol update"*) ;;
+  "sinfo "*) printf 'n1\\nn2\\nn3\\n' ;;
+  "sbatch --parsable"*) [ "$FAKE_RC" = 0 ] && echo "42;cluster" || { echo nope >&2; exit 1; } ;;
 esac
 """
 
 
+def write_events(log_dir: Path, events) -> None:
+    """Each node's events in `<log dir>/events-<node>.jsonl`, as the launchers write them."""
+    for path in log_dir.glob("events-*.jsonl"):
+        path.unlink()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for event in events:
+        with (log_dir / f"events-{event['node']}.jsonl").open("a") as f:
+            f.write(json.dumps(event) + "\n")
+
+
 def run_finish(tmp_path: Path, codes: list[int], *extra: str, state="RUNNING", rc=0,
-               args=("train.py", "--lr=1")):  # fmt: skip
+               args=("train.py", "--lr=1"), events=(), exc="(null)", req="(null)"):  # fmt: skip
     bin_dir, run_dir, job_dir = tmp_path / "bin", tmp_path / "run", tmp_path / "job"
     for d in (bin_dir, run_dir, job_dir):
         d.mkdir(exist_ok=True)
-    for name in ("sbatch", "scontrol"):
+    write_events(run_dir / "logs", events)
+    for name in ("sbatch", "scontrol", "sinfo"):
         (bin_dir / name).write_text(FAKE_CLIENT)
         (bin_dir / name).chmod(0o755)
     for procid, code in enumerate(codes):
@@ -223,6 +328,8 @@ def run_finish(tmp_path: Path, codes: list[int], *extra: str, state="RUNNING", r
         "FAKE_LOG": str(tmp_path / "calls.log"),
         "FAKE_STATE": state,
         "FAKE_RC": str(rc),
+        "FAKE_EXC": exc,
+        "FAKE_REQ": req,
     }
     argv = [sys.executable, str(RELAUNCH_PY), "finish", "--job-dir", str(job_dir)]
     argv += ["--run-dir", str(run_dir), "--nodes", str(len(codes)), "--max-relaunches", "1"]
@@ -243,7 +350,7 @@ def test_finish_resubmits_and_records_the_new_job(tmp_path: Path):
     job_dir = tmp_path / "job"
     sbatch = [c for c in calls if c.startswith("sbatch")]
     assert sbatch == [
-        f"sbatch --parsable --nodes=2 --chdir=/w {job_dir}/ftrun.sbatch "
+        f"sbatch --parsable --nodes=2 --partition=debug --chdir=/w {job_dir}/ftrun.sbatch "
         f"--ft-job-dir={job_dir} train.py --lr=1 SLURM_JOB_ID=unset"
     ]
 
@@ -315,3 +422,81 @@ def test_finish_without_launchers_when_already_finished(tmp_path: Path):
     assert proc.returncode == 0
     assert history[-1]["decision"] == "stop" and history[-1]["finished"] is True
     assert json.dumps(history[-1]["codes"]) == "[]"
+
+
+def test_finish_keeps_a_node_judged_unhealthy_out_of_every_later_job(tmp_path: Path):
+    # Run 0: n2 fails its health check (exits 3) and n1 cannot go on alone (1).
+    proc, history, calls = run_finish(tmp_path, [1, 3], "--max-relaunches", "2",
+                                      events=[unhealthy("n2", "GPU 3 lost")])  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert history[-1]["decision"] == "relaunch", history[-1]
+    assert history[-1]["unhealthy"] == {"n2": "unhealthy: GPU 3 lost"}
+    assert history[-1]["exclude"] == ["n2"]
+    assert history[-1]["reason"].endswith("the next job excludes n2 (judged unhealthy)")
+    assert "n2 judged unhealthy in this run: unhealthy: GPU 3 lost" in proc.stderr
+    assert next(c for c in calls if c.startswith("sbatch")).count("--exclude=n2 ") == 1
+    assert relaunch.read_excluded(tmp_path / "job") == [("n2", "unhealthy: GPU 3 lost")]
+    # Run 1 (n1 and n3; the job's ExcNodeList is n2): n1 left on a verdict (5). Keeping both
+    # out would leave one of the 3 nodes for a 2-node job: n2, the older verdict, comes back.
+    (tmp_path / "calls.log").unlink()
+    gone = exited("n1", 5, "a GPU fell off the bus")
+    proc, history, calls = run_finish(tmp_path, [5, 1], "--max-relaunches", "2", exc="n2",
+                                      events=[gone])  # fmt: skip
+    assert history[-1]["decision"] == "relaunch" and history[-1]["exclude"] == ["n1"]
+    assert "excluding n1,n2 would leave 1 of partition debug's 3 nodes" in proc.stderr
+    (sbatch,) = [c for c in calls if c.startswith("sbatch")]
+    assert "--exclude=n1 " in sbatch, sbatch
+    assert [n for n, _ in relaunch.read_excluded(tmp_path / "job")] == ["n2", "n1"]
+
+
+def test_finish_stops_when_an_unhealthy_node_cannot_be_spared(tmp_path: Path):
+    """The job's own --exclude=n3 leaves n1 and n2 for 2 nodes: n2 cannot be kept out, so
+    its 3 stands (do not relaunch), and the output says why in one line."""
+    proc, history, calls = run_finish(tmp_path, [1, 3], exc="n3", events=[unhealthy("n2")])
+    assert proc.returncode == 3
+    assert history[-1]["decision"] == "stop" and history[-1]["exclude"] == []
+    assert history[-1]["reason"] == (
+        "a launcher exited 3 (do not relaunch); n2 judged unhealthy, too few nodes to exclude"
+    )
+    assert (
+        "excluding n2 would leave 1 of partition debug's 3 nodes for a 2-node job: not "
+        "excluding n2" in proc.stderr
+    )
+    assert not [c for c in calls if c.startswith("sbatch")]
+
+
+def test_finish_carries_the_jobs_own_exclusions_and_forgets_cleared_ones(tmp_path: Path):
+    run_finish(tmp_path, [1, 3], "--max-relaunches", "3", events=[unhealthy("n2")])
+    (tmp_path / "job" / relaunch.EXCLUDED_FILE).unlink()  # an operator lets n2 back in
+    (tmp_path / "calls.log").unlink()
+    # The job's ExcNodeList: n2 (ours, last run) and m5 (the user's own sbatch --exclude).
+    _, history, calls = run_finish(tmp_path, [1, 1], "--max-relaunches", "3", exc="m5,n2")
+    (sbatch,) = [c for c in calls if c.startswith("sbatch")]
+    assert "--exclude=m5 " in sbatch, sbatch
+    assert history[-1]["exclude"] == []
+
+
+def test_finish_sets_the_requeued_jobs_excluded_nodes(tmp_path: Path):
+    proc, _, calls = run_finish(tmp_path, [1, 3], "--mode", "requeue", events=[unhealthy("n2")])
+    assert proc.returncode == 1, proc.stderr
+    requeue = calls.index("scontrol requeue 41 SLURM_JOB_ID=41")
+    assert calls[requeue + 1] == "scontrol update JobId=41 ExcNodeList=n2 SLURM_JOB_ID=41"
+    assert "requeued job 41: ExcNodeList set (n2)" in proc.stderr
+    # Nothing judged, nothing to change: no update.
+    (tmp_path / "job" / relaunch.EXCLUDED_FILE).unlink()
+    (tmp_path / "calls.log").unlink()
+    _, _, calls = run_finish(tmp_path, [75, 75], "--mode", "requeue", "--max-relaunches", "3")
+    assert not [c for c in calls if c.startswith("scontrol update")]
+
+
+def test_finish_does_not_exclude_a_node_a_requeued_job_requires(tmp_path: Path):
+    """Requeue keeps the job's --nodelist: excluding a node of it would leave the job pending
+    for ever, so n2 is not excluded and its 3 stands (resubmit does not carry --nodelist)."""
+    proc, history, calls = run_finish(tmp_path, [1, 3], "--mode", "requeue", req="n1,n2",
+                                      events=[unhealthy("n2")])  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    assert history[-1]["decision"] == "stop" and history[-1]["exclude"] == []
+    assert "not excluding n2: the job requires it (--nodelist)" in proc.stderr
+    assert not [c for c in calls if c.startswith(("scontrol requeue", "scontrol update"))]
+    _, history, _ = run_finish(tmp_path, [1, 3], req="n1,n2", events=[unhealthy("n2")])
+    assert history[-1]["decision"] == "relaunch" and history[-1]["exclude"] == ["n2"]

@@ -64,7 +64,8 @@ NVRX_OPTIONS: tuple[Option, ...] = (
              nvrx_default=None),
     _refused("segment_health_check_dir", "NVRx's per-task segment health decisions.",
              "use --ft-node-health-check-cmd (a command that must exit 0 before each "
-             "rendezvous)", nvrx_default=None),
+             "rendezvous); slurm/ftrun.sbatch keeps a node judged unhealthy out of the job's "
+             "next relaunches (sbatch --exclude)", nvrx_default=None),
     _refused("min_progress_iterations", "NVRx's iterations a restart must gain to count.",
              "report iterations with send_heartbeat(iteration=...) and set "
              "--ft-max-no-progress-cycles", nvrx_default="1"),
