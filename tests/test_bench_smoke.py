@@ -68,6 +68,7 @@ SMOKES = [
     Smoke("goodput.stall", r"save\(\) median .* taken \d+ of"),
     Smoke("goodput.goodput", r"setting\s+goodput\s+fault", timeout=120),
     Smoke("goodput.model", r"setting\s+lost s per fault"),
+    Smoke("goodput.copy_probe", rf"copy_probe: {NO_CUDA}|device-to-host GB/s"),
     Smoke("rendezvous.rendezvous_scale", r"\| impl \| store \| N \|(.|\n)*\| barrier \| etcd \| 8 ",
           ("--backend", "both", "--impl", "barrier"), timeout=120, needs="etcd"),
     # whole jobs: beyond the budget

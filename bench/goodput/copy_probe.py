@@ -9,7 +9,7 @@
    every step: a fresh start, then a restart that restores (what a heartbeat timeout computed
    after 20 steps sees).
 
-    python -m bench.goodput.copy_probe [--steps 25]
+    python -m bench.goodput.copy_probe [--steps 25] [--smoke]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bench.common import smoke
 from bench.goodput.stall import build
 from ftrun.checkpointing import StepSnapshot, pinning
 from ftrun.identity import free_port
@@ -114,7 +115,10 @@ def lives(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=25)
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, {"steps": 3})
+    if not torch.cuda.is_available():
+        smoke.skip_gpu("copy_probe", "every measurement (the state is on a GPU)")
+        return
     args.d_model, args.layers, args.batch, args.seq, args.fsdp2 = 1024, 12, 8, 512, False
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
