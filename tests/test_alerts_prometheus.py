@@ -10,6 +10,7 @@ FtrunRankProgressOverdue fires. Then it is SIGKILLed, cycle 4 trains, and both r
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import shutil
@@ -30,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "src" / "ftrun" / "observe" / "prometheus" / "ftrun-alerts.yml"
 FAULT = Path(__file__).resolve().parent / "workers" / "fault_worker.py"
 PROMETHEUS = shutil.which("prometheus")
+SCRAPE_S = EVALUATION_S = 1
 
 
 class Prometheus:
@@ -38,7 +40,8 @@ class Prometheus:
     def __init__(self, tmp: Path, targets: list[str]) -> None:
         self.port = free_port()
         config = {
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "global": {"scrape_interval": f"{SCRAPE_S}s",
+                       "evaluation_interval": f"{EVALUATION_S}s"},
             "rule_files": [str(RULES)],
             "scrape_configs": [{"job_name": "ftrun", "honor_labels": True,
                                 "static_configs": [{"targets": targets}]}],
@@ -60,9 +63,9 @@ class Prometheus:
             return None
 
     def firing(self) -> dict[str, dict]:
-        """alertname -> labels of each firing alert."""
+        """alertname -> each firing alert (its labels, and `activeAt`: when it went pending)."""
         alerts = (self.api("alerts") or {}).get("alerts", [])
-        return {a["labels"]["alertname"]: a["labels"] for a in alerts if a["state"] == "firing"}
+        return {a["labels"]["alertname"]: a for a in alerts if a["state"] == "firing"}
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -88,10 +91,15 @@ def test_a_restart_storm_and_an_overdue_rank_fire_then_resolve(tmp_path: Path):
                  == 2, 60, "Prometheus holding both agents' cycle")  # fmt: skip
         (job.ckpt_dir / "go").touch()
         storm = wait_for(lambda: prometheus.firing().get("FtrunRestartStorm"), 60, "the storm")
-        assert storm["job"] == f"test-{tmp_path.name}" and storm["severity"] == "page", storm
+        labels = storm["labels"]
+        assert labels["job"] == f"test-{tmp_path.name}" and labels["severity"] == "page", storm
+        # Firing `for:` after it went pending, which is at most a scrape and an evaluation
+        # (1 s each) after the third restart's cycle began (+ 1 s for this VM's load).
+        third = min(e["ts"] for e in job.events("rendezvous_done") if e["cycle"] == 3)
+        assert _epoch(storm["activeAt"]) - third <= SCRAPE_S + EVALUATION_S + 1, (storm, third)
         overdue = wait_for(lambda: prometheus.firing().get("FtrunRankProgressOverdue"), 90,
                            "the overdue rank")  # fmt: skip
-        assert overdue["rank"] == "0", overdue
+        assert overdue["labels"]["rank"] == "0", overdue
         wait_for(lambda: not prometheus.firing(), 120, "every alert resolved", interval=0.5)
         assert job.wait(120) == [0, 0], job.nodes[0].text()[-3000:]
     finally:
@@ -102,6 +110,13 @@ def test_a_restart_storm_and_an_overdue_rank_fire_then_resolve(tmp_path: Path):
     stubborn = [int(pid) for pid in (job.ckpt_dir / "stubborn-pids").read_text().split()]
     wait_for(lambda: not any(psutil.pid_exists(pid) for pid in stubborn), 10, "the stubborn rank")
     assert {e["cycle"] for e in job.events("rendezvous_done")} == {0, 1, 2, 3, 4}
+
+
+def _epoch(rfc3339: str) -> float:
+    """Prometheus's time (nanoseconds, `Z`) as epoch seconds."""
+    whole, _, fraction = rfc3339.rstrip("Z").partition(".")
+    moment = datetime.datetime.fromisoformat(whole).replace(tzinfo=datetime.UTC)
+    return moment.timestamp() + float(f"0.{fraction or 0}")
 
 
 def _metrics_targets(nodes: list) -> list[str] | None:
