@@ -120,9 +120,11 @@ def start_job(
     node_env: Sequence[dict[str, str]] | None = None,
     order: Sequence[int] | None = None,
     endpoint: str | None = None,
+    wrap: Sequence[str] = (),
 ) -> Job:
     """Start `nodes` launchers (in `order`) for one job on a fresh rendezvous port (or at
-    `endpoint`: a store the test serves)."""
+    `endpoint`: a store the test serves); `wrap`: a command each launcher runs under, which
+    execs it (its pid stays the launcher's)."""
     log_dir, ckpt_dir = tmp / "logs", tmp / "ckpt"
     endpoint = endpoint or f"127.0.0.1:{free_port()}"
     launcher_args = [*launcher_args, *prewarm_args(launcher_args, script)]
@@ -138,7 +140,7 @@ def start_job(
     ]
     argv = [*common, str(script), "--ckpt-dir", str(ckpt_dir), *script_args]
     started = [
-        _start_launcher(tmp, index, argv, node_env[index] if node_env else {})
+        _start_launcher(tmp, index, argv, node_env[index] if node_env else {}, wrap)
         for index in (order or range(nodes))
     ]
     return Job(tmp, sorted(started, key=lambda n: n.index), log_dir, ckpt_dir, argv)
@@ -171,12 +173,14 @@ def prewarm_args(launcher_args: Sequence[str], script: Path) -> list[str]:
     return extra
 
 
-def _start_launcher(tmp: Path, index: int, argv: list[str], extra_env: dict[str, str]) -> Node:
+def _start_launcher(
+    tmp: Path, index: int, argv: list[str], extra_env: dict[str, str], wrap: Sequence[str] = ()
+) -> Node:
     env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1"}
     output = tmp / f"launcher{index}.log"
     with output.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ftrun.ft_launcher.cli", *argv],
+            [*wrap, sys.executable, "-m", "ftrun.ft_launcher.cli", *argv],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,

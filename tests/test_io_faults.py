@@ -148,6 +148,24 @@ def test_each_write_of_a_step_snapshot_fails_in_turn(tmp_path: Path) -> None:
         assert StepSnapshot(root).restore(into) == 3 and same(into, 3), where
 
 
+def test_full_node_memory_at_start_does_not_stop_the_script(tmp_path, monkeypatch, caplog):
+    """Under ft_launcher the file that tells the agent how to keep the parts cannot be written
+    (node memory full): the manager starts anyway, says so, leaves no half-written file, and
+    writes it once a part was saved (seen in a job: every rank died in its constructor)."""
+    monkeypatch.setenv("FTRUN_CKPT_DIR", str(tmp_path / "node"))
+    (tmp_path / "node" / "s").mkdir(parents=True)
+    policy = tmp_path / "node" / "s" / ".policy.json"
+    for index in (1, 2):  # the temp file's creation, then its rename (0: an existing mkdir)
+        faulty = FaultyFS(tmp_path / "node", fail_at=index, error=errno.ENOSPC)
+        with faulty as fs, caplog.at_level(WARNING, logger="ftrun.checkpointing"):
+            manager = LocalCheckpointManager(tmp_path / "disk", session_id="s")
+        assert fs.failed is not None and "not replicated yet" in caplog.text, fs.calls
+        assert not policy.exists() and not list(policy.parent.glob(".policy.json*")), index
+        manager.save(state(1), 1)
+        assert policy.exists() and same(manager.load()[0], 1)
+        policy.unlink()
+
+
 def test_a_failed_step_snapshot_is_said_and_the_training_goes_on(tmp_path, caplog) -> None:
     """A save whose background write fails (node memory full) does not stop the script: the
     next `save()` logs it, counts it, and is taken; the newest complete snapshot stays."""

@@ -1,11 +1,13 @@
 """Fault matrix, exhausted resources (issue 54): a rank out of descriptors or memory, an agent
-starved of CPU by its workers' node, the launchers' log disk full.
+starved of CPU by its workers' node, the launchers' log disk full, node memory (/dev/shm) full
+under the step snapshots.
 
 Each case runs the light 2-node x 1-rank job of `test_fault_workers`. A rank that runs out of a
 resource fails as a user's script does (its error goes up): the job recovers in cycle 1 and
 finishes. A starved agent is not a fault: the job finishes in one cycle, with no hang verdict
 (a heartbeat read late is still a heartbeat received in time). A full log disk costs the
-events written meanwhile, never the job.
+events written meanwhile, never the job. Full node memory costs the snapshots taken meanwhile,
+never the training: a fault after it resumes from the newest complete one.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from conftest import matrix_only
+from launch import Job
 from support import wait_for
 
 if TYPE_CHECKING:
@@ -86,3 +89,62 @@ def test_a_full_log_disk_costs_the_events_not_the_job(fault: Fault, tmp_path: Pa
             assert node.text().count("worker output is no longer written to") <= 2
     finally:
         subprocess.run(["umount", "--lazy", str(logs)], check=False)
+
+
+SNAPSHOT_WORKER = Path(__file__).resolve().parents[1] / "workers" / "snapshot_worker.py"
+# Each launcher in a mount namespace of its own, /dev/shm a 96 MB tmpfs there: its node memory
+# (the keeper keeps 64 MB free of replicas: `KeeperSettings.free_reserve_bytes`).
+SMALL_SHM = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+             'mount -t tmpfs -o size=96m tmpfs /dev/shm && exec "$@"', "sh"]  # fmt: skip
+
+
+@matrix_only("test_io_faults.py: a snapshot's failed write is said and the next one taken")
+@pytest.mark.skipif(os.geteuid() != 0, reason="a mount namespace and a tmpfs need root")
+def test_full_node_memory_costs_the_snapshots_not_the_training(fault: Fault):
+    """2 launchers x 1 rank of the StepSnapshot script, each launcher's /dev/shm a small tmpfs,
+    full before the first save (every save and replica fails: a snapshot's files, once made,
+    are reused, so memory filled later would cost only the replicas) and emptied at step 20;
+    rank 1 raises at step 40: both ranks resume at the step they were in, bit-equal."""
+    job = fault.start(2, ["--max-restarts=2", "--ft-rank-heartbeat-timeout=5"],
+                      ["--steps", "60", "--step-time", "0.05", "--fault", "0:1:40:raise"],
+                      script=SNAPSHOT_WORKER, wrap=SMALL_SHM)  # fmt: skip
+    shm = [Path(f"/proc/{node.proc.pid}/root/dev/shm") for node in job.nodes]
+    wait_for(lambda: all(_listed(d) for d in shm), 60, "each launcher's node memory directory")
+    for directory in shm:
+        with contextlib.suppress(OSError), (directory / "filler").open("wb") as out:
+            while True:
+                out.write(bytes(2**16))
+                out.flush()
+    wait_for(lambda: _newest(job, 0) >= 20, 90, "step 20, no snapshot taken")
+    for directory in shm:
+        (directory / "filler").unlink()
+    fault.expect = "snapshots failed, training went on; recovered from the newest"
+    codes = job.wait(120)
+    fault.track(job)
+    assert codes == [0, 0], job.nodes[0].text()[-3000:]
+    for rank in (0, 1):
+        rows = _rows(job, rank)
+        resumed = next(r for r in rows if r[0] == "resumed" and r[1] == 1)
+        done = {s: d for kind, c, s, d in rows if kind == "step" and c == 0}
+        assert resumed[2] >= 38 and resumed[3] == done[resumed[2]], (rank, resumed)
+    for node in job.nodes:  # the launchers' own lines: the workers' (rank 1's raise) are relayed
+        own = [line for line in node.text().splitlines() if not line.startswith("[default")]
+        assert not [line for line in own if "Traceback" in line], node.text()[-3000:]
+    stderr = "".join(p.read_text() for p in job.log_dir.glob("**/stderr.log"))
+    assert "a step snapshot failed" in stderr, stderr[-2000:]
+
+
+def _rows(job: Job, rank: int) -> list[tuple[str, int, int, str]]:
+    path = job.ckpt_dir / f"rank{rank}.log"
+    text = path.read_text() if path.exists() else ""
+    return [(kind, int(c), int(s), d) for kind, c, s, d in map(str.split, text.splitlines())]
+
+
+def _listed(directory: Path) -> bool:
+    with contextlib.suppress(OSError):
+        return any(directory.iterdir())
+    return False
+
+
+def _newest(job: Job, rank: int) -> int:
+    return max((s for kind, _, s, _ in _rows(job, rank) if kind == "step"), default=0)

@@ -40,11 +40,13 @@ from ftrun.checkpointing.persist import copy_part
 from ftrun.checkpointing.retention import parts_to_remove
 from ftrun.checkpointing.state_dict import BasicTensorAwareStateDict, TensorAwareStateDict
 from ftrun.checkpointing.store import DirectoryStore, PartKey, PartStore, PreparedPart
+from ftrun.checkpointing.tier_files import POLICY_FILE
 from ftrun.checkpointing.worker_tier import (
     agent_tier,
     note_stall,
     protected_part,
     restore_decision,
+    write_policy,
 )
 
 logger = logging.getLogger(__name__)
@@ -102,6 +104,7 @@ class LocalCheckpointManager:
         self.repl_strategy = repl_strategy
         self._keep_complete = keep_complete
         self._tier = agent_tier(session_id, repl_strategy)
+        self._told_agent = self._tier is None or (self._tier / POLICY_FILE).exists()
         self._disk: DirectoryStore | None = None
         if store is None and self._tier is not None:
             store = DirectoryStore(self._tier, recycle=True)
@@ -344,6 +347,8 @@ class LocalCheckpointManager:
     def _after_write(self, key: PartKey, info: PartInfo) -> None:
         logger.debug("[rank %d] saved iteration %d: %s", key.rank, key.iteration, info.path)
         self._bad.discard(key)  # written anew: the part set aside under this key is not it
+        if not self._told_agent:  # node memory was full when this manager started
+            self._told_agent = write_policy(self._tier, self.repl_strategy)
         if self._disk is not None:
             copy_part(info.path, self._disk.path_of(key))
         for store in (self._store, self._disk):

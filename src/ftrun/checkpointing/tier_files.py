@@ -89,8 +89,12 @@ def write_json_atomically(path: Path, value: Mapping[str, Any]) -> None:
     """Readers see the old file or the new one, never half of one."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(value))
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(value))
+        tmp.replace(path)
+    except OSError:  # a full node memory, say: no half-written file left behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_json(path: Path) -> dict[str, Any] | None:

@@ -32,16 +32,28 @@ def agent_tier(session_id: str, repl_strategy: Any) -> Path | None:
     if not ckpt_dir:
         return None
     tier = session_dir(ckpt_dir, session_id)
+    if repl_strategy is not None and getattr(repl_strategy, "replication_factor", None) is None:
+        raise CheckpointUsageError(
+            f"repl_strategy {repl_strategy!r} is not a CliqueReplicationStrategy"
+        )
+    write_policy(tier, repl_strategy)
+    return tier
+
+
+def write_policy(tier: Path, repl_strategy: Any) -> bool:
+    """Tell the agent what to do with this session's parts (`POLICY_FILE`); False when node
+    memory cannot hold the file (full): said in the log, the caller tries again after a part
+    was written. Never fails the training: until then, its parts are not replicated."""
     policy = TierPolicy(
         replication_jump=getattr(repl_strategy, "replication_jump", None),
         replication_factor=getattr(repl_strategy, "replication_factor", None),
     )
-    if repl_strategy is not None and policy.replication_factor is None:
-        raise CheckpointUsageError(
-            f"repl_strategy {repl_strategy!r} is not a CliqueReplicationStrategy"
-        )
-    write_json_atomically(tier / POLICY_FILE, policy.to_json())
-    return tier
+    try:
+        write_json_atomically(tier / POLICY_FILE, policy.to_json())
+        return True
+    except OSError as e:
+        logger.warning("cannot tell the agent how to keep the parts (%s): not replicated yet", e)
+        return False
 
 
 def note_stall(tier: Path, rank: int, iteration: int, seconds: float) -> None:
