@@ -94,8 +94,10 @@ def test_a_full_log_disk_costs_the_events_not_the_job(fault: Fault, tmp_path: Pa
 SNAPSHOT_WORKER = Path(__file__).resolve().parents[1] / "workers" / "snapshot_worker.py"
 # Each launcher in a mount namespace of its own, /dev/shm a 96 MB tmpfs there: its node memory
 # (the keeper keeps 64 MB free of replicas: `KeeperSettings.free_reserve_bytes`).
+SMALL_SHM_BYTES = 96 << 20
 SMALL_SHM = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-             'mount -t tmpfs -o size=96m tmpfs /dev/shm && exec "$@"', "sh"]  # fmt: skip
+             f'mount -t tmpfs -o size={SMALL_SHM_BYTES} tmpfs /dev/shm && exec "$@"',
+             "sh"]  # fmt: skip
 
 
 @matrix_only("test_io_faults.py: a snapshot's failed write is said and the next one taken")
@@ -109,10 +111,13 @@ def test_full_node_memory_costs_the_snapshots_not_the_training(fault: Fault):
                       ["--steps", "60", "--step-time", "0.05", "--fault", "0:1:40:raise"],
                       script=SNAPSHOT_WORKER, wrap=SMALL_SHM)  # fmt: skip
     shm = [Path(f"/proc/{node.proc.pid}/root/dev/shm") for node in job.nodes]
-    wait_for(lambda: all(_listed(d) for d in shm), 60, "each launcher's node memory directory")
+    # Only the launchers' own tmpfs (another file system than this host's /dev/shm, which
+    # `unshare` still shares until it has made the namespace), and never more than its size.
+    host = os.stat("/dev/shm").st_dev
+    wait_for(lambda: all(_own_memory(d, host) for d in shm), 60, "each launcher's node memory")
     for directory in shm:
         with contextlib.suppress(OSError), (directory / "filler").open("wb") as out:
-            while True:
+            for _ in range(SMALL_SHM_BYTES // 2**16):
                 out.write(bytes(2**16))
                 out.flush()
     wait_for(lambda: _newest(job, 0) >= 20, 90, "step 20, no snapshot taken")
@@ -140,9 +145,10 @@ def _rows(job: Job, rank: int) -> list[tuple[str, int, int, str]]:
     return [(kind, int(c), int(s), d) for kind, c, s, d in map(str.split, text.splitlines())]
 
 
-def _listed(directory: Path) -> bool:
+def _own_memory(directory: Path, host_device: int) -> bool:
+    """`directory` is the launcher's tmpfs, with the agent's node memory in it."""
     with contextlib.suppress(OSError):
-        return any(directory.iterdir())
+        return os.stat(directory).st_dev != host_device and any(directory.iterdir())
     return False
 
 
