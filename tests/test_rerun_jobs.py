@@ -18,6 +18,7 @@ pytestmark = pytest.mark.process
 WORKER = Path(__file__).resolve().parent / "workers" / "rerun_worker.py"
 JOB = ["--nnodes=2", "--nproc-per-node=2", "--max-restarts=3", "--rdzv-conf=last_call_timeout=5"]
 STEPS, FLIP_STEP = 30, 20
+ONCE_STEP = 10  # a one-off flip before FLIP_STEP's, in the same job
 
 
 def expected_w(steps: int, world: int = 4, lr: float = 0.01) -> float:
@@ -35,8 +36,8 @@ def progress(job: Job, rank: int) -> list[tuple[int, int, float, float]]:
     return [(int(c), int(s), float(loss), float(w)) for c, s, loss, w, _ in rows]
 
 
-def start(tmp_path: Path, mode: str, *extra: str, launchers: int = 3) -> Job:
-    job = start_job(tmp_path, launchers, JOB, ["--flip", f"{mode}:{FLIP_STEP}", "--steps",
+def start(tmp_path: Path, mode: str, *extra: str) -> Job:
+    job = start_job(tmp_path, 3, JOB, ["--flip", f"{mode}:{FLIP_STEP}", "--steps",
                                                str(STEPS), "--step-time", "0.03", *extra],
                     script=WORKER)  # fmt: skip
     job.wait_event("rendezvous_done", 2)
@@ -59,32 +60,32 @@ def flip_on(job: Job, fail_node: bool = False) -> tuple[str, int]:
     return name, rank
 
 
-def test_a_one_off_flip_is_transient_and_nothing_restarts(tmp_path: Path):
-    # The re-run in place clears it: no node moves, so no standby is started.
-    job = start(tmp_path, "once", launchers=2)
-    _, rank = flip_on(job)
-    codes = wait_all(job, 120)
-    assert set(codes.values()) == {0}
-    assert len(rounds(job)) == 1
-    [verdict] = job.events("rerun_verdict")
-    assert (verdict["diagnostic"], verdict["rank"]) == ("transient_error", rank)
-    rows = progress(job, rank)
-    assert rows[-1][1] == STEPS and rows[-1][3] == pytest.approx(expected_w(STEPS), rel=1e-4)
-    text = job.report()
-    assert "Re-runs" in text and "transient_error (loss spike)" in text
-    assert "training went on with the re-run's result" in text
-
-
-def test_a_flip_on_one_node_excludes_it_and_the_standby_carries_on(tmp_path: Path):
-    job = start(tmp_path, "marked")
+def test_a_one_off_flip_is_transient_then_a_flip_on_one_node_excludes_it(tmp_path: Path):
+    """A one-off flip first (step ONCE_STEP): the re-run in place clears it and nothing
+    restarts; then a flip on a marked node (FLIP_STEP): the node is excluded and the standby
+    carries on."""
+    job = start(tmp_path, f"once:{ONCE_STEP},marked")
     name, rank = flip_on(job, fail_node=True)
     codes = wait_all(job, 120)
     victim = next(n for n in job.nodes if name.endswith(f"-{n.proc.pid}"))
     assert codes == {n.index: ExitCode.EXCLUDED if n is victim else 0 for n in job.nodes}
+    verdicts = {v["diagnostic"]: v for v in job.events("rerun_verdict")}
+    assert sorted(verdicts) == ["persistent_error", "transient_error"]
+    # The one-off flip: its verdict in cycle 0, and cycle 0 went on past it on every rank.
+    once = verdicts["transient_error"]
+    assert (once["cycle"], once["rank"]) == (0, rank)
+    for r in range(4):
+        assert [s for c, s, *_ in progress(job, r) if c == 0][: FLIP_STEP - 1] == list(
+            range(1, FLIP_STEP)
+        )
+    text = job.report()
+    assert "Re-runs" in text and "transient_error (loss spike)" in text
+    assert "training went on with the re-run's result" in text
+    # The flip on the marked node.
     [suspect] = job.events("rerun_suspect")
     assert (suspect["node"], suspect["rank"]) == (name, rank)
-    [verdict] = job.events("rerun_verdict")
-    assert (verdict["diagnostic"], verdict["suspect_node"]) == ("persistent_error", name)
+    verdict = verdicts["persistent_error"]
+    assert verdict["suspect_node"] == name
     spare = standby_nodes(job, 0).pop()
     assert rounds(job)[1] == [spare if n == name else n for n in rounds(job)[0]]
     for r in range(4):  # every rank ends where a run without the fault ends

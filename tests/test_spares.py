@@ -65,8 +65,22 @@ def exit_times(job: Job) -> list[float]:
     return [e["ts"] for e in job.events("exit")]
 
 
+def finished(job: Job, ranks: int = 2, cycle: int = 1) -> bool:
+    """Every rank of the light script made its last step, in `cycle`."""
+    done = [job.ckpt_dir / f"done-rank{rank}" for rank in range(ranks)]
+    return all(path.exists() and path.read_text() == f"{cycle}\n" for path in done)
+
+
 def test_a_crash_restarts_on_the_same_nodes_with_the_same_group_ranks(tmp_path: Path):
-    job = start_job(tmp_path, 3, [*SPARE], ["--steps", "30", "--crash", "0:1:10"])
+    # The light script (no torch: the rounds and the standby are the point): rank 1 exits 1 at
+    # step 10 of cycle 0, once the standby stood by in cycle 0.
+    job = start_job(
+        tmp_path, 3, [*SPARE], ["--steps", "30", "--exit", "0:1:10:1", "--fault-after", "standby"],
+        script=FAULT,
+    )  # fmt: skip
+    wait_for(lambda: standby_nodes(job, 0), 90, "a node standing by in cycle 0")
+    job.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    (job.ckpt_dir / "standby").write_text("")
     codes = wait_all(job, 120)
     assert codes == {0: 0, 1: 0, 2: 0}
     seen = rounds(job)
@@ -80,38 +94,7 @@ def test_a_crash_restarts_on_the_same_nodes_with_the_same_group_ranks(tmp_path: 
         capture_output=True, text=True, check=True, timeout=60,
     ).stdout  # fmt: skip
     assert f"{standby.pop()}" in text and "stood by as a hot spare in cycle(s) 0-1" in text
-    assert (job.ckpt_dir / "FINISHED").exists()
-    ends = exit_times(job)
-    assert max(ends) - min(ends) < PROMPT_EXIT_S
-
-
-def test_a_lost_node_is_replaced_by_the_spare_in_its_slot(tmp_path: Path):
-    # Infra group ranks (GROUP_RANK), the nodes started in reverse: the lowest two are active
-    # whatever the arrival order, the third stands by.
-    envs = [{"GROUP_RANK": str(i)} for i in range(3)]
-    job = start_job(
-        tmp_path, 3, [*SPARE, "--ft-use-infra-group-rank"],
-        ["--steps", "60", "--step-time", "0.05"], node_env=envs, order=[2, 1, 0],
-    )  # fmt: skip
-    wait_for(lambda: len(job.progress(0)) >= 5, 90, "training on 2 nodes")
-    first = rounds(job)[0]
-    assert [node_of(job, n).index for n in first] == [0, 1]
-    assert {node_of(job, n).index for n in standby_nodes(job, 0)} == {2}
-    victim = killable(job, 0)
-    lost = next(n for n in first if node_of(job, n) is victim)
-    lose(victim)
-    codes = wait_all(job, 120)
-    assert codes == {n.index: -signal.SIGKILL if n is victim else 0 for n in job.nodes}
-    final = rounds(job)[max(rounds(job))]
-    spare = (standby_nodes(job, 0)).pop()
-    # The survivor keeps its group rank; the spare takes the lost node's.
-    assert final == [spare if n == lost else n for n in first]
-    assert (job.ckpt_dir / "FINISHED").exists()
-    # The lost node is named as the cause, the survivor's gloo error as its consequence.
-    [named] = job.events("node_lost")
-    assert (named["nodes"], named["lost_cycle"]) == ([lost], 0)
-    assert all(f.get("secondary") for f in job.failures())
-    assert f"node {lost} lost" in job.report()
+    assert finished(job)
     ends = exit_times(job)
     assert max(ends) - min(ends) < PROMPT_EXIT_S
 
@@ -138,22 +121,48 @@ def test_a_node_lost_while_the_ranks_never_talk_is_found_by_its_neighbour(tmp_pa
     assert "did not answer 3 probes in a row" in text and "stopped answering while" in text, text
 
 
-def test_two_spares_replace_two_successive_losses(tmp_path: Path):
-    job = start_job(tmp_path, 4, [*SPARE], ["--steps", "80", "--step-time", "0.05"])
+def test_two_spares_take_the_slots_of_two_successive_losses(tmp_path: Path):
+    # Infra group ranks (GROUP_RANK), the nodes started in reverse: the lowest two are active
+    # whatever the arrival order, the other two stand by.
+    envs = [{"GROUP_RANK": str(i)} for i in range(4)]
+    job = start_job(
+        tmp_path, 4, [*SPARE, "--ft-use-infra-group-rank"],
+        ["--steps", "80", "--step-time", "0.05"], node_env=envs, order=[3, 2, 1, 0],
+    )  # fmt: skip
     wait_for(lambda: len(job.progress(0)) >= 5, 90, "training on 2 nodes")
-    lost = []
+    assert [node_of(job, n).index for n in rounds(job)[0]] == [0, 1]
+    assert {node_of(job, n).index for n in standby_nodes(job, 0)} == {2, 3}
+    losses = []  # (node, its name, the cycle it was lost in)
     for loss in range(2):
         cycle = max(rounds(job))
         victim = killable(job, cycle)
-        lost.append(victim)
+        losses.append((victim, next(n for n in rounds(job)[cycle] if node_of(job, n) is victim),
+                       cycle))  # fmt: skip
         lose(victim)
         wait_for(lambda c=cycle: max(rounds(job)) > c, 60, f"a round after loss {loss + 1}")
         steps = len(job.progress(0))
         wait_for(lambda s=steps: len(job.progress(0)) > s + 3, 60, "training again")
     codes = wait_all(job, 180)
+    lost = [node for node, _, _ in losses]
     assert codes == {n.index: -signal.SIGKILL if n in lost else 0 for n in job.nodes}
-    final = {node_of(job, n).index for n in rounds(job)[max(rounds(job))]}
+    seen = rounds(job)
+    # The survivor keeps its group rank; a spare of the round lost takes the lost node's.
+    nexts = [cycle for _, _, cycle in losses[1:]] + [max(seen)]
+    for (_, name, cycle), after in zip(losses, nexts, strict=True):
+        [spare] = set(seen[after]) - set(seen[cycle])
+        assert spare in standby_nodes(job, cycle)
+        assert seen[after] == [spare if n == name else n for n in seen[cycle]]
+    final = {node_of(job, n).index for n in seen[max(seen)]}
     assert len(final) == 2 and final.isdisjoint(n.index for n in lost)
+    assert (job.ckpt_dir / "FINISHED").exists()
+    # Each lost node is named as the cause, the survivor's gloo errors as its consequence.
+    named = sorted((e["lost_cycle"], e["nodes"]) for e in job.events("node_lost"))
+    assert named == [(cycle, [name]) for _, name, cycle in losses]
+    assert all(f.get("secondary") for f in job.failures())
+    report = job.report()
+    assert all(f"node {name} lost" in report for _, name, _ in losses)
+    ends = exit_times(job)
+    assert max(ends) - min(ends) < PROMPT_EXIT_S
 
 
 def test_cycles_without_progress_stop_the_job_with_their_own_code(tmp_path: Path):
@@ -193,20 +202,22 @@ def test_a_node_with_a_nic_port_down_is_replaced(tmp_path: Path):
         (port / "phys_state").write_text("5: LinkUp\n")
         (port / "counters" / "link_downed").write_text("0\n")
     job = start_job(
-        # The check before each round (the watch while training is test_health_watch's).
+        # The check before each round (the watch while training is test_health_watch's). The
+        # light script (no torch): rank 0 exits 1 at step 30 once the port is down.
         tmp_path, 3, [*SPARE, "--ft-enable-nic-healthcheck", "--ft-health-interval=0"],
-        ["--steps", "60", "--step-time", "0.1", "--crash", "0:0:30"],
-        node_env=[{"FTRUN_NIC_SYSFS_ROOT": str(root)} for root in roots],
+        ["--steps", "60", "--step-time", "0.1", "--exit", "0:0:30:1", "--fault-after", "down"],
+        node_env=[{"FTRUN_NIC_SYSFS_ROOT": str(root)} for root in roots], script=FAULT,
     )  # fmt: skip
     wait_for(lambda: len(job.progress(0)) >= 3, 90, "training on 2 nodes")
     first = rounds(job)[0]
     victim = killable(job, 0)
-    # Its port goes down; rank 0 crashes later: the node fails the check before the restart.
+    # Its port goes down; rank 0 exits later: the node fails the check before the restart.
     (roots[victim.index] / "mlx5_0" / "ports" / "1" / "state").write_text("1: DOWN\n")
+    (job.ckpt_dir / "down").write_text("")
     codes = wait_all(job, 120)
     assert codes == {n.index: ExitCode.DO_NOT_RELAUNCH if n is victim else 0 for n in job.nodes}
     assert rounds(job)[1] == [
         standby_nodes(job, 0).pop() if node_of(job, n) is victim else n for n in first
     ]
     assert "mlx5_0" in next(e["reason"] for e in job.events("unhealthy"))
-    assert (job.ckpt_dir / "FINISHED").exists()
+    assert finished(job)

@@ -21,10 +21,25 @@ def nvrx_importable() -> bool:
 
 
 def cuda_in_child() -> bool:
-    """Whether torch sees a GPU, asked of a child: this process holds no CUDA context."""
-    code = "import torch; print(torch.cuda.is_available())"
-    said = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=False)
-    return said.stdout.strip() == "True"
+    """Whether torch sees a GPU, asked of a child: this process holds no CUDA context. A bench
+    that imported torch already asks a forked child (no second interpreter importing torch)."""
+    if "torch" not in sys.modules:
+        code = "import torch; print(torch.cuda.is_available())"
+        said = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=False)
+        return said.stdout.strip() == "True"
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: answer on the pipe, leave without the parent's exit handlers
+        os.close(read)
+        try:
+            os.write(write, b"1" if sys.modules["torch"].cuda.is_available() else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as answer:
+        said = answer.read()
+    os.waitpid(pid, 0)
+    return said == b"1"
 
 
 def machine_line(device: str) -> str:

@@ -5,9 +5,9 @@ One scalar weight w, SGD; rank r's batch at step s is x = 1 + 0.01 s + 0.1 r and
 and a test can compute every loss. Each step appends "<cycle> <step> <loss> <w> <time>" to
 <ckpt-dir>/progress-rank<R>.txt (the loss the step went on with).
 
---flip MODE:STEP multiplies by 1000 the loss of the rank named in <ckpt-dir>/flip-rank (the test
-writes it once it knows the nodes, then <ckpt-dir>/flip-armed, which every rank waits for at that
-step) at that step; `validate_result` rejects a loss above 100.
+--flip MODE:STEP[,MODE:STEP...] multiplies by 1000 the loss of the rank named in
+<ckpt-dir>/flip-rank (the test writes it once it knows the nodes, then <ckpt-dir>/flip-armed, which
+every rank waits for at that step) at each STEP; `validate_result` rejects a loss above 100.
 MODE: `once` (the first run of the step only: a transient fault), `marked` (on a
 node the test marked, <ckpt-dir>/fail-<FTRUN_NODE>: a bad node), `always` (wherever it runs: a
 correct but unexpected result). A checkpoint for a re-run elsewhere goes through ftrun's local
@@ -65,14 +65,14 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ckpt-dir", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--flip", default="", metavar="MODE:STEP")
+    parser.add_argument("--flip", default="", metavar="MODE:STEP[,MODE:STEP...]")
     parser.add_argument("--step-time", type=float, default=0.05)
     parser.add_argument("--fatal", action="store_true")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     device = join_group(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    mode, flip_step = args.flip.split(":") if args.flip else ("", "-1")
+    flips = {int(s): m for m, s in (f.split(":") for f in args.flip.split(",") if f)}
     local = LocalCheckpointManager(
         args.ckpt_dir / "local",
         repl_strategy=CliqueReplicationStrategy.from_replication_params(
@@ -100,10 +100,10 @@ def main() -> int:
             optim.zero_grad()
             x = next(data).to(device)
             loss = ((w * x - 2 * x) ** 2).sum()
-            flip = step == int(flip_step) and rank == flip_rank(args.ckpt_dir) and (
-                mode == "always"
-                or (mode == "marked" and (args.ckpt_dir / f"fail-{NODE}").exists())
-                or (mode == "once" and rsm.state is RerunState.INITIAL_RUN and CYCLE == 0)
+            flip = step in flips and rank == flip_rank(args.ckpt_dir) and (
+                flips[step] == "always"
+                or (flips[step] == "marked" and (args.ckpt_dir / f"fail-{NODE}").exists())
+                or (flips[step] == "once" and rsm.state is RerunState.INITIAL_RUN and CYCLE == 0)
             )  # fmt: skip
             if flip:  # a wrong result: its gradient would throw the weight far off
                 loss = loss * 1000.0
