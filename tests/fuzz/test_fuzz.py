@@ -8,6 +8,7 @@ raises one of its typed errors, within a bound of CPU time, never anything else.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import time
@@ -21,6 +22,9 @@ from fuzz.targets import TARGETS, Target, corrupt
 EXAMPLES = int(os.environ.get("FTRUN_FUZZ_EXAMPLES", "300"))
 
 
+# Hypothesis says so when it shows a failing input of 100 kB (the deep nesting seeds): a remark
+# about its report, not the decoder's failure.
+@pytest.mark.filterwarnings("ignore:Generating overly large repr")
 @pytest.mark.parametrize("target", TARGETS, ids=[t.name for t in TARGETS])
 def test_a_corrupt_input_is_a_typed_error_or_a_value(target: Target):
     tried = [0]
@@ -30,10 +34,16 @@ def test_a_corrupt_input_is_a_typed_error_or_a_value(target: Target):
     @given(corrupt(target.seeds))
     def check(raw: bytes) -> None:
         tried[0] += 1
-        started = time.thread_time()  # CPU time: a loop burns it, a busy machine does not
-        with contextlib.suppress(*target.allowed):
-            target.decode(raw)
-        took = time.thread_time() - started
+        # CPU time (a loop burns it, a busy machine does not), without the garbage collector's:
+        # after 50,000 inputs a collection of Hypothesis's heap took 1.3 s inside a decode.
+        gc.disable()
+        try:
+            started = time.thread_time()
+            with contextlib.suppress(*target.allowed):
+                target.decode(raw)
+            took = time.thread_time() - started
+        finally:
+            gc.enable()
         assert took < target.slow_s, f"{target.name}: {took:.2f} s on {raw[:80]!r}"
 
     failed = True
