@@ -146,6 +146,14 @@ def start_job(
     return Job(tmp, sorted(started, key=lambda n: n.index), log_dir, ckpt_dir, argv)
 
 
+def snapshot_rows(job: Job, rank: int) -> list[tuple[str, int, int, str]]:
+    """The lines `tests/workers/snapshot_worker.py` wrote for `rank`: (kind, cycle, step,
+    digest), kind "resumed" or "step"."""
+    path = job.ckpt_dir / f"rank{rank}.log"
+    text = path.read_text() if path.exists() else ""
+    return [(kind, int(c), int(s), d) for kind, c, s, d in map(str.split, text.splitlines())]
+
+
 def prewarm_args(launcher_args: Sequence[str], script: Path) -> list[str]:
     """The fork server's imports for a test job, where the test does not choose them.
 

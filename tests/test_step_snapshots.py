@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import Job, node_of, start_job
+from launch import Job, node_of, snapshot_rows, start_job
 from support import wait_for
 
 pytestmark = pytest.mark.process
@@ -51,20 +51,14 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Job:
     return job
 
 
-def rows(job: Job, rank: int) -> list[tuple[str, int, int, str]]:
-    path = job.ckpt_dir / f"rank{rank}.log"
-    text = path.read_text() if path.exists() else ""
-    return [(kind, int(c), int(s), d) for kind, c, s, d in map(str.split, text.splitlines())]
-
-
 def newest(job: Job, cycle: int) -> int:
-    return max((s for k, c, s, _ in rows(job, 0) if k == "step" and c == cycle), default=0)
+    return max((s for k, c, s, _ in snapshot_rows(job, 0) if k == "step" and c == cycle), default=0)
 
 
 @pytest.mark.parametrize("fault", list(CYCLE_AFTER))
 def test_a_fault_resumes_at_its_step_bit_equal(job: Job, fault: str):
     cycle = CYCLE_AFTER[fault]
-    logs = {rank: rows(job, rank) for rank in range(4)}
+    logs = {rank: snapshot_rows(job, rank) for rank in range(4)}
     done = max(s for r in logs.values() for k, c, s, _ in r if k == "step" and c < cycle)
     resumed = set()
     for rank, lines in logs.items():
@@ -78,6 +72,6 @@ def test_a_fault_resumes_at_its_step_bit_equal(job: Job, fault: str):
 
 
 def test_the_job_ends_with_one_state_on_every_rank(job: Job):
-    finals = {rows(job, rank)[-1] for rank in range(4)}
+    finals = {snapshot_rows(job, rank)[-1] for rank in range(4)}
     assert len({(k, s, d) for k, _, s, d in finals}) == 1, finals  # DDP: the same state
     assert (job.ckpt_dir / "FINISHED").exists()

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from conftest import matrix_only
-from launch import Job
+from launch import Job, snapshot_rows
 from support import wait_for
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ def test_full_node_memory_costs_the_snapshots_not_the_training(fault: Fault):
     fault.track(job)
     assert codes == [0, 0], job.nodes[0].text()[-3000:]
     for rank in (0, 1):
-        rows = _rows(job, rank)
+        rows = snapshot_rows(job, rank)
         resumed = next(r for r in rows if r[0] == "resumed" and r[1] == 1)
         done = {s: d for kind, c, s, d in rows if kind == "step" and c == 0}
         assert resumed[2] >= 38 and resumed[3] == done[resumed[2]], (rank, resumed)
@@ -139,12 +139,6 @@ def test_full_node_memory_costs_the_snapshots_not_the_training(fault: Fault):
     assert "a step snapshot failed" in stderr, stderr[-2000:]
 
 
-def _rows(job: Job, rank: int) -> list[tuple[str, int, int, str]]:
-    path = job.ckpt_dir / f"rank{rank}.log"
-    text = path.read_text() if path.exists() else ""
-    return [(kind, int(c), int(s), d) for kind, c, s, d in map(str.split, text.splitlines())]
-
-
 def _own_memory(directory: Path, host_device: int) -> bool:
     """`directory` is the launcher's tmpfs, with the agent's node memory in it."""
     with contextlib.suppress(OSError):
@@ -153,4 +147,4 @@ def _own_memory(directory: Path, host_device: int) -> bool:
 
 
 def _newest(job: Job, rank: int) -> int:
-    return max((s for kind, _, s, _ in _rows(job, rank) if kind == "step"), default=0)
+    return max((s for kind, _, s, _ in snapshot_rows(job, rank) if kind == "step"), default=0)
